@@ -1,0 +1,83 @@
+"""Pure box arithmetic: flat (ZeRO) ranges <-> N-d boxes, tiling checks, copies."""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List
+
+import torch
+
+from .errors import FormatError
+from .types import Box
+
+
+def flat_range_to_boxes(shape, start: int, stop: int) -> List[Box]:
+    """Boxes whose row-major concatenation is elements ``[start, stop)`` of a tensor.
+
+    Each returned box is contiguous in row-major order and they come in flat order, so
+    ``torch.cat([t[b.slices()].reshape(-1) for b in boxes]) == t.reshape(-1)[start:stop]``.
+    At most ``2 * ndim - 1`` boxes are returned.
+    """
+    shape = tuple(shape)
+    total = math.prod(shape)
+    if not (0 <= start <= stop <= total):
+        raise FormatError(f"flat range [{start}, {stop}) outside a tensor of {total} elements")
+    if start == stop:
+        return []
+    if not shape:
+        return [Box((), ())]
+    inner = math.prod(shape[1:])
+    rest = shape[1:]
+    zeros = (0,) * len(rest)
+
+    def rows(a: int, b: int) -> List[Box]:
+        return [Box((a,) + zeros, (b - a,) + rest)] if b > a else []
+
+    def partial(row: int, lo: int, hi: int) -> List[Box]:
+        return [Box((row,) + s.offsets, (1,) + s.lengths) for s in flat_range_to_boxes(rest, lo, hi)]
+
+    first, last = start // inner, (stop - 1) // inner
+    if first == last:
+        lo, hi = start - first * inner, stop - first * inner
+        if lo == 0 and hi == inner:
+            return rows(first, first + 1)
+        return partial(first, lo, hi)
+    out: List[Box] = []
+    if start % inner:
+        out += partial(first, start % inner, inner)
+        first += 1
+    if stop % inner:
+        out += rows(first, last)
+        out += partial(last, 0, stop % inner)
+    else:
+        out += rows(first, last + 1)
+    return out
+
+
+def check_tiling(name: str, shape, boxes: Iterable[Box]) -> None:
+    """Raise unless the distinct ``boxes`` exactly tile ``shape`` (cover it, no overlap)."""
+    shape = tuple(shape)
+    regions = sorted(set(boxes))
+    for b in regions:
+        if not b.fits(shape):
+            raise FormatError(f"{name}: stored box {b} lies outside the tensor shape {shape}")
+    covered = sum(b.numel for b in regions)
+    for i, a in enumerate(regions):
+        for b in regions[i + 1:]:
+            if a.intersect(b) is not None:
+                raise FormatError(f"{name}: stored boxes {a} and {b} overlap")
+    if covered != math.prod(shape):
+        raise FormatError(
+            f"{name}: stored boxes cover {covered} of {math.prod(shape)} elements of shape {shape}; "
+            "the checkpoint is incomplete or its manifest was edited")
+
+
+def copy_intersection(dst: torch.Tensor, dst_box: Box, src: torch.Tensor, src_box: Box) -> int:
+    """Copy the overlap of two boxes from ``src`` (holding src_box) into ``dst`` (holding dst_box).
+
+    Returns the number of elements copied (0 if the boxes do not meet).
+    """
+    inter = dst_box.intersect(src_box)
+    if inter is None:
+        return 0
+    dst[inter.slices(dst_box)] = src[inter.slices(src_box)]
+    return inter.numel

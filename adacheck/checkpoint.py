@@ -1,0 +1,332 @@
+"""Collective save and load of one checkpoint, independent of any framework.
+
+An integration describes what its rank holds as a ``LocalState`` (shards of logical
+tensors plus JSON-able objects); ``save`` turns the states of all ranks into one
+committed checkpoint, ``load`` opens one and hands a ``CheckpointReader`` to the
+integration, which asks for exactly the boxes its current layout needs.
+
+Phases of a save (each an ``agree`` step, so a failure anywhere is raised everywhere):
+``prepare`` (hash what each rank holds, exchange, plan) -> ``snapshot`` (copy the bytes
+this rank writes into host buffers) -> ``persist`` (write, fsync, rename) -> ``commit``
+(manifest, then ``latest``, then retention).  Nothing already committed is touched
+before the new manifest is durable.
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import commit, jsontree
+from .boxes import flat_range_to_boxes
+from .errors import FormatError, IntegrityError, NotFoundError
+from .exchange import Comm, agree
+from .hashing import hash_tensor
+from .manifest import FORMAT_VERSION
+from .planner import plan_save
+from .reader import SafetensorsFile
+from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
+from .writer import fsync_dir, write_safetensors
+
+
+@dataclass
+class LocalShard:
+    """A box of a logical tensor held by this rank; ``tensor`` has shape ``box.lengths``."""
+
+    name: str
+    kind: str
+    shape: tuple
+    box: Box
+    tensor: torch.Tensor
+    derive: Optional[str] = None
+    derive_ok: bool = False
+    replicated: bool = True
+
+
+@dataclass
+class LocalState:
+    shards: List[LocalShard]
+    objects: dict = field(default_factory=dict)       # global state; rank 0's copy is saved
+    rank_objects: dict = field(default_factory=dict)  # this rank's own state (e.g. RNG)
+    layout: dict = field(default_factory=dict)        # this rank's framework layout
+    framework: dict = field(default_factory=dict)
+    step: Optional[int] = None
+
+
+class SaveWarning(UserWarning):
+    pass
+
+
+def _meta(s: LocalShard) -> ShardMeta:
+    if tuple(s.tensor.shape) != tuple(s.box.lengths):
+        raise FormatError(f"{s.name}: tensor of shape {tuple(s.tensor.shape)} given for box {s.box}")
+    return ShardMeta(name=s.name, kind=s.kind, dtype=dtype_name(s.tensor.dtype), shape=tuple(s.shape),
+                     box=s.box, hash=hash_tensor(s.tensor), derive=s.derive,
+                     derive_ok=s.derive_ok, replicated=s.replicated)
+
+
+def _object_shards(tree, prefix: str, replicated: bool):
+    enc, tensors = jsontree.encode(tree, prefix)
+    shards = []
+    for name, t in tensors:
+        t = t.detach()
+        shards.append(LocalShard(name, "object", tuple(t.shape), Box.full(t.shape), t,
+                                 replicated=replicated))
+    return enc, shards
+
+
+def snapshot(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, torch.Tensor]:
+    """Copy the boxes this rank writes into host staging buffers (key -> CPU tensor)."""
+    staged = {}
+    for name, box, key in writes:
+        t = shards[(name, box)].tensor.detach()
+        staged[key] = t.to("cpu", copy=True).contiguous()
+    return staged
+
+
+def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata: dict,
+            fsync: bool = True) -> int:
+    """Write one shard file under a temporary name, fsync it, and rename it into place."""
+    final = os.path.join(ckpt_dir, fname)
+    tmp = final + commit.TMP_SUFFIX
+    size = write_safetensors(tmp, staged, metadata, fsync=fsync)
+    commit.publish_file(tmp, final)
+    if fsync:
+        fsync_dir(ckpt_dir)
+    return size
+
+
+def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
+         keep_last: Optional[int] = None, fsync: bool = True) -> Manifest:
+    """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest."""
+    t0 = time.perf_counter()
+    ckpt_dir = os.path.join(save_dir, tag)
+    ctx = {}
+
+    def prepare():
+        commit.check_tag(tag)
+        if comm.rank == 0:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            ctx["generation"] = commit.generation_of(ckpt_dir)
+        state = collect()
+        shards = list(state.shards)
+        objects = None
+        if comm.rank == 0:
+            objects, extra = _object_shards(state.objects, "object/", replicated=False)
+            shards += extra
+        rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}/", replicated=False)
+        shards += extra
+        ctx["state"], ctx["shards"] = state, {(s.name, s.box): s for s in shards}
+        if len(ctx["shards"]) != len(shards):
+            raise FormatError("the integration reported the same (tensor, box) twice on one rank")
+        return {"metas": [_meta(s) for s in shards], "objects": objects,
+                "rank_objects": rank_objects, "layout": state.layout,
+                "generation": ctx.get("generation"), "step": state.step,
+                "framework": state.framework}
+
+    payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
+    gathered = comm.all_gather_object(payload)
+    t_prepare = time.perf_counter()
+    generation = gathered[0]["generation"]
+    plan = plan_save([g["metas"] for g in gathered], generation)
+    if comm.rank == 0:
+        for w in plan.warnings:
+            warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=2)
+    mine = plan.writes.get(comm.rank, ())
+    my_file = None
+    if mine:
+        my_file = next(f for f, info in plan.files.items() if info["writer"] == comm.rank)
+
+    def remove_mine():
+        if my_file is not None:
+            for p in (os.path.join(ckpt_dir, my_file), os.path.join(ckpt_dir, my_file) + commit.TMP_SUFFIX):
+                if os.path.exists(p):
+                    os.remove(p)
+
+    def write():
+        if not mine:
+            return 0
+        staged = snapshot(ctx["shards"], mine)
+        return persist(ckpt_dir, my_file, staged, {"format": "pt", "adacheck_tag": tag}, fsync)
+
+    size = agree(comm, f"AdaCheck save of {ckpt_dir} (write)", write, on_failure=remove_mine)
+    sizes = comm.all_gather_object(size)
+    t_write = time.perf_counter()
+    files = {f: dict(info, nbytes=sizes[info["writer"]]) for f, info in plan.files.items()}
+    stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
+    framework = dict(gathered[0]["framework"], generation=generation)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, tag=tag, step=gathered[0]["step"], framework=framework,
+        topology={"world_size": comm.world_size}, tensors=plan.tensors,
+        objects=gathered[0]["objects"], rank_objects=tuple(g["rank_objects"] for g in gathered),
+        layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
+
+    def write_manifest():
+        if comm.rank == 0:
+            commit.write_manifest(ckpt_dir, manifest)
+
+    agree(comm, f"AdaCheck save of {ckpt_dir} (commit)", write_manifest, on_failure=remove_mine)
+
+    def publish():
+        if comm.rank == 0:
+            commit.write_latest(save_dir, tag)
+            commit.remove_unreferenced(ckpt_dir, manifest)
+            if keep_last:
+                commit.apply_retention(save_dir, keep_last, protect=(tag,))
+
+    agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
+    t_end = time.perf_counter()
+    manifest.stats["seconds"] = {"prepare": t_prepare - t0, "write": t_write - t_prepare,
+                                 "commit": t_end - t_write, "total": t_end - t0}
+    return manifest
+
+
+def resolve(load_dir: str, tag: Optional[str] = None) -> str:
+    """The checkpoint directory to load: ``tag`` if given, else the one ``latest`` names."""
+    if tag is None:
+        if os.path.isfile(os.path.join(load_dir, commit.MANIFEST_NAME)):
+            return load_dir   # pointed straight at a checkpoint directory
+        tag = commit.read_latest(load_dir)
+        if tag is None:
+            present = [t for t, m, _ in commit.list_checkpoints(load_dir) if m is not None]
+            raise NotFoundError(
+                f"no AdaCheck checkpoint to load in {load_dir}: there is no 'latest' file"
+                + (f"; complete checkpoints present: {present} (pass one as tag)" if present else ""))
+    return os.path.join(load_dir, commit.check_tag(tag))
+
+
+class CheckpointReader:
+    """Reads boxes of logical tensors from a committed checkpoint, verifying hashes.
+
+    ``read(name, box)`` assembles the box from whatever stored boxes intersect it, so
+    the reader serves any target layout.  Derived tensors are rebuilt from their source.
+    Stored boxes are read whole, verified once, and kept in a bounded LRU cache.
+    """
+
+    def __init__(self, ckpt_dir: str, manifest: Optional[Manifest] = None, verify: bool = True,
+                 prefer_rank: Optional[int] = None, cache_bytes: int = 1 << 30):
+        self.dir = ckpt_dir
+        self.manifest = manifest if manifest is not None else commit.read_manifest(ckpt_dir)
+        self.verify = verify
+        self.prefer_rank = prefer_rank
+        self._files: Dict[str, SafetensorsFile] = {}
+        self._cache: "OrderedDict[Tuple[str, str], torch.Tensor]" = OrderedDict()
+        self._cache_bytes, self._cache_limit = 0, cache_bytes
+        self.bytes_read = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest.tensors
+
+    def entry(self, name: str):
+        try:
+            return self.manifest.tensors[name]
+        except KeyError:
+            raise FormatError(f"{self.dir}: the checkpoint has no tensor {name!r}") from None
+
+    def _file(self, fname: str) -> SafetensorsFile:
+        if fname not in self._files:
+            self._files[fname] = SafetensorsFile(os.path.join(self.dir, fname))
+        return self._files[fname]
+
+    def stored(self, name: str, sb) -> torch.Tensor:
+        ck = (sb.file, sb.key)
+        if ck in self._cache:
+            self._cache.move_to_end(ck)
+            return self._cache[ck]
+        e = self.entry(name)
+        f = self._file(sb.file)
+        if sb.key not in f.entries:
+            raise FormatError(f"{f.path}: lacks tensor {sb.key!r} that the manifest places there")
+        dname, shape, _, _ = f.entries[sb.key]
+        if dname != e.dtype or shape != tuple(sb.box.lengths):
+            raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in the file but the "
+                              f"manifest says {e.dtype}{list(sb.box.lengths)}")
+        t = f.read(sb.key)
+        self.bytes_read += t.numel() * t.element_size()
+        if self.verify:
+            got = hash_tensor(t)
+            if got != sb.hash:
+                raise IntegrityError(f"{name} (box {sb.box.key()}) in {f.path}: stored bytes hash to "
+                                     f"{got} but the manifest recorded {sb.hash}; the file is "
+                                     "corrupt (bit flip or partial write). Restore it or load an "
+                                     "older checkpoint.")
+        nbytes = t.numel() * t.element_size()
+        self._cache[ck] = t
+        self._cache_bytes += nbytes
+        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= old.numel() * old.element_size()
+        return t
+
+    def _choose(self, boxes):
+        """One stored copy per region: the variant this rank held, else the lowest holder's."""
+        by_region: Dict[Box, list] = {}
+        for sb in boxes:
+            by_region.setdefault(sb.box, []).append(sb)
+        out = []
+        for region, cands in by_region.items():
+            pick = cands[0]
+            if self.prefer_rank is not None:
+                pick = next((c for c in cands if self.prefer_rank in c.holders), pick)
+            out.append(pick)
+        return out
+
+    def read(self, name: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        e = self.entry(name)
+        box = box if box is not None else Box.full(e.shape)
+        if not box.fits(e.shape):
+            raise FormatError(f"{name}: asked for box {box} outside its shape {list(e.shape)}")
+        if e.derived is not None:
+            out = self.read(e.derived.source, box).to(torch_dtype(e.dtype))
+        else:
+            out = torch.empty(box.lengths, dtype=torch_dtype(e.dtype))
+            filled = 0
+            for sb in self._choose(e.boxes):
+                inter = box.intersect(sb.box)
+                if inter is None:
+                    continue
+                src = self.stored(name, sb)
+                out[inter.slices(box)] = src[inter.slices(sb.box)]
+                filled += inter.numel
+            if filled != box.numel:
+                raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
+                                  f"asked for (box {box})")
+        return out if dtype is None else out.to(dtype)
+
+    def read_flat(self, name: str, start: int, stop: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the row-major flattened tensor."""
+        e = self.entry(name)
+        parts = [self.read(name, b).reshape(-1) for b in flat_range_to_boxes(e.shape, start, stop)]
+        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch_dtype(e.dtype))
+        return out if dtype is None else out.to(dtype)
+
+    def objects(self, rank: Optional[int] = None):
+        tree = self.manifest.objects if rank is None else self.manifest.rank_objects[rank]
+        return jsontree.decode(tree, lambda n: self.read(n))
+
+
+def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[CheckpointReader], object],
+         apply: Callable[[object], object], verify: bool = True):
+    """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
+
+    ``read`` must not change training state: only once every rank has staged its part
+    without error does any rank call ``apply``.
+    """
+    def open_():
+        d = resolve(load_dir, tag)
+        return d, commit.read_manifest(d)
+
+    ckpt_dir, manifest = agree(comm, f"AdaCheck load from {load_dir} (open)", open_)
+    tags = comm.all_gather_object(manifest.tag)
+    if len(set(tags)) != 1:
+        raise FormatError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
+                          "the same shared directory on every rank?")
+    reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank)
+    staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader))
+    result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
+    return ckpt_dir, manifest, result

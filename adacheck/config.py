@@ -1,0 +1,76 @@
+"""The one AdaCheck config object, validated once at start-up.
+
+The DeepSpeed JSON block ``"adacheck": {...}`` and the Megatron ``--adacheck-*`` flags
+both map onto ``AdaCheckConfig``.  Every key is checked: an unknown key, a wrong type
+or an impossible value raises ConfigError naming the key and what is allowed.
+
+Defaults (the single source of truth, also shown in configs/ and README.md):
+
+=================  ========  ===============================================================
+key                default   meaning
+=================  ========  ===============================================================
+enabled            false     use AdaCheck for save_checkpoint / load_checkpoint
+save_dir           null      directory for checkpoints; null = the directory the training
+                             script passes to save_checkpoint / load_checkpoint
+keep_last          0         keep only the newest K committed checkpoints (0 = keep all);
+                             the one being written and the latest are never deleted
+verify_on_load     true      check every stored box's xxh3-128 hash while loading
+fsync              true      fsync files and directories while committing (switch off only
+                             on storage without durability, e.g. a RAM disk for tests)
+strict_objects     true      non-JSON-able client_state / scheduler entries are an error
+                             (false: they are skipped with a warning)
+=================  ========  ===============================================================
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AdaCheckConfig:
+    enabled: bool = False
+    save_dir: Optional[str] = None
+    keep_last: int = 0
+    verify_on_load: bool = True
+    fsync: bool = True
+    strict_objects: bool = True
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            want = _TYPES[f.name]
+            if f.name == "save_dir":
+                if v is not None and (not isinstance(v, str) or not v):
+                    raise ConfigError(f"adacheck.save_dir must be a non-empty path string or null, "
+                                      f"got {v!r}")
+                continue
+            if want is bool and not isinstance(v, bool):
+                raise ConfigError(f"adacheck.{f.name} must be true or false, got {v!r}")
+            if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ConfigError(f"adacheck.{f.name} must be an integer, got {v!r}")
+        if self.keep_last < 0:
+            raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
+                              f"got {self.keep_last}")
+
+    @classmethod
+    def from_dict(cls, block, where: str = "adacheck") -> "AdaCheckConfig":
+        if block is None:
+            return cls()
+        if not isinstance(block, dict):
+            raise ConfigError(f"the {where!r} block must be a JSON object like "
+                              f'{{"enabled": true}}, got {type(block).__name__}: {block!r}')
+        known = [f.name for f in fields(cls)]
+        for key in block:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(f"unknown key {where}.{key!r}.{hint} Allowed keys: {', '.join(known)}")
+        return cls(**block)
+
+
+_TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
+          "fsync": bool, "strict_objects": bool}

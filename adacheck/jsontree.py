@@ -1,0 +1,100 @@
+"""Non-tensor state as JSON, with tensors pulled out as logical tensors.
+
+Encodes dicts, lists, tuples, str, int, float (incl. inf/nan), bool and None exactly;
+tensors become ``{"__tensor__": name}`` and are returned separately.  Anything else
+is a StateError naming where it was found.  Decoding is the exact inverse.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Tuple
+
+import torch
+
+from .errors import FormatError, StateError
+
+
+def encode(obj, prefix: str) -> Tuple[object, List[Tuple[str, torch.Tensor]]]:
+    tensors: List[Tuple[str, torch.Tensor]] = []
+
+    def enc(x, path: str):
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return x
+        if isinstance(x, float):
+            if math.isfinite(x):
+                return x
+            return {"__float__": repr(x)}
+        if isinstance(x, torch.Tensor):
+            name = f"{prefix}{path}"
+            tensors.append((name, x))
+            return {"__tensor__": name}
+        if isinstance(x, tuple):
+            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in x):
+                return {k: enc(v, f"{path}/{k}") for k, v in x.items()}
+            items = []
+            for k, v in x.items():
+                if not isinstance(k, (str, int, bool, type(None))) or isinstance(k, float):
+                    raise StateError(f"cannot save {prefix}{path}: dict key {k!r} of type "
+                                     f"{type(k).__name__} is not str/int/bool/None")
+                items.append([k, enc(v, f"{path}/{k}")])
+            return {"__dict__": items}
+        try:
+            import numpy as np
+            if isinstance(x, np.generic):
+                return enc(x.item(), path)
+            if isinstance(x, np.ndarray):
+                return enc(torch.from_numpy(np.ascontiguousarray(x)), path)
+        except ImportError:  # pragma: no cover
+            pass
+        raise StateError(
+            f"cannot save {prefix}{path or '/'}: a {type(x).__module__}.{type(x).__qualname__} is "
+            "neither JSON-able nor a tensor. AdaCheck never pickles; convert it to plain "
+            "values (dict/list/str/int/float/bool/None) or tensors before saving.")
+
+    return enc(obj, ""), tensors
+
+
+def decode(tree, fetch: Callable[[str], torch.Tensor]):
+    def dec(x):
+        if isinstance(x, list):
+            return [dec(v) for v in x]
+        if isinstance(x, dict):
+            if "__tensor__" in x:
+                return fetch(x["__tensor__"])
+            if "__tuple__" in x:
+                return tuple(dec(v) for v in x["__tuple__"])
+            if "__float__" in x:
+                return float(x["__float__"])
+            if "__dict__" in x:
+                return {k: dec(v) for k, v in x["__dict__"]}
+            return {k: dec(v) for k, v in x.items()}
+        if x is None or isinstance(x, (bool, str, int, float)):
+            return x
+        raise FormatError(f"unexpected value {x!r} in saved object tree")
+
+    return dec(tree)
+
+
+def tensor_refs(tree) -> List[str]:
+    """Names of the tensors a tree refers to."""
+    out: List[str] = []
+
+    def walk(x):
+        if isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict):
+            if "__tensor__" in x and isinstance(x["__tensor__"], str):
+                out.append(x["__tensor__"])
+            else:
+                for v in x.values():
+                    walk(v)
+
+    walk(tree)
+    return out

@@ -1,0 +1,115 @@
+"""Pure save planning: what every rank holds -> what each rank writes.
+
+Contract (a pure function of its inputs; every rank computes the same plan):
+- shards with the same name and box are one *region*; holders whose bytes hash the same
+  share one stored copy; replicas declared identical that hash differently are kept
+  as separate variants and reported in ``warnings``;
+- a tensor whose shards all carry a proven cast derivation (and whose replicas agree) is
+  not stored: the manifest records the derivation instead;
+- each stored copy is written by exactly one holder, chosen greedily by bytes
+  (largest first, to the least-loaded holder, ties to the lowest rank);
+- the distinct regions of every stored tensor must tile it, else PlanError-like
+  FormatError naming the tensor.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from .boxes import check_tiling
+from .errors import StateError
+from .types import Box, Derivation, ShardMeta, StoredBox, TensorEntry, itemsize
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    tensors: Dict[str, TensorEntry]           # the manifest's tensor table
+    writes: Dict[int, Tuple[Tuple[str, Box, str], ...]]   # rank -> (name, box, key)
+    files: Dict[str, dict]                    # file -> {"writer": rank, "nbytes": payload}
+    warnings: Tuple[str, ...]
+    stats: dict
+
+
+def file_name(rank: int, generation: int) -> str:
+    return f"rank{rank:05d}-g{generation}.safetensors"
+
+
+def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0) -> WritePlan:
+    by_name: Dict[str, List[Tuple[int, ShardMeta]]] = defaultdict(list)
+    for rank, shards in enumerate(per_rank):
+        for s in shards:
+            by_name[s.name].append((rank, s))
+    warnings: List[str] = []
+    tensors: Dict[str, TensorEntry] = {}
+    items = []   # (nbytes, name, box, hash, holders, key)
+    logical = held = 0
+    for name in sorted(by_name):
+        held_by = by_name[name]
+        first = held_by[0][1]
+        for rank, s in held_by:
+            if (s.kind, s.dtype, s.shape) != (first.kind, first.dtype, first.shape):
+                raise StateError(
+                    f"{name}: rank {held_by[0][0]} holds {first.kind}/{first.dtype}{list(first.shape)} "
+                    f"but rank {rank} holds {s.kind}/{s.dtype}{list(s.shape)}; the ranks disagree "
+                    "on the model, so no consistent checkpoint can be written")
+        regions: Dict[Box, Dict[str, List[int]]] = defaultdict(lambda: defaultdict(list))
+        for rank, s in held_by:
+            regions[s.box][s.hash].append(rank)
+            held += s.nbytes
+        check_tiling(name, first.shape, regions.keys())
+        logical += sum(b.numel for b in regions) * itemsize(first.dtype)
+        diverged = []
+        for box, variants in regions.items():
+            if len(variants) > 1:
+                ranks = [sorted(r) for r in variants.values()]
+                diverged.append(f"{name} box {box.key()}: holders {ranks} hold different bytes")
+        if diverged and first.replicated:
+            warnings.extend(f"declared replicas diverged: {d}; every variant is kept" for d in diverged)
+        derivable = (first.derive is not None and not diverged
+                     and all(s.derive_ok and s.derive == first.derive for _, s in held_by)
+                     and first.derive in by_name)
+        if derivable:
+            src = by_name[first.derive][0][1]
+            derivable = src.shape == first.shape and src.derive is None
+        if derivable:
+            tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape,
+                                        derived=Derivation(first.derive))
+            continue
+        stored = []
+        for box in sorted(regions):
+            variants = regions[box]
+            for vi, digest in enumerate(sorted(variants, key=lambda h: min(variants[h]))):
+                key = f"{name}@{box.key()}" + (f"#v{vi}" if len(variants) > 1 else "")
+                holders = tuple(sorted(variants[digest]))
+                items.append((box.numel * itemsize(first.dtype), name, box, digest, holders, key))
+                stored.append((box, key, digest, holders))
+        tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape,
+                                    boxes=tuple(StoredBox(b, "", k, h, hs) for b, k, h, hs in stored))
+    # Balanced, deterministic assignment.
+    load: Dict[int, int] = defaultdict(int)
+    writer_of: Dict[str, int] = {}
+    for nbytes, name, box, digest, holders, key in sorted(items, key=lambda t: (-t[0], t[1], t[2], t[5])):
+        w = min(holders, key=lambda r: (load[r], r))
+        load[w] += nbytes
+        writer_of[key] = w
+    writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
+    files: Dict[str, dict] = {}
+    for name, e in tensors.items():
+        if e.derived is not None:
+            continue
+        new_boxes = []
+        for sb in e.boxes:
+            w = writer_of[sb.key]
+            fname = file_name(w, generation)
+            files.setdefault(fname, {"writer": w, "nbytes": 0})
+            files[fname]["nbytes"] += sb.box.numel * itemsize(e.dtype)
+            writes[w].append((name, sb.box, sb.key))
+            new_boxes.append(StoredBox(sb.box, fname, sb.key, sb.hash, sb.holders))
+        tensors[name] = TensorEntry(e.name, e.kind, e.dtype, e.shape, boxes=tuple(new_boxes))
+    stored_bytes = sum(f["nbytes"] for f in files.values())
+    stats = {"held_bytes": held, "logical_bytes": logical, "stored_bytes": stored_bytes,
+             "derived_bytes": sum(e.nbytes for e in tensors.values() if e.derived is not None),
+             "per_rank_bytes": [load.get(r, 0) for r in range(len(per_rank))]}
+    return WritePlan(tensors=tensors, writes={r: tuple(v) for r, v in writes.items()},
+                     files=files, warnings=tuple(warnings), stats=stats)

@@ -1,0 +1,63 @@
+"""Streaming safetensors writer.
+
+Writes the standard safetensors layout (u64 little-endian header length, JSON header
+padded with spaces to 8 bytes, then the tensor bytes back to back) without building the
+whole file in memory, and fsyncs it.  Output is deterministic: keys sorted, compact JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Dict, List, Tuple
+
+import torch
+
+from .hashing import tensor_bytes
+from .types import DTYPES, dtype_name
+
+
+def _header(items: List[Tuple[str, torch.Tensor]], metadata: Dict[str, str]) -> bytes:
+    header = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for key, t in items:
+        name = dtype_name(t.dtype)
+        nbytes = t.numel() * DTYPES[name][2]
+        header[key] = {"dtype": DTYPES[name][1], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return raw
+
+
+def write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
+                      metadata: Dict[str, str] | None = None, fsync: bool = True) -> int:
+    """Write ``tensors`` (CPU, contiguous) to ``path``; return the file size in bytes."""
+    items = sorted(tensors.items())
+    for key, t in items:
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{key}: write_safetensors needs contiguous CPU tensors")
+    header = _header(items, metadata or {})
+    size = 8 + len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for _, t in items:
+            buf = tensor_bytes(t)
+            f.write(buf)
+            size += len(buf)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return size
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""Megatron integration (see issue: Megatron integration). Not implemented yet."""
