@@ -1,1 +1,0 @@
-"""Megatron integration (see issue: Megatron integration). Not implemented yet."""
