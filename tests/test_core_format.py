@@ -1,0 +1,156 @@
+"""Golden bytes of the on-disk format, and hostile / damaged checkpoints."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adacheck.boxes import flat_range_to_boxes
+from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, load, resolve, save
+from adacheck.errors import FormatError, IntegrityError, NotFoundError
+from adacheck.exchange import SoloComm
+from adacheck.types import Box
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1")
+
+
+def golden_state():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, generator=g)
+    shards = [LocalShard("master/w", "master", (3, 5), b, w[b.slices()])
+              for b in flat_range_to_boxes((3, 5), 0, 15)]
+    shards.append(LocalShard("model/w", "model", (3, 5), Box.full((3, 5)), w.bfloat16(),
+                             derive="master/w", derive_ok=True))
+    shards.append(LocalShard("optim/step/w", "optim", (), Box.full(()), torch.tensor(7.0)))
+    return w, LocalState(shards, objects={"lr": 0.5, "sched": {"last_epoch": 7}, "t": torch.arange(2)},
+                         rank_objects={"seed": 1}, framework={"name": "test"}, step=7)
+
+
+def write_golden(d):
+    w, state = golden_state()
+    save(SoloComm(), d, "step7", lambda: state)
+    return w
+
+
+def test_golden_bytes(tmp_path):
+    write_golden(str(tmp_path))
+    produced = sorted(os.listdir(tmp_path / "step7"))
+    assert produced == sorted(os.listdir(GOLDEN))
+    for name in produced:
+        assert (tmp_path / "step7" / name).read_bytes() == open(os.path.join(GOLDEN, name), "rb").read(), name
+
+
+def test_golden_loads_and_is_standard_safetensors(tmp_path):
+    w, _ = golden_state()
+    r = CheckpointReader(GOLDEN)
+    assert torch.equal(r.read("master/w"), w)
+    assert torch.equal(r.read("model/w"), w.bfloat16())
+    assert r.objects()["sched"] == {"last_epoch": 7}
+    assert torch.equal(r.objects()["t"], torch.arange(2))
+    raw = load_file(os.path.join(GOLDEN, "rank00000-g0.safetensors"))
+    assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    write_golden(str(tmp_path))
+    return tmp_path / "step7"
+
+
+def shard(ckpt):
+    return ckpt / "rank00000-g0.safetensors"
+
+
+def read_all(d):
+    r = CheckpointReader(str(d))
+    return {n: r.read(n) for n in r.manifest.tensors}
+
+
+def test_bit_flip_names_tensor_and_file(ckpt):
+    data = bytearray(shard(ckpt).read_bytes())
+    data[-3] ^= 0x10
+    shard(ckpt).write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"rank00000-g0\.safetensors.*hash") as e:
+        read_all(ckpt)
+    assert "object/t" in str(e.value) or "master/w" in str(e.value) or "optim" in str(e.value)
+
+
+def test_truncated_file(ckpt):
+    data = shard(ckpt).read_bytes()
+    shard(ckpt).write_bytes(data[:-10])
+    with pytest.raises(FormatError, match="truncated"):
+        read_all(ckpt)
+    shard(ckpt).write_bytes(data[:5])
+    with pytest.raises(FormatError, match="too short"):
+        read_all(ckpt)
+
+
+def edit_manifest(ckpt, fn):
+    p = ckpt / "manifest.json"
+    d = json.loads(p.read_text())
+    fn(d)
+    p.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d["files"].update({"../../etc/passwd.safetensors": {"nbytes": 1, "writer": 0}}), "plain"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="../x.safetensors"), "does not list"),
+    (lambda d: d["tensors"]["master/w"].update(shape=[3, 6]), "cover"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(lengths=[9, 5]), "outside"),
+    (lambda d: d["tensors"]["master/w"].update(dtype="complex64"), "dtype"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(hash="md5:00"), "xxh3_128"),
+    (lambda d: d.update(format_version=99), "format_version 99"),
+    (lambda d: d["tensors"]["model/w"]["derived"].update(source="nope"), "derived"),
+    (lambda d: d.update(objects={"x": {"__tensor__": "ghost"}}), "ghost"),
+    (lambda d: d.pop("tensors"), "tensors"),
+])
+def test_bad_manifests_are_rejected_before_use(ckpt, edit, match):
+    edit_manifest(ckpt, edit)
+    with pytest.raises(FormatError, match=match):
+        CheckpointReader(str(ckpt))
+
+
+def test_manifest_shape_disagreeing_with_file_header(ckpt):
+    def swap(d):
+        d["tensors"]["master/w"]["dtype"] = "int32"
+    edit_manifest(ckpt, swap)
+    with pytest.raises(FormatError, match="in the file but the manifest says"):
+        read_all(ckpt)
+
+
+def test_no_checkpoint_and_incomplete_checkpoint(tmp_path):
+    with pytest.raises(NotFoundError, match="no 'latest'"):
+        resolve(str(tmp_path))
+    write_golden(str(tmp_path))
+    os.remove(tmp_path / "latest")
+    with pytest.raises(NotFoundError, match=r"complete checkpoints present: \['step7'\]"):
+        resolve(str(tmp_path))
+    os.remove(tmp_path / "step7" / "manifest.json")
+    with pytest.raises(NotFoundError):
+        CheckpointReader(str(tmp_path / "step7"))
+
+
+def test_resave_same_tag_keeps_old_until_commit_and_cleans_up(tmp_path):
+    w = write_golden(str(tmp_path))
+    _, state = golden_state()
+    state.shards[0].tensor.add_(1)   # a failing collect must leave the old checkpoint intact
+
+    def broken():
+        raise OSError(28, "No space left on device", str(tmp_path / "step7"))
+    with pytest.raises(Exception, match="No space left on device"):
+        save(SoloComm(), str(tmp_path), "step7", broken)
+    assert torch.equal(CheckpointReader(str(tmp_path / "step7")).read("master/w"), w)
+    write_golden(str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "step7")) == ["manifest.json", "rank00000-g1.safetensors"]
+
+
+def test_loader_stages_before_applying(ckpt):
+    applied = []
+
+    def read(r):
+        raise FormatError("boom")
+    with pytest.raises(Exception, match="boom"):
+        load(SoloComm(), str(ckpt.parent), None, read, applied.append)
+    assert applied == []

@@ -1,0 +1,72 @@
+import pytest
+
+from adacheck.errors import StateError
+from adacheck.hashing import hash_tensor
+from adacheck.planner import plan_save
+from adacheck.types import Box, ShardMeta
+import torch
+
+H1 = hash_tensor(torch.zeros(1))
+H2 = hash_tensor(torch.ones(1))
+
+
+def meta(name, box, shape, h=H1, dtype="float32", kind="master", **kw):
+    return ShardMeta(name=name, kind=kind, dtype=dtype, shape=shape, box=box, hash=h, **kw)
+
+
+def replicated_world(n_ranks, n_tensors, size=10):
+    return [[meta(f"t{i}", Box.full((size + i,)), (size + i,)) for i in range(n_tensors)]
+            for _ in range(n_ranks)]
+
+
+def test_replicas_are_written_once_and_balanced():
+    per_rank = replicated_world(4, 16)
+    plan = plan_save(per_rank)
+    keys = [k for w in plan.writes.values() for _, _, k in w]
+    assert len(keys) == len(set(keys)) == 16
+    loads = plan.stats["per_rank_bytes"]
+    biggest = max(4 * (10 + i) for i in range(16))
+    assert max(loads) - min(loads) <= biggest
+    assert plan.stats["stored_bytes"] == plan.stats["logical_bytes"]
+    assert plan.stats["held_bytes"] == 4 * plan.stats["logical_bytes"]
+
+
+def test_plan_is_deterministic():
+    per_rank = replicated_world(3, 9)
+    assert plan_save(per_rank) == plan_save([list(reversed(r)) for r in per_rank])
+
+
+def test_partitions_are_stored_by_their_owner():
+    per_rank = [[meta("w", Box((0,), (5,)), (10,))], [meta("w", Box((5,), (5,)), (10,), h=H2)]]
+    plan = plan_save(per_rank)
+    assert {r: [n for n, _, _ in w] for r, w in plan.writes.items()} == {0: ["w"], 1: ["w"]}
+
+
+def test_missing_coverage_is_an_error():
+    with pytest.raises(Exception, match="cover 5 of 10"):
+        plan_save([[meta("w", Box((0,), (5,)), (10,))]])
+
+
+def test_disagreeing_shapes_are_an_error():
+    with pytest.raises(StateError, match="disagree"):
+        plan_save([[meta("w", Box.full((4,)), (4,))], [meta("w", Box.full((5,)), (5,))]])
+
+
+def test_diverged_replicas_are_kept_and_reported():
+    per_rank = [[meta("w", Box.full((4,)), (4,), h=H1)], [meta("w", Box.full((4,)), (4,), h=H2)]]
+    plan = plan_save(per_rank)
+    assert len(plan.tensors["w"].boxes) == 2
+    assert plan.warnings and "diverged" in plan.warnings[0]
+    assert sorted(r for r in plan.writes) == [0, 1]
+
+
+def test_derivation_needs_every_holder_to_prove_it():
+    def world(ok1):
+        return [[meta("m", Box.full((4,)), (4,)), meta("b", Box.full((4,)), (4,), dtype="bfloat16",
+                                                     kind="model", derive="m", derive_ok=True)],
+                [meta("b", Box.full((4,)), (4,), dtype="bfloat16", kind="model", derive="m",
+                      derive_ok=ok1)]]
+    plan = plan_save(world(True))
+    assert plan.tensors["b"].derived is not None and plan.stats["derived_bytes"] == 8
+    plan = plan_save(world(False))
+    assert plan.tensors["b"].derived is None and plan.tensors["b"].boxes
