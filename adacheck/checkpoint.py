@@ -117,9 +117,9 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
         shards = list(state.shards)
         objects = None
         if comm.rank == 0:
-            objects, extra = _object_shards(state.objects, "object/", replicated=False)
+            objects, extra = _object_shards(state.objects, "object", replicated=False)
             shards += extra
-        rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}/", replicated=False)
+        rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}", replicated=False)
         shards += extra
         ctx["state"], ctx["shards"] = state, {(s.name, s.box): s for s in shards}
         if len(ctx["shards"]) != len(shards):

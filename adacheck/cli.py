@@ -1,0 +1,158 @@
+"""The ``adacheck`` command: look inside and check AdaCheck checkpoints."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+from . import commit
+from .checkpoint import CheckpointReader, resolve
+from .errors import AdaCheckError
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def table(rows, headers) -> str:
+    cols = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cols) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cols]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def summary(ckpt_dir: str) -> dict:
+    r = CheckpointReader(ckpt_dir, verify=False)
+    m = r.manifest
+    per_kind = defaultdict(lambda: {"tensors": 0, "logical": 0, "stored": 0, "derived": 0})
+    for e in m.tensors.values():
+        k = per_kind[e.kind]
+        k["tensors"] += 1
+        k["logical"] += e.nbytes
+        if e.derived is not None:
+            k["derived"] += e.nbytes
+        else:
+            k["stored"] += sum(b.box.numel for b in e.boxes) * (e.nbytes // max(e.numel, 1))
+    per_rank = defaultdict(int)
+    for f, info in m.files.items():
+        per_rank[info["writer"]] += info["nbytes"]
+    return {
+        "dir": os.path.abspath(ckpt_dir), "tag": m.tag, "step": m.step,
+        "framework": m.framework, "topology": m.topology, "stats": m.stats,
+        "tensors": len(m.tensors), "files": len(m.files),
+        "file_bytes": sum(i["nbytes"] for i in m.files.values()),
+        "per_kind": dict(per_kind), "per_rank_file_bytes": dict(sorted(per_rank.items())),
+    }
+
+
+def cmd_inspect(args) -> int:
+    d = resolve(args.path, args.tag)
+    s = summary(d)
+    if args.json:
+        print(json.dumps(s, indent=1, sort_keys=True))
+        return 0
+    fw = s["framework"]
+    print(f"checkpoint  {s['dir']}")
+    print(f"tag         {s['tag']}   step {s['step']}")
+    print(f"framework   " + ", ".join(f"{k}={v}" for k, v in sorted(fw.items())))
+    print(f"topology    " + ", ".join(f"{k}={v}" for k, v in sorted(s["topology"].items())))
+    st = s["stats"]
+    logical, stored = st.get("logical_bytes", 0), s["file_bytes"]
+    print(f"tensors     {s['tensors']} logical tensors in {s['files']} files")
+    print(f"bytes       held by all ranks {human(st.get('held_bytes', 0))}, logical {human(logical)}, "
+          f"derived (not stored) {human(st.get('derived_bytes', 0))}, on disk {human(stored)}")
+    if stored:
+        print(f"ratios      held/on-disk {st.get('held_bytes', 0) / stored:.2f}x, "
+              f"logical/on-disk {logical / stored:.2f}x")
+    print()
+    rows = [(k, v["tensors"], human(v["logical"]), human(v["derived"]), human(v["stored"]))
+            for k, v in sorted(s["per_kind"].items())]
+    print(table(rows, ["kind", "tensors", "logical", "derived", "stored"]))
+    print()
+    rows = [(f"rank {r}", human(b)) for r, b in s["per_rank_file_bytes"].items()]
+    print(table(rows, ["writer", "bytes written"]))
+    if args.tensors:
+        print()
+        m = CheckpointReader(d, verify=False).manifest
+        rows = []
+        for name in sorted(m.tensors):
+            e = m.tensors[name]
+            how = f"= cast({e.derived.source})" if e.derived else f"{len(e.boxes)} box(es)"
+            rows.append((name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human(e.nbytes), how))
+        print(table(rows, ["tensor", "dtype", "shape", "bytes", "stored as"]))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    d = resolve(args.path, args.tag)
+    r = CheckpointReader(d, verify=True, cache_bytes=0)
+    work = [(name, sb) for name, e in sorted(r.manifest.tensors.items()) for sb in e.boxes]
+    total = sum(sb.box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, sb in work)
+    done, bad = 0, []
+    show = sys.stderr.isatty() and not args.quiet
+    for i, (name, sb) in enumerate(work):
+        try:
+            r.stored(name, sb)
+        except AdaCheckError as e:
+            bad.append(str(e))
+        done += sb.box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1)
+        if show:
+            frac = done / total if total else 1.0
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\rverify [{bar:<30}] {100 * frac:5.1f}% {human(done)}/{human(total)}")
+    if show:
+        sys.stderr.write("\n")
+    for msg in bad:
+        print(f"BAD  {msg}")
+    print(f"{'OK' if not bad else 'FAILED'}: {len(work) - len(bad)}/{len(work)} stored boxes verified "
+          f"({human(total)}) in {d}")
+    return 1 if bad else 0
+
+
+def cmd_ls(args) -> int:
+    latest = commit.read_latest(args.path)
+    rows = []
+    for tag, m, problem in commit.list_checkpoints(args.path):
+        rows.append((tag + (" (latest)" if tag == latest else ""), "complete" if m else "INCOMPLETE",
+                     m.step if m else "-", human(sum(i["nbytes"] for i in m.files.values())) if m else "-",
+                     "" if m else problem.split(":")[-1].strip()[:60]))
+    if not rows:
+        print(f"no AdaCheck checkpoints in {args.path}")
+        return 1
+    print(table(rows, ["tag", "state", "step", "bytes", "note"]))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="adacheck", description="Inspect and verify AdaCheck checkpoints.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, fn, helptext in [("inspect", cmd_inspect, "show layout, step, tensors and bytes"),
+                               ("verify", cmd_verify, "check every stored box against its hash")]:
+        s = sub.add_parser(name, help=helptext, description=helptext)
+        s.add_argument("path", help="a save directory (its 'latest' is used) or a checkpoint directory")
+        s.add_argument("--tag", help="checkpoint tag inside PATH (default: the one 'latest' names)")
+        s.set_defaults(fn=fn)
+    sub.choices["inspect"].add_argument("--json", action="store_true", help="machine-readable output")
+    sub.choices["inspect"].add_argument("--tensors", action="store_true", help="list every logical tensor")
+    sub.choices["verify"].add_argument("--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
+    s.add_argument("path")
+    s.set_defaults(fn=cmd_ls)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except AdaCheckError as e:
+        print(f"adacheck {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
