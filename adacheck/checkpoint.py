@@ -102,7 +102,7 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata
 
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-         keep_last: Optional[int] = None, fsync: bool = True) -> Manifest:
+         keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True) -> Manifest:
     """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest."""
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(save_dir, tag)
@@ -174,10 +174,12 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
     def publish():
         if comm.rank == 0:
-            commit.write_latest(save_dir, tag)
+            if update_latest:
+                commit.write_latest(save_dir, tag)
             commit.remove_unreferenced(ckpt_dir, manifest)
             if keep_last:
-                commit.apply_retention(save_dir, keep_last, protect=(tag,))
+                latest = commit.read_latest(save_dir)
+                commit.apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()))
 
     agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
     t_end = time.perf_counter()

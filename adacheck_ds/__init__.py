@@ -1,0 +1,93 @@
+"""AdaCheck for DeepSpeed.
+
+``import adacheck_ds`` makes every DeepSpeedEngine whose config has an enabled
+``"adacheck"`` block save and load through AdaCheck; ``attach(engine, config)`` does the
+same for an engine built any other way.  Without the block DeepSpeed is unchanged.
+``save_native`` / ``load_native`` always call DeepSpeed's own implementation.
+"""
+from __future__ import annotations
+
+from adacheck.config import AdaCheckConfig
+
+from .engine import AdaCheckDeepSpeed
+
+__all__ = ["AdaCheckDeepSpeed", "attach", "detach", "save_native", "load_native", "install"]
+
+_ORIG = {}
+
+
+def attach(engine, config=None) -> AdaCheckDeepSpeed:
+    """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through AdaCheck.
+
+    ``config``: an AdaCheckConfig, a dict like the JSON block, or None for the engine's block.
+    """
+    install()
+    if config is None:
+        config = AdaCheckConfig.from_dict(_block_of(engine) or {"enabled": True})
+    elif isinstance(config, dict):
+        config = AdaCheckConfig.from_dict(config)
+    if not config.enabled:
+        config = AdaCheckConfig(**{**config.__dict__, "enabled": True})
+    engine.adacheck = AdaCheckDeepSpeed(engine, config)
+    return engine.adacheck
+
+
+def detach(engine) -> None:
+    engine.adacheck = None
+
+
+def _block_of(engine):
+    cfg = getattr(engine, "_config", None)
+    raw = getattr(cfg, "_param_dict", None)
+    return raw.get("adacheck") if isinstance(raw, dict) else None
+
+
+def save_native(engine, *args, **kwargs):
+    """DeepSpeed's own save_checkpoint, whatever is attached."""
+    install()
+    return _ORIG["save"](engine, *args, **kwargs)
+
+
+def load_native(engine, *args, **kwargs):
+    install()
+    return _ORIG["load"](engine, *args, **kwargs)
+
+
+def install() -> None:
+    """Patch DeepSpeedEngine once (idempotent)."""
+    if _ORIG:
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    _ORIG.update(init=DeepSpeedEngine.__init__, save=DeepSpeedEngine.save_checkpoint,
+                 load=DeepSpeedEngine.load_checkpoint)
+
+    def __init__(self, *args, **kwargs):
+        _ORIG["init"](self, *args, **kwargs)
+        block = _block_of(self)
+        self.adacheck = None
+        if block is not None:
+            config = AdaCheckConfig.from_dict(block)   # validated at start-up, enabled or not
+            if config.enabled:
+                self.adacheck = AdaCheckDeepSpeed(self, config)
+
+    def save_checkpoint(self, *args, **kwargs):
+        ac = getattr(self, "adacheck", None)
+        if ac is not None:
+            return ac.save_checkpoint(*args, **kwargs)
+        return _ORIG["save"](self, *args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        ac = getattr(self, "adacheck", None)
+        if ac is not None:
+            return ac.load_checkpoint(*args, **kwargs)
+        return _ORIG["load"](self, *args, **kwargs)
+
+    for name, fn in (("__init__", __init__), ("save_checkpoint", save_checkpoint),
+                     ("load_checkpoint", load_checkpoint)):
+        fn.__wrapped__ = _ORIG[{"__init__": "init", "save_checkpoint": "save",
+                                "load_checkpoint": "load"}[name]]
+        fn.__doc__ = fn.__wrapped__.__doc__
+        setattr(DeepSpeedEngine, name, fn)
+
+
+install()

@@ -1,0 +1,171 @@
+"""AdaCheck behind DeepSpeedEngine.save_checkpoint / load_checkpoint."""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+import adacheck
+from adacheck import checkpoint as core
+from adacheck.commit import list_checkpoints, read_latest
+from adacheck.config import AdaCheckConfig
+from adacheck.errors import StateError
+from adacheck.exchange import TorchComm, SoloComm
+
+from . import state as S
+
+log = logging.getLogger("adacheck")
+
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
+                  "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic")
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+def _comm():
+    import torch.distributed as dist
+    return TorchComm() if dist.is_available() and dist.is_initialized() else SoloComm()
+
+
+def _json_or_skip(tree, what: str, strict: bool):
+    """Check ``tree`` is saveable; with strict=False drop what is not (with a warning)."""
+    from adacheck import jsontree
+    try:
+        jsontree.encode(tree, what)
+        return tree
+    except StateError:
+        if strict or not isinstance(tree, dict):
+            raise
+    kept = {}
+    for k, v in tree.items():
+        try:
+            jsontree.encode(v, f"{what}/{k}")
+            kept[k] = v
+        except StateError as e:
+            warnings.warn(f"AdaCheck: not saving {what}[{k!r}]: {e}")
+    return kept
+
+
+class AdaCheckDeepSpeed:
+    """The AdaCheck checkpointer attached to one engine (``engine.adacheck``)."""
+
+    def __init__(self, engine, config: AdaCheckConfig):
+        self.engine = engine
+        self.config = config
+        self.last_manifest = None
+
+    # ------------------------------------------------------------------ save
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
+                        exclude_frozen_parameters=False):
+        e = self.engine
+        save_dir = self.config.save_dir or save_dir
+        if not save_dir:
+            raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
+        tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
+        opt = e.optimizer
+        if hasattr(opt, "checkpoint_event_prologue"):
+            opt.checkpoint_event_prologue()
+        try:
+            self.last_manifest = core.save(
+                _comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
+                keep_last=self.config.keep_last or None, fsync=self.config.fsync,
+                update_latest=save_latest)
+        finally:
+            if hasattr(opt, "checkpoint_event_epilogue"):
+                opt.checkpoint_event_epilogue()
+        return True
+
+    def _collect(self, client_state, exclude_frozen):
+        e = self.engine
+        lay = S.describe(e)
+        shards = S.collect_shards(e, lay)
+        if exclude_frozen:
+            frozen = {f"model/{n}" for n, p in e.module.named_parameters() if not p.requires_grad}
+            shards = [s for s in shards if s.name not in frozen]
+        strict = self.config.strict_objects
+        objects = {
+            "counters": {k: int(getattr(e, k)) for k in _COUNTERS if hasattr(e, k)},
+            "param_groups": ([{k: v for k, v in g.items() if k != "params"}
+                              for g in lay.base_optimizer.param_groups] if lay.base_optimizer else None),
+            "lr_scheduler": (_json_or_skip(e.lr_scheduler.state_dict(), "lr_scheduler", strict)
+                             if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict") else None),
+            "loss_scaler": self._scaler_state(),
+            "client_state": _json_or_skip(dict(client_state or {}), "client_state", strict),
+        }
+        import deepspeed
+        dp = e.data_parallel_group if hasattr(e, "data_parallel_group") else None
+        layout = {"zero_stage": lay.stage, "optimizer": lay.kind,
+                  "dp_rank": torch.distributed.get_rank(dp) if torch.distributed.is_initialized() else 0,
+                  "dp_world_size": e.dp_world_size if hasattr(e, "dp_world_size") else 1}
+        framework = {"name": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                     "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,
+                     "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
+                     "dp_world_size": layout["dp_world_size"]}
+        return core.LocalState(shards=shards, objects=objects, rank_objects={"rng": S.rng_state()},
+                               layout=layout, framework=framework, step=int(e.global_steps))
+
+    def _scaler_state(self):
+        sc = getattr(self.engine.optimizer, "loss_scaler", None)
+        if sc is None:
+            return None
+        out = {}
+        for k in _SCALER_FIELDS:
+            if hasattr(sc, k):
+                v = getattr(sc, k)
+                out[k] = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        return out
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        e = self.engine
+        load_dir = self.config.save_dir or load_dir
+        if custom_load_fn is not None:
+            raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
+        if tag is None and read_latest(load_dir) is None and not any(
+                m is not None for _, m, _ in list_checkpoints(load_dir)) and not os.path.isfile(
+                os.path.join(load_dir, "manifest.json")):
+            log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
+            return None, None
+        comm = _comm()
+        opt = e.optimizer
+        want_optim = load_optimizer_states and not load_module_only
+
+        def read(r: core.CheckpointReader):
+            lay = S.describe(e)
+            objects = r.objects()
+            st = S.stage_load(e, lay, r, want_optim, objects.get("param_groups"))
+            st.objects = objects
+            ranks = r.manifest.topology.get("world_size", 1)
+            st.rank_objects = r.objects(comm.rank) if comm.rank < ranks else None
+            return lay, st
+
+        def apply(staged):
+            lay, st = staged
+            if hasattr(opt, "checkpoint_event_prologue"):
+                opt.checkpoint_event_prologue()
+            S.apply_load(e, lay, st)
+            if hasattr(opt, "checkpoint_event_epilogue"):
+                opt.checkpoint_event_epilogue()
+            obj = st.objects
+            if not load_module_only:
+                for k, v in obj["counters"].items():
+                    setattr(e, k, v)
+                if load_lr_scheduler_states and e.lr_scheduler is not None and obj.get("lr_scheduler"):
+                    e.lr_scheduler.load_state_dict(obj["lr_scheduler"])
+                sc = getattr(opt, "loss_scaler", None)
+                if sc is not None and obj.get("loss_scaler"):
+                    for k, v in obj["loss_scaler"].items():
+                        cur = getattr(sc, k, None)
+                        setattr(sc, k, torch.tensor(v, dtype=cur.dtype, device=cur.device)
+                                if isinstance(cur, torch.Tensor) else v)
+                if st.rank_objects is not None:
+                    S.set_rng_state(st.rank_objects["rng"])
+            return obj.get("client_state") or {}
+
+        ckpt_dir, manifest, client_state = core.load(comm, load_dir, tag, read, apply,
+                                                     verify=self.config.verify_on_load)
+        log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, manifest.step)
+        return ckpt_dir, client_state

@@ -1,0 +1,343 @@
+"""DeepSpeed engine state <-> AdaCheck logical tensors, for ZeRO stages 0-3.
+
+Logical tensors (names are the module's parameter names, independent of the layout):
+  model/<p>        the module parameter in the module's dtype (bf16/fp16/fp32)
+  master/<p>       the fp32 master weights, where the optimizer keeps a separate copy
+  optim/<key>/<p>  optimizer state (exp_avg, exp_avg_sq, step, ...), per parameter
+  buffer/<b>       module buffers
+Every rank reports the *fragments* it holds: a flat range ``[start, start+numel)`` of a
+parameter together with views of the master weights and optimizer state for that range.
+ZeRO flat partitions (stages 1/2, and DeepSpeed's BF16 optimizer) come from DeepSpeed's own
+``_hp_mapping`` fragment table; stage 3 from each parameter's ``ds_tensor`` partition.
+``model/<p>`` is declared derivable from ``master/<p>`` and proven per fragment.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from adacheck.boxes import flat_range_to_boxes
+from adacheck.checkpoint import CheckpointReader, LocalShard
+from adacheck.errors import StateError
+from adacheck.types import Box
+
+
+@dataclass
+class Frag:
+    """What this rank holds of one parameter's master weights / optimizer state."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int                       # flat offset in the parameter
+    master: torch.Tensor             # 1-D fp32 view of [start, start+numel)
+    base_param: torch.Tensor         # the tensor the base optimizer steps (flat partition or param)
+    offset: int                      # where ``master`` starts inside ``base_param`` (flattened)
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel()
+
+
+@dataclass
+class Layout:
+    stage: int
+    kind: str                       # "plain", "fp16unfused", "zero12", "bf16opt", "zero3"
+    base_optimizer: torch.optim.Optimizer
+    frags: List[Frag] = field(default_factory=list)
+    lp_views: Dict[str, tuple] = field(default_factory=dict)   # name -> (start, 1-D view of module data)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+
+
+def describe(engine) -> Layout:
+    """Where this rank's part of every parameter lives in the engine, for any ZeRO stage."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    names = {p: n for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    stage = engine.zero_optimization_stage()
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        base = opt.optimizer
+        lay = Layout(stage, "zero3", base)
+        for g, group in enumerate(opt.fp16_groups):
+            flat = opt.fp32_partitioned_groups_flat[g]
+            for p in group:
+                _, off, ps = opt.grad_position[opt.get_param_id(p)]
+                rank = torch.distributed.get_rank(group=p.ds_process_group)
+                start = rank * ps
+                valid = max(0, min(p.ds_numel - start, ps))
+                if valid:
+                    lay.frags.append(Frag(names[p], p, start, flat.narrow(0, off, valid), flat, off))
+        for p, n in names.items():
+            rank = torch.distributed.get_rank(group=p.ds_process_group)
+            ps = p.ds_tensor.ds_numel
+            start = rank * ps
+            valid = max(0, min(p.ds_numel - start, ps))
+            lay.lp_views[n] = (start, p.ds_tensor.data.view(-1).narrow(0, 0, valid))
+        return lay
+    if isinstance(opt, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
+        zero = isinstance(opt, DeepSpeedZeroOptimizer)
+        base = opt.optimizer
+        lay = Layout(stage, "zero12" if zero else "bf16opt", base)
+        groups = opt.bit16_groups if zero else opt.bf16_groups
+        flats = opt.single_partition_of_fp32_groups if zero else opt.fp32_groups_flat_partition
+        for g, group in enumerate(groups):
+            for p in group:
+                m = getattr(p, "_hp_mapping", None)
+                if m is None:
+                    continue
+                lay.frags.append(Frag(names[p], p, m.lp_fragment_address.start, m.hp_fragment.view(-1),
+                                      flats[g], m.hp_fragment_address.start))
+        for p, n in names.items():
+            lay.lp_views[n] = (0, p.data.view(-1))
+        return lay
+    if opt is not None and type(opt).__name__ == "FP16_UnfusedOptimizer":
+        lay = Layout(stage, "fp16unfused", opt.optimizer)
+        for lps, masters in zip(opt.fp16_groups, opt.fp32_groups):
+            for p, m in zip(lps, masters):
+                lay.frags.append(Frag(names[p], p, 0, m.data.view(-1), m, 0))
+        for p, n in names.items():
+            lay.lp_views[n] = (0, p.data.view(-1))
+        return lay
+    base = getattr(opt, "optimizer", opt) if opt is not None else None
+    if base is not None and not isinstance(base, torch.optim.Optimizer):
+        raise StateError(f"AdaCheck does not know the optimizer wrapper {type(opt).__name__} "
+                         "(supported: ZeRO 1/2/3, DeepSpeed's BF16 optimizer, a plain torch optimizer)")
+    if opt is not None and opt is not base and any(p.dtype != torch.float32 for p in names):
+        raise StateError(f"{type(opt).__name__} keeps fp32 master weights in a layout AdaCheck does "
+                         "not know; supported without ZeRO: a plain torch optimizer and "
+                         "FP16_UnfusedOptimizer (use ZeRO stage 1-3 otherwise)")
+    lay = Layout(stage, "plain", base)
+    for p, n in names.items():
+        lay.lp_views[n] = (0, p.data.view(-1))
+    if base is not None:
+        in_opt = {id(p) for g in base.param_groups for p in g["params"]}
+        for p, n in names.items():
+            if id(p) in in_opt:
+                lay.frags.append(Frag(n, p, 0, p.data.view(-1), p, 0))
+    return lay
+
+
+def _boxes_of(shape, start: int, flat: torch.Tensor):
+    """Cut a 1-D run [start, start+len) of a tensor of ``shape`` into (box, tensor) pieces."""
+    pos = 0
+    for b in flat_range_to_boxes(shape, start, start + flat.numel()):
+        yield b, flat.narrow(0, pos, b.numel).view(b.lengths)
+        pos += b.numel
+
+
+def _state_tensor(v) -> Optional[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.float64)
+    return None
+
+
+def collect_shards(engine, lay: Layout) -> List[LocalShard]:
+    shards: List[LocalShard] = []
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
+    has_master = lay.kind != "plain"
+    trainable = {f.name for f in lay.frags}
+    proven = {n: True for n in trainable}
+    for f in lay.frags:
+        shape = shapes[f.name]
+        if has_master:
+            for b, t in _boxes_of(shape, f.start, f.master):
+                shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t, replicated=False))
+            lstart, lview = lay.lp_views[f.name]
+            lo = f.start - lstart
+            lp = lview.narrow(0, lo, f.numel)
+            proven[f.name] = proven[f.name] and _same_bytes(lp, f.master.to(lp.dtype))
+        state = lay.base_optimizer.state.get(f.base_param, {}) if lay.base_optimizer else {}
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor) and v.numel() == f.base_param.numel() and v.dim() >= 1:
+                view = v.detach().view(-1).narrow(0, f.offset, f.numel)
+                for b, t in _boxes_of(shape, f.start, view):
+                    shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", shape, b, t,
+                                             replicated=lay.kind == "plain"))
+            else:
+                t = _state_tensor(v)
+                if t is None or t.dim() != 0:
+                    raise StateError(f"optimizer state {key!r} of {f.name} is a {type(v).__name__} "
+                                     f"that AdaCheck cannot map to parameters; supported: tensors "
+                                     "shaped like the parameter, and scalars")
+                shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", (), Box.full(()), t))
+    for n, (start, view) in lay.lp_views.items():
+        shape = shapes[n]
+        derive = f"master/{n}" if (has_master and n in trainable) else None
+        ok = proven.get(n, True) if derive else False
+        if not has_master and n in trainable and view.dtype != torch.float32:
+            raise StateError(f"{n} is {view.dtype} without fp32 master weights; unsupported layout")
+        for b, t in _boxes_of(shape, start, view):
+            shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
+                                     replicated=lay.kind != "zero3"))
+    for n, buf in engine.module.named_buffers():
+        if buf is not None:
+            shards.append(LocalShard(f"buffer/{n}", "buffer", tuple(buf.shape), Box.full(buf.shape),
+                                     buf.detach()))
+    return shards
+
+
+# ----------------------------------------------------------------------------- load
+@dataclass
+class Staged:
+    master: Dict[str, torch.Tensor] = field(default_factory=dict)    # per frag (1-D)
+    lp: Dict[str, torch.Tensor] = field(default_factory=dict)        # per lp view (1-D)
+    optim_state: Optional[dict] = None                               # base optimizer state_dict
+    buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    objects: dict = field(default_factory=dict)
+    rank_objects: Optional[dict] = None
+
+
+def _master_source(r: CheckpointReader, n: str) -> str:
+    if r.has(f"master/{n}"):
+        return f"master/{n}"
+    if r.has(f"model/{n}"):
+        return f"model/{n}"
+    raise StateError(f"the checkpoint has no weights for parameter {n!r}; was it saved from a "
+                     "different model? (adacheck inspect --tensors lists what it holds)")
+
+
+def _lp_source(r: CheckpointReader, n: str, dtype: torch.dtype) -> str:
+    model = r.manifest.tensors.get(f"model/{n}")
+    if model is not None and model.derived is None and model.dtype == str(dtype).replace("torch.", ""):
+        return f"model/{n}"
+    return _master_source(r, n)
+
+
+def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: bool,
+               param_groups_saved) -> Staged:
+    st = Staged()
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
+    for n, shape in shapes.items():
+        src = r.entry(_master_source(r, n))
+        if tuple(src.shape) != shape:
+            raise StateError(f"parameter {n}: checkpoint shape {list(src.shape)} != model shape "
+                             f"{list(shape)}; the checkpoint belongs to another model configuration")
+    for f in lay.frags:
+        st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start,
+                                                       f.start + f.numel, dtype=f.master.dtype)
+    for n, (start, view) in lay.lp_views.items():
+        st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype)
+    for n, buf in engine.module.named_buffers():
+        if buf is not None and r.has(f"buffer/{n}"):
+            st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
+    if lay.base_optimizer is not None and load_optimizer_states:
+        with _zero3_groups(engine):
+            st.optim_state = _stage_optimizer(lay, r, param_groups_saved)
+    return st
+
+
+class _zero3_groups:
+    """ZeRO-3 lists its fp32 partitions in the base optimizer's groups only around step()."""
+
+    def __init__(self, engine):
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        self.opt = engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3) else None
+
+    def __enter__(self):
+        if self.opt is not None:
+            self.opt._set_fp32_optimizer_param_groups()
+
+    def __exit__(self, *exc):
+        if self.opt is not None:
+            self.opt._clear_fp32_optimizer_param_groups()
+
+
+def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional[dict]:
+    base = lay.base_optimizer
+    groups = base.param_groups
+    if saved_groups is not None and len(saved_groups) != len(groups):
+        raise StateError(f"the checkpoint has {len(saved_groups)} optimizer param groups but the "
+                         f"engine has {len(groups)}; param groups must match to restore the optimizer")
+    keys = sorted({name.split("/")[1] for name in r.manifest.tensors if name.startswith("optim/")})
+    frags_of: Dict[int, List[Frag]] = {}
+    for f in lay.frags:
+        frags_of.setdefault(id(f.base_param), []).append(f)
+    state, index = {}, 0
+    out_groups = []
+    for gi, g in enumerate(groups):
+        ids = []
+        for p in g["params"]:
+            ids.append(index)
+            entry = {}
+            for key in keys:
+                frs = [f for f in frags_of.get(id(p), []) if r.has(f"optim/{key}/{f.name}")]
+                if not frs:
+                    continue
+                e0 = r.entry(f"optim/{key}/{frs[0].name}")
+                if e0.shape == ():
+                    vals = {r.read(f"optim/{key}/{f.name}").item() for f in frs}
+                    if len(vals) != 1:
+                        raise StateError(f"optimizer state {key!r} differs between parameters that now "
+                                         f"share one partition ({sorted(vals)}); cannot merge them")
+                    entry[key] = r.read(f"optim/{key}/{frs[0].name}")
+                else:
+                    flat = torch.zeros(p.numel(), dtype=r.read(f"optim/{key}/{frs[0].name}",
+                                                               Box((0,) * len(e0.shape), (1,) * len(e0.shape))).dtype)
+                    for f in frs:
+                        flat.narrow(0, f.offset, f.numel).copy_(
+                            r.read_flat(f"optim/{key}/{f.name}", f.start, f.start + f.numel))
+                    entry[key] = flat.view(p.shape)
+            if entry:
+                state[index] = entry
+            index += 1
+        hyper = dict(saved_groups[gi]) if saved_groups is not None else {k: v for k, v in g.items() if k != "params"}
+        hyper["params"] = ids
+        out_groups.append(hyper)
+    return {"state": state, "param_groups": out_groups}
+
+
+def apply_load(engine, lay: Layout, st: Staged) -> None:
+    with torch.no_grad():
+        for f in lay.frags:
+            f.master.copy_(st.master[f"{f.name}@{f.start}"])
+        for n, (start, view) in lay.lp_views.items():
+            view.copy_(st.lp[n])
+        named_buffers = dict(engine.module.named_buffers())
+        for n, t in st.buffers.items():
+            named_buffers[n].copy_(t)
+    if st.optim_state is not None:
+        with _zero3_groups(engine):
+            lay.base_optimizer.load_state_dict(st.optim_state)
+
+
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> dict:
+    py = random.getstate()
+    npst = np.random.get_state()
+    out = {"python": py, "numpy": {"kind": npst[0], "keys": torch.from_numpy(npst[1].astype(np.int64)),
+                                    "pos": int(npst[2]), "has_gauss": int(npst[3]),
+                                    "cached_gaussian": float(npst[4])},
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    n = s["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])

@@ -1,0 +1,191 @@
+"""One rank of a real DeepSpeed (CPU, gloo) training run, driven by a JSON spec.
+
+spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw", "hidden": 37,
+                  "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
+Actions: train N | save DIR [TAG] | save_native DIR | load DIR [KWARGS] | load_native DIR |
+dump NAME | marker NAME | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
+Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
+logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
+"""
+import json
+import os
+import resource
+import signal
+import sys
+import traceback
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import adacheck_ds  # noqa: E402,F401  (registers the integration)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden, layers=1):
+        super().__init__()
+        self.inp = torch.nn.Linear(12, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.mid = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(layers - 1))
+        self.out = torch.nn.Linear(hidden, 5)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.norm(self.inp(x)))
+        for m in self.mid:
+            h = h + torch.nn.functional.gelu(m(h))
+        return self.out(h) * self.scale.to(h.dtype)
+
+
+def ds_config(run):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": run["stage"]},
+        "bf16": {"enabled": run["dtype"] == "bf16"},
+        "fp16": {"enabled": run["dtype"] == "fp16", "initial_scale_power": 8},
+        "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                      "warmup_num_steps": 4}},
+    }
+    if run.get("optimizer") == "ds_adam":
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}
+    if run.get("adacheck") is not None:
+        cfg["adacheck"] = run["adacheck"]
+    return cfg
+
+
+def batch(step, rank, dtype):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(2, 12, generator=g).to(dtype), torch.randn(2, 5, generator=g)
+
+
+def make_engine(run):
+    torch.manual_seed(run.get("seed", 0))
+    model = Net(run.get("hidden", 37), run.get("layers", 1))
+    kw = {}
+    if run.get("optimizer", "adamw") == "adamw":
+        kw["optimizer"] = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(run), **kw)
+    return engine
+
+
+def train(engine, n, losses):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "", torch.float32)
+    for _ in range(n):
+        x, y = batch(engine.global_steps, engine.global_rank, dtype)
+        loss = ((engine(x).float() - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        torch.distributed.all_reduce(t)
+        losses.append(t.item())
+
+
+def full_state(engine):
+    """Every logical tensor, gathered with DeepSpeed's own API (independent of AdaCheck)."""
+    out = {}
+    stage3 = engine.zero_optimization_stage() == 3
+    opt = engine.optimizer
+    plain = not hasattr(opt, "optimizer") or opt.__class__.__name__ in ("AdamW", "Adam")
+    base = getattr(opt, "optimizer", opt)
+    unfused = {}
+    if type(opt).__name__ == "FP16_UnfusedOptimizer":   # per-parameter fp32 masters
+        unfused = {id(p): m for lps, ms in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(lps, ms)}
+    for n, p in engine.module.named_parameters():
+        if stage3:
+            with deepspeed.zero.GatheredParameters([p]):
+                out[f"model/{n}"] = p.data.detach().clone()
+        else:
+            out[f"model/{n}"] = p.data.detach().clone()
+        if plain or unfused:
+            m = unfused.get(id(p), p)
+            out[f"master/{n}"] = m.data.detach().float().clone()
+            st = base.state.get(m, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    out[f"optim/{k}/{n}"] = st[k].detach().clone()
+        else:
+            out[f"master/{n}"] = safe_get_full_fp32_param(p).detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                v = safe_get_full_optimizer_state(p, k)
+                if v is not None:
+                    out[f"optim/{k}/{n}"] = v.detach().clone()
+    steps = set()
+    for st in base.state.values():
+        if "step" in st:
+            steps.add(float(st["step"]))
+    out["meta/optim_step"] = torch.tensor(sorted(steps) or [-1.0])
+    out["meta/global_steps"] = torch.tensor([engine.global_steps, engine.global_samples, engine.skipped_steps])
+    if engine.lr_scheduler is not None:
+        out["meta/lr"] = torch.tensor([g["lr"] for g in engine.optimizer.param_groups])
+    for n, b in engine.module.named_buffers():
+        out[f"buffer/{n}"] = b.detach().clone()
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def act(engine, a, rec, out_dir, rank):
+    op = a[0]
+    if op == "train":
+        train(engine, a[1], rec["losses"])
+    elif op == "save":
+        cs = {"epoch": 3, "note": "hi", "vec": torch.arange(4.0)}
+        engine.save_checkpoint(a[1], tag=a[2] if len(a) > 2 else None, client_state=cs)
+    elif op == "save_native":
+        adacheck_ds.save_native(engine, a[1])
+    elif op == "load":
+        path, cs = engine.load_checkpoint(a[1], **(a[2] if len(a) > 2 else {}))
+        rec["loaded"].append([path, {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in (cs or {}).items()}])
+    elif op == "load_native":
+        adacheck_ds.load_native(engine, a[1])
+    elif op == "dump":
+        st = full_state(engine)
+        if rank == 0:
+            save_file(st, os.path.join(out_dir, f"{a[1]}.safetensors"))
+    elif op == "marker":
+        open(os.path.join(out_dir, f"{a[1]}-rank{rank}"), "w").close()
+    elif op == "fsize_limit":
+        if rank == a[1]:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (a[2], resource.RLIM_INFINITY))
+    elif op == "expect_error":
+        try:
+            act(engine, a[2:], rec, out_dir, rank)
+        except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
+            rec["errors"].append(f"{type(e).__name__}: {e}")
+            if a[1] not in str(e):
+                raise
+        else:
+            raise AssertionError(f"expected an error containing {a[1]!r} from {a[2:]}")
+    else:
+        raise ValueError(f"unknown action {a}")
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    out_dir = sys.argv[2]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    results = []
+    for run in spec["runs"]:
+        rec = {"losses": [], "errors": [], "loaded": []}
+        results.append(rec)
+        engine = make_engine(run)
+        for a in run["actions"]:
+            act(engine, a, rec, out_dir, rank)
+        engine.destroy()
+        with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)

@@ -1,0 +1,71 @@
+"""Start N real processes of ``tests/ds_worker.py`` with a gloo rendezvous, never hanging.
+
+Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like torchrun; the
+whole group is killed when ``timeout`` passes or when one rank dies and the others do not
+follow within ``grace`` seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: float = 60,
+           on_started=None, script: str = "ds_worker.py"):
+    """Run the worker on ``world`` ranks; returns [(returncode, output)] per rank."""
+    os.makedirs(out_dir, exist_ok=True)
+    spec_path = os.path.join(out_dir, f"spec-{time.monotonic_ns()}.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep +
+                   os.environ.get("PYTHONPATH", ""))
+        log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), spec_path, out_dir],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        logs.append(log)
+    if on_started is not None:
+        on_started(procs)
+    deadline = time.monotonic() + timeout
+    first_exit = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if first_exit is None and any(p.poll() is not None for p in procs):
+            first_exit = now
+        if now > deadline or (first_exit is not None and now - first_exit > grace):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.2)
+    out = []
+    for p, log in zip(procs, logs):
+        p.wait()
+        log.seek(0)
+        out.append((p.returncode, log.read()))
+        log.close()
+    return out
+
+
+def check(results):
+    for rank, (rc, text) in enumerate(results):
+        if rc != 0:
+            raise AssertionError(f"rank {rank} exited with {rc}:\n{text[-6000:]}")
+    return results
