@@ -94,10 +94,15 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata
     """Write one shard file under a temporary name, fsync it, and rename it into place."""
     final = os.path.join(ckpt_dir, fname)
     tmp = final + commit.TMP_SUFFIX
-    size = write_safetensors(tmp, staged, metadata, fsync=fsync)
-    commit.publish_file(tmp, final)
-    if fsync:
-        fsync_dir(ckpt_dir)
+    try:
+        size = write_safetensors(tmp, staged, metadata, fsync=fsync)
+        commit.publish_file(tmp, final)
+        if fsync:
+            fsync_dir(ckpt_dir)
+    except OSError as e:
+        if e.filename is None:   # write()/fsync() errors carry no path: name it
+            raise OSError(e.errno, e.strerror, tmp) from e
+        raise
     return size
 
 

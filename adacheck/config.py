@@ -20,6 +20,8 @@ fsync              true      fsync files and directories while committing (switc
 strict_objects     true      non-JSON-able client_state / scheduler entries are an error
                              (false: they are skipped with a warning)
 =================  ========  ===============================================================
+
+Keys starting with ``_`` are comments (JSON has none) and are ignored.
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class AdaCheckConfig:
             raise ConfigError(f"the {where!r} block must be a JSON object like "
                               f'{{"enabled": true}}, got {type(block).__name__}: {block!r}')
         known = [f.name for f in fields(cls)]
+        block = {k: v for k, v in block.items() if not (isinstance(k, str) and k.startswith("_"))}
         for key in block:
             if key not in known:
                 close = difflib.get_close_matches(str(key), known, n=1)

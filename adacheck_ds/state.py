@@ -49,6 +49,7 @@ class Layout:
     base_optimizer: torch.optim.Optimizer
     frags: List[Frag] = field(default_factory=list)
     lp_views: Dict[str, tuple] = field(default_factory=dict)   # name -> (start, 1-D view of module data)
+    trained: set = field(default_factory=set)   # names of parameters the optimizer updates (any rank)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -74,6 +75,7 @@ def describe(engine) -> Layout:
         lay = Layout(stage, "zero3", base)
         for g, group in enumerate(opt.fp16_groups):
             flat = opt.fp32_partitioned_groups_flat[g]
+            lay.trained.update(names[p] for p in group)
             for p in group:
                 _, off, ps = opt.grad_position[opt.get_param_id(p)]
                 rank = torch.distributed.get_rank(group=p.ds_process_group)
@@ -84,7 +86,7 @@ def describe(engine) -> Layout:
         for p, n in names.items():
             rank = torch.distributed.get_rank(group=p.ds_process_group)
             ps = p.ds_tensor.ds_numel
-            start = rank * ps
+            start = min(rank * ps, p.ds_numel)   # trailing ranks may hold only padding
             valid = max(0, min(p.ds_numel - start, ps))
             lay.lp_views[n] = (start, p.ds_tensor.data.view(-1).narrow(0, 0, valid))
         return lay
@@ -95,6 +97,7 @@ def describe(engine) -> Layout:
         groups = opt.bit16_groups if zero else opt.bf16_groups
         flats = opt.single_partition_of_fp32_groups if zero else opt.fp32_groups_flat_partition
         for g, group in enumerate(groups):
+            lay.trained.update(names[p] for p in group)
             for p in group:
                 m = getattr(p, "_hp_mapping", None)
                 if m is None:
@@ -109,6 +112,7 @@ def describe(engine) -> Layout:
         for lps, masters in zip(opt.fp16_groups, opt.fp32_groups):
             for p, m in zip(lps, masters):
                 lay.frags.append(Frag(names[p], p, 0, m.data.view(-1), m, 0))
+                lay.trained.add(names[p])
         for p, n in names.items():
             lay.lp_views[n] = (0, p.data.view(-1))
         return lay
@@ -128,6 +132,7 @@ def describe(engine) -> Layout:
         for p, n in names.items():
             if id(p) in in_opt:
                 lay.frags.append(Frag(n, p, 0, p.data.view(-1), p, 0))
+                lay.trained.add(n)
     return lay
 
 
@@ -155,8 +160,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
     shards: List[LocalShard] = []
     shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
     has_master = lay.kind != "plain"
-    trainable = {f.name for f in lay.frags}
-    proven = {n: True for n in trainable}
+    proven = {n: True for n in lay.trained}   # this rank found no counter-example (yet)
     for f in lay.frags:
         shape = shapes[f.name]
         if has_master:
@@ -182,9 +186,9 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
                 shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", (), Box.full(()), t))
     for n, (start, view) in lay.lp_views.items():
         shape = shapes[n]
-        derive = f"master/{n}" if (has_master and n in trainable) else None
-        ok = proven.get(n, True) if derive else False
-        if not has_master and n in trainable and view.dtype != torch.float32:
+        derive = f"master/{n}" if (has_master and n in lay.trained) else None
+        ok = proven[n] if derive else False
+        if not has_master and n in lay.trained and view.dtype != torch.float32:
             raise StateError(f"{n} is {view.dtype} without fp32 master weights; unsupported layout")
         for b, t in _boxes_of(shape, start, view):
             shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
@@ -318,6 +322,13 @@ def apply_load(engine, lay: Layout, st: Staged) -> None:
     if st.optim_state is not None:
         with _zero3_groups(engine):
             lay.base_optimizer.load_state_dict(st.optim_state)
+        opt = engine.optimizer
+        if st.optim_state["state"] and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            # DeepSpeed keeps views into the optimizer state per parameter fragment
+            # (safe_get_full_optimizer_state, universal checkpoints); the loaded state
+            # replaced those tensors, so link the views again.
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
 
 
 # ----------------------------------------------------------------------------- RNG

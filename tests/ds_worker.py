@@ -150,7 +150,8 @@ def act(engine, a, rec, out_dir, rank):
     elif op == "fsize_limit":
         if rank == a[1]:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (a[2], resource.RLIM_INFINITY))
+            limit = resource.RLIM_INFINITY if a[2] < 0 else a[2]
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
     elif op == "expect_error":
         try:
             act(engine, a[2:], rec, out_dir, rank)

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Set up .venv (if needed), then run a real 2-rank CPU DeepSpeed training with AdaCheck:
+# save, crash, resume, and compare against DeepSpeed's native checkpoint and an uninterrupted run.
+source "$(dirname "$0")/_env.sh"
+exec "$VPY" "$ROOT/scripts/demo.py"

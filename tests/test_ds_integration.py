@@ -1,0 +1,181 @@
+"""Real DeepSpeed engines on CPU (gloo, 2 and 4 processes): resume, resharding, faults."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch import check, launch
+
+pytestmark = pytest.mark.timeout(900)
+
+LAYOUTS = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16"),
+           (3, "fp32"), (3, "bf16")]
+
+
+def results(d, rank=0):
+    with open(os.path.join(d, f"result-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def assert_same(a, b, keys=None):
+    keys = keys if keys is not None else sorted(a)
+    assert set(keys) <= set(b), sorted(set(keys) - set(b))
+    for k in keys:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), f"{k} differs (max {(a[k].float() - b[k].float()).abs().max()})"
+
+
+def test_resume_is_bit_identical_for_every_stage_and_dtype(tmp_path):
+    """train 3, save, train 2  ==  load, train 2: same losses and every logical tensor equal."""
+    runs = []
+    for stage, dtype in LAYOUTS:
+        ck = str(tmp_path / f"ck{stage}{dtype}")
+        runs.append({"stage": stage, "dtype": dtype, "adacheck": {"enabled": True},
+                     "actions": [["train", 3], ["save", ck], ["train", 2], ["dump", f"A{stage}{dtype}"]]})
+        runs.append({"stage": stage, "dtype": dtype, "seed": 7, "adacheck": {"enabled": True},
+                     "actions": [["load", ck], ["train", 2], ["dump", f"B{stage}{dtype}"]]})
+    check(launch(2, {"runs": runs}, str(tmp_path)))
+    res = results(str(tmp_path))
+    for i, (stage, dtype) in enumerate(LAYOUTS):
+        uninterrupted, resumed = res[2 * i], res[2 * i + 1]
+        assert uninterrupted["losses"][3:] == resumed["losses"], (stage, dtype)
+        assert resumed["loaded"][0][1] == {"epoch": 3, "note": "hi", "vec": [0.0, 1.0, 2.0, 3.0]}
+        a = load_file(str(tmp_path / f"A{stage}{dtype}.safetensors"))
+        b = load_file(str(tmp_path / f"B{stage}{dtype}.safetensors"))
+        assert_same(a, b)
+        assert a["meta/global_steps"].tolist() == [5, 20, 0]
+        man = json.load(open(os.path.join(tmp_path, f"ck{stage}{dtype}", "global_step3", "manifest.json")))
+        model = [t for n, t in man["tensors"].items() if n.startswith("model/")]
+        has_master = any(n.startswith("master/") for n in man["tensors"])
+        # module weights are never stored twice: either they are the master, or proven casts of it
+        assert has_master == (stage > 0 or dtype == "bf16"), (stage, dtype)
+        assert all(("derived" in t) == has_master for t in model), (stage, dtype)
+
+
+def logical(d):
+    return {k: v for k, v in load_file(d).items() if not k.startswith("model/")}
+
+
+@pytest.mark.parametrize("target_world", [4, 1])
+def test_load_into_other_layouts(tmp_path, target_world):
+    """Saved by DP=2 ZeRO-2 bf16 (and DP=2 ZeRO-3 / ZeRO-0), loaded by DP=4 / DP=1 in other stages."""
+    src = str(tmp_path / "src")
+    saves = [(2, "bf16"), (3, "bf16"), (0, "fp32")]
+    runs = [{"stage": s, "dtype": dt, "adacheck": {"enabled": True},
+             "actions": [["train", 3], ["save", f"{src}/ck{s}{dt}"], ["dump", f"{src}/S{s}{dt}"]]}
+            for s, dt in saves]
+    check(launch(2, {"runs": runs}, src))
+    targets = {4: [((2, "bf16"), (3, "bf16")), ((3, "bf16"), (2, "bf16")), ((2, "bf16"), (0, "bf16")),
+                   ((0, "fp32"), (1, "fp32"))],
+               1: [((2, "bf16"), (1, "bf16")), ((3, "bf16"), (0, "bf16")), ((0, "fp32"), (2, "fp32"))]}
+    pairs = targets[target_world]
+    dst = str(tmp_path / "dst")
+    runs = [{"stage": t[0], "dtype": t[1], "seed": 9, "adacheck": {"enabled": True},
+             "actions": [["load", f"{src}/ck{s[0]}{s[1]}"], ["dump", f"{dst}/L{i}"], ["train", 1]]}
+            for i, (s, t) in enumerate(pairs)]
+    check(launch(target_world, {"runs": runs}, dst))
+    res = results(dst)
+    for i, (s, t) in enumerate(pairs):
+        saved = load_file(f"{src}/S{s[0]}{s[1]}.safetensors")
+        loaded = load_file(f"{dst}/L{i}.safetensors")
+        keys = [k for k in saved if k.startswith(("master/", "optim/", "buffer/"))]
+        assert_same(saved, loaded, keys)
+        assert loaded["meta/optim_step"].tolist() == saved["meta/optim_step"].tolist()
+        assert loaded["meta/lr"].tolist() == saved["meta/lr"].tolist()
+        for k in saved:
+            if k.startswith("model/"):   # module weights = the master cast to the module dtype
+                assert torch.equal(loaded[k], saved[k.replace("model/", "master/")].to(loaded[k].dtype)), k
+        assert len(res[i]["losses"]) == 1 and res[i]["losses"][0] == res[i]["losses"][0]
+
+
+def test_failed_save_on_one_rank_fails_everywhere_and_keeps_previous(tmp_path):
+    """Rank 1 cannot write (file size limit, EFBIG): both ranks raise the same error naming
+    the cause and path, no temporary file stays, 'latest' still names the previous save,
+    training goes on and a later save succeeds."""
+    ck = str(tmp_path / "ck")
+    runs = [{"stage": 2, "dtype": "bf16", "hidden": 64, "adacheck": {"enabled": True},
+             "actions": [["train", 2], ["save", ck, "first"], ["dump", "first"], ["train", 1],
+                         ["fsize_limit", 1, 4096],
+                         ["expect_error", "File too large", "save", ck, "second"],
+                         ["fsize_limit", 1, -1], ["train", 1], ["save", ck, "third"]]}]
+    check(launch(2, {"runs": runs}, str(tmp_path)))
+    errs = [results(str(tmp_path), r)[0]["errors"][0] for r in (0, 1)]
+    assert errs[0] == errs[1]
+    assert "rank 1: OSError: [Errno 27] File too large" in errs[0] and str(tmp_path) in errs[0]
+    assert not os.path.exists(os.path.join(ck, "second", "manifest.json"))
+    leftovers = [f for f in os.listdir(os.path.join(ck, "second")) if "safetensors" in f]
+    assert leftovers == []
+    assert open(os.path.join(ck, "latest")).read().strip() == "third"
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
+    ck = str(tmp_path / "ck")
+    big = {"stage": 1, "dtype": "fp32", "hidden": 700, "layers": 6, "adacheck": {"enabled": True}}
+    runs = [dict(big, actions=[["train", 1], ["save", ck, "good"], ["dump", "good"], ["train", 1],
+                               ["marker", "saving"]] + [["save", ck, f"doomed{i}"] for i in range(30)])]
+    marker = tmp_path / "saving-rank1"
+
+    def killer(procs):
+        deadline = time.monotonic() + 400
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3 + (os.getpid() % 7) / 10)   # somewhere inside one of the saves
+        procs[1].send_signal(signal.SIGKILL)
+
+    import threading
+    t = {}
+
+    def started(procs):
+        t["thread"] = threading.Thread(target=killer, args=(procs,), daemon=True)
+        t["thread"].start()
+    res = launch(2, {"runs": runs}, str(tmp_path), on_started=started, grace=30)
+    assert res[1][0] == -signal.SIGKILL
+    latest = open(os.path.join(ck, "latest")).read().strip()
+    # whatever 'latest' names is complete and loads bit-exactly into a new job
+    load_dir = str(tmp_path / "reload")
+    runs = [dict(big, seed=3, actions=[["load", ck], ["dump", "reloaded"]])]
+    check(launch(2, {"runs": runs}, load_dir))
+    assert results(load_dir)[0]["loaded"][0][0].endswith(latest)
+    if latest == "good":
+        assert_same(load_file(str(tmp_path / "good.safetensors")),
+                    load_file(os.path.join(load_dir, "reloaded.safetensors")))
+
+
+def test_corrupt_shard_fails_load_on_every_rank(tmp_path):
+    ck = str(tmp_path / "ck")
+    check(launch(2, {"runs": [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": True},
+                               "actions": [["train", 1], ["save", ck, "t"]]}]}, str(tmp_path / "a")))
+    victim = sorted(f for f in os.listdir(os.path.join(ck, "t")) if f.endswith(".safetensors"))[-1]
+    p = os.path.join(ck, "t", victim)
+    data = bytearray(open(p, "rb").read())
+    data[-5] ^= 1
+    open(p, "wb").write(bytes(data))
+    d = str(tmp_path / "b")
+    check(launch(2, {"runs": [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": True},
+                               "actions": [["expect_error", "hash", "load", ck]]}]}, d))
+    e0, e1 = (results(d, r)[0]["errors"][0] for r in (0, 1))
+    assert victim in e0 and victim in e1
+
+
+def test_config_block_validation_and_disabled_block(tmp_path):
+    d = str(tmp_path)
+    runs = [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": False},
+             "actions": [["train", 1], ["save", d + "/native"]]}]
+    check(launch(2, {"runs": runs}, d))
+    assert os.path.isdir(d + "/native/global_step1") and not os.path.exists(d + "/native/global_step1/manifest.json")
+    res = launch(2, {"runs": [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": True, "keep_lats": 2},
+                               "actions": []}]}, d + "/bad")
+    assert all(rc != 0 for rc, _ in res)
+    assert "unknown key adacheck.'keep_lats'. Did you mean 'keep_last'?" in res[0][1]
+
+
+def test_retention_keeps_last_k(tmp_path):
+    ck = str(tmp_path / "ck")
+    runs = [{"stage": 2, "dtype": "fp32", "adacheck": {"enabled": True, "keep_last": 2},
+             "actions": [a for i in range(4) for a in (["train", 1], ["save", ck])]}]
+    check(launch(2, {"runs": runs}, str(tmp_path)))
+    assert sorted(x for x in os.listdir(ck) if x != "latest") == ["global_step3", "global_step4"]
