@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import commit, jsontree
-from .boxes import flat_range_to_boxes
+from .boxes import copy_intersection, flat_range_to_boxes
 from .errors import FormatError, IntegrityError, NotFoundError
 from .exchange import Comm, agree
 from .hashing import hash_tensor
@@ -294,12 +294,8 @@ class CheckpointReader:
             out = torch.empty(box.lengths, dtype=torch_dtype(e.dtype))
             filled = 0
             for sb in self._choose(e.boxes):
-                inter = box.intersect(sb.box)
-                if inter is None:
-                    continue
-                src = self.stored(name, sb)
-                out[inter.slices(box)] = src[inter.slices(sb.box)]
-                filled += inter.numel
+                if box.intersect(sb.box) is not None:
+                    filled += copy_intersection(out, box, self.stored(name, sb), sb.box)
             if filled != box.numel:
                 raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
                                   f"asked for (box {box})")

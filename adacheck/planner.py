@@ -8,8 +8,8 @@ Contract (a pure function of its inputs; every rank computes the same plan):
   not stored: the manifest records the derivation instead;
 - each stored copy is written by exactly one holder, chosen greedily by bytes
   (largest first, to the least-loaded holder, ties to the lowest rank);
-- the distinct regions of every stored tensor must tile it, else PlanError-like
-  FormatError naming the tensor.
+- the distinct regions of every stored tensor must tile it, else a FormatError naming
+  the tensor; ranks that disagree on a tensor's kind, dtype or shape are a StateError.
 """
 from __future__ import annotations
 

@@ -166,10 +166,6 @@ class StoredBox:
     hash: str
     holders: tuple = ()   # ranks that held these exact bytes when saved
 
-    @property
-    def nbytes_of(self):  # pragma: no cover - convenience
-        return self.box.numel
-
 
 @dataclass(frozen=True)
 class TensorEntry:
