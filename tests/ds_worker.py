@@ -186,7 +186,12 @@ def main():
 if __name__ == "__main__":
     try:
         main()
+        # Tear gloo down explicitly: left to interpreter shutdown, its threads can abort the
+        # process ("terminate called without an active exception") after all work is done.
+        torch.distributed.destroy_process_group()
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
         os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
