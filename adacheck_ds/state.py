@@ -90,20 +90,33 @@ def describe(engine) -> Layout:
             valid = max(0, min(p.ds_numel - start, ps))
             lay.lp_views[n] = (start, p.ds_tensor.data.view(-1).narrow(0, 0, valid))
         return lay
-    if isinstance(opt, (DeepSpeedZeroOptimizer, BF16_Optimizer)):
-        zero = isinstance(opt, DeepSpeedZeroOptimizer)
-        base = opt.optimizer
-        lay = Layout(stage, "zero12" if zero else "bf16opt", base)
-        groups = opt.bit16_groups if zero else opt.bf16_groups
-        flats = opt.single_partition_of_fp32_groups if zero else opt.fp32_groups_flat_partition
-        for g, group in enumerate(groups):
+    if isinstance(opt, DeepSpeedZeroOptimizer):
+        lay = Layout(stage, "zero12", opt.optimizer)
+        for g, flat in enumerate(opt.single_partition_of_fp32_groups):
+            # The flat buffer holds the parameters in round_robin_bit16_groups order at
+            # round_robin_bit16_offsets (with round_robin_gradients or parameter_alignment these
+            # differ from bit16_groups, and DeepSpeed's own _hp_mapping is then wrong when no
+            # alignment padding is used), so the fragments are computed from them directly.
+            group_ranks = opt.real_dp_process_group[g]
+            lo = torch.distributed.get_rank(group=group_ranks) * opt.partition_size[g]
+            hi = lo + flat.numel()
+            for p, off in zip(opt.round_robin_bit16_groups[g], opt.round_robin_bit16_offsets[g]):
+                lay.trained.add(names[p])
+                a, b = max(off, lo), min(off + p.numel(), hi)
+                if a < b:
+                    lay.frags.append(Frag(names[p], p, a - off, flat.narrow(0, a - lo, b - a), flat, a - lo))
+        for p, n in names.items():
+            lay.lp_views[n] = (0, p.data.view(-1))
+        return lay
+    if isinstance(opt, BF16_Optimizer):
+        lay = Layout(stage, "bf16opt", opt.optimizer)
+        for g, group in enumerate(opt.bf16_groups):
             lay.trained.update(names[p] for p in group)
             for p in group:
                 m = getattr(p, "_hp_mapping", None)
-                if m is None:
-                    continue
-                lay.frags.append(Frag(names[p], p, m.lp_fragment_address.start, m.hp_fragment.view(-1),
-                                      flats[g], m.hp_fragment_address.start))
+                if m is not None:
+                    lay.frags.append(Frag(names[p], p, m.lp_fragment_address.start, m.hp_fragment.view(-1),
+                                          opt.fp32_groups_flat_partition[g], m.hp_fragment_address.start))
         for p, n in names.items():
             lay.lp_views[n] = (0, p.data.view(-1))
         return lay
@@ -293,7 +306,9 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
                     if len(vals) != 1:
                         raise StateError(f"optimizer state {key!r} differs between parameters that now "
                                          f"share one partition ({sorted(vals)}); cannot merge them")
-                    entry[key] = r.read(f"optim/{key}/{frs[0].name}")
+                    t = r.read(f"optim/{key}/{frs[0].name}")
+                    # a Python int (DeepSpeed's Adam counts steps that way) was saved as int64
+                    entry[key] = t.item() if t.dtype == torch.int64 else t
                 else:
                     flat = torch.zeros(p.numel(), dtype=r.read(f"optim/{key}/{frs[0].name}",
                                                                Box((0,) * len(e0.shape), (1,) * len(e0.shape))).dtype)

@@ -1,6 +1,7 @@
 """One rank of a real DeepSpeed (CPU, gloo) training run, driven by a JSON spec.
 
-spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw", "hidden": 37,
+spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam", "hidden": 37,
+                  "frozen": [name prefixes], "zero": {extra zero_optimization keys},
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | save DIR [TAG] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
@@ -42,7 +43,7 @@ class Net(torch.nn.Module):
 def ds_config(run):
     cfg = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": run["stage"]},
+        "zero_optimization": dict({"stage": run["stage"]}, **run.get("zero", {})),
         "bf16": {"enabled": run["dtype"] == "bf16"},
         "fp16": {"enabled": run["dtype"] == "fp16", "initial_scale_power": 8},
         "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
@@ -64,10 +65,15 @@ def batch(step, rank, dtype):
 def make_engine(run):
     torch.manual_seed(run.get("seed", 0))
     model = Net(run.get("hidden", 37), run.get("layers", 1))
+    for n, p in model.named_parameters():
+        if n.startswith(tuple(run.get("frozen", ()))):
+            p.requires_grad_(False)
     kw = {}
     if run.get("optimizer", "adamw") == "adamw":
-        kw["optimizer"] = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        kw["optimizer"] = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                            lr=0.01, weight_decay=0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                          if p.requires_grad],
                                            config=ds_config(run), **kw)
     return engine
 
@@ -108,17 +114,19 @@ def full_state(engine):
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in st:
                     out[f"optim/{k}/{n}"] = st[k].detach().clone()
-        else:
+        elif p.requires_grad:   # frozen parameters have no master weights or optimizer state
             out[f"master/{n}"] = safe_get_full_fp32_param(p).detach().clone()
             for k in ("exp_avg", "exp_avg_sq"):
                 v = safe_get_full_optimizer_state(p, k)
                 if v is not None:
                     out[f"optim/{k}/{n}"] = v.detach().clone()
-    steps = set()
+    steps, types = set(), set()
     for st in base.state.values():
         if "step" in st:
             steps.add(float(st["step"]))
+            types.add(type(st["step"]).__name__)
     out["meta/optim_step"] = torch.tensor(sorted(steps) or [-1.0])
+    out["meta/optim_step_is_int"] = torch.tensor([types == {"int"}])
     out["meta/global_steps"] = torch.tensor([engine.global_steps, engine.global_samples, engine.skipped_steps])
     if engine.lr_scheduler is not None:
         out["meta/lr"] = torch.tensor([g["lr"] for g in engine.optimizer.param_groups])

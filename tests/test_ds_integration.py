@@ -179,3 +179,50 @@ def test_retention_keeps_last_k(tmp_path):
              "actions": [a for i in range(4) for a in (["train", 1], ["save", ck])]}]
     check(launch(2, {"runs": runs}, str(tmp_path)))
     assert sorted(x for x in os.listdir(ck) if x != "latest") == ["global_step3", "global_step4"]
+
+
+def test_deepspeed_adam_frozen_parameters_and_round_robin_gradients(tmp_path):
+    """DeepSpeed's own Adam (steps as Python ints), frozen parameters (no master, no optimizer
+    state; restored from the module weights) and round_robin_gradients (a flat buffer in another
+    parameter order than DeepSpeed's own fragment table assumes)."""
+    d = str(tmp_path)
+    resume = [dict(stage=s, dtype=dt, optimizer="ds_adam") for s, dt in [(0, "fp32"), (2, "bf16"), (3, "bf16")]]
+    resume += [dict(stage=s, dtype=dt, frozen=["inp."]) for s, dt in [(0, "bf16"), (1, "bf16"), (3, "fp32")]]
+    runs = []
+    for i, c in enumerate(resume):
+        runs.append(dict(c, adacheck={"enabled": True},
+                         actions=[["train", 3], ["save", f"{d}/ck{i}"], ["train", 2], ["dump", f"A{i}"]]))
+        runs.append(dict(c, seed=7, adacheck={"enabled": True},
+                         actions=[["load", f"{d}/ck{i}"], ["train", 2], ["dump", f"B{i}"]]))
+    rr = dict(stage=2, dtype="fp32", layers=3, hidden=19, adacheck={"enabled": True})
+    runs += [dict(rr, zero={"round_robin_gradients": True}, actions=[["train", 3], ["save", f"{d}/rr"]]),
+             dict(rr, actions=[["train", 3], ["dump", "plain"]])]
+    runs += [dict(rr, stage=s, seed=5, actions=[["load", f"{d}/rr"], ["dump", f"rr{s}"]]) for s in (0, 3)]
+    check(launch(2, {"runs": runs}, d))
+    res = results(d)
+    for i, c in enumerate(resume):
+        assert res[2 * i]["losses"][3:] == res[2 * i + 1]["losses"], c
+        a, b = load_file(f"{d}/A{i}.safetensors"), load_file(f"{d}/B{i}.safetensors")
+        assert_same(a, b)   # includes the frozen model/inp.* (the resumed model started from seed 7)
+        assert bool(b["meta/optim_step_is_int"]) == (c.get("optimizer") == "ds_adam"), c
+        man = json.load(open(f"{d}/ck{i}/global_step3/manifest.json"))
+        if c.get("frozen"):
+            assert not any(n.endswith("/inp.weight") for n in man["tensors"] if not n.startswith("model/"))
+            assert "derived" not in man["tensors"]["model/inp.weight"]
+    # saved with round-robin order, loaded without it: the same state as a run that never used it
+    plain = load_file(f"{d}/plain.safetensors")
+    for s in (0, 3):
+        loaded = load_file(f"{d}/rr{s}.safetensors")
+        assert_same(plain, loaded, [k for k in plain if k.startswith(("model/", "master/", "optim/"))])
+
+
+def test_checkpoint_saved_by_a_single_rank_loads_into_two(tmp_path):
+    d = str(tmp_path)
+    c = dict(stage=1, dtype="bf16", adacheck={"enabled": True})
+    check(launch(1, {"runs": [dict(c, actions=[["train", 2], ["save", f"{d}/ck"], ["dump", "one"]])]}, d))
+    check(launch(2, {"runs": [dict(c, stage=s, seed=4, actions=[["load", f"{d}/ck"], ["dump", f"two{s}"], ["train", 1]])
+                              for s in (2, 3)]}, d + "/two"))
+    one = load_file(f"{d}/one.safetensors")
+    for s in (2, 3):
+        assert_same(one, load_file(f"{d}/two/two{s}.safetensors"),
+                    [k for k in one if k.startswith(("model/", "master/", "optim/", "buffer/"))])
