@@ -182,6 +182,7 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
             if update_latest:
                 commit.write_latest(save_dir, tag)
             commit.remove_unreferenced(ckpt_dir, manifest)
+            commit.remove_torn(save_dir, protect=(tag,))
             if keep_last:
                 latest = commit.read_latest(save_dir)
                 commit.apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()))

@@ -117,6 +117,36 @@ def remove_unreferenced(ckpt_dir: str, manifest: Manifest) -> None:
                 pass
 
 
+_SHARD_FILE = re.compile(r"^rank\d{5}-g\d+\.safetensors(" + re.escape(TMP_SUFFIX) + ")?$")
+
+
+def remove_torn(save_dir: str, protect: Tuple[str, ...] = ()) -> List[str]:
+    """Delete the shard files of saves that never committed (a killed job leaves them).
+
+    Only directories with no manifest at all are touched (a damaged manifest is left for a
+    person to look at), only files named like AdaCheck shards are removed, and the directory
+    itself only when nothing else is left in it.  Call it only when no save of this job is
+    in flight.  Returns the tags cleaned.
+    """
+    cleaned = []
+    for tag, _, _ in list_checkpoints(save_dir):
+        d = os.path.join(save_dir, tag)
+        if tag in protect or os.path.exists(os.path.join(d, MANIFEST_NAME)):
+            continue
+        for f in os.listdir(d):
+            if _SHARD_FILE.match(f):
+                try:
+                    os.remove(os.path.join(d, f))
+                except FileNotFoundError:
+                    pass
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass   # something else lives there; leave it
+        cleaned.append(tag)
+    return cleaned
+
+
 def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> List[str]:
     """Delete committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
 

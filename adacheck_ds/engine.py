@@ -136,7 +136,7 @@ class AdaCheckDeepSpeed:
         def read(r: core.CheckpointReader):
             lay = S.describe(e)
             objects = r.objects()
-            st = S.stage_load(e, lay, r, want_optim, objects.get("param_groups"))
+            st = S.stage_load(e, lay, r, want_optim, objects.get("param_groups"), strict=load_module_strict)
             st.objects = objects
             ranks = r.manifest.topology.get("world_size", 1)
             st.rank_objects = r.objects(comm.rank) if comm.rank < ranks else None

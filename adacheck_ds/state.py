@@ -240,20 +240,48 @@ def _lp_source(r: CheckpointReader, n: str, dtype: torch.dtype) -> str:
     return _master_source(r, n)
 
 
+def _names_in(r: CheckpointReader, prefix: str) -> set:
+    return {n[len(prefix):] for n in r.manifest.tensors if n.startswith(prefix)}
+
+
+def _check_names(engine, r: CheckpointReader, strict: bool) -> set:
+    """Parameters to restore; like nn.Module.load_state_dict(strict=...) for missing/unexpected."""
+    params = dict(engine.module.named_parameters())
+    saved = _names_in(r, "model/") | _names_in(r, "master/")
+    missing = [n for n in params if n not in saved]
+    unexpected = sorted(saved - set(params))
+    buffers = {n for n, b in engine.module.named_buffers() if b is not None}
+    missing += sorted(buffers - _names_in(r, "buffer/"))
+    unexpected += sorted(_names_in(r, "buffer/") - buffers)
+    if strict and (missing or unexpected):
+        frozen = [n for n in missing if n in params and not params[n].requires_grad]
+        hint = (" (frozen parameters are missing when the checkpoint was saved with "
+                "exclude_frozen_parameters=True)" if frozen else "")
+        raise StateError(f"the checkpoint does not match the model: missing "
+                         f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
+                         f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}{hint}; pass "
+                         "load_module_strict=False to load the parameters both have")
+    return set(params) - set(missing)   # buffers: stage_load takes those the checkpoint has
+
+
 def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: bool,
-               param_groups_saved) -> Staged:
+               param_groups_saved, strict: bool = True) -> Staged:
     st = Staged()
-    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
+    keep = _check_names(engine, r, strict)
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()
+              if n in keep}
     for n, shape in shapes.items():
         src = r.entry(_master_source(r, n))
         if tuple(src.shape) != shape:
             raise StateError(f"parameter {n}: checkpoint shape {list(src.shape)} != model shape "
                              f"{list(shape)}; the checkpoint belongs to another model configuration")
     for f in lay.frags:
-        st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start,
-                                                       f.start + f.numel, dtype=f.master.dtype)
+        if f.name in keep:
+            st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start,
+                                                           f.start + f.numel, dtype=f.master.dtype)
     for n, (start, view) in lay.lp_views.items():
-        st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype)
+        if n in keep:
+            st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype)
     for n, buf in engine.module.named_buffers():
         if buf is not None and r.has(f"buffer/{n}"):
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
@@ -328,9 +356,11 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
 def apply_load(engine, lay: Layout, st: Staged) -> None:
     with torch.no_grad():
         for f in lay.frags:
-            f.master.copy_(st.master[f"{f.name}@{f.start}"])
+            if f"{f.name}@{f.start}" in st.master:
+                f.master.copy_(st.master[f"{f.name}@{f.start}"])
         for n, (start, view) in lay.lp_views.items():
-            view.copy_(st.lp[n])
+            if n in st.lp:
+                view.copy_(st.lp[n])
         named_buffers = dict(engine.module.named_buffers())
         for n, t in st.buffers.items():
             named_buffers[n].copy_(t)

@@ -3,7 +3,7 @@
 spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam", "hidden": 37,
                   "frozen": [name prefixes], "zero": {extra zero_optimization keys},
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
-Actions: train N | save DIR [TAG] | save_native DIR | load DIR [KWARGS] | load_native DIR |
+Actions: train N | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
@@ -141,7 +141,8 @@ def act(engine, a, rec, out_dir, rank):
         train(engine, a[1], rec["losses"])
     elif op == "save":
         cs = {"epoch": 3, "note": "hi", "vec": torch.arange(4.0)}
-        engine.save_checkpoint(a[1], tag=a[2] if len(a) > 2 else None, client_state=cs)
+        engine.save_checkpoint(a[1], tag=a[2] if len(a) > 2 else None, client_state=cs,
+                               **(a[3] if len(a) > 3 else {}))
     elif op == "save_native":
         adacheck_ds.save_native(engine, a[1])
     elif op == "load":

@@ -154,3 +154,26 @@ def test_loader_stages_before_applying(ckpt):
     with pytest.raises(Exception, match="boom"):
         load(SoloComm(), str(ckpt.parent), None, read, applied.append)
     assert applied == []
+
+
+def test_next_commit_removes_torn_saves_of_a_killed_job(tmp_path):
+    """A job killed mid-save leaves shard files without a manifest; the next successful save
+    removes them (and only them: a damaged manifest and foreign files are left alone)."""
+    write_golden(str(tmp_path))
+    torn = tmp_path / "step8"
+    torn.mkdir()
+    (torn / "rank00000-g0.safetensors.tmp").write_bytes(b"x" * 100)
+    (torn / "rank00001-g0.safetensors").write_bytes(b"x" * 100)
+    mixed = tmp_path / "step9"
+    mixed.mkdir()
+    (mixed / "rank00000-g0.safetensors").write_bytes(b"x")
+    (mixed / "notes.txt").write_text("mine")
+    damaged = tmp_path / "step6"
+    shutil.copytree(tmp_path / "step7", damaged)
+    (damaged / "manifest.json").write_text("{")
+    _, state = golden_state()
+    save(SoloComm(), str(tmp_path), "step10", lambda: state)
+    assert not torn.exists()
+    assert os.listdir(mixed) == ["notes.txt"]
+    assert sorted(os.listdir(damaged)) == ["manifest.json", "rank00000-g0.safetensors"]
+    assert (tmp_path / "step7" / "manifest.json").exists()

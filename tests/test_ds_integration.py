@@ -226,3 +226,20 @@ def test_checkpoint_saved_by_a_single_rank_loads_into_two(tmp_path):
     for s in (2, 3):
         assert_same(one, load_file(f"{d}/two/two{s}.safetensors"),
                     [k for k in one if k.startswith(("model/", "master/", "optim/", "buffer/"))])
+
+
+def test_exclude_frozen_parameters_and_load_module_strict(tmp_path):
+    """Without the frozen weights in the checkpoint a strict load is refused with a hint;
+    load_module_strict=False restores the rest and keeps the model's own frozen weights."""
+    d = str(tmp_path)
+    c = dict(stage=2, dtype="bf16", frozen=["inp."], adacheck={"enabled": True})
+    runs = [dict(c, actions=[["train", 2], ["save", f"{d}/ck", "t", {"exclude_frozen_parameters": True}],
+                             ["dump", "A"]]),
+            dict(c, hidden=37, actions=[["expect_error", "exclude_frozen_parameters", "load", f"{d}/ck"],
+                                        ["load", f"{d}/ck", {"load_module_strict": False}], ["dump", "B"]])]
+    check(launch(2, {"runs": runs}, d))
+    man = json.load(open(f"{d}/ck/t/manifest.json"))
+    assert not any("inp." in n for n in man["tensors"])
+    assert_same(load_file(f"{d}/A.safetensors"), load_file(f"{d}/B.safetensors"))
+    err = results(d)[1]["errors"][0]
+    assert "missing ['inp.weight', 'inp.bias']" in err and "load_module_strict=False" in err
