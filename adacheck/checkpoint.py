@@ -81,11 +81,15 @@ def _object_shards(tree, prefix: str, replicated: bool):
 
 
 def snapshot(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, torch.Tensor]:
-    """Copy the boxes this rank writes into host staging buffers (key -> CPU tensor)."""
+    """The boxes this rank writes as contiguous CPU tensors (key -> tensor).
+
+    Device tensors are copied to the host; contiguous CPU tensors are written in place, as
+    the save is synchronous: nothing changes them between hashing and writing.
+    """
     staged = {}
     for name, box, key in writes:
         t = shards[(name, box)].tensor.detach()
-        staged[key] = t.to("cpu", copy=True).contiguous()
+        staged[key] = t.to("cpu").contiguous()
     return staged
 
 
@@ -226,6 +230,7 @@ class CheckpointReader:
         self._cache: "OrderedDict[Tuple[str, str], torch.Tensor]" = OrderedDict()
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self.bytes_read = 0
+        self._scratch_buf = torch.empty(0, dtype=torch.uint8)
 
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors
@@ -241,11 +246,13 @@ class CheckpointReader:
             self._files[fname] = SafetensorsFile(os.path.join(self.dir, fname))
         return self._files[fname]
 
-    def stored(self, name: str, sb) -> torch.Tensor:
+    def stored(self, name: str, sb, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Stored box ``sb`` of ``name``, verified; read straight into ``out`` when given
+        (contiguous, the stored dtype and shape), else kept in the cache."""
         ck = (sb.file, sb.key)
         if ck in self._cache:
             self._cache.move_to_end(ck)
-            return self._cache[ck]
+            return self._cache[ck] if out is None else out.copy_(self._cache[ck])
         e = self.entry(name)
         f = self._file(sb.file)
         if sb.key not in f.entries:
@@ -254,7 +261,7 @@ class CheckpointReader:
         if dname != e.dtype or shape != tuple(sb.box.lengths):
             raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in the file but the "
                               f"manifest says {e.dtype}{list(sb.box.lengths)}")
-        t = f.read(sb.key)
+        t = f.read(sb.key, out)
         self.bytes_read += t.numel() * t.element_size()
         if self.verify:
             got = hash_tensor(t)
@@ -263,6 +270,8 @@ class CheckpointReader:
                                      f"{got} but the manifest recorded {sb.hash}; the file is "
                                      "corrupt (bit flip or partial write). Restore it or load an "
                                      "older checkpoint.")
+        if out is not None:
+            return t
         nbytes = t.numel() * t.element_size()
         self._cache[ck] = t
         self._cache_bytes += nbytes
@@ -270,6 +279,13 @@ class CheckpointReader:
             _, old = self._cache.popitem(last=False)
             self._cache_bytes -= old.numel() * old.element_size()
         return t
+
+    def _scratch(self, box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """A reused buffer for ``box`` of ``dtype`` (fresh memory costs page faults per read)."""
+        nbytes = box.numel * torch.empty((), dtype=dtype).element_size()
+        if self._scratch_buf.numel() < nbytes:
+            self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch_buf[:nbytes].view(dtype).view(box.lengths)
 
     def _choose(self, boxes):
         """One stored copy per region: the variant this rank held, else the lowest holder's."""
@@ -284,30 +300,57 @@ class CheckpointReader:
             out.append(pick)
         return out
 
-    def read(self, name: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def read(self, name: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The elements of ``box`` (default: all) of logical tensor ``name``.
+
+        With ``out`` (box-shaped) they are written there, cast to its dtype, without an
+        intermediate copy; otherwise a new tensor (cast to ``dtype`` if given) is returned.
+        """
         e = self.entry(name)
         box = box if box is not None else Box.full(e.shape)
         if not box.fits(e.shape):
             raise FormatError(f"{name}: asked for box {box} outside its shape {list(e.shape)}")
+        if out is None:
+            out = torch.empty(box.lengths, dtype=dtype or torch_dtype(e.dtype))
+        elif tuple(out.shape) != tuple(box.lengths):
+            raise ValueError(f"{name}: out has shape {list(out.shape)}, box {box} needs {list(box.lengths)}")
         if e.derived is not None:
-            out = self.read(e.derived.source, box).to(torch_dtype(e.dtype))
-        else:
-            out = torch.empty(box.lengths, dtype=torch_dtype(e.dtype))
-            filled = 0
-            for sb in self._choose(e.boxes):
-                if box.intersect(sb.box) is not None:
-                    filled += copy_intersection(out, box, self.stored(name, sb), sb.box)
-            if filled != box.numel:
-                raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
-                                  f"asked for (box {box})")
-        return out if dtype is None else out.to(dtype)
+            if out.dtype == torch_dtype(e.dtype):
+                self.read(e.derived.source, box, out=out)
+            else:   # derive exactly as saved (cast to the stored dtype), then cast to out's
+                out.copy_(self.read(e.derived.source, box).to(torch_dtype(e.dtype)))
+            return out
+        filled = 0
+        direct = out.is_contiguous() and out.dtype == torch_dtype(e.dtype)
+        for sb in self._choose(e.boxes):
+            if sb.box == box and (sb.file, sb.key) not in self._cache:
+                # the whole request is one stored box: read it straight into out, or into a
+                # reused scratch buffer when out has another dtype (a cast) or layout
+                self.stored(name, sb, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
+                if not direct:
+                    out.copy_(self._scratch(box, torch_dtype(e.dtype)))
+                filled += box.numel
+            elif box.intersect(sb.box) is not None:
+                filled += copy_intersection(out, box, self.stored(name, sb), sb.box)
+        if filled != box.numel:
+            raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
+                              f"asked for (box {box})")
+        return out
 
-    def read_flat(self, name: str, start: int, stop: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the row-major flattened tensor."""
+    def read_flat(self, name: str, start: int, stop: int, dtype: Optional[torch.dtype] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the row-major flattened tensor (into 1-D ``out`` if given)."""
         e = self.entry(name)
-        parts = [self.read(name, b).reshape(-1) for b in flat_range_to_boxes(e.shape, start, stop)]
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch_dtype(e.dtype))
-        return out if dtype is None else out.to(dtype)
+        if out is None:
+            out = torch.empty(stop - start, dtype=dtype or torch_dtype(e.dtype))
+        elif out.numel() != stop - start or out.dim() != 1:
+            raise ValueError(f"{name}: out must be 1-D with {stop - start} elements")
+        pos = 0
+        for b in flat_range_to_boxes(e.shape, start, stop):
+            self.read(name, b, out=out.narrow(0, pos, b.numel).view(b.lengths))
+            pos += b.numel
+        return out
 
     def objects(self, rank: Optional[int] = None):
         tree = self.manifest.objects if rank is None else self.manifest.rank_objects[rank]

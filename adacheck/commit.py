@@ -129,16 +129,18 @@ def remove_torn(save_dir: str, protect: Tuple[str, ...] = ()) -> List[str]:
     in flight.  Returns the tags cleaned.
     """
     cleaned = []
-    for tag, _, _ in list_checkpoints(save_dir):
+    for tag in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
         d = os.path.join(save_dir, tag)
-        if tag in protect or os.path.exists(os.path.join(d, MANIFEST_NAME)):
+        if tag in protect or not os.path.isdir(d) or os.path.exists(os.path.join(d, MANIFEST_NAME)):
             continue
-        for f in os.listdir(d):
-            if _SHARD_FILE.match(f):
-                try:
-                    os.remove(os.path.join(d, f))
-                except FileNotFoundError:
-                    pass
+        shards = [f for f in os.listdir(d) if _SHARD_FILE.match(f)]
+        if not shards:
+            continue
+        for f in shards:
+            try:
+                os.remove(os.path.join(d, f))
+            except FileNotFoundError:
+                pass
         try:
             os.rmdir(d)
         except OSError:

@@ -81,11 +81,17 @@ class SafetensorsFile:
             raise FormatError(f"{path}: header describes {self.data_start + pos} bytes but the "
                               f"file has {self.size} (truncated or padded file)")
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, out: torch.Tensor = None) -> torch.Tensor:
+        """The tensor ``key``: into ``out`` (contiguous, same dtype and shape) or a new tensor."""
         if key not in self.entries:
             raise FormatError(f"{self.path}: no tensor {key!r} in this shard file")
         dname, shape, a, b = self.entries[key]
-        out = torch.empty(shape, dtype=DTYPES[dname][0])
+        if out is None:
+            out = torch.empty(shape, dtype=DTYPES[dname][0])
+        elif (out.dtype != DTYPES[dname][0] or tuple(out.shape) != shape or not out.is_contiguous()
+              or out.device.type != "cpu"):
+            raise ValueError(f"{self.path}: cannot read {key!r} ({dname}{list(shape)}) into a "
+                             f"{out.dtype}{list(out.shape)} tensor")
         if b > a:
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
             with open(self.path, "rb") as f:

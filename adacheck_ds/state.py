@@ -23,7 +23,7 @@ import torch
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
-from adacheck.types import Box
+from adacheck.types import Box, torch_dtype
 
 
 @dataclass
@@ -338,11 +338,14 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
                     # a Python int (DeepSpeed's Adam counts steps that way) was saved as int64
                     entry[key] = t.item() if t.dtype == torch.int64 else t
                 else:
-                    flat = torch.zeros(p.numel(), dtype=r.read(f"optim/{key}/{frs[0].name}",
-                                                               Box((0,) * len(e0.shape), (1,) * len(e0.shape))).dtype)
-                    for f in frs:
-                        flat.narrow(0, f.offset, f.numel).copy_(
-                            r.read_flat(f"optim/{key}/{f.name}", f.start, f.start + f.numel))
+                    flat = torch.empty(p.numel(), dtype=torch_dtype(e0.dtype))
+                    covered = 0
+                    for f in sorted(frs, key=lambda f: f.offset):
+                        flat.narrow(0, covered, f.offset - covered).zero_()   # alignment padding
+                        r.read_flat(f"optim/{key}/{f.name}", f.start, f.start + f.numel,
+                                    out=flat.narrow(0, f.offset, f.numel))
+                        covered = f.offset + f.numel
+                    flat.narrow(0, covered, p.numel() - covered).zero_()
                     entry[key] = flat.view(p.shape)
             if entry:
                 state[index] = entry

@@ -1,0 +1,187 @@
+"""Benchmark: AdaCheck vs DeepSpeed's native checkpoints, same engine, same run.
+
+For every ZeRO stage x dtype at each data-parallel size, one real DeepSpeed training (CPU,
+gloo, torchrun) trains a few steps, then saves and loads natively and with AdaCheck, in
+alternating order, ``--repeat`` times; the fastest of the repeats counts for each.  Printed
+(and written as JSON to ``--json``):
+
+  native_bytes / adacheck_bytes  bytes on disk of each checkpoint directory
+  unique_bytes    the distinct logical state, counted from the engine and independent of
+                  AdaCheck: fp32 master weights + every optimizer moment (4 bytes per element
+                  each) + buffers.  Module weights are not counted: bf16 ones are the master
+                  cast (derivable), fp32 ones without ZeRO *are* the master.
+  save / load     native seconds / AdaCheck seconds (above 1: AdaCheck is faster).
+                  AdaCheck saves fsync every file (the product's default; DeepSpeed does not
+                  fsync), and AdaCheck loads verify every box's xxh3-128 hash; the save
+                  ratio without fsync is printed too.
+
+    .venv/bin/python scripts/bench_ds.py        # after scripts/demo.sh or test.sh made .venv
+    .venv/bin/python scripts/bench_ds.py --dp 2 --stages 2 --dtypes bf16 --repeat 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(a) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+
+    import adacheck_ds
+    from adacheck.config import AdaCheckConfig
+    sys.path.insert(0, HERE)
+    from demo_train import TinyLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    dist = torch.distributed
+
+    def timed(fn):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    rows = []
+    for stage in a.stages:
+        for dtype in a.dtypes:
+            torch.manual_seed(0)
+            model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
+            nparams = sum(p.numel() for p in model.parameters())
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+                   "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+                   "adacheck": {"enabled": True}}
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+            for _ in range(2):
+                g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
+                tokens = torch.randint(0, a.vocab, (2, 17), generator=g)
+                logits = engine(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
+                                                         tokens[:, 1:].reshape(-1))
+                engine.backward(loss)
+                engine.step()
+            base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            moments = {k for st in base.state.values() for k, v in st.items()
+                       if torch.is_tensor(v) and v.dim() >= 1}
+            buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers())
+            unique = nparams * 4 * (1 + len(moments)) + buffers
+            work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
+            nat, ada = os.path.join(work, "native"), os.path.join(work, "adacheck")
+            fast = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict({"enabled": True,
+                                                                                "fsync": False}))
+            t = {"native_save": [], "ada_save": [], "ada_save_nofsync": [], "native_load": [], "ada_load": []}
+            for i in range(a.repeat):
+                order = [("native_save", lambda: adacheck_ds.save_native(engine, nat, tag=f"t{i}")),
+                         ("ada_save", lambda: engine.save_checkpoint(ada, tag=f"t{i}")),
+                         ("ada_save_nofsync", lambda: fast.save_checkpoint(ada + "-nofsync", tag=f"t{i}"))]
+                for name, fn in (order if i % 2 == 0 else order[::-1]):
+                    t[name].append(timed(fn))
+                loads = [("native_load", lambda: adacheck_ds.load_native(engine, nat, tag=f"t{i}")),
+                         ("ada_load", lambda: engine.load_checkpoint(ada, tag=f"t{i}"))]
+                for name, fn in (loads if i % 2 == 0 else loads[::-1]):
+                    t[name].append(timed(fn))
+            if rank == 0:
+                last = f"t{a.repeat - 1}"
+                nb, ab = du(os.path.join(nat, last)), du(os.path.join(ada, last))
+                rows.append({
+                    "dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
+                    "native_bytes": nb, "adacheck_bytes": ab, "unique_bytes": unique,
+                    "adacheck_over_unique": ab / unique, "native_over_adacheck": nb / ab,
+                    **{f"{k}_s": min(v) for k, v in t.items()},
+                    "save_ratio": min(t["native_save"]) / min(t["ada_save"]),
+                    "save_ratio_nofsync": min(t["native_save"]) / min(t["ada_save_nofsync"]),
+                    "load_ratio": min(t["native_load"]) / min(t["ada_load"]),
+                })
+                print(json.dumps(rows[-1]), flush=True)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+            engine.destroy()
+    if rank == 0:
+        with open(a.rows, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- driver
+def table(rows) -> str:
+    head = ("| DP | ZeRO | dtype | native B | AdaCheck B | unique B | Ada/unique | native/Ada "
+            "| save ratio | save ratio (no fsync) | load ratio |")
+    out = [head, "|" + "---:|" * 11]
+    for r in rows:
+        out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['native_bytes']:,} | "
+                   f"{r['adacheck_bytes']:,} | {r['unique_bytes']:,} | {r['adacheck_over_unique']:.4f}x | "
+                   f"{r['native_over_adacheck']:.2f}x | {r['save_ratio']:.2f} | "
+                   f"{r['save_ratio_nofsync']:.2f} | {r['load_ratio']:.2f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--work", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--json", default="bench_ds.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    work = a.work or tempfile.mkdtemp(prefix="adacheck-bench-")
+    rows = []
+    for dp in a.dp:
+        rows_file = os.path.join(work, f"rows-dp{dp}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(dp),
+               "--master_port", str(29600 + os.getpid() % 1000 + dp), os.path.abspath(__file__), "--worker",
+               "--rows", rows_file, "--work", work, "--vocab", str(a.vocab), "--dim", str(a.dim),
+               "--layers", str(a.layers), "--repeat", str(a.repeat), "--stages", *map(str, a.stages),
+               "--dtypes", *a.dtypes]
+        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        print(f"[bench] DP={dp}: ZeRO {a.stages} x {a.dtypes}, {a.repeat} repeats", flush=True)
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=3600)
+        if p.returncode != 0:
+            print(p.stdout[-6000:])
+            raise SystemExit(f"bench: DP={dp} run failed with exit code {p.returncode}")
+        rows += json.load(open(rows_file))
+    if a.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    import torch
+    import deepspeed
+    result = {"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+              "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
+              "repeat": a.repeat}
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(rows))
+    worst = max(r["adacheck_over_unique"] for r in rows)
+    print(f"\nworst AdaCheck / unique logical state: {worst:.4f}x; JSON in {a.json}")
+
+
+if __name__ == "__main__":
+    main()
