@@ -243,3 +243,27 @@ def test_exclude_frozen_parameters_and_load_module_strict(tmp_path):
     assert_same(load_file(f"{d}/A.safetensors"), load_file(f"{d}/B.safetensors"))
     err = results(d)[1]["errors"][0]
     assert "missing ['inp.weight', 'inp.bias']" in err and "load_module_strict=False" in err
+
+
+def test_four_ranks_resume_and_load_back_into_two(tmp_path):
+    """DP=4 resumes bit-identically; a DP=4 ZeRO-3 checkpoint loads into DP=2 ZeRO-2 and ZeRO-0."""
+    d = str(tmp_path)
+    runs = []
+    for s, dt in [(3, "fp32"), (1, "bf16")]:
+        c = dict(stage=s, dtype=dt, adacheck={"enabled": True})
+        runs += [dict(c, actions=[["train", 2], ["save", f"{d}/ck{s}"], ["dump", f"S{s}"], ["train", 2],
+                                  ["dump", f"A{s}"]]),
+                 dict(c, seed=5, actions=[["load", f"{d}/ck{s}"], ["train", 2], ["dump", f"B{s}"]])]
+    check(launch(4, {"runs": runs}, d))
+    res = results(d)
+    for i, s in enumerate((3, 1)):
+        assert res[2 * i]["losses"][2:] == res[2 * i + 1]["losses"], s
+        assert_same(load_file(f"{d}/A{s}.safetensors"), load_file(f"{d}/B{s}.safetensors"))
+    two = d + "/two"
+    check(launch(2, {"runs": [dict(stage=s, dtype="fp32", seed=6, adacheck={"enabled": True},
+                                   actions=[["load", f"{d}/ck3"], ["dump", f"L{s}"], ["train", 1]])
+                              for s in (2, 0)]}, two))
+    saved = load_file(f"{d}/S3.safetensors")
+    for s in (2, 0):
+        assert_same(saved, load_file(f"{two}/L{s}.safetensors"),
+                    [k for k in saved if k.startswith(("model/", "master/", "optim/", "buffer/", "meta/lr"))])
