@@ -27,8 +27,8 @@ from .boxes import copy_intersection, flat_range_to_boxes
 from .errors import FormatError, IntegrityError, NotFoundError
 from .exchange import Comm, agree
 from .hashing import hash_tensor
-from .manifest import FORMAT_VERSION
-from .planner import plan_save
+from .manifest import FORMAT_VERSION, split_file
+from .planner import plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
 from .writer import fsync_dir, write_safetensors
@@ -110,9 +110,22 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata
     return size
 
 
+def _previous(save_dir: str, tag: str) -> Optional[str]:
+    """The committed checkpoint a new save may reference: the one ``latest`` names."""
+    prev = commit.read_latest(save_dir)
+    if prev is None or prev == tag or not os.path.isfile(os.path.join(save_dir, prev, commit.MANIFEST_NAME)):
+        return None
+    return prev
+
+
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-         keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True) -> Manifest:
-    """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest."""
+         keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
+         reference_previous: bool = True) -> Manifest:
+    """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
+
+    With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint
+    ``latest`` names are referenced there instead of written again.
+    """
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(save_dir, tag)
     ctx = {}
@@ -122,6 +135,7 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
         if comm.rank == 0:
             os.makedirs(ckpt_dir, exist_ok=True)
             ctx["generation"] = commit.generation_of(ckpt_dir)
+            ctx["previous"] = _previous(save_dir, tag) if reference_previous else None
         state = collect()
         shards = list(state.shards)
         objects = None
@@ -135,14 +149,25 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
             raise FormatError("the integration reported the same (tensor, box) twice on one rank")
         return {"metas": [_meta(s) for s in shards], "objects": objects,
                 "rank_objects": rank_objects, "layout": state.layout,
-                "generation": ctx.get("generation"), "step": state.step,
+                "generation": ctx.get("generation"), "previous": ctx.get("previous"), "step": state.step,
                 "framework": state.framework}
 
     payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
     gathered = comm.all_gather_object(payload)
     t_prepare = time.perf_counter()
     generation = gathered[0]["generation"]
-    plan = plan_save([g["metas"] for g in gathered], generation)
+    prev_tag = gathered[0]["previous"]
+
+    def index_previous():
+        if prev_tag is None:
+            return None
+        m = commit.read_manifest(os.path.join(save_dir, prev_tag))
+        files = {}   # does each referenced file still exist? (one stat per file)
+        return previous_index(prev_tag, m, lambda ref: files.setdefault(
+            ref, os.path.isfile(os.path.join(save_dir, ref))))
+
+    previous = agree(comm, f"AdaCheck save of {ckpt_dir} (previous checkpoint {prev_tag})", index_previous)
+    plan = plan_save([g["metas"] for g in gathered], generation, previous)
     if comm.rank == 0:
         for w in plan.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=2)
@@ -185,11 +210,10 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
         if comm.rank == 0:
             if update_latest:
                 commit.write_latest(save_dir, tag)
-            commit.remove_unreferenced(ckpt_dir, manifest)
-            commit.remove_torn(save_dir, protect=(tag,))
             if keep_last:
                 latest = commit.read_latest(save_dir)
                 commit.apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()))
+            commit.collect_garbage(save_dir)
 
     agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
     t_end = time.perf_counter()
@@ -241,9 +265,16 @@ class CheckpointReader:
         except KeyError:
             raise FormatError(f"{self.dir}: the checkpoint has no tensor {name!r}") from None
 
+    def path_of(self, fname: str) -> str:
+        """Where a manifest file entry lives: here, or in an earlier sibling checkpoint."""
+        tag, name = split_file(fname)
+        if tag is None:
+            return os.path.join(self.dir, name)
+        return os.path.join(os.path.dirname(os.path.normpath(self.dir)), tag, name)
+
     def _file(self, fname: str) -> SafetensorsFile:
         if fname not in self._files:
-            self._files[fname] = SafetensorsFile(os.path.join(self.dir, fname))
+            self._files[fname] = SafetensorsFile(self.path_of(fname))
         return self._files[fname]
 
     def stored(self, name: str, sb, out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from collections import defaultdict
 from . import commit
 from .checkpoint import CheckpointReader, resolve
 from .errors import AdaCheckError
+from .manifest import referenced_files
 
 
 def human(n: float) -> str:
@@ -32,7 +33,7 @@ def table(rows, headers) -> str:
 def summary(ckpt_dir: str) -> dict:
     r = CheckpointReader(ckpt_dir, verify=False)
     m = r.manifest
-    per_kind = defaultdict(lambda: {"tensors": 0, "logical": 0, "stored": 0, "derived": 0})
+    per_kind = defaultdict(lambda: {"tensors": 0, "logical": 0, "stored": 0, "referenced": 0, "derived": 0})
     for e in m.tensors.values():
         k = per_kind[e.kind]
         k["tensors"] += 1
@@ -40,7 +41,9 @@ def summary(ckpt_dir: str) -> dict:
         if e.derived is not None:
             k["derived"] += e.nbytes
         else:
-            k["stored"] += sum(b.box.numel for b in e.boxes) * (e.nbytes // max(e.numel, 1))
+            item = e.nbytes // max(e.numel, 1)
+            k["stored"] += sum(b.box.numel for b in e.boxes if "/" not in b.file) * item
+            k["referenced"] += sum(b.box.numel for b in e.boxes if "/" in b.file) * item
     per_rank = defaultdict(int)
     for f, info in m.files.items():
         per_rank[info["writer"]] += info["nbytes"]
@@ -50,6 +53,7 @@ def summary(ckpt_dir: str) -> dict:
         "tensors": len(m.tensors), "files": len(m.files),
         "file_bytes": sum(i["nbytes"] for i in m.files.values()),
         "per_kind": dict(per_kind), "per_rank_file_bytes": dict(sorted(per_rank.items())),
+        "references": sorted({t for t, _ in referenced_files(m) if t is not None}),
     }
 
 
@@ -69,13 +73,16 @@ def cmd_inspect(args) -> int:
     print(f"tensors     {s['tensors']} logical tensors in {s['files']} files")
     print(f"bytes       held by all ranks {human(st.get('held_bytes', 0))}, logical {human(logical)}, "
           f"derived (not stored) {human(st.get('derived_bytes', 0))}, on disk {human(stored)}")
+    if s["references"]:
+        print(f"referenced  {human(st.get('referenced_bytes', 0))} unchanged since, and read from, "
+              f"earlier checkpoint(s) {', '.join(s['references'])}")
     if stored:
         print(f"ratios      held/on-disk {st.get('held_bytes', 0) / stored:.2f}x, "
               f"logical/on-disk {logical / stored:.2f}x")
     print()
-    rows = [(k, v["tensors"], human(v["logical"]), human(v["derived"]), human(v["stored"]))
-            for k, v in sorted(s["per_kind"].items())]
-    print(table(rows, ["kind", "tensors", "logical", "derived", "stored"]))
+    rows = [(k, v["tensors"], human(v["logical"]), human(v["derived"]), human(v["stored"]),
+             human(v["referenced"])) for k, v in sorted(s["per_kind"].items())]
+    print(table(rows, ["kind", "tensors", "logical", "derived", "stored (new)", "referenced"]))
     print()
     rows = [(f"rank {r}", human(b)) for r, b in s["per_rank_file_bytes"].items()]
     print(table(rows, ["writer", "bytes written"]))
@@ -119,11 +126,24 @@ def cmd_verify(args) -> int:
 
 def cmd_ls(args) -> int:
     latest = commit.read_latest(args.path)
+    found = commit.list_checkpoints(args.path)
+    users = defaultdict(set)   # tag -> later checkpoints that read files there
+    for tag, m, _ in found:
+        for ref, _ in referenced_files(m) if m else ():
+            if ref is not None:
+                users[ref].add(tag)
     rows = []
-    for tag, m, problem in commit.list_checkpoints(args.path):
-        rows.append((tag + (" (latest)" if tag == latest else ""), "complete" if m else "INCOMPLETE",
-                     m.step if m else "-", human(sum(i["nbytes"] for i in m.files.values())) if m else "-",
-                     "" if m else problem.split(":")[-1].strip()[:60]))
+    for tag, m, problem in found:
+        if m:
+            state = "complete"
+            note = f"reads from {', '.join(sorted({t for t, _ in referenced_files(m) if t}))}" if any(
+                t for t, _ in referenced_files(m)) else ""
+        elif users.get(tag):
+            state, note = "retired", f"holds files that {', '.join(sorted(users[tag]))} read(s)"
+        else:
+            state, note = "INCOMPLETE", problem.split(":")[-1].strip()[:60]
+        rows.append((tag + (" (latest)" if tag == latest else ""), state, m.step if m else "-",
+                     human(sum(i["nbytes"] for i in m.files.values())) if m else "-", note))
     if not rows:
         print(f"no AdaCheck checkpoints in {args.path}")
         return 1

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .errors import FormatError, NotFoundError
-from .manifest import MANIFEST_NAME, dumps, parse
+from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, referenced_files, split_file
 from .types import Manifest
 from .writer import fsync_dir
 
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
-_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
 
 def check_tag(tag: str) -> str:
-    if not isinstance(tag, str) or not _TAG_RE.match(tag) or tag in (LATEST,):
+    if not isinstance(tag, str) or not TAG_RE.match(tag) or tag in (LATEST,):
         raise FormatError(f"checkpoint tag {tag!r} must be 1-200 characters of letters, digits, "
                           "'.', '_', '+', '-', start with a letter or digit, and not be 'latest'")
     return tag
@@ -96,64 +94,66 @@ def list_checkpoints(save_dir: str) -> List[Tuple[str, Optional[Manifest], Optio
 
 
 def generation_of(ckpt_dir: str) -> int:
-    """Generation for a new save into ``ckpt_dir``: one past the committed one (0 if none)."""
+    """Generation for a new save into ``ckpt_dir``: past every generation whose files are
+    there (committed, torn, or kept because a later checkpoint references them), so a new
+    save never writes over an existing shard file.  0 for a fresh directory."""
+    gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(os.listdir(ckpt_dir)))]
     try:
-        m = read_manifest(ckpt_dir)
-    except NotFoundError:
-        return 0
-    except FormatError:
-        return 1 + max([int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(os.listdir(ckpt_dir)))] or [0])
-    return 1 + int(m.framework.get("generation", 0))
-
-
-def remove_unreferenced(ckpt_dir: str, manifest: Manifest) -> None:
-    """Delete shard files (and stale temporaries) the committed manifest does not use."""
-    keep = set(manifest.files)
-    for f in os.listdir(ckpt_dir):
-        if (f.endswith(".safetensors") and f not in keep) or f.endswith(".safetensors" + TMP_SUFFIX):
-            try:
-                os.remove(os.path.join(ckpt_dir, f))
-            except FileNotFoundError:
-                pass
+        gens.append(int(read_manifest(ckpt_dir).framework.get("generation", 0)))
+    except (NotFoundError, FormatError):
+        pass
+    return 1 + max(gens) if gens else 0
 
 
 _SHARD_FILE = re.compile(r"^rank\d{5}-g\d+\.safetensors(" + re.escape(TMP_SUFFIX) + ")?$")
 
 
-def remove_torn(save_dir: str, protect: Tuple[str, ...] = ()) -> List[str]:
-    """Delete the shard files of saves that never committed (a killed job leaves them).
+def collect_garbage(save_dir: str) -> List[str]:
+    """Delete shard files (and temporaries) that no committed checkpoint reads.
 
-    Only directories with no manifest at all are touched (a damaged manifest is left for a
-    person to look at), only files named like AdaCheck shards are removed, and the directory
-    itself only when nothing else is left in it.  Call it only when no save of this job is
-    in flight.  Returns the tags cleaned.
+    That covers earlier generations of a re-saved tag, saves a killed job never committed,
+    and files of retired checkpoints once nothing references them.  A directory whose
+    manifest cannot be parsed is left alone (for a person to look at); only files named
+    like AdaCheck shards are removed, and a directory without manifest that this call
+    emptied is removed too.  Call it only when no save into ``save_dir`` is in flight.
+    Returns the files removed, as ``<tag>/<file>``.
     """
-    cleaned = []
+    need: Dict[str, set] = {}
+    unreadable = set()
+    for tag, m, _ in list_checkpoints(save_dir):
+        if m is None:
+            if os.path.exists(os.path.join(save_dir, tag, MANIFEST_NAME)):
+                unreadable.add(tag)
+            continue
+        for ref_tag, name in referenced_files(m):
+            need.setdefault(ref_tag or tag, set()).add(name)
+    removed = []
     for tag in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
         d = os.path.join(save_dir, tag)
-        if tag in protect or not os.path.isdir(d) or os.path.exists(os.path.join(d, MANIFEST_NAME)):
+        if tag in unreadable or not os.path.isdir(d):
             continue
-        shards = [f for f in os.listdir(d) if _SHARD_FILE.match(f)]
-        if not shards:
-            continue
-        for f in shards:
+        before = len(removed)
+        for f in sorted(os.listdir(d)):
+            if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
+                try:
+                    os.remove(os.path.join(d, f))
+                    removed.append(f"{tag}/{f}")
+                except FileNotFoundError:
+                    pass
+        if len(removed) > before and not os.path.exists(os.path.join(d, MANIFEST_NAME)):
             try:
-                os.remove(os.path.join(d, f))
-            except FileNotFoundError:
-                pass
-        try:
-            os.rmdir(d)
-        except OSError:
-            pass   # something else lives there; leave it
-        cleaned.append(tag)
-    return cleaned
+                os.rmdir(d)
+            except OSError:
+                pass   # referenced files or something else live there; leave it
+    return removed
 
 
 def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> List[str]:
     """Delete committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
 
     Order is by step, then manifest time.  Only directories holding an AdaCheck manifest
-    are ever removed.  Returns the removed tags.
+    are ever removed; shard files a kept checkpoint references stay (in a directory
+    without manifest, which is then no checkpoint of its own).  Returns the removed tags.
     """
     committed = []
     for tag, m, problem in list_checkpoints(save_dir):
@@ -162,10 +162,11 @@ def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> 
         mtime = os.path.getmtime(os.path.join(save_dir, tag, MANIFEST_NAME))
         committed.append(((m.step if m.step is not None else -1), mtime, tag))
     committed.sort(reverse=True)
-    removed = []
-    for _, _, tag in committed[keep_last:]:
-        if tag in protect:
-            continue
-        shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
-        removed.append(tag)
-    return removed
+    doomed = [tag for _, _, tag in committed[keep_last:] if tag not in protect]
+    for tag in doomed:   # the manifest goes; collect_garbage then keeps what others reference
+        os.remove(os.path.join(save_dir, tag, MANIFEST_NAME))
+        try:
+            os.rmdir(os.path.join(save_dir, tag))   # a checkpoint that only referenced others
+        except OSError:
+            pass
+    return doomed

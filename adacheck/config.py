@@ -6,20 +6,24 @@ or an impossible value raises ConfigError naming the key and what is allowed.
 
 Defaults (the single source of truth, also shown in configs/ and README.md):
 
-=================  ========  ===============================================================
-key                default   meaning
-=================  ========  ===============================================================
-enabled            false     use AdaCheck for save_checkpoint / load_checkpoint
-save_dir           null      directory for checkpoints; null = the directory the training
-                             script passes to save_checkpoint / load_checkpoint
-keep_last          0         keep only the newest K committed checkpoints (0 = keep all);
-                             the one being written and the latest are never deleted
-verify_on_load     true      check every stored box's xxh3-128 hash while loading
-fsync              true      fsync files and directories while committing (switch off only
-                             on storage without durability, e.g. a RAM disk for tests)
-strict_objects     true      non-JSON-able client_state / scheduler entries are an error
-                             (false: they are skipped with a warning)
-=================  ========  ===============================================================
+==================  ========  ==============================================================
+key                 default   meaning
+==================  ========  ==============================================================
+enabled             false     use AdaCheck for save_checkpoint / load_checkpoint
+save_dir            null      directory for checkpoints; null = the directory the training
+                              script passes to save_checkpoint / load_checkpoint
+keep_last           0         keep only the newest K committed checkpoints (0 = keep all);
+                              the one being written and the latest are never deleted
+verify_on_load      true      check every stored box's xxh3-128 hash while loading
+fsync               true      fsync files and directories while committing (switch off only
+                              on storage without durability, e.g. a RAM disk for tests)
+strict_objects      true      non-JSON-able client_state / scheduler entries are an error
+                              (false: they are skipped with a warning)
+reference_previous  true      a box whose bytes equal those of the checkpoint ``latest`` names
+                              is referenced there, not written again (frozen layers, unchanged
+                              buffers); retention keeps referenced files. false: every
+                              checkpoint directory is self-contained
+==================  ========  ==============================================================
 
 Keys starting with ``_`` are comments (JSON has none) and are ignored.
 """
@@ -40,6 +44,7 @@ class AdaCheckConfig:
     verify_on_load: bool = True
     fsync: bool = True
     strict_objects: bool = True
+    reference_previous: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -76,4 +81,4 @@ class AdaCheckConfig:
 
 
 _TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
-          "fsync": bool, "strict_objects": bool}
+          "fsync": bool, "strict_objects": bool, "reference_previous": bool}

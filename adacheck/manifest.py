@@ -1,7 +1,7 @@
 """Manifest (de)serialisation.  Parsing validates every field before anything uses it.
 
 Guarantees of a parsed Manifest: file names are plain names inside the checkpoint
-directory; every tensor has a known dtype and kind; every stored box fits its shape and
+directory, or ``<tag>/<name>`` inside an earlier checkpoint of the same save directory; every tensor has a known dtype and kind; every stored box fits its shape and
 the distinct boxes tile the tensor exactly; derivations point at a stored tensor of
 the same shape; hashes are well-formed; object trees refer only to stored tensors.
 """
@@ -20,6 +20,19 @@ FORMAT = "adacheck"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
+TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
+
+
+def split_file(ref: str):
+    """``file`` -> (None, file) in this checkpoint; ``<tag>/<file>`` -> (tag, file) in the
+    sibling checkpoint ``tag`` of the same save directory (a box unchanged since then)."""
+    tag, sep, name = ref.rpartition("/")
+    return (tag if sep else None), name
+
+
+def referenced_files(m: Manifest):
+    """{(tag, file)} this checkpoint needs, with tag None for its own directory."""
+    return {split_file(b.file) for e in m.tensors.values() for b in e.boxes}
 
 
 def to_json(m: Manifest) -> dict:
@@ -103,9 +116,14 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
                 wb = f"{w}.boxes[{i}]"
                 box = Box(tuple(_need(b, "offsets", list, wb)), tuple(_need(b, "lengths", list, wb)))
                 fname = _need(b, "file", str, wb)
-                if fname not in files:
+                ref_tag, plain = split_file(fname)
+                if ref_tag is None and fname not in files:
                     raise FormatError(f"manifest: {wb} refers to file {fname!r} that the "
                                       "manifest does not list")
+                if ref_tag is not None and (not TAG_RE.match(ref_tag) or ref_tag in ("latest", tag)
+                                            or not _FILE_RE.match(plain)):
+                    raise FormatError(f"manifest: {wb} refers to {fname!r}, which is not "
+                                      "'<earlier tag>/<shard>.safetensors' in the save directory")
                 digest = _need(b, "hash", str, wb)
                 if not check_digest_format(digest):
                     raise FormatError(f"manifest: {wb}.hash {digest!r} is not an xxh3_128 digest")

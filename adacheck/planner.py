@@ -9,7 +9,10 @@ Contract (a pure function of its inputs; every rank computes the same plan):
 - each stored copy is written by exactly one holder, chosen greedily by bytes
   (largest first, to the least-loaded holder, ties to the lowest rank);
 - the distinct regions of every stored tensor must tile it, else a FormatError naming
-  the tensor; ranks that disagree on a tensor's kind, dtype or shape are a StateError.
+  the tensor; ranks that disagree on a tensor's kind, dtype or shape are a StateError;
+- with ``previous`` (the index of an earlier committed checkpoint), a copy whose name,
+  box, dtype and hash equal a box stored there is referenced (file ``<tag>/<file>``,
+  relative to the save directory), not written again.
 """
 from __future__ import annotations
 
@@ -35,7 +38,25 @@ def file_name(rank: int, generation: int) -> str:
     return f"rank{rank:05d}-g{generation}.safetensors"
 
 
-def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0) -> WritePlan:
+PreviousIndex = Dict[Tuple[str, Box], Tuple[str, str, str, str]]   # -> (hash, dtype, file ref, key)
+
+
+def previous_index(tag: str, manifest, exists=lambda ref: True) -> PreviousIndex:
+    """What a later save may reference of committed checkpoint ``tag``: every stored box,
+    with its file as seen from the save directory (``<tag>/<file>``; a box that checkpoint
+    itself referenced keeps pointing at where its bytes are).  ``exists(ref)`` filters out
+    files that are gone."""
+    out: PreviousIndex = {}
+    for name, e in manifest.tensors.items():
+        for sb in e.boxes:
+            ref = sb.file if "/" in sb.file else f"{tag}/{sb.file}"
+            if (name, sb.box) not in out and exists(ref):
+                out[(name, sb.box)] = (sb.hash, e.dtype, ref, sb.key)
+    return out
+
+
+def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
+              previous: PreviousIndex | None = None) -> WritePlan:
     by_name: Dict[str, List[Tuple[int, ShardMeta]]] = defaultdict(list)
     for rank, shards in enumerate(per_rank):
         for s in shards:
@@ -79,14 +100,17 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0) -> W
         stored = []
         for box in sorted(regions):
             variants = regions[box]
+            old = (previous or {}).get((name, box))
             for vi, digest in enumerate(sorted(variants, key=lambda h: min(variants[h]))):
-                key = f"{name}@{box.key()}" + (f"#v{vi}" if len(variants) > 1 else "")
                 holders = tuple(sorted(variants[digest]))
+                if old is not None and len(variants) == 1 and old[:2] == (digest, first.dtype):
+                    stored.append(StoredBox(box, old[2], old[3], digest, holders))   # unchanged
+                    continue
+                key = f"{name}@{box.key()}" + (f"#v{vi}" if len(variants) > 1 else "")
                 items.append((box.numel * itemsize(first.dtype), name, box, digest, holders, key))
-                stored.append((box, key, digest, holders))
-        tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape,
-                                    boxes=tuple(StoredBox(b, "", k, h, hs) for b, k, h, hs in stored))
-    # Balanced, deterministic assignment.
+                stored.append(StoredBox(box, "", key, digest, holders))
+        tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, boxes=tuple(stored))
+    # Balanced, deterministic assignment (of what is not referenced from ``previous``).
     load: Dict[int, int] = defaultdict(int)
     writer_of: Dict[str, int] = {}
     for nbytes, name, box, digest, holders, key in sorted(items, key=lambda t: (-t[0], t[1], t[2], t[5])):
@@ -95,11 +119,16 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0) -> W
         writer_of[key] = w
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
+    referenced = 0
     for name, e in tensors.items():
         if e.derived is not None:
             continue
         new_boxes = []
         for sb in e.boxes:
+            if sb.file:   # referenced from the previous checkpoint
+                new_boxes.append(sb)
+                referenced += sb.box.numel * itemsize(e.dtype)
+                continue
             w = writer_of[sb.key]
             fname = file_name(w, generation)
             files.setdefault(fname, {"writer": w, "nbytes": 0})
@@ -110,6 +139,7 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0) -> W
     stored_bytes = sum(f["nbytes"] for f in files.values())
     stats = {"held_bytes": held, "logical_bytes": logical, "stored_bytes": stored_bytes,
              "derived_bytes": sum(e.nbytes for e in tensors.values() if e.derived is not None),
+             "referenced_bytes": referenced,
              "per_rank_bytes": [load.get(r, 0) for r in range(len(per_rank))]}
     return WritePlan(tensors=tensors, writes={r: tuple(v) for r, v in writes.items()},
                      files=files, warnings=tuple(warnings), stats=stats)

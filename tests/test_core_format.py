@@ -96,7 +96,12 @@ def edit_manifest(ckpt, fn):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda d: d["files"].update({"../../etc/passwd.safetensors": {"nbytes": 1, "writer": 0}}), "plain"),
-    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="../x.safetensors"), "does not list"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="x.safetensors"), "does not list"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="../x.safetensors"), "earlier tag"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="a/../../x.safetensors"), "earlier tag"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="/etc/x.safetensors"), "earlier tag"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="step7/x.safetensors"), "earlier tag"),
+    (lambda d: d["tensors"]["master/w"]["boxes"][0].update(file="s6/../x.safetensors"), "earlier tag"),
     (lambda d: d["tensors"]["master/w"].update(shape=[3, 6]), "cover"),
     (lambda d: d["tensors"]["master/w"]["boxes"][0].update(lengths=[9, 5]), "outside"),
     (lambda d: d["tensors"]["master/w"].update(dtype="complex64"), "dtype"),

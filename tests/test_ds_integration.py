@@ -114,7 +114,9 @@ def test_failed_save_on_one_rank_fails_everywhere_and_keeps_previous(tmp_path):
 
 def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     ck = str(tmp_path / "ck")
-    big = {"stage": 1, "dtype": "fp32", "hidden": 700, "layers": 6, "adacheck": {"enabled": True}}
+    # every save rewrites everything (no references), so the kill lands inside real writes
+    big = {"stage": 1, "dtype": "fp32", "hidden": 700, "layers": 6,
+           "adacheck": {"enabled": True, "reference_previous": False}}
     runs = [dict(big, actions=[["train", 1], ["save", ck, "good"], ["dump", "good"], ["train", 1],
                                ["marker", "saving"]] + [["save", ck, f"doomed{i}"] for i in range(30)])]
     marker = tmp_path / "saving-rank1"
@@ -178,7 +180,13 @@ def test_retention_keeps_last_k(tmp_path):
     runs = [{"stage": 2, "dtype": "fp32", "adacheck": {"enabled": True, "keep_last": 2},
              "actions": [a for i in range(4) for a in (["train", 1], ["save", ck])]}]
     check(launch(2, {"runs": runs}, str(tmp_path)))
-    assert sorted(x for x in os.listdir(ck) if x != "latest") == ["global_step3", "global_step4"]
+    committed = sorted(x for x in os.listdir(ck) if os.path.exists(os.path.join(ck, x, "manifest.json")))
+    assert committed == ["global_step3", "global_step4"]
+    # what is left of older saves is exactly what the kept ones still read (unchanged buffers, RNG)
+    needed = {b["file"] for t in committed for e in json.load(open(os.path.join(ck, t, "manifest.json")))[
+        "tensors"].values() for b in e.get("boxes", []) if "/" in b["file"]}
+    left = {f"{t}/{f}" for t in os.listdir(ck) if t not in committed + ["latest"] for f in os.listdir(os.path.join(ck, t))}
+    assert left == needed
 
 
 def test_deepspeed_adam_frozen_parameters_and_round_robin_gradients(tmp_path):
@@ -267,3 +275,27 @@ def test_four_ranks_resume_and_load_back_into_two(tmp_path):
     for s in (2, 0):
         assert_same(saved, load_file(f"{two}/L{s}.safetensors"),
                     [k for k in saved if k.startswith(("model/", "master/", "optim/", "buffer/", "meta/lr"))])
+
+
+def test_second_checkpoint_stores_only_what_changed(tmp_path):
+    """ZeRO-0 on 4 ranks with a frozen layer: the second checkpoint references the frozen
+    weights and unchanged buffers in the first instead of writing them again, and loads."""
+    d = str(tmp_path)
+    c = dict(stage=0, dtype="fp32", frozen=["inp.", "norm."], hidden=64, adacheck={"enabled": True})
+    check(launch(4, {"runs": [dict(c, actions=[["train", 2], ["save", f"{d}/ck", "a"], ["train", 2],
+                                               ["save", f"{d}/ck", "b"], ["dump", "B"]]),
+                              dict(c, seed=3, actions=[["load", f"{d}/ck"], ["dump", "L"]])]}, d))
+    a = json.load(open(f"{d}/ck/a/manifest.json"))
+    b = json.load(open(f"{d}/ck/b/manifest.json"))
+    frozen = [n for n in b["tensors"] if n.startswith(("model/inp.", "model/norm.", "buffer/"))]
+    assert len(frozen) == 5
+    for n, t in b["tensors"].items():
+        files = {x["file"] for x in t["boxes"]}
+        if n in frozen:
+            assert all(f.startswith("a/") for f in files), n
+        if n.startswith(("model/out.", "optim/")):   # trained: written again
+            assert not any(f.startswith("a/") for f in files), n
+    expect = sum(4 * torch.Size(b["tensors"][n]["shape"]).numel() for n in frozen)
+    assert b["stats"]["referenced_bytes"] >= expect
+    assert b["stats"]["stored_bytes"] == a["stats"]["stored_bytes"] - b["stats"]["referenced_bytes"]
+    assert_same(load_file(f"{d}/B.safetensors"), load_file(f"{d}/L.safetensors"))

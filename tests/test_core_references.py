@@ -1,0 +1,83 @@
+"""Across checkpoints: unchanged boxes are referenced in the previous checkpoint, not rewritten,
+and retention / cleanup never delete a file that a kept checkpoint reads."""
+import os
+
+import torch
+
+from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, save
+from adacheck.commit import read_manifest
+from adacheck.exchange import SoloComm
+from adacheck.types import Box
+
+
+def state(frozen, trained, step):
+    shards = [LocalShard("model/frozen", "model", tuple(frozen.shape), Box.full(frozen.shape), frozen),
+              LocalShard("master/trained", "master", (4, 6), Box((0, 0), (2, 6)), trained[:2]),
+              LocalShard("master/trained", "master", (4, 6), Box((2, 0), (2, 6)), trained[2:])]
+    return LocalState(shards, objects={"step": step}, framework={"name": "test"}, step=step)
+
+
+def read_all(d):
+    r = CheckpointReader(str(d))
+    return {n: r.read(n) for n in r.manifest.tensors}
+
+
+def shard_files(d):
+    return sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+
+
+def test_unchanged_boxes_are_referenced_and_load(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    frozen, trained = torch.randn(8, 8, generator=g), torch.randn(4, 6, generator=g)
+    m1 = save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen, trained, 1))
+    trained[2:] += 1            # half of one tensor changes, the rest does not
+    m2 = save(SoloComm(), str(tmp_path), "s2", lambda: state(frozen, trained, 2))
+    assert m2.stats["stored_bytes"] == 2 * 6 * 4
+    assert m2.stats["referenced_bytes"] == 8 * 8 * 4 + 2 * 6 * 4
+    files = {b.file for e in m2.tensors.values() for b in e.boxes}
+    assert files == {"s1/rank00000-g0.safetensors", "rank00000-g0.safetensors"}
+    got = read_all(tmp_path / "s2")
+    assert torch.equal(got["model/frozen"], frozen) and torch.equal(got["master/trained"], trained)
+    # a third save references the bytes where they are (s1), not through s2
+    m3 = save(SoloComm(), str(tmp_path), "s3", lambda: state(frozen, trained, 3))
+    assert m3.stats["stored_bytes"] == 0
+    assert {b.file for e in m3.tensors.values() for b in e.boxes} == {"s1/rank00000-g0.safetensors",
+                                                                      "s2/rank00000-g0.safetensors"}
+    assert m1.stats["referenced_bytes"] == 0
+
+
+def test_retention_keeps_referenced_files_and_resave_never_overwrites_them(tmp_path):
+    frozen, trained = torch.ones(8, 8), torch.zeros(4, 6)
+    save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen, trained, 1))
+    trained += 1
+    save(SoloComm(), str(tmp_path), "s2", lambda: state(frozen, trained, 2))
+    trained += 1
+    save(SoloComm(), str(tmp_path), "s3", lambda: state(frozen, trained, 3), keep_last=1)
+    # s1 and s2 are no checkpoints any more, but s3 still reads the frozen tensor from s1
+    assert not (tmp_path / "s1" / "manifest.json").exists() and not (tmp_path / "s2").exists()
+    assert shard_files(tmp_path / "s1") == ["rank00000-g0.safetensors"]
+    assert torch.equal(read_all(tmp_path / "s3")["model/frozen"], frozen)
+    # saving tag s1 again must not write over the file s3 references
+    m = save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen * 2, trained, 4), keep_last=1,
+             reference_previous=False)
+    assert read_manifest(str(tmp_path / "s1")).framework["generation"] == 1 and m.stats["referenced_bytes"] == 0
+    assert torch.equal(read_all(tmp_path / "s1")["model/frozen"], frozen * 2)
+    # now s3 was dropped by retention and nothing references s1's old file: it is gone
+    assert shard_files(tmp_path / "s1") == ["rank00000-g1.safetensors"]
+
+
+def test_torn_sweep_spares_referenced_files_and_same_tag_resave(tmp_path):
+    frozen, trained = torch.ones(8, 8), torch.zeros(4, 6)
+    save(SoloComm(), str(tmp_path), "a", lambda: state(frozen, trained, 1))
+    trained += 1
+    save(SoloComm(), str(tmp_path), "b", lambda: state(frozen, trained, 2))   # references a's file
+    trained += 1
+    save(SoloComm(), str(tmp_path), "a", lambda: state(frozen * 3, trained, 3), update_latest=False)
+    # a's generation-0 file stays because b reads it; both checkpoints load correctly
+    assert shard_files(tmp_path / "a") == ["rank00000-g0.safetensors", "rank00000-g1.safetensors"]
+    assert torch.equal(read_all(tmp_path / "b")["model/frozen"], frozen)
+    assert torch.equal(read_all(tmp_path / "a")["model/frozen"], frozen * 3)
+    os.remove(tmp_path / "a" / "manifest.json")   # as if a's re-save had been torn
+    save(SoloComm(), str(tmp_path), "c", lambda: state(frozen, trained, 4))
+    assert shard_files(tmp_path / "a") == ["rank00000-g0.safetensors"]
+    assert torch.equal(read_all(tmp_path / "c")["model/frozen"], frozen)
