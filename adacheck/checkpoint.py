@@ -14,6 +14,7 @@ before the new manifest is durable.
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 from collections import OrderedDict
@@ -110,6 +111,12 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata
     return size
 
 
+def node_id() -> str:
+    """Which machine this rank runs on, for placing copies: $ADACHECK_NODE if set (e.g. when
+    containers share a hostname), else the host name."""
+    return os.environ.get("ADACHECK_NODE") or socket.gethostname()
+
+
 def _previous(save_dir: str, tag: str) -> Optional[str]:
     """The committed checkpoint a new save may reference: the one ``latest`` names."""
     prev = commit.read_latest(save_dir)
@@ -120,11 +127,12 @@ def _previous(save_dir: str, tag: str) -> Optional[str]:
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
-         reference_previous: bool = True) -> Manifest:
+         reference_previous: bool = True, copies: int = 1) -> Manifest:
     """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
 
     With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint
-    ``latest`` names are referenced there instead of written again.
+    ``latest`` names are referenced there instead of written again.  ``copies``: how many
+    holders write each distinct box, on distinct nodes where possible (see node_id).
     """
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(save_dir, tag)
@@ -150,6 +158,7 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
         return {"metas": [_meta(s) for s in shards], "objects": objects,
                 "rank_objects": rank_objects, "layout": state.layout,
                 "generation": ctx.get("generation"), "previous": ctx.get("previous"), "step": state.step,
+                "node": node_id(),
                 "framework": state.framework}
 
     payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
@@ -167,7 +176,8 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
             ref, os.path.isfile(os.path.join(save_dir, ref))))
 
     previous = agree(comm, f"AdaCheck save of {ckpt_dir} (previous checkpoint {prev_tag})", index_previous)
-    plan = plan_save([g["metas"] for g in gathered], generation, previous)
+    plan = plan_save([g["metas"] for g in gathered], generation, previous, copies=copies,
+                     nodes=[g["node"] for g in gathered])
     if comm.rank == 0:
         for w in plan.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=2)
@@ -196,7 +206,9 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
     framework = dict(gathered[0]["framework"], generation=generation)
     manifest = Manifest(
         format_version=FORMAT_VERSION, tag=tag, step=gathered[0]["step"], framework=framework,
-        topology={"world_size": comm.world_size}, tensors=plan.tensors,
+        topology=dict({"world_size": comm.world_size},
+                      **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {})),
+        tensors=plan.tensors,
         objects=gathered[0]["objects"], rank_objects=tuple(g["rank_objects"] for g in gathered),
         layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
 
@@ -319,7 +331,8 @@ class CheckpointReader:
         return self._scratch_buf[:nbytes].view(dtype).view(box.lengths)
 
     def _choose(self, boxes):
-        """One stored copy per region: the variant this rank held, else the lowest holder's."""
+        """Per region, the stored copies to try in order: all of one variant (the one this
+        rank held, else the lowest holder's), this rank's own file first."""
         by_region: Dict[Box, list] = {}
         for sb in boxes:
             by_region.setdefault(sb.box, []).append(sb)
@@ -328,8 +341,27 @@ class CheckpointReader:
             pick = cands[0]
             if self.prefer_rank is not None:
                 pick = next((c for c in cands if self.prefer_rank in c.holders), pick)
-            out.append(pick)
+            same = [c for c in cands if c.hash == pick.hash]
+            out.append(sorted(same, key=lambda c: (c.file != pick.file, c.file)))
         return out
+
+    def _stored_any(self, name: str, copies, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The first stored copy that reads and verifies; the error of each copy otherwise."""
+        errors = []
+        for sb in copies:
+            try:
+                t = self.stored(name, sb, out=out)
+            except (IntegrityError, FormatError, OSError) as e:
+                errors.append(e)
+                continue
+            if errors:
+                warnings.warn(f"AdaCheck: read {name} box {sb.box.key()} from its copy in {sb.file}; "
+                              f"the first copy is damaged: {errors[0]}", stacklevel=3)
+            return t
+        if len(errors) == 1:
+            raise errors[0]
+        raise IntegrityError(f"{name} box {copies[0].box.key()}: all {len(copies)} stored copies "
+                             "are unreadable: " + "; ".join(str(e) for e in errors))
 
     def read(self, name: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -354,16 +386,17 @@ class CheckpointReader:
             return out
         filled = 0
         direct = out.is_contiguous() and out.dtype == torch_dtype(e.dtype)
-        for sb in self._choose(e.boxes):
-            if sb.box == box and (sb.file, sb.key) not in self._cache:
+        for copies in self._choose(e.boxes):
+            sb = copies[0]
+            if sb.box == box and not any((c.file, c.key) in self._cache for c in copies):
                 # the whole request is one stored box: read it straight into out, or into a
                 # reused scratch buffer when out has another dtype (a cast) or layout
-                self.stored(name, sb, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
+                self._stored_any(name, copies, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
                 if not direct:
                     out.copy_(self._scratch(box, torch_dtype(e.dtype)))
                 filled += box.numel
             elif box.intersect(sb.box) is not None:
-                filled += copy_intersection(out, box, self.stored(name, sb), sb.box)
+                filled += copy_intersection(out, box, self._stored_any(name, copies), sb.box)
         if filled != box.numel:
             raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
                               f"asked for (box {box})")

@@ -23,6 +23,9 @@ reference_previous  true      a box whose bytes equal those of the checkpoint ``
                               is referenced there, not written again (frozen layers, unchanged
                               buffers); retention keeps referenced files. false: every
                               checkpoint directory is self-contained
+redundancy_factor   1         store each distinct box this many times, written by holders on
+                              distinct nodes where possible ($ADACHECK_NODE or the host name);
+                              a load falls back to another copy when one is damaged
 ==================  ========  ==============================================================
 
 Keys starting with ``_`` are comments (JSON has none) and are ignored.
@@ -45,6 +48,7 @@ class AdaCheckConfig:
     fsync: bool = True
     strict_objects: bool = True
     reference_previous: bool = True
+    redundancy_factor: int = 1
 
     def __post_init__(self):
         for f in fields(self):
@@ -59,6 +63,9 @@ class AdaCheckConfig:
                 raise ConfigError(f"adacheck.{f.name} must be true or false, got {v!r}")
             if want is int and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ConfigError(f"adacheck.{f.name} must be an integer, got {v!r}")
+        if self.redundancy_factor < 1:
+            raise ConfigError(f"adacheck.redundancy_factor must be >= 1 (copies of each distinct "
+                              f"box), got {self.redundancy_factor}")
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
@@ -81,4 +88,5 @@ class AdaCheckConfig:
 
 
 _TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
-          "fsync": bool, "strict_objects": bool, "reference_previous": bool}
+          "fsync": bool, "strict_objects": bool, "reference_previous": bool,
+          "redundancy_factor": int}

@@ -6,8 +6,10 @@ Contract (a pure function of its inputs; every rank computes the same plan):
   as separate variants and reported in ``warnings``;
 - a tensor whose shards all carry a proven cast derivation (and whose replicas agree) is
   not stored: the manifest records the derivation instead;
-- each stored copy is written by exactly one holder, chosen greedily by bytes
-  (largest first, to the least-loaded holder, ties to the lowest rank);
+- each distinct box is written by ``copies`` of its holders (default 1), chosen greedily
+  by bytes (largest first, to the least-loaded holder, ties to the lowest rank); further
+  copies go to the least-loaded holders on nodes that hold no copy yet, then (when the
+  holders span fewer nodes) to other holders; never more copies than holders;
 - the distinct regions of every stored tensor must tile it, else a FormatError naming
   the tensor; ranks that disagree on a tensor's kind, dtype or shape are a StateError;
 - with ``previous`` (the index of an earlier committed checkpoint), a copy whose name,
@@ -38,25 +40,57 @@ def file_name(rank: int, generation: int) -> str:
     return f"rank{rank:05d}-g{generation}.safetensors"
 
 
-PreviousIndex = Dict[Tuple[str, Box], Tuple[str, str, str, str]]   # -> (hash, dtype, file ref, key)
+PreviousIndex = Dict[Tuple[str, Box], Tuple[str, str, List[Tuple[str, str]]]]
+# (name, box) -> (hash, dtype, [(file ref, key) per stored copy])
 
 
 def previous_index(tag: str, manifest, exists=lambda ref: True) -> PreviousIndex:
-    """What a later save may reference of committed checkpoint ``tag``: every stored box,
-    with its file as seen from the save directory (``<tag>/<file>``; a box that checkpoint
-    itself referenced keeps pointing at where its bytes are).  ``exists(ref)`` filters out
-    files that are gone."""
+    """What a later save may reference of committed checkpoint ``tag``: every box stored in
+    one variant, with each copy's file as seen from the save directory (``<tag>/<file>``;
+    a box that checkpoint itself referenced keeps pointing at where its bytes are).
+    ``exists(ref)`` filters out files that are gone."""
     out: PreviousIndex = {}
     for name, e in manifest.tensors.items():
+        by_box: Dict[Box, list] = defaultdict(list)
         for sb in e.boxes:
-            ref = sb.file if "/" in sb.file else f"{tag}/{sb.file}"
-            if (name, sb.box) not in out and exists(ref):
-                out[(name, sb.box)] = (sb.hash, e.dtype, ref, sb.key)
+            by_box[sb.box].append(sb)
+        for box, sbs in by_box.items():
+            if len({sb.hash for sb in sbs}) != 1:
+                continue   # diverged variants: always written again
+            refs = [(sb.file if "/" in sb.file else f"{tag}/{sb.file}", sb.key) for sb in sbs]
+            refs = [r for r in refs if exists(r[0])]
+            if refs:
+                out[(name, box)] = (sbs[0].hash, e.dtype, refs)
     return out
 
 
+def place(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = None):
+    """Writers for each item: ``items`` = [(nbytes, sort key, holders)] -> ([writers], loads).
+
+    Pure and deterministic: same inputs, same answer.  Largest items first; each copy to the
+    least-loaded eligible holder (ties: lowest rank), preferring nodes without a copy.
+    """
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    nodes = list(nodes) if nodes is not None else [str(r) for r in range(n_ranks)]
+    load: Dict[int, int] = defaultdict(int)
+    out = {}
+    for nbytes, key, holders in sorted(items, key=lambda t: (-t[0], t[1])):
+        chosen: List[int] = []
+        for _ in range(min(copies, len(holders))):
+            used = {nodes[w] for w in chosen}
+            free = [h for h in holders if h not in chosen]
+            fresh = [h for h in free if nodes[h] not in used]
+            w = min(fresh or free, key=lambda r: (load[r], r))
+            chosen.append(w)
+            load[w] += nbytes
+        out[key] = chosen
+    return out, load
+
+
 def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
-              previous: PreviousIndex | None = None) -> WritePlan:
+              previous: PreviousIndex | None = None, copies: int = 1,
+              nodes: Sequence[str] | None = None) -> WritePlan:
     by_name: Dict[str, List[Tuple[int, ShardMeta]]] = defaultdict(list)
     for rank, shards in enumerate(per_rank):
         for s in shards:
@@ -103,20 +137,17 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
             old = (previous or {}).get((name, box))
             for vi, digest in enumerate(sorted(variants, key=lambda h: min(variants[h]))):
                 holders = tuple(sorted(variants[digest]))
-                if old is not None and len(variants) == 1 and old[:2] == (digest, first.dtype):
-                    stored.append(StoredBox(box, old[2], old[3], digest, holders))   # unchanged
+                if (old is not None and len(variants) == 1 and old[:2] == (digest, first.dtype)
+                        and len(old[2]) >= min(copies, len(holders))):   # unchanged, enough copies
+                    stored.extend(StoredBox(box, ref, key, digest, holders) for ref, key in old[2])
                     continue
                 key = f"{name}@{box.key()}" + (f"#v{vi}" if len(variants) > 1 else "")
                 items.append((box.numel * itemsize(first.dtype), name, box, digest, holders, key))
                 stored.append(StoredBox(box, "", key, digest, holders))
         tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, boxes=tuple(stored))
     # Balanced, deterministic assignment (of what is not referenced from ``previous``).
-    load: Dict[int, int] = defaultdict(int)
-    writer_of: Dict[str, int] = {}
-    for nbytes, name, box, digest, holders, key in sorted(items, key=lambda t: (-t[0], t[1], t[2], t[5])):
-        w = min(holders, key=lambda r: (load[r], r))
-        load[w] += nbytes
-        writer_of[key] = w
+    writer_of, load = place([(nbytes, key, holders) for nbytes, _, _, _, holders, key in items],
+                            len(per_rank), copies, nodes)
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
     referenced = 0
@@ -129,12 +160,12 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
                 new_boxes.append(sb)
                 referenced += sb.box.numel * itemsize(e.dtype)
                 continue
-            w = writer_of[sb.key]
-            fname = file_name(w, generation)
-            files.setdefault(fname, {"writer": w, "nbytes": 0})
-            files[fname]["nbytes"] += sb.box.numel * itemsize(e.dtype)
-            writes[w].append((name, sb.box, sb.key))
-            new_boxes.append(StoredBox(sb.box, fname, sb.key, sb.hash, sb.holders))
+            for w in writer_of[sb.key]:   # one stored copy per writer
+                fname = file_name(w, generation)
+                files.setdefault(fname, {"writer": w, "nbytes": 0})
+                files[fname]["nbytes"] += sb.box.numel * itemsize(e.dtype)
+                writes[w].append((name, sb.box, sb.key))
+                new_boxes.append(StoredBox(sb.box, fname, sb.key, sb.hash, sb.holders))
         tensors[name] = TensorEntry(e.name, e.kind, e.dtype, e.shape, boxes=tuple(new_boxes))
     stored_bytes = sum(f["nbytes"] for f in files.values())
     stats = {"held_bytes": held, "logical_bytes": logical, "stored_bytes": stored_bytes,

@@ -179,6 +179,8 @@ def main():
     out_dir = sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
+    if "nodes" in spec:   # pretend the ranks run on these machines (AdaCheck's placement)
+        os.environ["ADACHECK_NODE"] = spec["nodes"][rank]
     results = []
     for run in spec["runs"]:
         rec = {"losses": [], "errors": [], "loaded": []}

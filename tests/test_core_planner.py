@@ -70,3 +70,42 @@ def test_derivation_needs_every_holder_to_prove_it():
     assert plan.tensors["b"].derived is not None and plan.stats["derived_bytes"] == 8
     plan = plan_save(world(False))
     assert plan.tensors["b"].derived is None and plan.tensors["b"].boxes
+
+
+# ---------------------------------------------------------------- placement over nodes
+from adacheck.planner import place  # noqa: E402
+
+
+@pytest.mark.parametrize("nodes", [["n0"] * 4, ["n0", "n0", "n1", "n1"], ["n0", "n1", "n2", "n3"],
+                                   ["a", "b", "a", "b"]])
+@pytest.mark.parametrize("copies", [1, 2])
+def test_placement_copies_on_distinct_nodes_and_balanced(nodes, copies):
+    items = [(100 + 7 * i, f"k{i:02d}", (0, 1, 2, 3)) for i in range(20)]
+    writers, load = place(items, 4, copies, nodes)
+    assert place(items, 4, copies, nodes) == (writers, load)           # deterministic
+    assert place(list(reversed(items)), 4, copies, nodes)[0] == writers  # order-independent
+    for key, ws in writers.items():
+        assert len(ws) == copies and len(set(ws)) == copies
+        if len(set(nodes)) >= copies:
+            assert len({nodes[w] for w in ws}) == copies, (key, ws)
+    # balance: within one item of the optimum (all ranks hold everything here)
+    total = sum(n for n, _, _ in items) * copies
+    assert max(load.values()) - min(load.values()) <= max(n for n, _, _ in items)
+    assert sum(load.values()) == total
+
+
+def test_placement_never_exceeds_holders_and_prefers_other_nodes():
+    items = [(10, "solo", (2,)), (10, "pair", (0, 1)), (10, "spread", (0, 1, 2))]
+    writers, _ = place(items, 3, copies=2, nodes=["x", "x", "y"])
+    assert writers["solo"] == [2]                 # one holder: one copy, nothing else can write it
+    assert sorted(writers["pair"]) == [0, 1]      # same node: second copy on another holder
+    assert {["x", "x", "y"][w] for w in writers["spread"]} == {"x", "y"}
+
+
+def test_plan_with_two_copies_lists_both_files():
+    per_rank = [[meta("w", Box.full((10,)), (10,))] for _ in range(4)]
+    plan = plan_save(per_rank, copies=2, nodes=["a", "a", "b", "b"])
+    files = sorted(sb.file for sb in plan.tensors["w"].boxes)
+    assert len(files) == 2 and plan.stats["stored_bytes"] == 80
+    writers = sorted(int(f[4:9]) for f in files)
+    assert {["a", "a", "b", "b"][w] for w in writers} == {"a", "b"}

@@ -299,3 +299,30 @@ def test_second_checkpoint_stores_only_what_changed(tmp_path):
     assert b["stats"]["referenced_bytes"] >= expect
     assert b["stats"]["stored_bytes"] == a["stats"]["stored_bytes"] - b["stats"]["referenced_bytes"]
     assert_same(load_file(f"{d}/B.safetensors"), load_file(f"{d}/L.safetensors"))
+
+
+def test_redundancy_factor_two_survives_a_damaged_copy(tmp_path):
+    """redundancy_factor 2 on 4 ranks over 2 (pretend) nodes: every replicated box is written on
+    both nodes; with one shard file damaged the load reads the other copy on every rank."""
+    d = str(tmp_path)
+    c = dict(stage=0, dtype="fp32", hidden=32, adacheck={"enabled": True, "redundancy_factor": 2})
+    check(launch(4, {"nodes": ["n0", "n0", "n1", "n1"],
+                     "runs": [dict(c, actions=[["train", 2], ["save", f"{d}/ck", "t"], ["dump", "S"]])]}, d))
+    man = json.load(open(f"{d}/ck/t/manifest.json"))
+    assert man["topology"]["nodes"] == ["n0", "n0", "n1", "n1"]
+    for n, t in man["tensors"].items():
+        if n.startswith(("model/", "optim/")):
+            writers = [int(b["file"][4:9]) for b in t["boxes"]]
+            assert len(writers) == 2 and {w // 2 for w in writers} == {0, 1}, n
+    # damage the first model weight in one file (rank-private RNG state has only one copy)
+    victim = os.path.join(d, "ck", "t", sorted(man["files"])[0])
+    data = bytearray(open(victim, "rb").read())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    key = min(k for k in header if k.startswith("model/"))
+    data[8 + n + header[key]["data_offsets"][0]] ^= 0xFF
+    open(victim, "wb").write(bytes(data))
+    check(launch(4, {"runs": [dict(c, seed=4, actions=[["load", f"{d}/ck"], ["dump", "L"]])]}, d + "/l"))
+    assert_same(load_file(f"{d}/S.safetensors"), load_file(f"{d}/l/L.safetensors"))
+    from adacheck.cli import main as cli
+    assert cli(["verify", "--quiet", f"{d}/ck"]) == 1   # the damaged copy is still reported
