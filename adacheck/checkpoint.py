@@ -13,6 +13,7 @@ before the new manifest is durable.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -111,6 +112,24 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata
     return size
 
 
+_META_FIELDS = ("name", "kind", "dtype", "shape", "hash", "derive", "derive_ok", "replicated")
+
+
+def _encode_payload(payload: dict) -> bytes:
+    """What a rank tells the others before a save, as compact JSON (never pickle)."""
+    d = dict(payload)
+    d["metas"] = [[getattr(m, f) for f in _META_FIELDS] + [m.box.offsets, m.box.lengths]
+                  for m in payload["metas"]]
+    return json.dumps(d, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _decode_payload(blob: bytes) -> dict:
+    d = json.loads(blob.decode("utf-8"))
+    d["metas"] = [ShardMeta(**dict(zip(_META_FIELDS, m[:-2])), box=Box(tuple(m[-2]), tuple(m[-1])))
+                  for m in d["metas"]]
+    return d
+
+
 def node_id() -> str:
     """Which machine this rank runs on, for placing copies: $ADACHECK_NODE if set (e.g. when
     containers share a hostname), else the host name."""
@@ -127,12 +146,13 @@ def _previous(save_dir: str, tag: str) -> Optional[str]:
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
-         reference_previous: bool = True, copies: int = 1) -> Manifest:
+         reference_previous: bool = True, copies: int = 1, exchange: str = "ring") -> Manifest:
     """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
 
     With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint
     ``latest`` names are referenced there instead of written again.  ``copies``: how many
     holders write each distinct box, on distinct nodes where possible (see node_id).
+    ``exchange``: how the ranks share their (box, hash) lists ("ring" or "allgather").
     """
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(save_dir, tag)
@@ -162,8 +182,13 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
                 "framework": state.framework}
 
     payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
-    gathered = comm.all_gather_object(payload)
+    t_hashed = time.perf_counter()
+    blob = _encode_payload(payload)
+    blobs = comm.all_gather_bytes(blob, exchange)
+    gathered = [_decode_payload(b) for b in blobs]
     t_prepare = time.perf_counter()
+    exchanged = {"how": exchange, "seconds": t_prepare - t_hashed,
+                 "bytes_received": comm.bytes_received([len(b) for b in blobs], exchange)}
     generation = gathered[0]["generation"]
     prev_tag = gathered[0]["previous"]
 
@@ -229,7 +254,8 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
     agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
     t_end = time.perf_counter()
-    manifest.stats["seconds"] = {"prepare": t_prepare - t0, "write": t_write - t_prepare,
+    manifest.stats["exchange"] = exchanged   # (in memory only, like the timings)
+    manifest.stats["seconds"] = {"hash": t_hashed - t0, "prepare": t_prepare - t0, "write": t_write - t_prepare,
                                  "commit": t_end - t_write, "total": t_end - t0}
     return manifest
 

@@ -26,6 +26,9 @@ reference_previous  true      a box whose bytes equal those of the checkpoint ``
 redundancy_factor   1         store each distinct box this many times, written by holders on
                               distinct nodes where possible ($ADACHECK_NODE or the host name);
                               a load falls back to another copy when one is damaged
+exchange            "ring"    how ranks share their (box, hash) lists before a save: "ring"
+                              (send to next / receive from previous, N-1 steps) or
+                              "allgather" (one collective, blocks padded to the longest)
 ==================  ========  ==============================================================
 
 Keys starting with ``_`` are comments (JSON has none) and are ignored.
@@ -37,6 +40,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from .errors import ConfigError
+from .exchange import EXCHANGES
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class AdaCheckConfig:
     strict_objects: bool = True
     reference_previous: bool = True
     redundancy_factor: int = 1
+    exchange: str = "ring"
 
     def __post_init__(self):
         for f in fields(self):
@@ -57,6 +62,11 @@ class AdaCheckConfig:
             if f.name == "save_dir":
                 if v is not None and (not isinstance(v, str) or not v):
                     raise ConfigError(f"adacheck.save_dir must be a non-empty path string or null, "
+                                      f"got {v!r}")
+                continue
+            if f.name == "exchange":
+                if v not in EXCHANGES:
+                    raise ConfigError(f"adacheck.exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
                                       f"got {v!r}")
                 continue
             if want is bool and not isinstance(v, bool):
@@ -89,4 +99,4 @@ class AdaCheckConfig:
 
 _TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
-          "redundancy_factor": int}
+          "redundancy_factor": int, "exchange": str}

@@ -13,12 +13,35 @@ from typing import Any, Callable, List, Optional
 from .errors import AdaCheckError, DistributedError
 
 
+EXCHANGES = ("ring", "allgather")
+
+
 class Comm:
     rank: int = 0
     world_size: int = 1
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         raise NotImplementedError
+
+    def all_gather_bytes(self, data: bytes, how: str = "ring") -> List[bytes]:
+        """Every rank's ``data``, in rank order, on every rank.
+
+        ``ring``: N-1 steps of send-to-next / receive-from-previous, so each rank sends and
+        receives each other rank's block once and nothing funnels through one rank;
+        ``allgather``: one collective over blocks padded to the longest.
+        """
+        if how not in EXCHANGES:
+            raise ValueError(f"unknown exchange {how!r}; expected one of {EXCHANGES}")
+        return [data]
+
+    def bytes_received(self, sizes: List[int], how: str) -> int:
+        """Bytes this rank receives in ``all_gather_bytes`` for blocks of ``sizes``."""
+        n = len(sizes)
+        if n == 1:
+            return 0
+        if how == "ring":
+            return sum(sizes) - sizes[self.rank] + 8 * (n - 1)
+        return (n - 1) * max(sizes) + 8 * (n - 1)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.all_gather_object(obj)[src]
@@ -51,6 +74,46 @@ class TorchComm(Comm):
 
     def barrier(self):
         self._dist.barrier(group=self.group)
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else self._dist.get_global_rank(self.group, r)
+
+    def _sendrecv(self, out, to: int, into, frm: int) -> None:
+        reqs = []
+        if out.numel():
+            reqs.append(self._dist.isend(out, self._global(to), group=self.group))
+        if into.numel():
+            reqs.append(self._dist.irecv(into, self._global(frm), group=self.group))
+        for q in reqs:
+            q.wait()
+
+    def all_gather_bytes(self, data: bytes, how: str = "ring") -> List[bytes]:
+        import torch
+        super().all_gather_bytes(data, how)   # validates ``how``
+        n, r = self.world_size, self.rank
+        if n == 1:
+            return [bytes(data)]
+        if how == "allgather":
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+            self._dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+            top = max(int(t) for t in sizes)
+            mine = torch.zeros(max(top, 1), dtype=torch.uint8)
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+            bufs = [torch.empty_like(mine) for _ in range(n)]
+            self._dist.all_gather(bufs, mine, group=self.group)
+            return [bytes(b[:int(k)].numpy()) for b, k in zip(bufs, sizes)]
+        blocks: List[bytes] = [b""] * n
+        blocks[r] = bytes(data)
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        for step in range(n - 1):
+            cur = blocks[(r - step) % n]            # the block received in the previous step
+            size_in = torch.zeros(1, dtype=torch.int64)
+            self._sendrecv(torch.tensor([len(cur)], dtype=torch.int64), nxt, size_in, prv)
+            buf = torch.empty(int(size_in), dtype=torch.uint8)
+            out = torch.frombuffer(bytearray(cur), dtype=torch.uint8) if cur else torch.empty(0, dtype=torch.uint8)
+            self._sendrecv(out, nxt, buf, prv)
+            blocks[(r - step - 1) % n] = bytes(buf.numpy())
+        return blocks
 
 
 def default_comm() -> Comm:

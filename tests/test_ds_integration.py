@@ -326,3 +326,17 @@ def test_redundancy_factor_two_survives_a_damaged_copy(tmp_path):
     assert_same(load_file(f"{d}/S.safetensors"), load_file(f"{d}/l/L.safetensors"))
     from adacheck.cli import main as cli
     assert cli(["verify", "--quiet", f"{d}/ck"]) == 1   # the damaged copy is still reported
+
+
+def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
+    d = str(tmp_path)
+    c = dict(stage=1, dtype="bf16", frozen=["inp."])
+    runs = [dict(c, adacheck={"enabled": True, "exchange": how},
+                 actions=[["exchange_check"], ["train", 2], ["save", f"{d}/{how}", "t"]])
+            for how in ("ring", "allgather")]
+    check(launch(4, {"runs": runs}, d))
+    for r in range(4):
+        ex = results(d, r)[0]["exchange"]
+        assert ex["ring"] == ex["allgather"] == ex["expected"]
+    ring, gather = (json.load(open(f"{d}/{how}/t/manifest.json")) for how in ("ring", "allgather"))
+    assert ring["tensors"] == gather["tensors"] and ring["files"] == gather["files"]
