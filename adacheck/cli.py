@@ -61,6 +61,8 @@ def cmd_inspect(args) -> int:
     d = resolve(args.path, args.tag)
     s = summary(d)
     if args.json:
+        if args.redundancy:
+            s["redundancy"] = redundancy(CheckpointReader(d, verify=False).manifest)
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0
     fw = s["framework"]
@@ -86,6 +88,9 @@ def cmd_inspect(args) -> int:
     print()
     rows = [(f"rank {r}", human(b)) for r, b in s["per_rank_file_bytes"].items()]
     print(table(rows, ["writer", "bytes written"]))
+    if args.redundancy:
+        print()
+        print_redundancy(CheckpointReader(d, verify=False).manifest)
     if args.tensors:
         print()
         m = CheckpointReader(d, verify=False).manifest
@@ -96,6 +101,71 @@ def cmd_inspect(args) -> int:
             rows.append((name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human(e.nbytes), how))
         print(table(rows, ["tensor", "dtype", "shape", "bytes", "stored as"]))
     return 0
+
+
+def _ranks(holders) -> str:
+    hs = sorted(holders)
+    if not hs:
+        return "-"
+    if len(hs) > 2 and hs == list(range(hs[0], hs[-1] + 1)):
+        return f"ranks {hs[0]}-{hs[-1]}"
+    return ("rank " if len(hs) == 1 else "ranks ") + ",".join(map(str, hs))
+
+
+def redundancy(m) -> dict:
+    """Per kind and per holder set: bytes held by all ranks, distinct, written here,
+    referenced in earlier checkpoints, derived; and the regions whose holders diverged."""
+    kinds = defaultdict(lambda: defaultdict(int))
+    groups = defaultdict(lambda: defaultdict(int))
+    diverged = []
+    for name, e in sorted(m.tensors.items()):
+        item = e.nbytes // max(e.numel, 1)
+        k = kinds[e.kind]
+        if e.derived is not None:
+            k["derived"] += e.nbytes
+            continue
+        regions = defaultdict(dict)   # box -> hash -> holders
+        for sb in e.boxes:
+            nbytes = sb.box.numel * item
+            k["referenced" if "/" in sb.file else "stored"] += nbytes
+            regions[sb.box].setdefault(sb.hash, set()).update(sb.holders)
+        for box, variants in regions.items():
+            nbytes = box.numel * item
+            if len(variants) > 1:
+                diverged.append(f"{name} box {box.key()}: " + " vs ".join(
+                    _ranks(h) for h in variants.values()))
+            for hs in variants.values():
+                k["held"] += nbytes * max(len(hs), 1)
+                k["distinct"] += nbytes
+                g = groups[_ranks(hs)]
+                g["boxes"] += 1
+                g["distinct"] += nbytes
+                g["held"] += nbytes * max(len(hs), 1)
+    return {"kinds": {a: dict(b) for a, b in kinds.items()}, "holders": {a: dict(b) for a, b in groups.items()},
+            "diverged": diverged}
+
+
+def print_redundancy(m) -> None:
+    red = redundancy(m)
+    rows = []
+    for kind, v in sorted(red["kinds"].items()):
+        rows.append((kind, human(v.get("held", 0)), human(v.get("distinct", 0)), human(v.get("stored", 0)),
+                     human(v.get("referenced", 0)), human(v.get("derived", 0)),
+                     f"{v.get('held', 0) / v['stored']:.2f}x" if v.get("stored") else "-"))
+    print(table(rows, ["kind", "held by ranks", "distinct", "written here", "referenced", "derived",
+                       "held/written"]))
+    print()
+    rows = [(g, v["boxes"], human(v["distinct"]), human(v["held"]))
+            for g, v in sorted(red["holders"].items(), key=lambda kv: -kv[1]["held"])]
+    print(table(rows, ["holders (group)", "boxes", "distinct", "held by ranks"]))
+    print()
+    if red["diverged"]:
+        print(f"DIVERGED: {len(red['diverged'])} region(s) whose declared replicas held different bytes "
+              "(every variant stored):")
+        for d in red["diverged"][:20]:
+            print(f"  {d}")
+    else:
+        print("no diverged replicas")
 
 
 def cmd_verify(args) -> int:
@@ -162,6 +232,9 @@ def main(argv=None) -> int:
         s.set_defaults(fn=fn)
     sub.choices["inspect"].add_argument("--json", action="store_true", help="machine-readable output")
     sub.choices["inspect"].add_argument("--tensors", action="store_true", help="list every logical tensor")
+    sub.choices["inspect"].add_argument("--redundancy", action="store_true",
+                                        help="bytes held / distinct / written / referenced per kind "
+                                             "and per holder group; diverged replicas")
     sub.choices["verify"].add_argument("--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
     s.add_argument("path")

@@ -4,7 +4,7 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
                   "frozen": [name prefixes], "zero": {extra zero_optimization keys},
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
-dump NAME | marker NAME | exchange_check | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
+dump NAME | marker NAME | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
 """
@@ -161,6 +161,10 @@ def act(engine, a, rec, out_dir, rank):
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             limit = resource.RLIM_INFINITY if a[2] < 0 else a[2]
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    elif op == "perturb":   # perturb RANK PARAM: that rank's replica silently diverges
+        if rank == a[1]:
+            with torch.no_grad():
+                dict(engine.module.named_parameters())[a[2]].add_(1e-3)
     elif op == "exchange_check":   # uneven blocks (one empty) through both exchanges
         from adacheck.exchange import TorchComm
         comm = TorchComm()

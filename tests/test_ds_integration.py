@@ -340,3 +340,19 @@ def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
         assert ex["ring"] == ex["allgather"] == ex["expected"]
     ring, gather = (json.load(open(f"{d}/{how}/t/manifest.json")) for how in ("ring", "allgather"))
     assert ring["tensors"] == gather["tensors"] and ring["files"] == gather["files"]
+
+
+def test_diverged_replica_is_reported_and_both_copies_kept(tmp_path):
+    d = str(tmp_path)
+    c = dict(stage=0, dtype="fp32", adacheck={"enabled": True})
+    res = check(launch(4, {"runs": [dict(c, actions=[["train", 1], ["perturb", 2, "out.weight"],
+                                                    ["save", f"{d}/ck", "t"]])]}, d))
+    assert "declared replicas diverged: model/out.weight" in res[0][1]
+    man = json.load(open(f"{d}/ck/t/manifest.json"))
+    boxes = man["tensors"]["model/out.weight"]["boxes"]
+    assert sorted(b["holders"] for b in boxes) == [[0, 1, 3], [2]]
+    assert len({b["hash"] for b in boxes}) == 2
+    from adacheck.cli import redundancy
+    from adacheck.commit import read_manifest
+    div = redundancy(read_manifest(f"{d}/ck/t"))["diverged"]
+    assert any(x.startswith("model/out.weight") and "rank 2" in x for x in div)
