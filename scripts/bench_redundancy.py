@@ -68,7 +68,7 @@ def worker(a) -> None:
         train(2)
         base = getattr(engine.optimizer, "optimizer", engine.optimizer)
         moments = {k for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() >= 1}
-        unique = sum(p.numel() * (4 * (1 + len(moments)) if p.requires_grad else p.element_size())
+        unique = sum(getattr(p, "ds_numel", p.numel()) * (4 * (1 + len(moments)) if p.requires_grad else p.element_size())
                      for p in engine.module.parameters())
         unique += sum(b.numel() * b.element_size() for b in engine.module.buffers())
         work = os.path.join(a.work, f"dp{world}-z{stage}-{dtype}{'-frozen' if frozen else ''}")
