@@ -68,7 +68,8 @@ def worker(a) -> None:
             cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
                    "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-                   "adacheck": {"enabled": True}}
+                   # full checkpoints each time: no references into the previous repeat's save
+                   "adacheck": {"enabled": True, "reference_previous": False}}
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
             for _ in range(2):
@@ -86,8 +87,8 @@ def worker(a) -> None:
             unique = nparams * 4 * (1 + len(moments)) + buffers
             work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
             nat, ada = os.path.join(work, "native"), os.path.join(work, "adacheck")
-            fast = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict({"enabled": True,
-                                                                                "fsync": False}))
+            fast = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
+                {"enabled": True, "fsync": False, "reference_previous": False}))
             t = {"native_save": [], "ada_save": [], "ada_save_nofsync": [], "native_load": [], "ada_load": []}
             for i in range(a.repeat):
                 order = [("native_save", lambda: adacheck_ds.save_native(engine, nat, tag=f"t{i}")),
