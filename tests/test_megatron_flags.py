@@ -1,0 +1,49 @@
+"""The --adacheck flags: one per config key, validated like the DeepSpeed block."""
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from adacheck.config import AdaCheckConfig
+from adacheck.errors import ConfigError
+from adacheck_megatron.flags import add_adacheck_args, config_from_args, flag_of
+
+
+def parse(*argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--save")   # a Megatron flag next to ours
+    return config_from_args(add_adacheck_args(p).parse_args(list(argv)))
+
+
+def test_every_config_key_has_a_flag():
+    p = add_adacheck_args(argparse.ArgumentParser())
+    text = p.format_help()
+    for f in fields(AdaCheckConfig):
+        assert flag_of(f.name) in text, f.name
+
+
+def test_defaults_and_values():
+    assert parse() == AdaCheckConfig()
+    c = parse("--adacheck", "--adacheck-dir", "/ck", "--adacheck-keep-last", "3", "--no-adacheck-fsync",
+              "--adacheck-redundancy-factor", "2", "--adacheck-exchange", "allgather", "--save", "x")
+    assert c == AdaCheckConfig(enabled=True, save_dir="/ck", keep_last=3, fsync=False,
+                               redundancy_factor=2, exchange="allgather")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--adacheck", "--adacheck-keep-last", "-1"], "--adacheck-keep-last must be >= 0"),
+    (["--adacheck", "--adacheck-redundancy-factor", "0"], "--adacheck-redundancy-factor must be >= 1"),
+    (["--adacheck-keep-last", "2"], "--adacheck-keep-last given without --adacheck"),
+])
+def test_bad_values_name_the_flag(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(*argv)
+
+
+def test_argparse_rejects_unknown_choices_and_types(capsys):
+    with pytest.raises(SystemExit):
+        parse("--adacheck", "--adacheck-exchange", "tree")
+    assert "invalid choice: 'tree'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--adacheck", "--adacheck-keep-last", "three")
+    assert "--adacheck-keep-last: invalid int value" in capsys.readouterr().err
