@@ -7,6 +7,8 @@ import os
 import sys
 from collections import defaultdict
 
+import torch
+
 from . import commit
 from .checkpoint import CheckpointReader, resolve
 from .errors import AdaCheckError
@@ -209,7 +211,7 @@ def cmd_ls(args) -> int:
             note = f"reads from {', '.join(sorted({t for t, _ in referenced_files(m) if t}))}" if any(
                 t for t, _ in referenced_files(m)) else ""
         elif users.get(tag):
-            state, note = "retired", f"holds files that {', '.join(sorted(users[tag]))} read(s)"
+            state, note = "retired", f"holds files read by {', '.join(sorted(users[tag]))}"
         else:
             state, note = "INCOMPLETE", problem.split(":")[-1].strip()[:60]
         rows.append((tag + (" (latest)" if tag == latest else ""), state, m.step if m else "-",
@@ -221,8 +223,105 @@ def cmd_ls(args) -> int:
     return 0
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    try:
+        return float(text[:-1]) * _UNITS[text[-1]] if text[-1] in _UNITS else float(text)
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 12h or 7d") from None
+
+
+def cmd_prune(args) -> int:
+    if args.keep_last is not None and args.keep_last < 1:
+        print("adacheck prune: error: --keep-last must be >= 1 (the latest checkpoint is always kept)",
+              file=sys.stderr)
+        return 2
+    if args.keep_last is None and args.older_than is None:
+        print("adacheck prune: error: say what to keep: --keep-last K and/or --older-than AGE",
+              file=sys.stderr)
+        return 2
+    latest = commit.read_latest(args.path)
+    doomed = commit.choose_retired(args.path, keep_last=args.keep_last, older_than_s=args.older_than,
+                                   protect=(latest,) if latest else ())
+    files = commit.collect_garbage(args.path, dry_run=True, retired=tuple(doomed))
+    freed = sum(n for _, n in files)
+    if args.json:
+        print(json.dumps({"retire": doomed, "delete": [f for f, _ in files], "bytes": freed,
+                          "dry_run": not args.yes}, indent=1))
+    else:
+        going = {f for f, _ in files}
+        kept_refs = [t for t in doomed if any(
+            f"{t}/{f}" not in going for f in os.listdir(os.path.join(args.path, t)) if f.endswith(".safetensors"))]
+        print(f"{'retiring' if args.yes else 'would retire'} {len(doomed)} checkpoint(s): "
+              f"{', '.join(doomed) or '-'}")
+        print(f"{'deleting' if args.yes else 'would delete'} {len(files)} shard file(s), {human(freed)}")
+        if kept_refs:
+            print(f"  (files in {', '.join(kept_refs)} that kept checkpoints still read stay)")
+    if not args.yes:
+        if not args.json:
+            print("dry run: nothing deleted; run again with --yes to do it")
+        return 0
+    commit.retire(args.path, doomed)
+    done = commit.collect_garbage(args.path)
+    if not args.json:
+        print(f"done: {human(sum(n for _, n in done))} freed")
+    return 0
+
+
+def _diff_entry(ra, rb, name):
+    ea, eb = ra.entry(name), rb.entry(name)
+    if (ea.dtype, ea.shape) != (eb.dtype, eb.shape):
+        return f"{ea.dtype}{list(ea.shape)} -> {eb.dtype}{list(eb.shape)}", None
+    if ea.derived is None and eb.derived is None and sorted((b.box, b.hash) for b in ea.boxes) == sorted(
+            (b.box, b.hash) for b in eb.boxes) and len({b.box for b in ea.boxes}) == len(
+            {b.hash for b in ea.boxes}):
+        return None, 0.0   # same stored bytes (by hash): equal without reading
+    a, b = ra.read(name), rb.read(name)
+    d = (a.to(torch.float64) - b.to(torch.float64)).abs().max().item() if a.numel() else 0.0
+    if d == 0.0 and not torch.equal(a, b):   # NaNs, or int64 beyond float64 precision
+        d = float("nan")
+    return (None, d) if d == 0.0 else ("values differ", d)
+
+
+def cmd_diff(args) -> int:
+    da, db = resolve(args.a, None), resolve(args.b, None)
+    ra, rb = CheckpointReader(da, verify=not args.no_verify), CheckpointReader(db, verify=not args.no_verify)
+    na, nb = set(ra.manifest.tensors), set(rb.manifest.tensors)
+    only_a, only_b, common = sorted(na - nb), sorted(nb - na), sorted(na & nb)
+    changed, same = [], 0
+    show = sys.stderr.isatty() and not args.json
+    for i, name in enumerate(common):
+        what, d = _diff_entry(ra, rb, name)
+        if what is None:
+            same += 1
+        else:
+            changed.append((name, what, d))
+        if show:
+            sys.stderr.write(f"\rdiff {i + 1}/{len(common)} tensors")
+    if show:
+        sys.stderr.write("\n")
+    if args.json:
+        print(json.dumps({"a": da, "b": db, "only_a": only_a, "only_b": only_b, "unchanged": same,
+                          "changed": [{"tensor": n, "what": w, "max_abs_diff": d} for n, w, d in changed]},
+                         indent=1))
+    else:
+        print(f"a: {da}\nb: {db}")
+        print(f"{same} tensor(s) equal, {len(changed)} differ, {len(only_a)} only in a, {len(only_b)} only in b")
+        if changed:
+            print()
+            print(table([(n, w, "-" if d is None else f"{d:.6g}") for n, w, d in changed],
+                        ["tensor", "difference", "max |a-b|"]))
+        for label, names in (("only in a", only_a), ("only in b", only_b)):
+            if names:
+                print(f"\n{label}: " + ", ".join(names[:50]) + (" ..." if len(names) > 50 else ""))
+    return 1 if (changed or only_a or only_b) else 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="adacheck", description="Inspect and verify AdaCheck checkpoints.")
+    p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare and prune AdaCheck "
+                                "checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, fn, helptext in [("inspect", cmd_inspect, "show layout, step, tensors and bytes"),
                                ("verify", cmd_verify, "check every stored box against its hash")]:
@@ -236,6 +335,22 @@ def main(argv=None) -> int:
                                         help="bytes held / distinct / written / referenced per kind "
                                              "and per holder group; diverged replicas")
     sub.choices["verify"].add_argument("--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("prune", help="retire old checkpoints (dry run unless --yes); never the latest, "
+                       "never a file a kept checkpoint reads")
+    s.add_argument("path", help="a save directory")
+    s.add_argument("--keep-last", type=int, metavar="K", help="keep the newest K checkpoints")
+    s.add_argument("--older-than", type=_duration, metavar="AGE", help="retire checkpoints older than AGE "
+                   "(90s, 30m, 12h, 7d)")
+    s.add_argument("--yes", action="store_true", help="really delete (default: only show what would go)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_prune)
+    s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much "
+                       "(exit 1 if any)")
+    s.add_argument("a", help="checkpoint directory, or a save directory (its latest)")
+    s.add_argument("b")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
+    s.set_defaults(fn=cmd_diff)
     s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
     s.add_argument("path")
     s.set_defaults(fn=cmd_ls)

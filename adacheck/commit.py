@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Dict, List, Optional, Tuple
 
 from .errors import FormatError, NotFoundError
@@ -108,7 +109,7 @@ def generation_of(ckpt_dir: str) -> int:
 _SHARD_FILE = re.compile(r"^rank\d{5}-g\d+\.safetensors(" + re.escape(TMP_SUFFIX) + ")?$")
 
 
-def collect_garbage(save_dir: str) -> List[str]:
+def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = ()) -> List[Tuple[str, int]]:
     """Delete shard files (and temporaries) that no committed checkpoint reads.
 
     That covers earlier generations of a re-saved tag, saves a killed job never committed,
@@ -116,7 +117,8 @@ def collect_garbage(save_dir: str) -> List[str]:
     manifest cannot be parsed is left alone (for a person to look at); only files named
     like AdaCheck shards are removed, and a directory without manifest that this call
     emptied is removed too.  Call it only when no save into ``save_dir`` is in flight.
-    Returns the files removed, as ``<tag>/<file>``.
+    ``dry_run``: delete nothing, as if the checkpoints in ``retired`` had no manifest.
+    Returns the files removed (or that would be), as (``<tag>/<file>``, bytes).
     """
     need: Dict[str, set] = {}
     unreadable = set()
@@ -124,6 +126,8 @@ def collect_garbage(save_dir: str) -> List[str]:
         if m is None:
             if os.path.exists(os.path.join(save_dir, tag, MANIFEST_NAME)):
                 unreadable.add(tag)
+            continue
+        if tag in retired:
             continue
         for ref_tag, name in referenced_files(m):
             need.setdefault(ref_tag or tag, set()).add(name)
@@ -135,12 +139,15 @@ def collect_garbage(save_dir: str) -> List[str]:
         before = len(removed)
         for f in sorted(os.listdir(d)):
             if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
+                path = os.path.join(d, f)
                 try:
-                    os.remove(os.path.join(d, f))
-                    removed.append(f"{tag}/{f}")
+                    size = os.path.getsize(path)
+                    if not dry_run:
+                        os.remove(path)
+                    removed.append((f"{tag}/{f}", size))
                 except FileNotFoundError:
                     pass
-        if len(removed) > before and not os.path.exists(os.path.join(d, MANIFEST_NAME)):
+        if not dry_run and len(removed) > before and not os.path.exists(os.path.join(d, MANIFEST_NAME)):
             try:
                 os.rmdir(d)
             except OSError:
@@ -148,13 +155,11 @@ def collect_garbage(save_dir: str) -> List[str]:
     return removed
 
 
-def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> List[str]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
-
-    Order is by step, then manifest time.  Only directories holding an AdaCheck manifest
-    are ever removed; shard files a kept checkpoint references stay (in a directory
-    without manifest, which is then no checkpoint of its own).  Returns the removed tags.
-    """
+def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s: Optional[float] = None,
+                   protect: Tuple[str, ...] = (), now: Optional[float] = None) -> List[str]:
+    """Committed checkpoints a retention policy removes: those beyond the newest
+    ``keep_last`` (by step, then manifest time) and/or older than ``older_than_s`` seconds;
+    never one in ``protect``, never the newest."""
     committed = []
     for tag, m, problem in list_checkpoints(save_dir):
         if m is None:
@@ -162,11 +167,30 @@ def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> 
         mtime = os.path.getmtime(os.path.join(save_dir, tag, MANIFEST_NAME))
         committed.append(((m.step if m.step is not None else -1), mtime, tag))
     committed.sort(reverse=True)
-    doomed = [tag for _, _, tag in committed[keep_last:] if tag not in protect]
-    for tag in doomed:   # the manifest goes; collect_garbage then keeps what others reference
+    now = time.time() if now is None else now
+    out = []
+    for i, (_, mtime, tag) in enumerate(committed):
+        if i == 0 or tag in protect:
+            continue
+        if (keep_last is not None and i >= keep_last) or (older_than_s is not None and now - mtime > older_than_s):
+            out.append(tag)
+    return out
+
+
+def retire(save_dir: str, tags) -> None:
+    """Remove the manifests of ``tags`` (they stop being checkpoints); collect_garbage then
+    deletes whatever of their files no kept checkpoint references."""
+    for tag in tags:
         os.remove(os.path.join(save_dir, tag, MANIFEST_NAME))
         try:
             os.rmdir(os.path.join(save_dir, tag))   # a checkpoint that only referenced others
         except OSError:
             pass
+
+
+def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> List[str]:
+    """Retire committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
+    Returns the retired tags (their unreferenced files go with the next collect_garbage)."""
+    doomed = choose_retired(save_dir, keep_last=keep_last, protect=protect)
+    retire(save_dir, doomed)
     return doomed

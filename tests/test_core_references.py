@@ -81,3 +81,24 @@ def test_torn_sweep_spares_referenced_files_and_same_tag_resave(tmp_path):
     save(SoloComm(), str(tmp_path), "c", lambda: state(frozen, trained, 4))
     assert shard_files(tmp_path / "a") == ["rank00000-g0.safetensors"]
     assert torch.equal(read_all(tmp_path / "c")["model/frozen"], frozen)
+
+
+def test_cli_prune_dry_run_then_yes_and_diff(tmp_path, capsys):
+    from adacheck.cli import main
+    frozen, trained = torch.ones(8, 8), torch.zeros(4, 6)
+    for i in range(1, 5):
+        save(SoloComm(), str(tmp_path), f"s{i}", lambda: state(frozen, trained, i))
+        trained += 1
+    before = sorted(os.listdir(tmp_path))
+    assert main(["prune", str(tmp_path), "--keep-last", "2"]) == 0
+    assert sorted(os.listdir(tmp_path)) == before and "would retire 2 checkpoint(s): s2, s1" in capsys.readouterr().out
+    assert main(["prune", str(tmp_path), "--keep-last", "2", "--yes"]) == 0
+    assert not (tmp_path / "s2").exists() and not (tmp_path / "s1" / "manifest.json").exists()
+    assert shard_files(tmp_path / "s1") == ["rank00000-g0.safetensors"]   # s3 and s4 read it
+    assert torch.equal(read_all(tmp_path / "s3")["model/frozen"], frozen)
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "s3"), str(tmp_path / "s4")]) == 1
+    out = capsys.readouterr().out
+    assert "1 tensor(s) equal, 1 differ" in out and "master/trained" in out
+    assert main(["diff", str(tmp_path / "s4"), str(tmp_path)]) == 0     # a save dir means its latest
+    assert main(["prune", str(tmp_path), "--keep-last", "0"]) == 2
