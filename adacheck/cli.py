@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import re
 from collections import defaultdict
 
 import torch
@@ -319,9 +320,39 @@ def cmd_diff(args) -> int:
     return 1 if (changed or only_a or only_b) else 0
 
 
+def _size(text: str) -> int:
+    m = re.match(r"^(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?$", text.strip(), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1048576")
+    unit = (m.group(2) or "").upper().replace("I", "").rstrip("B")
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
+
+
+def cmd_convert(args) -> int:
+    from .convert import export_weights
+    d = resolve(args.src, args.tag)
+    show = sys.stderr.isatty() and not args.json
+
+    def progress(done, total):
+        if show:
+            frac = done / total if total else 1.0
+            sys.stderr.write(f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
+                             f"{human(done)}/{human(total)}")
+    res = export_weights(d, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                         overwrite=args.overwrite, verify=not args.no_verify, progress=progress)
+    if show:
+        sys.stderr.write("\n")
+    if args.json:
+        print(json.dumps(dict(res, source=d, out=os.path.abspath(args.out)), indent=1))
+    else:
+        print(f"wrote {res['tensors']} tensors ({human(res['bytes'])}, dtype {res['dtype']}) from {d} to "
+              f"{os.path.abspath(args.out)}: {', '.join(res['files'])}")
+    return 0
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare and prune AdaCheck "
-                                "checkpoints.")
+    p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare, prune and convert "
+                                "AdaCheck checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, fn, helptext in [("inspect", cmd_inspect, "show layout, step, tensors and bytes"),
                                ("verify", cmd_verify, "check every stored box against its hash")]:
@@ -351,6 +382,21 @@ def main(argv=None) -> int:
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.set_defaults(fn=cmd_diff)
+    s = sub.add_parser("convert", help="write the full model weights as standard safetensors "
+                       "(model.safetensors, or shards + index)")
+    s.add_argument("src", help="a save directory (its 'latest') or a checkpoint directory")
+    s.add_argument("out", help="output directory")
+    s.add_argument("--tag", help="checkpoint tag inside SRC")
+    s.add_argument("--to", choices=["weights"], default="weights",
+                   help="target format (native DeepSpeed / Megatron targets: not yet)")
+    s.add_argument("--dtype", choices=["model", "fp32"], default="model",
+                   help="model: the training dtype of the module weights; fp32: the fp32 master weights")
+    s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="split into shards of at most SIZE "
+                   "(e.g. 5GB) with a model.safetensors.index.json")
+    s.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_convert)
     s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
     s.add_argument("path")
     s.set_defaults(fn=cmd_ls)

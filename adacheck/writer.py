@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -31,6 +31,32 @@ def _header(items: List[Tuple[str, torch.Tensor]], metadata: Dict[str, str]) -> 
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return raw
+
+
+def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, tuple]],
+                                produce: Callable[[str], torch.Tensor],
+                                metadata: Dict[str, str] | None = None, fsync: bool = True) -> int:
+    """Write a safetensors file whose tensors are made one at a time: ``specs`` gives each
+    key's dtype and shape (for the header), ``produce(key)`` the tensor when its bytes are due.
+    Peak memory is one tensor.  Keys are written sorted; returns the file size."""
+    specs = sorted(specs)
+    header = _header([(k, torch.empty(shape, dtype=dt, device="meta")) for k, dt, shape in specs],
+                     metadata or {})
+    size = 8 + len(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for key, dt, shape in specs:
+            t = produce(key)
+            if t.dtype != dt or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{key}: produced {t.dtype}{list(t.shape)}, header says {dt}{list(shape)}")
+            buf = tensor_bytes(t.detach().to("cpu").contiguous())
+            f.write(buf)
+            size += len(buf)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return size
 
 
 def write_safetensors(path: str, tensors: Dict[str, torch.Tensor],

@@ -1,0 +1,103 @@
+"""Conversions out of the AdaCheck format that need no framework: consolidated weights.
+
+``export_weights`` writes the model's full (unpartitioned) parameters and buffers as
+standard safetensors, the way inference and Hugging Face tooling expect them: one
+``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` shards plus
+``model.safetensors.index.json`` when ``max_shard_bytes`` is set.  Tensors are produced one
+at a time from the checkpoint (peak memory: about one tensor plus the reader's bounded
+cache).  Files appear under temporary names and are renamed only when all are complete;
+existing files are never overwritten unless ``overwrite``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .checkpoint import CheckpointReader
+from .errors import ConfigError, NotFoundError
+from .types import torch_dtype
+from .writer import fsync_dir, write_safetensors_streaming
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def weight_sources(r: CheckpointReader, dtype: str) -> Dict[str, tuple]:
+    """output key -> (logical tensor, torch dtype): ``dtype`` "model" keeps the training
+    dtype of the module weights, "fp32" takes the fp32 master where there is one."""
+    if dtype not in ("model", "fp32"):
+        raise ConfigError(f"dtype must be 'model' or 'fp32', got {dtype!r}")
+    out = {}
+    for name, e in sorted(r.manifest.tensors.items()):
+        if name.startswith("model/"):
+            key = name[len("model/"):]
+            if dtype == "fp32":
+                src = f"master/{key}" if r.has(f"master/{key}") else name
+                out[key] = (src, torch.float32)
+            else:
+                out[key] = (name, torch_dtype(e.dtype))
+        elif name.startswith("buffer/"):
+            out[name[len("buffer/"):]] = (name, torch_dtype(e.dtype))
+    if not any(n.startswith("model/") for n in r.manifest.tensors):
+        raise NotFoundError(f"{r.dir} holds no model weights (no 'model/...' tensors)")
+    return out
+
+
+def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_bytes: Optional[int] = None,
+                   overwrite: bool = False, verify: bool = True,
+                   progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    r = CheckpointReader(ckpt_dir, verify=verify, cache_bytes=256 << 20)
+    sources = weight_sources(r, dtype)
+    sizes = {k: r.entry(src).numel * torch.empty((), dtype=dt).element_size() for k, (src, dt) in sources.items()}
+    shards: List[List[str]] = [[]]
+    for key in sorted(sources):
+        if max_shard_bytes and shards[-1] and sum(sizes[k] for k in shards[-1]) + sizes[key] > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(key)
+    n = len(shards)
+    names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    targets = names + ([INDEX_NAME] if n > 1 else [])
+    os.makedirs(out_dir, exist_ok=True)
+    clash = [t for t in targets if os.path.exists(os.path.join(out_dir, t))]
+    if clash and not overwrite:
+        raise ConfigError(f"{out_dir} already has {clash}; choose another output directory or pass "
+                          "overwrite=True (--overwrite)")
+    done, total = 0, sum(sizes.values())
+
+    def produce(key):
+        nonlocal done
+        src, dt = sources[key]
+        t = r.read(src, dtype=dt)
+        done += sizes[key]
+        if progress is not None:
+            progress(done, total)
+        return t
+
+    tmps = []
+    try:
+        for fname, keys in zip(names, shards):
+            tmp = os.path.join(out_dir, fname + ".tmp")
+            tmps.append(tmp)
+            specs = [(k, sources[k][1], tuple(r.entry(sources[k][0]).shape)) for k in keys]
+            write_safetensors_streaming(tmp, specs, produce, {"format": "pt", "adacheck_source": r.manifest.tag})
+        if n > 1:
+            tmp = os.path.join(out_dir, INDEX_NAME + ".tmp")
+            tmps.append(tmp)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}}
+            with open(tmp, "w") as f:
+                json.dump(index, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp in tmps:
+            os.replace(tmp, tmp[:-len(".tmp")])
+        fsync_dir(out_dir)
+    except BaseException:
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        raise
+    return {"files": targets, "tensors": len(sources), "bytes": total, "dtype": dtype}
