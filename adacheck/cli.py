@@ -337,7 +337,18 @@ def cmd_convert(args) -> int:
         if show:
             frac = done / total if total else 1.0
             sys.stderr.write(f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
+                             f"{done}/{total}" if args.to != "weights" else
+                             f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
                              f"{human(done)}/{human(total)}")
+    if args.to == "deepspeed-universal":
+        from adacheck_ds.convert import to_universal   # DeepSpeed's format lives with DeepSpeed
+        out = to_universal(d, args.out, verify=not args.no_verify, progress=progress)
+        if show:
+            sys.stderr.write("\n")
+        print(json.dumps({"source": d, "out": out}) if args.json else
+              f"wrote a DeepSpeed universal checkpoint to {out} (load it with "
+              '"checkpoint": {"load_universal": true} in the DeepSpeed config)')
+        return 0
     res = export_weights(d, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                          overwrite=args.overwrite, verify=not args.no_verify, progress=progress)
     if show:
@@ -382,13 +393,14 @@ def main(argv=None) -> int:
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("convert", help="write the full model weights as standard safetensors "
-                       "(model.safetensors, or shards + index)")
+    s = sub.add_parser("convert", help="to full model weights (safetensors) or a DeepSpeed universal "
+                       "checkpoint")
     s.add_argument("src", help="a save directory (its 'latest') or a checkpoint directory")
     s.add_argument("out", help="output directory")
     s.add_argument("--tag", help="checkpoint tag inside SRC")
-    s.add_argument("--to", choices=["weights"], default="weights",
-                   help="target format (native DeepSpeed / Megatron targets: not yet)")
+    s.add_argument("--to", choices=["weights", "deepspeed-universal"], default="weights",
+                   help="weights: model.safetensors for inference / Hugging Face tools; "
+                   "deepspeed-universal: DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size)")
     s.add_argument("--dtype", choices=["model", "fp32"], default="model",
                    help="model: the training dtype of the module weights; fp32: the fp32 master weights")
     s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="split into shards of at most SIZE "

@@ -54,6 +54,7 @@ def ds_config(run):
         cfg["optimizer"] = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.01}}
     if run.get("adacheck") is not None:
         cfg["adacheck"] = run["adacheck"]
+    cfg.update(run.get("ds_extra", {}))
     return cfg
 
 
@@ -149,7 +150,8 @@ def act(engine, a, rec, out_dir, rank):
         path, cs = engine.load_checkpoint(a[1], **(a[2] if len(a) > 2 else {}))
         rec["loaded"].append([path, {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in (cs or {}).items()}])
     elif op == "load_native":
-        adacheck_ds.load_native(engine, a[1])
+        path, cs = adacheck_ds.load_native(engine, a[1])
+        rec["loaded"].append([path, sorted(cs or {})])
     elif op == "dump":
         st = full_state(engine)
         if rank == 0:

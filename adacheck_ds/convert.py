@@ -1,0 +1,121 @@
+"""AdaCheck checkpoint -> DeepSpeed's universal checkpoint format.
+
+DeepSpeed's universal checkpoint keeps every parameter's fp32 weights and optimizer state as
+full (unpartitioned) tensors, one folder per parameter, which is exactly an AdaCheck logical
+tensor; stock ``engine.load_checkpoint`` reads it into any ZeRO stage 1-3 and data-parallel
+size when the DeepSpeed config has ``"checkpoint": {"load_universal": true}``.  Written:
+
+  <out>/latest_universal                         the tag
+  <out>/<tag>/mp_rank_00_model_states.pt          module weights, counters, LR scheduler,
+  <out>/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   client_state (the name ZeRO-3 reads)
+  <out>/<tag>/zero/optimizer_state.pt             param-group hyper-parameters, ds_version
+  <out>/<tag>/zero/<param>/{fp32,exp_avg,exp_avg_sq,...,step}.pt
+
+These are DeepSpeed's own torch.save (pickle) files: this converter writes them and never
+reads any.  Tensors are produced one at a time (peak memory: about one parameter's state).
+Files go to ``<out>/<tag>.tmp`` and are renamed into place when all are written; an
+existing ``<out>/<tag>`` is never overwritten.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Callable, Optional
+
+import torch
+
+from adacheck.checkpoint import CheckpointReader, resolve
+from adacheck.errors import ConfigError, StateError
+from adacheck.types import torch_dtype
+
+
+def _params(r: CheckpointReader):
+    names = sorted(n[len("model/"):] for n in r.manifest.tensors if n.startswith("model/"))
+    if not names:
+        raise StateError(f"{r.dir} holds no model weights; is it an AdaCheck DeepSpeed checkpoint?")
+    return names
+
+
+def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool = True,
+                 progress: Optional[Callable[[int, int], None]] = None) -> str:
+    """Convert the AdaCheck checkpoint ``src`` (save dir or checkpoint dir) to a DeepSpeed
+    universal checkpoint in ``out_dir``; returns the written checkpoint directory."""
+    import deepspeed
+
+    ckpt = resolve(src, tag)
+    r = CheckpointReader(ckpt, verify=verify, cache_bytes=256 << 20)
+    m = r.manifest
+    if m.framework.get("name") != "deepspeed":
+        raise StateError(f"{ckpt} was saved by {m.framework.get('name')!r}, not DeepSpeed; "
+                         "universal conversion needs a DeepSpeed checkpoint")
+    objects = r.objects()
+    out_tag = m.tag
+    final = os.path.join(out_dir, out_tag)
+    if os.path.exists(final):
+        raise ConfigError(f"{final} already exists; choose another output directory (nothing was written)")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "zero"))
+    names = _params(r)
+    keys = sorted({n.split("/")[1] for n in m.tensors if n.startswith("optim/")})
+    done, total = 0, len(names)
+    try:
+        steps = set()
+        for name in names:
+            folder = os.path.join(tmp, "zero", name)
+            # without ZeRO (fp32), the module weights are the master weights
+            master = f"master/{name}" if r.has(f"master/{name}") else f"model/{name}"
+            if not r.has(f"master/{name}") and not any(r.has(f"optim/{k}/{name}") for k in keys):
+                done += 1
+                continue   # frozen: no optimizer state; the module weights carry it
+            os.makedirs(folder)
+            torch.save({"param": r.read(master, dtype=torch.float32)}, os.path.join(folder, "fp32.pt"))
+            for key in keys:
+                t = f"optim/{key}/{name}"
+                if not r.has(t):
+                    continue
+                v = r.read(t)
+                if key == "step":   # DeepSpeed's Adam counts in Python ints, torch's in tensors
+                    steps.add(float(v))
+                    torch.save(v.item() if v.dtype == torch.int64 else v, os.path.join(folder, "step.pt"))
+                else:
+                    torch.save({"param": v}, os.path.join(folder, f"{key}.pt"))
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        if len(steps) > 1:
+            raise StateError(f"parameters have different optimizer steps {sorted(steps)}; DeepSpeed's "
+                             "universal format keeps one step per parameter group")
+        groups = objects.get("param_groups") or []
+        step = next((r.read(f"optim/step/{n}") for n in names if r.has(f"optim/step/{n}")), None)
+        torch.save({"param_groups": [dict(g) for g in groups], "ds_version": deepspeed.__version__,
+                    "optimizer_state_dict": {"state": {0: {"step": step}},
+                                             "param_groups": [dict(g) for g in groups]}},
+                   os.path.join(tmp, "zero", "optimizer_state.pt"))
+        module = {}
+        for name in names:
+            e = m.tensors[f"model/{name}"]
+            module[name] = r.read(f"model/{name}", dtype=torch_dtype(e.dtype))
+        for n in sorted(x for x in m.tensors if x.startswith("buffer/")):
+            module[n[len("buffer/"):]] = r.read(n)
+        counters = objects.get("counters", {})
+        dp = m.framework.get("dp_world_size", m.topology.get("world_size", 1))
+        states = dict(objects.get("client_state") or {})
+        states.update({"module": module, "lr_scheduler": objects.get("lr_scheduler"),
+                       "global_steps": counters.get("global_steps", m.step or 0),
+                       "global_samples": counters.get("global_samples", 0),
+                       "skipped_steps": counters.get("skipped_steps", 0),
+                       "dp_world_size": dp, "mp_world_size": 1, "ds_version": deepspeed.__version__,
+                       "param_shapes": [{n: torch.Size(m.tensors[f"model/{n}"].shape) for n in names}],
+                       "optimizer": None})
+        for fname in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+            torch.save(states, os.path.join(tmp, fname))
+        os.replace(tmp, final)
+        latest = os.path.join(out_dir, "latest_universal")
+        with open(latest + ".tmp", "w") as f:
+            f.write(out_tag)
+        os.replace(latest + ".tmp", latest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
