@@ -39,7 +39,7 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
     """Write a safetensors file whose tensors are made one at a time: ``specs`` gives each
     key's dtype and shape (for the header), ``produce(key)`` the tensor when its bytes are due.
     Peak memory is one tensor.  Keys are written sorted; returns the file size."""
-    specs = sorted(specs)
+    specs = sorted(specs, key=lambda s: s[0])
     header = _header([(k, torch.empty(shape, dtype=dt, device="meta")) for k, dt, shape in specs],
                      metadata or {})
     size = 8 + len(header)
@@ -62,23 +62,11 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
 def write_safetensors(path: str, tensors: Dict[str, torch.Tensor],
                       metadata: Dict[str, str] | None = None, fsync: bool = True) -> int:
     """Write ``tensors`` (CPU, contiguous) to ``path``; return the file size in bytes."""
-    items = sorted(tensors.items())
-    for key, t in items:
+    for key, t in tensors.items():
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{key}: write_safetensors needs contiguous CPU tensors")
-    header = _header(items, metadata or {})
-    size = 8 + len(header)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for _, t in items:
-            buf = tensor_bytes(t)
-            f.write(buf)
-            size += len(buf)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    return size
+    specs = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    return write_safetensors_streaming(path, specs, tensors.__getitem__, metadata, fsync)
 
 
 def fsync_dir(path: str) -> None:

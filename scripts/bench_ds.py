@@ -125,6 +125,27 @@ def worker(a) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
+def run_workers(script: str, dps, work, port_base: int, args) -> list:
+    """Run ``script --worker`` under torchrun once per DP size; the rows rank 0 wrote."""
+    tmp = work or tempfile.mkdtemp(prefix="adacheck-bench-")
+    rows = []
+    for dp in dps:
+        rows_file = os.path.join(tmp, f"rows-dp{dp}.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(dp), "--master_port",
+               str(port_base + os.getpid() % 1000 + dp), script, "--worker", "--rows", rows_file,
+               "--work", tmp, *args]
+        print(f"[bench] DP={dp}", flush=True)
+        p = subprocess.run(cmd, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
+        if p.returncode != 0:
+            print(p.stdout[-6000:])
+            raise SystemExit(f"bench: DP={dp} run failed with exit code {p.returncode}")
+        rows += json.load(open(rows_file))
+    if work is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
 def table(rows) -> str:
     head = ("| DP | ZeRO | dtype | native B | AdaCheck B | unique B | Ada/unique | native/Ada "
             "| save ratio | save ratio (no fsync) | load ratio |")
@@ -153,25 +174,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    work = a.work or tempfile.mkdtemp(prefix="adacheck-bench-")
-    rows = []
-    for dp in a.dp:
-        rows_file = os.path.join(work, f"rows-dp{dp}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(dp),
-               "--master_port", str(29600 + os.getpid() % 1000 + dp), os.path.abspath(__file__), "--worker",
-               "--rows", rows_file, "--work", work, "--vocab", str(a.vocab), "--dim", str(a.dim),
-               "--layers", str(a.layers), "--repeat", str(a.repeat), "--stages", *map(str, a.stages),
-               "--dtypes", *a.dtypes]
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        print(f"[bench] DP={dp}: ZeRO {a.stages} x {a.dtypes}, {a.repeat} repeats", flush=True)
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=3600)
-        if p.returncode != 0:
-            print(p.stdout[-6000:])
-            raise SystemExit(f"bench: DP={dp} run failed with exit code {p.returncode}")
-        rows += json.load(open(rows_file))
-    if a.work is None:
-        shutil.rmtree(work, ignore_errors=True)
+    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29600,
+                       ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
+                        "--repeat", str(a.repeat), "--stages", *map(str, a.stages), "--dtypes", *a.dtypes])
     import torch
     import deepspeed
     result = {"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,

@@ -20,9 +20,7 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -140,23 +138,11 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a)
-    work = a.work or tempfile.mkdtemp(prefix="adacheck-bench-red-")
-    rows = []
-    for dp in a.dp:
-        rows_file = os.path.join(work, f"rows-dp{dp}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(dp), "--master_port",
-               str(29700 + os.getpid() % 1000 + dp), os.path.abspath(__file__), "--worker", "--rows", rows_file,
-               "--work", work, "--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
-               "--stages", *map(str, a.stages)]
-        print(f"[bench] DP={dp}", flush=True)
-        p = subprocess.run(cmd, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
-        if p.returncode != 0:
-            print(p.stdout[-6000:])
-            raise SystemExit(f"bench: DP={dp} run failed with exit code {p.returncode}")
-        rows += json.load(open(rows_file))
-    if a.work is None:
-        shutil.rmtree(work, ignore_errors=True)
+    sys.path.insert(0, HERE)
+    from bench_ds import run_workers
+    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700,
+                       ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
+                        "--stages", *map(str, a.stages)])
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
                    "cpu_count": os.cpu_count()}, f, indent=1)
