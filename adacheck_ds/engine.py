@@ -14,6 +14,7 @@ from adacheck.commit import list_checkpoints, read_latest
 from adacheck.config import AdaCheckConfig
 from adacheck.errors import StateError
 from adacheck.exchange import TorchComm, SoloComm
+from adacheck.rng import rng_state, set_rng_state
 
 from . import state as S
 
@@ -104,7 +105,7 @@ class AdaCheckDeepSpeed:
                      "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,
                      "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
                      "dp_world_size": layout["dp_world_size"]}
-        return core.LocalState(shards=shards, objects=objects, rank_objects={"rng": S.rng_state()},
+        return core.LocalState(shards=shards, objects=objects, rank_objects={"rng": rng_state()},
                                layout=layout, framework=framework, step=int(e.global_steps))
 
     def _scaler_state(self):
@@ -163,7 +164,7 @@ class AdaCheckDeepSpeed:
                         setattr(sc, k, torch.tensor(v, dtype=cur.dtype, device=cur.device)
                                 if isinstance(cur, torch.Tensor) else v)
                 if st.rank_objects is not None:
-                    S.set_rng_state(st.rank_objects["rng"])
+                    set_rng_state(st.rank_objects["rng"])
             return obj.get("client_state") or {}
 
         ckpt_dir, manifest, client_state = core.load(comm, load_dir, tag, read, apply,

@@ -13,11 +13,9 @@ ZeRO flat partitions (stages 1/2, and DeepSpeed's BF16 optimizer) come from Deep
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 
 from adacheck.boxes import flat_range_to_boxes
@@ -377,26 +375,3 @@ def apply_load(engine, lay: Layout, st: Staged) -> None:
             # replaced those tensors, so link the views again.
             opt._hp_optimizer_states_linked = False
             opt._lazy_init_hp_params_optimizer_state()
-
-
-# ----------------------------------------------------------------------------- RNG
-def rng_state() -> dict:
-    py = random.getstate()
-    npst = np.random.get_state()
-    out = {"python": py, "numpy": {"kind": npst[0], "keys": torch.from_numpy(npst[1].astype(np.int64)),
-                                    "pos": int(npst[2]), "has_gauss": int(npst[3]),
-                                    "cached_gaussian": float(npst[4])},
-           "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
-    n = s["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state(s["cuda"])

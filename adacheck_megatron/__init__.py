@@ -1,9 +1,21 @@
 """AdaCheck for Megatron (megatron-core and Megatron-LM training scripts).
 
-So far: the ``--adacheck*`` command-line flags (``flags.py``), generated from the one config
-object so that every key of the DeepSpeed block has the same name here (kebab-case).
-The save/load integration follows (issue 6).
+- ``flags``: the ``--adacheck*`` command-line flags, generated from the one config object so
+  every key of the DeepSpeed block has the same name here (kebab-case);
+- ``checkpointing``: ``save_checkpoint`` / ``load_checkpoint`` with Megatron-LM's contract,
+  writing and reading AdaCheck checkpoints of megatron-core models and optimizers;
+- ``state``: megatron-core sharded state dicts <-> AdaCheck shards;
+- ``cpu``: runs megatron-core on CPU with gloo (device redirection) for tests and demos.
+
+``checkpointing`` imports megatron-core; the flags do not.
 """
 from .flags import add_adacheck_args, config_from_args
 
-__all__ = ["add_adacheck_args", "config_from_args"]
+__all__ = ["add_adacheck_args", "config_from_args", "save_checkpoint", "load_checkpoint"]
+
+
+def __getattr__(name):
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from . import checkpointing
+        return getattr(checkpointing, name)
+    raise AttributeError(name)

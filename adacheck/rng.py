@@ -1,0 +1,33 @@
+"""Host RNG states (python, numpy, torch, cuda) as JSON-able trees with tensors, and back.
+
+Both integrations save one such tree per rank; framework-specific generators (Megatron's
+CUDA RNG tracker) are added by the integration.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+def rng_state() -> dict:
+    py = random.getstate()
+    npst = np.random.get_state()
+    out = {"python": py, "numpy": {"kind": npst[0], "keys": torch.from_numpy(npst[1].astype(np.int64)),
+                                    "pos": int(npst[2]), "has_gauss": int(npst[3]),
+                                    "cached_gaussian": float(npst[4])},
+           "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def set_rng_state(s: dict) -> None:
+    random.setstate(s["python"])
+    n = s["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])

@@ -1,0 +1,297 @@
+"""AdaCheck's save_checkpoint / load_checkpoint with Megatron-LM's contract.
+
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far=0, args=...)
+    iteration, flops = load_checkpoint(model, optimizer, opt_param_scheduler, args=...)
+
+``model`` is the list of model chunks (DDP-wrapped, one per virtual pipeline stage),
+``optimizer`` a megatron-core optimizer (FP32Optimizer, Float16OptimizerWithFloat16Params,
+DistributedOptimizer or a ChainedOptimizer of them), ``args`` the training arguments with
+the ``--adacheck*`` flags (Megatron-LM's ``get_args()`` when not given). The checkpoint
+goes to ``--adacheck-dir`` (else ``--save``) as ``iter_0000123``; ``latest`` names the
+newest complete one. What is saved is what megatron-core's ``sharded_state_dict`` describes
+(model, optimizer with fp32 masters and moments, DistributedOptimizer included), plus the
+iteration, the LR scheduler, the FLOPs counter, a JSON-able copy of the arguments and, per
+rank, the RNG states (python, numpy, torch, and the model-parallel RNG tracker).
+
+A checkpoint loads into any (TP, PP, EP, DP, distributed optimizer or not) layout of the
+same model: every logical tensor is read by box. RNG states are restored only into the
+layout that saved them (as Megatron-LM does); elsewhere a warning says they were skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+import adacheck
+from adacheck import checkpoint as core
+from adacheck import jsontree
+from adacheck.commit import list_checkpoints, read_latest
+from adacheck.config import AdaCheckConfig
+from adacheck.errors import ConfigError, StateError
+from adacheck.exchange import SoloComm, TorchComm
+from adacheck.rng import rng_state, set_rng_state
+
+from . import state as S
+from .flags import config_from_args
+
+log = logging.getLogger("adacheck")
+
+# Keys of a ChainedOptimizer's state without a per-optimizer prefix, so that logical names do
+# not depend on how the parameters were split into optimizers.
+OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
+
+
+def _comm():
+    import torch.distributed as dist
+    return TorchComm() if dist.is_available() and dist.is_initialized() else SoloComm()
+
+
+def _args(args):
+    if args is not None:
+        return args
+    try:
+        from megatron.training import get_args   # Megatron-LM's global arguments
+    except ImportError:
+        raise ConfigError("adacheck_megatron needs the training arguments: pass args=... "
+                          "(Megatron-LM's megatron.training is not importable here)") from None
+    return get_args()
+
+
+def _config(args, config: Optional[AdaCheckConfig]) -> AdaCheckConfig:
+    return config if config is not None else config_from_args(args)
+
+
+def topology() -> dict:
+    """This rank's place in megatron-core's parallel state."""
+    from megatron.core import parallel_state as ps
+    vp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_world_size(), "cp_rank": ps.get_context_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "edp": ps.get_expert_data_parallel_world_size(),
+        "vp": vp or 1,
+    }
+
+
+_SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vp")
+
+
+def layout_name(topo: dict) -> str:
+    return " ".join(f"{k.upper()}={topo[k]}" for k in _SIZES)
+
+
+def _chunk_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def _unwrap(chunk):
+    """The module whose sharded_state_dict names the parameters (inside DDP / Float16Module)."""
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+def sharded_state_dict(model: List, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    """{"model" | "model<i>": ..., "optimizer": ...} as Megatron-LM builds it; without the
+    optimizer when it is a DistributedOptimizer (see state.distopt_describe)."""
+    from megatron.core import parallel_state as ps
+    model = list(model)
+    sd = {}
+    for i, chunk in enumerate(model):
+        if len(model) > 1:
+            ps.set_virtual_pipeline_model_parallel_rank(i)
+        sd[_chunk_key(i, len(model))] = _unwrap(chunk).sharded_state_dict()
+    if len(model) > 1:
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+    if with_optimizer and optimizer is not None and not S.distributed_optimizers(optimizer):
+        model_sd = sd if len(model) > 1 else sd["model"]
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                       metadata=dict(OPTIMIZER_METADATA))
+    return sd
+
+
+def _tracker_states() -> dict:
+    from megatron.core import tensor_parallel
+    return {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+
+
+def _json_args(args) -> dict:
+    """The arguments that are plain values (for the record and for `adacheck inspect`)."""
+    out = {}
+    for k, v in sorted(vars(args).items()):
+        try:
+            jsontree.encode(v, k)
+        except StateError:
+            continue
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------- save
+
+def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
+                    *, args: Optional[argparse.Namespace] = None, config: Optional[AdaCheckConfig] = None,
+                    extra_state: Optional[dict] = None) -> core.Manifest:
+    """Collectively save an AdaCheck checkpoint of iteration ``iteration``; returns its manifest.
+
+    ``extra_state``: more JSON-able values / tensors to keep (rank 0's copy), returned by
+    load_checkpoint(..., return_extra_state=True).
+    """
+    args = _args(args)
+    cfg = _config(args, config)
+    save_dir = cfg.save_dir or getattr(args, "save", None)
+    if not save_dir:
+        raise ConfigError("AdaCheck save needs a directory: --adacheck-dir or --save")
+    t0 = time.perf_counter()
+    comm = _comm()
+
+    def collect():
+        topo = topology()
+        sd = sharded_state_dict(model, optimizer, is_loading=False)
+        distopt = None
+        if optimizer is not None and S.distributed_optimizers(optimizer):
+            dshards, distopt = S.distopt_describe(optimizer, sd)
+        shards, sharded_objects, common = S.describe(sd)
+        if distopt is not None:
+            shards += dshards
+        objects = {
+            "common": common,
+            "iteration": int(iteration),
+            "opt_param_scheduler": (opt_param_scheduler.state_dict()
+                                    if opt_param_scheduler is not None else None),
+            "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
+            "args": _json_args(args),
+            "extra_state": extra_state or {},
+            "distributed_optimizer": distopt,   # per sub-optimizer: param groups, step, scaler
+        }
+        import megatron.core
+        framework = {"name": "megatron", "megatron_core": megatron.core.__version__,
+                     "torch": torch.__version__, "adacheck": adacheck.__version__,
+                     "layout": {k: topo[k] for k in _SIZES},
+                     "dtype": "bf16" if getattr(args, "bf16", False) else
+                              "fp16" if getattr(args, "fp16", False) else "fp32",
+                     "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
+                     "model_chunks": len(list(model))}
+        return core.LocalState(
+            shards=shards, objects=objects,
+            rank_objects={"rng": dict(rng_state(), tracker=_tracker_states()),
+                          "sharded_objects": sharded_objects},
+            layout=topo, framework=framework, step=int(iteration))
+
+    manifest = core.save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
+                         keep_last=cfg.keep_last or None, fsync=cfg.fsync,
+                         reference_previous=cfg.reference_previous, copies=cfg.redundancy_factor,
+                         exchange=cfg.exchange)
+    if comm.rank == 0:
+        st = manifest.stats
+        log.info("AdaCheck: saved iteration %d to %s in %.2fs (%d bytes written, %d referenced)",
+                 iteration, os.path.join(save_dir, manifest.tag), time.perf_counter() - t0,
+                 st.get("file_bytes", 0), st.get("referenced_bytes", 0))
+    return manifest
+
+
+# ---------------------------------------------------------------------------------- load
+
+def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
+    return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
+                    checkpointing_context=None, *, args: Optional[argparse.Namespace] = None,
+                    config: Optional[AdaCheckConfig] = None, tag: Optional[str] = None,
+                    return_extra_state: bool = False):
+    """Load the newest complete checkpoint (or ``tag``) into this layout.
+
+    Returns ``(iteration, num_floating_point_operations_so_far)`` like Megatron-LM's
+    load_checkpoint, ``(0, 0)`` when the directory holds no checkpoint yet; with
+    ``return_extra_state`` a third item, the saved ``extra_state``. Honours
+    ``--no-load-optim``, ``--no-load-rng`` and ``--finetune`` (weights only, iteration 0).
+    """
+    args = _args(args)
+    cfg = _config(args, config)
+    load_dir = cfg.save_dir or getattr(args, load_arg, None)
+    if not load_dir:
+        raise ConfigError(f"AdaCheck load needs a directory: --adacheck-dir or --{load_arg}")
+    if tag is None and read_latest(load_dir) is None and not os.path.isfile(
+            os.path.join(load_dir, "manifest.json")):
+        complete = [t for t, m, _ in list_checkpoints(load_dir) if m is not None] if os.path.isdir(load_dir) else []
+        if complete:
+            raise ConfigError(f"{load_dir} holds AdaCheck checkpoints {complete} but no 'latest' "
+                              "file; pass one as tag")
+        log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
+        return (0, 0, {}) if return_extra_state else (0, 0)
+    finetune = bool(getattr(args, "finetune", False))
+    load_optim = not finetune and not getattr(args, "no_load_optim", False)
+    load_rng = not finetune and not getattr(args, "no_load_rng", False)
+    comm = _comm()
+    t0 = time.perf_counter()
+
+    def read(r: core.CheckpointReader):
+        objects = r.objects()
+        saved_layout = r.manifest.layout.get("ranks", [])
+        sharded_objects = {}
+        for i in range(len(r.manifest.rank_objects)):
+            sharded_objects.update(r.objects(i).get("sharded_objects", {}))
+        sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
+        dist = load_optim and optimizer is not None and bool(S.distributed_optimizers(optimizer))
+        saved_dist = objects.get("distributed_optimizer") is not None
+        if load_optim and optimizer is not None and dist != saved_dist:
+            raise ConfigError(
+                f"{r.dir} was saved {'with' if saved_dist else 'without'} the distributed optimizer "
+                f"and this job runs {'with' if dist else 'without'} it; their optimizer states are "
+                "laid out differently (not supported yet): match --use-distributed-optimizer, or "
+                "load the weights only with --no-load-optim")
+        dstaged = S.distopt_stage_load(optimizer, sd, r, objects["distributed_optimizer"]) if dist else None
+        state, missing = S.stage_load(sd, r, objects["common"], sharded_objects, strict=strict)
+        rng = None
+        if load_rng:
+            if _same_layout(saved_layout, topology(), comm.world_size):
+                rng = r.objects(comm.rank)["rng"]
+            elif comm.rank == 0:
+                saved = layout_name(saved_layout[0]) if saved_layout else "?"
+                warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
+                              f"{saved} on {len(saved_layout)} ranks, this job runs "
+                              f"{layout_name(topology())} on {comm.world_size}")
+        return objects, state, rng, missing, dstaged
+
+    def apply(staged):
+        objects, state, rng, missing, dstaged = staged
+        chunks = list(model)
+        for i, chunk in enumerate(chunks):
+            _unwrap(chunk).load_state_dict(state[_chunk_key(i, len(chunks))], strict=strict)
+        if load_optim and optimizer is not None:
+            if dstaged is not None:
+                S.distopt_apply(optimizer, dstaged, objects["distributed_optimizer"])
+            else:
+                optimizer.load_state_dict(state["optimizer"])
+            if opt_param_scheduler is not None and objects.get("opt_param_scheduler") is not None:
+                opt_param_scheduler.load_state_dict(objects["opt_param_scheduler"])
+        if rng is not None:
+            set_rng_state(rng)
+            from megatron.core import tensor_parallel
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if missing and comm.rank == 0:
+            warnings.warn(f"AdaCheck: {len(missing)} tensors not in the checkpoint kept their "
+                          f"current values: {missing[:8]}")
+        return objects
+
+    ckpt_dir, manifest, objects = core.load(comm, load_dir, tag, read, apply, verify=cfg.verify_on_load)
+    iteration = 0 if finetune else int(objects["iteration"])
+    flops = 0 if finetune else objects.get("num_floating_point_operations_so_far", 0)
+    if comm.rank == 0:
+        log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects["iteration"],
+                 time.perf_counter() - t0)
+    if return_extra_state:
+        return iteration, flops, objects.get("extra_state") or {}
+    return iteration, flops

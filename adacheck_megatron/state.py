@@ -1,0 +1,437 @@
+"""megatron-core sharded state dicts <-> AdaCheck shards.
+
+megatron-core already describes training state layout-independently: ``sharded_state_dict()``
+of a model (and of its optimizer, given the model's) is a nested dict whose leaves are
+``ShardedTensor`` (a key naming a logical tensor, its global shape, this rank's offset and
+local shape, optionally a flat range of that local shard), ``ShardedObject`` (a piece of
+non-tensor state with a key and a position in a grid), ``ShardedTensorFactory`` (built into
+ShardedTensors before saving, merged back after loading) and plain values (the "common"
+state). This module maps that vocabulary onto the core's: a ShardedTensor is a box of the
+logical tensor named by its key (a flat range becomes up to 2*ndim-1 boxes), every holder of
+the same box is a declared replica (``replica_id`` only says which of them Megatron's own
+save would write; AdaCheck's planner chooses the writer by hash and balance), ShardedObjects
+are saved once per key and grid position, and the common state is saved as JSON by rank 0.
+
+Loading mirrors ``megatron.core.dist_checkpointing.load``: the target's sharded state dict
+names the boxes it needs, each is read (from whatever stored boxes intersect it, so any
+TP / PP / EP / DP layout works), and the result is the plain state dict the model's and the
+optimizer's ``load_state_dict`` expect.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from adacheck.boxes import flat_range_to_boxes
+from adacheck.checkpoint import CheckpointReader, LocalShard
+from adacheck.errors import FormatError, StateError
+from adacheck.types import Box
+from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, merge,
+                                                        nested_values)
+from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                      apply_factory_merges, is_main_replica)
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
+from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+MASTER_PREFIX = "optimizer.state.fp32_param."
+
+
+def kind_of(key: str) -> str:
+    if key.startswith(MASTER_PREFIX):
+        return "master"
+    if key.startswith("optimizer."):
+        return "optim"
+    return "model"
+
+
+def _global_box(st: ShardedTensor) -> Box:
+    """The box of the (non-flattened) local shard in global coordinates."""
+    lengths = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+    if len(lengths) != len(st.global_shape) or len(st.global_offset) != len(st.global_shape):
+        raise StateError(f"{st.key}: offsets {st.global_offset} / local shape {st.local_shape} "
+                         f"(+{st.prepend_axis_num} prepended axes) do not match global shape "
+                         f"{st.global_shape}")
+    return Box(tuple(st.global_offset), lengths)
+
+
+def _pieces(st: ShardedTensor) -> List[Tuple[Box, slice]]:
+    """(global box, range of the flattened data) for each piece of ``st``'s data."""
+    full = _global_box(st)
+    if st.flattened_range is None:
+        return [(full, slice(0, full.numel))]
+    fr = st.flattened_range
+    out, pos = [], 0
+    for b in flat_range_to_boxes(full.lengths, fr.start, fr.stop):
+        g = Box(tuple(o + f for o, f in zip(b.offsets, full.offsets)), b.lengths)
+        out.append((g, slice(pos, pos + b.numel)))
+        pos += b.numel
+    return out
+
+
+def _sharded_tensors(sharded: dict) -> List[ShardedTensor]:
+    out = []
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedTensor):
+            out.append(v)
+        elif not isinstance(v, ShardedObject):
+            raise StateError(f"unsupported sharded value {type(v).__name__} in a sharded state dict")
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(
+        a.contiguous().view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+        b.contiguous().view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8)))
+
+
+def describe(sharded_state_dict: dict) -> Tuple[List[LocalShard], Dict[str, object], dict]:
+    """This rank's shards, its main-replica ShardedObjects (unique key -> data) and the
+    common state of a sharded state dict built for saving (which this consumes)."""
+    sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+    tensors = _sharded_tensors(sharded)
+    shards: List[LocalShard] = []
+    # fp32 master pieces by model key: a bf16/fp16 model weight equal to its master cast
+    # down is derivable. Each rank checks the part where it holds both (every holder of a
+    # master piece also holds that region of the model weight, so together the ranks check
+    # every element; the planner requires all holders to report no counter-example).
+    masters: Dict[str, List[Tuple[Box, torch.Tensor]]] = {}
+    for st in tensors:
+        if st.key.startswith(MASTER_PREFIX) and st.data is not None:
+            data = st.data.detach().reshape(-1)
+            for box, rng in _pieces(st):
+                masters.setdefault(st.key[len(MASTER_PREFIX):], []).append((box, data[rng]))
+    for st in tensors:
+        if st.data is None:
+            raise StateError(f"{st.key}: a ShardedTensor without data cannot be saved")
+        if st.flattened_range is not None and st.flattened_range.stop == st.flattened_range.start:
+            continue
+        data = st.data.detach()
+        if st.flattened_range is None and tuple(data.shape) != tuple(st.local_shape):
+            raise StateError(f"{st.key}: data of shape {list(data.shape)} for local shape "
+                             f"{list(st.local_shape)}")
+        flat = data.reshape(-1)
+        kind = kind_of(st.key)
+        derive = None
+        if kind == "model" and data.dtype in (torch.bfloat16, torch.float16):
+            derive = MASTER_PREFIX + st.key
+        for box, rng in _pieces(st):
+            t = flat[rng].view(box.lengths)
+            ok = derive is not None and _no_counter_example(box, t, masters.get(st.key, ()))
+            shards.append(LocalShard(st.key, kind, tuple(st.global_shape), box, t,
+                                     derive=derive, derive_ok=ok, replicated=True))
+    objects = {}
+    for v in nested_values(sharded):
+        if isinstance(v, ShardedObject) and is_main_replica(v.replica_id):
+            objects[v.unique_key] = v.data
+    return shards, objects, common
+
+
+def _no_counter_example(box: Box, t: torch.Tensor, masters) -> bool:
+    """No element of model box ``box`` that this rank also holds a master for differs from
+    that master cast to the model dtype."""
+    for mbox, m in masters:
+        inter = box.intersect(mbox)
+        if inter is not None and not _same_bytes(m.view(mbox.lengths)[inter.slices(mbox)].to(t.dtype),
+                                                 t[inter.slices(box)]):
+            return False
+    return True
+
+
+def _shape_of(tree):
+    """The nesting of ``tree`` without its leaves (and without the optional shared step)."""
+    if isinstance(tree, dict):
+        return {k: _shape_of(v) for k, v in tree.items() if k not in ("common_step", "state")}
+    if isinstance(tree, (list, tuple)):
+        return [_shape_of(v) for v in tree]
+    return None
+
+
+def _find(tree, key):
+    """The first value stored under ``key`` anywhere in ``tree`` (depth first), else None."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        values = tree.values()
+    elif isinstance(tree, (list, tuple)):
+        values = tree
+    else:
+        return None
+    for v in values:
+        got = _find(v, key)
+        if got is not None:
+            return got
+    return None
+
+
+def _optimizer_states(tree):
+    """The torch-optimizer state dicts ({'state', 'param_groups'}) inside ``tree``."""
+    if isinstance(tree, dict):
+        if "param_groups" in tree:
+            tree.setdefault("state", {})
+            yield tree
+        for v in tree.values():
+            yield from _optimizer_states(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _optimizer_states(v)
+
+
+def reconcile_common(saved: dict, target: dict) -> dict:
+    """The common (non-tensor) state to load: the saved one when this job's has the same
+    structure; otherwise (the optimizer was split differently, e.g. expert parameters in
+    their own optimizer at EP=2 but not at EP=1) this job's own, with what the checkpoint
+    decides carried over: the optimizer step and the grad scaler. Hyper-parameters then
+    come from this job's configuration and the LR scheduler's restored state."""
+    if _shape_of(saved.get("optimizer")) == _shape_of(target.get("optimizer")) or "optimizer" not in target:
+        return saved
+    out = dict(saved, optimizer=target["optimizer"])
+    step = _find(saved.get("optimizer"), "common_step")
+    for st in _optimizer_states(out["optimizer"]):
+        if step is not None:
+            st["state"]["common_step"] = step
+        else:
+            st["state"].pop("common_step", None)
+    scaler = _find(saved.get("optimizer"), "grad_scaler")
+    if scaler is not None:
+        def put(tree):
+            if isinstance(tree, dict):
+                for k in tree:
+                    if k == "grad_scaler":
+                        tree[k] = scaler
+                    else:
+                        put(tree[k])
+        put(out["optimizer"])
+    return out
+
+
+def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
+               sharded_objects: Dict[str, object], strict: bool = True):
+    """The plain state dict for ``sharded_state_dict`` (built with ``is_loading=True``),
+    read from ``reader``; ``common`` is the saved common state, ``sharded_objects`` the saved
+    ShardedObjects of all ranks by unique key. Missing tensors are an error unless not
+    ``strict``, when they keep the value the target already has and are returned by name."""
+    sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    sharded, target_common = extract_sharded_base(sharded)
+    common = reconcile_common(common, target_common)
+    missing: List[str] = []
+
+    def fill(v):
+        if isinstance(v, ShardedObject):
+            if v.unique_key not in sharded_objects:
+                raise FormatError(f"{reader.dir}: the checkpoint has no object {v.unique_key!r} "
+                                  f"(saved: {sorted(sharded_objects)[:8]})")
+            return sharded_objects[v.unique_key]
+        if not isinstance(v, ShardedTensor):
+            return v
+        if not reader.has(v.key):
+            if strict:
+                raise FormatError(f"{reader.dir}: the checkpoint has no tensor {v.key!r}; is it a "
+                                  "checkpoint of this model? (load with strict=False to keep the "
+                                  "current values of missing tensors)")
+            missing.append(v.key)
+            return v.data
+        e = reader.entry(v.key)
+        if v.flattened_range is None:
+            out = torch.empty(tuple(v.local_shape), dtype=v.dtype)
+        else:
+            out = torch.empty(v.flattened_range.stop - v.flattened_range.start, dtype=v.dtype)
+        if tuple(e.shape) != tuple(v.global_shape):
+            if not (v.allow_shape_mismatch and v.flattened_range is None and len(e.shape) == len(v.global_shape)):
+                raise FormatError(f"{v.key}: the checkpoint holds shape {list(e.shape)} but this model "
+                                  f"needs {list(v.global_shape)}; model configurations differ")
+            # declared padding (vocabulary padded to a multiple of the TP size): the part both
+            # shapes have is loaded, the rest of this model's padding is zero
+            box = _global_box(v)
+            out.zero_()
+            inter = box.intersect(Box.full(e.shape))
+            if inter is not None:
+                reader.read(v.key, inter, out=out.view(box.lengths)[inter.slices(box)])
+            return out
+        flat = out.view(-1)
+        for box, rng in _pieces(v):
+            reader.read(v.key, box, out=flat[rng].view(box.lengths))
+        if v.data is not None and v.data.device.type != "cpu":
+            out = out.to(v.data.device)
+        return out
+
+    dict_list_map_inplace(fill, sharded)
+    state = common
+    merge(state, nonpersistent)
+    merge(state, sharded)
+    state = apply_factory_merges(state, factories)
+    return state, missing
+
+
+# ------------------------------------------------------------------ DistributedOptimizer
+# megatron-core 0.16 can describe a DistributedOptimizer's state per parameter only by
+# gathering it over data-parallel ranks ('fully_reshardable') or by its internal buffers
+# ('dp_reshardable', which only reshards over DP); flat ranges in ShardedTensors are no
+# longer supported. AdaCheck reads each rank's own range of each parameter straight from
+# the optimizer: no gather, no copy, and the same logical tensors a plain optimizer gives.
+
+_DISTOPT_NAMES = {"param": "fp32_param"}
+
+
+def distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers inside ``optimizer`` ([] if it uses none)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    dist = [o for o in subs if isinstance(o, DistributedOptimizer)]
+    if dist and len(dist) != len(subs):
+        raise StateError("a ChainedOptimizer mixing DistributedOptimizer and other optimizers is "
+                         "not supported by AdaCheck")
+    return dist
+
+
+def _param_to_sharded(model_sd: dict) -> Dict[int, ShardedTensor]:
+    out = {}
+    for v in nested_values(model_sd):
+        if isinstance(v, ShardedTensor) and v.data is not None:
+            out[id(v.data)] = v
+    return out
+
+
+def _local_ranges(opt):
+    """(model_param, start, stop) of the flattened parameter that this DP rank's optimizer owns."""
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for buckets in gbuf_range_maps.values():
+            for bucket in buckets:
+                for model_param, ranges in bucket["param_map"].items():
+                    r = ranges["param"]
+                    if r.end > r.start:
+                        yield model_param, r.start, r.end
+
+
+def _model_meta(by_param, model_param) -> ShardedTensor:
+    try:
+        return by_param[id(model_param)]
+    except KeyError:
+        raise StateError(f"a parameter of shape {list(model_param.shape)} handled by the "
+                         "DistributedOptimizer is not in the model's sharded_state_dict") from None
+
+
+def _flat_pieces(meta: ShardedTensor, start: int, stop: int):
+    full = _global_box(meta)
+    out, pos = [], 0
+    for b in flat_range_to_boxes(full.lengths, start, stop):
+        out.append((Box(tuple(o + f for o, f in zip(b.offsets, full.offsets)), b.lengths),
+                    slice(pos, pos + b.numel)))
+        pos += b.numel
+    return out
+
+
+def init_empty_state(subs) -> None:
+    """Give never-stepped optimizers the state torch's Adam creates lazily at its first
+    step (zeros, overwritten by the load; the parameters are not touched, unlike a dummy
+    step), so that the state to load into has its final keys."""
+    for opt in subs:
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+
+
+def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]:
+    """Shards of this rank's DistributedOptimizer state, and its non-tensor state per
+    sub-optimizer (param groups with the shared step, grad scaler)."""
+    by_param = _param_to_sharded(model_sd)
+    shards: List[LocalShard] = []
+    commons = []
+    for opt in distributed_optimizers(optimizer):
+        commons.append(opt.state_dict())
+        for model_param, start, stop in _local_ranges(opt):
+            meta = _model_meta(by_param, model_param)
+            for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
+                if k == "step":
+                    continue   # shared by all parameters; in the param groups
+                name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
+                flat = t.detach().reshape(-1)
+                if flat.numel() != stop - start:
+                    raise StateError(f"{name}: optimizer holds {flat.numel()} elements for the range "
+                                     f"[{start}, {stop})")
+                for box, rng in _flat_pieces(meta, start, stop):
+                    shards.append(LocalShard(name, kind_of(name), tuple(meta.global_shape), box,
+                                             flat[rng].view(box.lengths), replicated=True))
+    return shards, commons
+
+
+def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, commons: list):
+    """Read this rank's ranges of every DistributedOptimizer state (nothing is changed yet)."""
+    subs = distributed_optimizers(optimizer)
+    if not commons:
+        raise FormatError(f"{reader.dir}: the checkpoint has no DistributedOptimizer state; load "
+                          "with --no-load-optim to take the weights only")
+    by_param = _param_to_sharded(model_sd)
+    init_empty_state(subs)
+    staged = []
+    for opt in subs:
+        part = []
+        for model_param, start, stop in _local_ranges(opt):
+            meta = _model_meta(by_param, model_param)
+            tensors = {}
+            for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
+                if k == "step":
+                    continue
+                name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
+                e = reader.entry(name)
+                if tuple(e.shape) != tuple(meta.global_shape):
+                    if not (meta.allow_shape_mismatch and len(e.shape) == len(meta.global_shape)):
+                        raise FormatError(f"{name}: the checkpoint holds shape {list(e.shape)} but "
+                                          f"this model needs {list(meta.global_shape)}")
+                    # padded vocabulary (see stage_load): common part loaded, the rest zero
+                    box = _global_box(meta)
+                    local = torch.zeros(box.lengths, dtype=t.dtype)
+                    inter = box.intersect(Box.full(e.shape))
+                    if inter is not None:
+                        reader.read(name, inter, out=local[inter.slices(box)])
+                    tensors[k] = local.reshape(-1)[start:stop].clone()
+                    continue
+                out = torch.empty(stop - start, dtype=t.dtype)
+                for box, rng in _flat_pieces(meta, start, stop):
+                    reader.read(name, box, out=out[rng].view(box.lengths))
+                tensors[k] = out
+            part.append((model_param, tensors))
+        staged.append(part)
+    return staged
+
+
+def _distopt_commons(subs, saved: list) -> list:
+    """The saved non-tensor state per sub-optimizer; when the optimizer is split differently
+    now (expert parameters in their own optimizer or not), this job's own with the saved
+    step and grad scaler (see reconcile_common)."""
+    if len(saved) == len(subs) and all(
+            len(a["optimizer"]["param_groups"]) == len(b.optimizer.param_groups) for a, b in zip(saved, subs)):
+        return saved
+    step = _find(saved, "step")
+    scaler = _find(saved, "grad_scaler")
+    out = []
+    for opt in subs:
+        sd = opt.state_dict()
+        for g in sd["optimizer"]["param_groups"]:
+            if step is not None:
+                g["step"] = step
+        if scaler is not None and "grad_scaler" in sd:
+            sd["grad_scaler"] = scaler
+        out.append(sd)
+    return out
+
+
+def distopt_apply(optimizer, staged, commons) -> None:
+    subs = distributed_optimizers(optimizer)
+    for opt, part, common in zip(subs, staged, _distopt_commons(subs, commons)):
+        opt.load_state_dict(common)   # param groups, shared step, grad scaler; allocates state
+        # DistributedOptimizer.load_state_dict gives every parameter the same step tensor and
+        # torch's Adam increments each parameter's step in place: a shared tensor would
+        # advance once per parameter per step (silently wrong bias correction). One each:
+        for st in opt.optimizer.state.values():
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].clone()
+        for model_param, tensors in part:
+            live = opt._get_main_param_and_optimizer_states(model_param)
+            if set(live) - {"step"} != set(tensors):
+                raise StateError(f"optimizer state keys {sorted(live)} differ from the loaded "
+                                 f"{sorted(tensors)}")
+            opt._set_main_param_and_optimizer_states(model_param, dict(tensors, step=live.get("step")))

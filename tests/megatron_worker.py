@@ -1,0 +1,119 @@
+"""One rank of real megatron-core training on CPU (gloo), driven by a JSON spec.
+
+spec = {"runs": [{"argv": [pretrain_gpt.py flags], "actions": [["train", 2], ["save", DIR], ...]}]}
+Every run builds its own layout (parallel state, GPTModel, DDP, optimizer, scheduler) with
+scripts/pretrain_gpt.py's own functions in the same process group, then tears the parallel
+state down, so several layouts share one launch. Actions:
+  train N | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
+Each rank writes result-rank<r>.json: per run, the losses (from the last pipeline stage),
+the iterations loaded and errors caught by expect_error.
+"""
+import json
+import os
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import torch  # noqa: E402
+
+import pretrain_gpt as P  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--vocab-size", "200",
+        "--make-vocab-size-divisible-by", "16", "--lr", "1e-3", "--train-iters", "20",
+        "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+
+
+def last_stage_value(v):
+    """The value the last pipeline stage (TP rank 0, DP rank 0) has, on every rank."""
+    mine = v if (parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+                 and parallel_state.get_data_parallel_rank() == 0) else None
+    got = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(got, mine)
+    return next(x for x in got if x is not None)
+
+
+def run_one(run, out):
+    argv = BASE + list(run["argv"])
+    args = P.parse_args(argv=argv)
+    P.initialize_parallel(args)
+    model, config = P.build_model(args)
+    optimizer, scheduler = P.build_optimizer(args, model, config)
+    iteration = 0
+    res = {"losses": [], "loaded": [], "errors": []}
+
+    def do(action):
+        nonlocal iteration
+        kind, rest = action[0], action[1:]
+        if kind == "train":
+            for _ in range(rest[0]):
+                iteration += 1
+                loss, _, _, _ = P.train_step(args, iteration, model, optimizer, scheduler)
+                res["losses"].append(last_stage_value(loss))
+        elif kind == "scramble":   # other weights than the run that saved (the load must overwrite them)
+            with torch.no_grad():
+                for chunk in model:
+                    for p in chunk.parameters():
+                        p.add_(torch.randn_like(p))
+        elif kind == "save":
+            args.adacheck, args.save = True, rest[0]
+            P.save_checkpoint(iteration, model, optimizer, scheduler, args)
+        elif kind == "load":
+            args.adacheck, args.load = True, rest[0]
+            iteration = P.load_checkpoint(model, optimizer, scheduler, args)
+            res["loaded"].append(iteration)
+        elif kind == "save_native":
+            args.adacheck, args.save = False, rest[0]
+            P.save_checkpoint(iteration, model, optimizer, scheduler, args)
+        elif kind == "load_native":
+            args.adacheck, args.load = False, rest[0]
+            iteration = P.load_checkpoint(model, optimizer, scheduler, args)
+            res["loaded"].append(iteration)
+        elif kind == "expect_error":
+            try:
+                do(rest[1])
+            except Exception as e:   # noqa: BLE001 - the test checks the message
+                msg = f"{type(e).__name__}: {e}"
+                if rest[0] not in msg:
+                    raise AssertionError(f"expected an error containing {rest[0]!r}, got {msg}") from e
+                res["errors"].append(msg)
+            else:
+                raise AssertionError(f"expected an error containing {rest[0]!r}; {rest[1]} succeeded")
+        else:
+            raise ValueError(f"unknown action {action}")
+
+    for a in run["actions"]:
+        do(a)
+    parallel_state.destroy_model_parallel()
+    return res
+
+
+def main():
+    spec_path, out = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from adacheck_megatron.cpu import enable_cpu
+    enable_cpu()
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    results = []
+    try:
+        for run in spec["runs"]:
+            results.append(run_one(run, out))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
