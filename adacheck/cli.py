@@ -12,7 +12,7 @@ import torch
 
 from . import commit
 from .checkpoint import CheckpointReader, resolve
-from .errors import AdaCheckError
+from .errors import AdaCheckError, ConfigError
 from .manifest import referenced_files
 
 
@@ -330,8 +330,9 @@ def _size(text: str) -> int:
 
 def cmd_convert(args) -> int:
     from .convert import export_weights
-    d = resolve(args.src, args.tag)
     show = sys.stderr.isatty() and not args.json
+    if args.to is None:
+        args.to = "adacheck" if args.from_ == "torch-dist" else "weights"
 
     def progress(done, total):
         if show:
@@ -340,6 +341,30 @@ def cmd_convert(args) -> int:
                              f"{done}/{total}" if args.to != "weights" else
                              f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
                              f"{human(done)}/{human(total)}")
+    if args.from_ == "torch-dist":
+        if args.to != "adacheck":
+            raise ConfigError("--from torch-dist converts into AdaCheck: use --to adacheck (or leave --to out)")
+        from adacheck_megatron.convert import from_torch_dist   # Megatron's format lives with Megatron
+        m = from_torch_dist(args.src, args.out, progress=progress)
+        if show:
+            sys.stderr.write("\n")
+        out = os.path.join(os.path.abspath(args.out), m.tag)
+        print(json.dumps({"source": args.src, "out": out}) if args.json else
+              f"wrote AdaCheck checkpoint {out} ({len(m.tensors)} tensors, "
+              f"{human(m.stats.get('file_bytes', 0))})")
+        return 0
+    d = resolve(args.src, args.tag)
+    if args.to == "adacheck":
+        raise ConfigError("--to adacheck needs --from torch-dist (SRC is already an AdaCheck checkpoint)")
+    if args.to == "torch-dist":
+        from adacheck_megatron.convert import to_torch_dist
+        out = to_torch_dist(d, args.out, verify=not args.no_verify, progress=progress)
+        if show:
+            sys.stderr.write("\n")
+        print(json.dumps({"source": d, "out": out}) if args.json else
+              f"wrote a megatron-core torch_dist checkpoint to {out} (loadable with "
+              "dist_checkpointing.load into any layout; load with --no-load-rng)")
+        return 0
     if args.to == "deepspeed-universal":
         from adacheck_ds.convert import to_universal   # DeepSpeed's format lives with DeepSpeed
         out = to_universal(d, args.out, verify=not args.no_verify, progress=progress)
@@ -393,14 +418,19 @@ def main(argv=None) -> int:
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("convert", help="to full model weights (safetensors) or a DeepSpeed universal "
-                       "checkpoint")
+    s = sub.add_parser("convert", help="to full model weights (safetensors), a DeepSpeed universal or a "
+                       "megatron-core torch_dist checkpoint; or from torch_dist to AdaCheck")
     s.add_argument("src", help="a save directory (its 'latest') or a checkpoint directory")
     s.add_argument("out", help="output directory")
     s.add_argument("--tag", help="checkpoint tag inside SRC")
-    s.add_argument("--to", choices=["weights", "deepspeed-universal"], default="weights",
-                   help="weights: model.safetensors for inference / Hugging Face tools; "
-                   "deepspeed-universal: DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size)")
+    s.add_argument("--to", choices=["weights", "deepspeed-universal", "torch-dist", "adacheck"], default=None,
+                   help="weights (default): model.safetensors for inference / Hugging Face tools; "
+                   "deepspeed-universal: DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size); "
+                   "torch-dist: megatron-core dist_checkpointing (any TP/PP/EP/DP layout); "
+                   "adacheck: with --from torch-dist")
+    s.add_argument("--from", dest="from_", choices=["adacheck", "torch-dist"], default="adacheck",
+                   help="torch-dist: SRC is a megatron-core torch_dist checkpoint (or a Megatron save dir) "
+                   "to convert into an AdaCheck checkpoint under OUT")
     s.add_argument("--dtype", choices=["model", "fp32"], default="model",
                    help="model: the training dtype of the module weights; fp32: the fp32 master weights")
     s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="split into shards of at most SIZE "

@@ -30,19 +30,23 @@ def weight_sources(r: CheckpointReader, dtype: str) -> Dict[str, tuple]:
     dtype of the module weights, "fp32" takes the fp32 master where there is one."""
     if dtype not in ("model", "fp32"):
         raise ConfigError(f"dtype must be 'model' or 'fp32', got {dtype!r}")
+    # how the integration names module weights and their fp32 masters (DeepSpeed's naming
+    # for manifests that do not say)
+    names = r.manifest.framework.get("names") or {"model": "model/", "master": "master/"}
+    mp, sp = names.get("model", ""), names.get("master", "")
     out = {}
     for name, e in sorted(r.manifest.tensors.items()):
-        if name.startswith("model/"):
-            key = name[len("model/"):]
+        if e.kind == "model" and name.startswith(mp):
+            key = name[len(mp):]
             if dtype == "fp32":
-                src = f"master/{key}" if r.has(f"master/{key}") else name
+                src = sp + key if r.has(sp + key) else name
                 out[key] = (src, torch.float32)
             else:
                 out[key] = (name, torch_dtype(e.dtype))
-        elif name.startswith("buffer/"):
+        elif e.kind == "buffer" and name.startswith("buffer/"):
             out[name[len("buffer/"):]] = (name, torch_dtype(e.dtype))
-    if not any(n.startswith("model/") for n in r.manifest.tensors):
-        raise NotFoundError(f"{r.dir} holds no model weights (no 'model/...' tensors)")
+    if not any(e.kind == "model" for e in r.manifest.tensors.values()):
+        raise NotFoundError(f"{r.dir} holds no model weights (no tensors of kind 'model')")
     return out
 
 

@@ -88,7 +88,7 @@ _SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vp")
 
 
 def layout_name(topo: dict) -> str:
-    return " ".join(f"{k.upper()}={topo[k]}" for k in _SIZES)
+    return " ".join(f"{k.upper()}={topo.get(k, '?')}" for k in _SIZES) if topo else "an unknown layout"
 
 
 def _chunk_key(i: int, n: int) -> str:
@@ -182,7 +182,8 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                      "dtype": "bf16" if getattr(args, "bf16", False) else
                               "fp16" if getattr(args, "fp16", False) else "fp32",
                      "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
-                     "model_chunks": len(list(model))}
+                     "model_chunks": len(list(model)),
+                     "names": {"model": "", "master": S.MASTER_PREFIX}}
         return core.LocalState(
             shards=shards, objects=objects,
             rank_objects={"rng": dict(rng_state(), tracker=_tracker_states()),
@@ -257,7 +258,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         rng = None
         if load_rng:
             if _same_layout(saved_layout, topology(), comm.world_size):
-                rng = r.objects(comm.rank)["rng"]
+                rng = r.objects(comm.rank).get("rng")
             elif comm.rank == 0:
                 saved = layout_name(saved_layout[0]) if saved_layout else "?"
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "

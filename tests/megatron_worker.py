@@ -68,8 +68,10 @@ def run_one(run, out):
         elif kind == "save_native":
             args.adacheck, args.save = False, rest[0]
             P.save_checkpoint(iteration, model, optimizer, scheduler, args)
-        elif kind == "load_native":
+        elif kind == "load_native":   # [DIR, {"no_load_rng": true, ...}]
             args.adacheck, args.load = False, rest[0]
+            for k, v in (rest[1] if len(rest) > 1 else {}).items():
+                setattr(args, k, v)
             iteration = P.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
         elif kind == "expect_error":

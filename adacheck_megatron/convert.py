@@ -1,0 +1,222 @@
+"""AdaCheck <-> megatron-core ``torch_dist`` (dist_checkpointing) checkpoints, offline.
+
+Both formats name the same logical tensors (megatron-core's sharded keys), so conversion
+needs no model and no particular layout: one process moves whole logical tensors.
+
+``to_torch_dist(src, out)``: every model / optimizer tensor of an AdaCheck Megatron checkpoint
+becomes one full-size ShardedTensor of a torch_dist checkpoint, written by megatron-core's
+own ``dist_checkpointing.save``; the common state (optimizer param groups and step,
+iteration, LR scheduler, FLOPs counter, arguments) is what Megatron keeps there. The result
+loads with megatron-core's ``dist_checkpointing.load`` into any TP / PP / EP / DP layout of
+the model with the same optimizer kind (``sharded_state_dict`` of a plain optimizer; of a
+DistributedOptimizer with ``distrib_optim_sharding_type: fully_reshardable``). RNG states
+are per rank and layout and are not converted (load with ``--no-load-rng``).
+
+``from_torch_dist(src, save_dir)``: the reverse, for a torch_dist checkpoint of a plain
+optimizer or of a DistributedOptimizer saved as ``fully_reshardable`` (the ``dp_reshardable``
+layout describes internal buffers, not parameters, and is refused with a hint). Tensors are
+read one at a time with megatron-core's own loader.
+
+Peak memory: ``to_torch_dist`` holds the whole state once (dist_checkpointing.save takes one
+state dict); ``from_torch_dist`` too (the AdaCheck save hashes and writes it in one pass).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import warnings
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+import torch
+
+from adacheck import checkpoint as core
+from adacheck import jsontree
+from adacheck.errors import ConfigError, StateError
+from adacheck.exchange import SoloComm
+
+from adacheck.types import Box
+
+from .checkpointing import _json_args
+from .state import MASTER_PREFIX
+
+_DISTOPT_PARAM = "optimizer.state.param."
+_TOP_LEVEL = ("iteration", "opt_param_scheduler", "num_floating_point_operations_so_far", "args",
+              "checkpoint_version", "rng_state", "rerun_state_machine_state")
+
+
+def _solo_group():
+    """dist_checkpointing needs a process group: a one-process gloo group if there is none."""
+    import torch.distributed as dist
+    if not torch.cuda.is_available():   # dist_checkpointing synchronizes CUDA even offline
+        from .cpu import enable_cpu
+        enable_cpu()
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConfigError("conversion runs in one process; call it outside a distributed job")
+        return None
+    store = tempfile.mkdtemp(prefix="adacheck-pg-")
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store, 'rendezvous')}",
+                            rank=0, world_size=1)
+    return store
+
+
+def _done(store):
+    import torch.distributed as dist
+    if store is not None:
+        dist.destroy_process_group()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _megatron(r: core.CheckpointReader):
+    fw = r.manifest.framework
+    if fw.get("name") != "megatron":
+        raise StateError(f"{r.dir} was saved by {fw.get('name')!r}, not Megatron; torch_dist "
+                         "conversion needs an AdaCheck checkpoint of megatron-core")
+    return fw
+
+
+def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: bool = True,
+                  progress: Optional[Callable[[int, int], None]] = None) -> str:
+    """Convert AdaCheck checkpoint ``src`` to a torch_dist checkpoint ``<out_dir>/iter_NNNNNNN``
+    (plus Megatron-LM's ``latest_checkpointed_iteration.txt``); returns that directory."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    r = core.CheckpointReader(core.resolve(src, tag), verify=verify)
+    _megatron(r)
+    objects = r.objects()
+    iteration = int(objects["iteration"])
+    final = os.path.join(out_dir, f"iter_{iteration:07d}")
+    if os.path.exists(final):
+        raise ConfigError(f"{final} already exists; choose another output directory (nothing was written)")
+    distopt = objects.get("distributed_optimizer")
+    common = dict(objects["common"])
+    if distopt is not None:   # DistributedOptimizer, as its 'fully_reshardable' state dict
+        opt = [dict(d, param_state_sharding_type="fully_reshardable") for d in distopt]
+        common["optimizer"] = opt[0] if len(opt) == 1 else dict(enumerate(opt))
+    state = dict(common, iteration=iteration, opt_param_scheduler=objects.get("opt_param_scheduler"),
+                 num_floating_point_operations_so_far=objects.get("num_floating_point_operations_so_far", 0),
+                 args=argparse.Namespace(**objects.get("args", {})), checkpoint_version=3.0)
+    names = sorted(n for n, e in r.manifest.tensors.items() if e.kind in ("model", "master", "optim"))
+    tensors = {}
+    for i, n in enumerate(names):
+        key = n
+        if distopt is not None and n.startswith(MASTER_PREFIX):
+            key = _DISTOPT_PARAM + n[len(MASTER_PREFIX):]
+        t = r.read(n)
+        tensors[key] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
+        if progress:
+            progress(i + 1, len(names))
+    state["adacheck_tensors"] = tensors
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    objs = {}
+    for i in range(len(r.manifest.rank_objects)):
+        objs.update(r.objects(i).get("sharded_objects", {}))
+    state["adacheck_objects"] = {uk: dataclasses.replace(ShardedObject.empty_from_unique_key(uk), data=v)
+                                 for uk, v in sorted(objs.items())}
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    store = _solo_group()
+    try:
+        dist_checkpointing.save(state, tmp)
+    finally:
+        _done(store)
+    os.replace(tmp, final)
+    tracker = os.path.join(out_dir, "latest_checkpointed_iteration.txt")
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+    os.replace(tracker + ".tmp", tracker)
+    return final
+
+
+def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, int], None]] = None,
+                    fsync: bool = True) -> core.Manifest:
+    """Convert the torch_dist checkpoint directory ``src`` (``iter_NNNNNNN``, or a save dir
+    with Megatron-LM's latest_checkpointed_iteration.txt) into an AdaCheck checkpoint under
+    ``save_dir``; returns its manifest."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tracker = os.path.join(src, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            src = os.path.join(src, f"iter_{int(f.read().strip()):07d}")
+    if not os.path.isfile(os.path.join(src, "metadata.json")):
+        raise ConfigError(f"{src} is not a torch_dist checkpoint (no metadata.json)")
+    store = _solo_group()
+    try:
+        common = dist_checkpointing.load_common_state_dict(src)
+        meta = dist_checkpointing.load_tensors_metadata(src)
+        opt = common.get("optimizer")
+        kinds = set()
+        for d in ([opt] if isinstance(opt, dict) and "param_state_sharding_type" in opt
+                  else list(opt.values()) if isinstance(opt, dict) else []):
+            if isinstance(d, dict) and "param_state_sharding_type" in d:
+                kinds.add(d["param_state_sharding_type"])
+        if kinds - {"fully_reshardable"}:
+            raise StateError(f"{src}: DistributedOptimizer state saved as {sorted(kinds)} describes "
+                             "internal buffers, not parameters; re-save it with the 'fully_reshardable' "
+                             "layout (Megatron-LM: --dist-ckpt-optim-fully-reshardable)")
+        distopt = None
+        if kinds:
+            subs = [opt] if "param_state_sharding_type" in opt else [opt[k] for k in sorted(opt)]
+            distopt = [{k: v for k, v in d.items() if k not in ("param_state_sharding_type", "param_state")}
+                       for d in subs]
+        sharded_objects, skipped = {}, []
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+        want = {v.unique_key: ShardedObject.empty_from_unique_key(v.unique_key)
+                for v in load_sharded_metadata(src).values()
+                # (RNG states are per rank and layout: not converted)
+                if isinstance(v, ShardedObject) and v.key != "rng_state"}
+        for uk, got in sorted((dist_checkpointing.load(want, src) if want else {}).items()):
+            try:
+                jsontree.encode(got, uk)
+            except StateError:
+                skipped.append(uk)
+                continue
+            sharded_objects[uk] = got
+        if skipped:
+            warnings.warn(f"AdaCheck: {len(skipped)} sharded objects are not plain values and were not "
+                          f"converted: {skipped[:8]}")
+        full = {}
+        names = sorted(meta)
+        for i, key in enumerate(names):   # one tensor at a time, with megatron-core's loader
+            m = meta[key]
+            want = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(m.global_shape), dtype=m.dtype),
+                                                   replica_id=0)
+            name = MASTER_PREFIX + key[len(_DISTOPT_PARAM):] if key.startswith(_DISTOPT_PARAM) else key
+            full[name] = dist_checkpointing.load({"t": want}, src)["t"]
+            if progress:
+                progress(i + 1, len(names))
+    finally:
+        _done(store)
+    shards = []
+    for name, t in full.items():
+        kind = "master" if name.startswith(MASTER_PREFIX) else "optim" if name.startswith("optimizer.") else "model"
+        master = full.get(MASTER_PREFIX + name) if kind == "model" else None
+        ok = master is not None and master.shape == t.shape and torch.equal(master.to(t.dtype), t)
+        shards.append(core.LocalShard(name, kind, tuple(t.shape), Box.full(t.shape), t,
+                                      derive=MASTER_PREFIX + name if master is not None else None, derive_ok=ok))
+    rest = {k: v for k, v in common.items() if k not in _TOP_LEVEL}
+    if distopt is not None:
+        rest.pop("optimizer", None)
+    args = common.get("args")
+    iteration = int(common.get("iteration", 0))
+    objects = {"common": rest, "iteration": iteration,
+               "opt_param_scheduler": common.get("opt_param_scheduler"),
+               "num_floating_point_operations_so_far": float(common.get("num_floating_point_operations_so_far", 0)),
+               "args": _json_args(args) if isinstance(args, argparse.Namespace) else {},
+               "extra_state": {}, "distributed_optimizer": distopt}
+    import megatron.core
+    framework = {"name": "megatron", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
+                 "converted_from": os.path.abspath(src), "distributed_optimizer": distopt is not None,
+                 "layout": {}, "names": {"model": "", "master": MASTER_PREFIX}}
+    state = core.LocalState(shards=shards, objects=objects, rank_objects={"sharded_objects": sharded_objects},
+                            layout={}, framework=framework, step=iteration)
+    return core.save(SoloComm(), save_dir, f"iter_{iteration:07d}", lambda: state, fsync=fsync,
+                     reference_previous=False)
