@@ -239,6 +239,22 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     t0 = time.perf_counter()
 
     def read(r: core.CheckpointReader):
+        # building the state dict to load into creates a never-stepped optimizer's state (as
+        # Megatron does); if this load fails, that state is removed again, so training goes on
+        # exactly as before the failed load
+        inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                 if getattr(o, "optimizer", None) is not None] if optimizer is not None else []
+        empty = [[p for p, st in o.state.items() if not st] + [p for g in o.param_groups for p in g["params"]
+                                                               if p not in o.state] for o in inner]
+        try:
+            return _read(r)
+        except BaseException:
+            for o, params in zip(inner, empty):
+                for p in params:
+                    o.state.pop(p, None)
+            raise
+
+    def _read(r: core.CheckpointReader):
         objects = r.objects()
         saved_layout = r.manifest.layout.get("ranks", [])
         sharded_objects = {}

@@ -89,9 +89,15 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     runs.append({"argv": ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type",
                           "alltoall", "--global-batch-size", "4"],
                  "actions": [["scramble"], ["load", moe], ["save", str(tmp_path / "ep2-to-ep1")], ["train", 1]]})
+    # another model: a clear error on every rank, and the model keeps its weights
+    runs.append({"argv": ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--hidden-size", "64"],
+                 "actions": [["expect_error", "model configurations differ", ["load", tp2]], ["train", 1]]})
     check(launch(2, {"runs": runs}, str(tmp_path), script="megatron_worker.py"))
     res = results(str(tmp_path))
     check_resumed(tmp_path, RESUME_2, res)
+    for rank in (0, 1):
+        err = results(str(tmp_path), rank)[-1]["errors"]
+        assert len(err) == 1 and "holds shape" in err[0] and "needs" in err[0], err
     assert_same_state(tp2, str(tmp_path / "tp2-to-pp2"))
     assert_same_state(moe, str(tmp_path / "ep2-to-ep1"))
     # the bf16 model weights are proven casts of the fp32 masters: stored once
