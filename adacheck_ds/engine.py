@@ -49,6 +49,21 @@ def _json_or_skip(tree, what: str, strict: bool):
     return kept
 
 
+def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
+    """The directory of a native DeepSpeed checkpoint that ``load_checkpoint(load_dir, tag)``
+    means (DeepSpeed's 'latest' and AdaCheck's have the same name and content), or None."""
+    if tag is None:
+        try:
+            with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
+                tag = f.read().strip()
+        except OSError:
+            return None
+    d = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(d) or os.path.exists(os.path.join(d, "manifest.json")):
+        return None
+    return d if any(f.endswith("model_states.pt") for f in os.listdir(d)) else None
+
+
 class AdaCheckDeepSpeed:
     """The AdaCheck checkpointer attached to one engine (``engine.adacheck``)."""
 
@@ -131,6 +146,16 @@ class AdaCheckDeepSpeed:
                 os.path.join(load_dir, "manifest.json")):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
             return None, None
+        native = _native_checkpoint(load_dir, tag)
+        if native is not None:
+            # switching an existing run to AdaCheck: its last checkpoint is DeepSpeed's own
+            log.warning("AdaCheck: %s is a native DeepSpeed checkpoint; DeepSpeed loads it, "
+                        "and the next save writes an AdaCheck checkpoint", native)
+            from . import load_native
+            return load_native(e, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
         comm = _comm()
         opt = e.optimizer
         want_optim = load_optimizer_states and not load_module_only

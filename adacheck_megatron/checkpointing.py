@@ -208,6 +208,20 @@ def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
     return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
 
 
+def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
+    """The Megatron (torch_dist / legacy) checkpoint to load instead, when ``load_dir`` holds
+    one and no AdaCheck checkpoint: an existing run switching to AdaCheck loads its last
+    native checkpoint with Megatron's own loader; the next save is AdaCheck's."""
+    if not load_dir or read_latest(load_dir) is not None:
+        return None
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        it = f.read().strip()
+    return os.path.join(load_dir, "release" if it == "release" else f"iter_{int(it):07d}")
+
+
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
                     checkpointing_context=None, *, args: Optional[argparse.Namespace] = None,
                     config: Optional[AdaCheckConfig] = None, tag: Optional[str] = None,

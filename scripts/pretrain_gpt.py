@@ -465,7 +465,14 @@ def _init_empty_optimizer_state(optimizer) -> None:
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
     """Load the newest checkpoint under --load; returns its iteration (0 if there is none)."""
+    native = None
     if args.adacheck:
+        from adacheck_megatron.checkpointing import native_checkpoint
+        native = native_checkpoint(args.adacheck_config.save_dir or args.load)
+        if native is not None and torch.distributed.get_rank() == 0:
+            print(f"{native} is a native checkpoint: loading it with dist_checkpointing; "
+                  "the next save is AdaCheck's", flush=True)
+    if args.adacheck and native is None:
         t0 = time.perf_counter()
         iteration, _ = adacheck_megatron.load_checkpoint(model, optimizer, opt_param_scheduler,
                                                          args=args, config=args.adacheck_config)
@@ -474,14 +481,15 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
                   f"{args.adacheck_config.save_dir or args.load} in {time.perf_counter() - t0:.2f}s",
                   flush=True)
         return iteration
-    tracker = _tracker_file(args.load)
+    load_dir = args.adacheck_config.save_dir or args.load if args.adacheck else args.load
+    tracker = _tracker_file(load_dir)
     if not os.path.exists(tracker):
         if torch.distributed.get_rank() == 0:
-            print(f"no checkpoint under {args.load}, training from scratch", flush=True)
+            print(f"no checkpoint under {load_dir}, training from scratch", flush=True)
         return 0
     with open(tracker) as f:
         iteration = int(f.read().strip())
-    ckpt_dir = _ckpt_dir(args.load, iteration)
+    ckpt_dir = _ckpt_dir(load_dir, iteration)
     t0 = time.perf_counter()
     if args.use_distributed_optimizer and not args.no_load_optim:
         _init_empty_optimizer_state(optimizer)

@@ -175,6 +175,26 @@ def test_config_block_validation_and_disabled_block(tmp_path):
     assert "unknown key adacheck.'keep_lats'. Did you mean 'keep_last'?" in res[0][1]
 
 
+def test_switching_a_native_run_to_adacheck(tmp_path):
+    """An existing run's last checkpoint is DeepSpeed's own: with the adacheck block enabled,
+    load_checkpoint loads it natively and training goes on exactly; the next save is AdaCheck's
+    (in the same directory) and the run after that resumes from it."""
+    ck = str(tmp_path / "ck")
+    runs = [{"stage": 2, "dtype": "bf16", "actions": [["train", 3], ["train", 4]]},
+            {"stage": 2, "dtype": "bf16", "adacheck": {"enabled": False},
+             "actions": [["train", 3], ["save", ck]]},
+            {"stage": 2, "dtype": "bf16", "seed": 7, "adacheck": {"enabled": True},
+             "actions": [["load", ck], ["train", 2], ["save", ck]]},
+            {"stage": 2, "dtype": "bf16", "seed": 7, "adacheck": {"enabled": True},
+             "actions": [["load", ck], ["train", 2]]}]
+    check(launch(2, {"runs": runs}, str(tmp_path)))
+    whole, _, switched, resumed = results(str(tmp_path))
+    assert switched["losses"] == whole["losses"][3:5]
+    assert resumed["losses"] == whole["losses"][5:7]
+    assert os.path.exists(os.path.join(ck, "global_step5", "manifest.json"))
+    assert not os.path.exists(os.path.join(ck, "global_step3", "manifest.json"))
+
+
 def test_retention_keeps_last_k(tmp_path):
     ck = str(tmp_path / "ck")
     runs = [{"stage": 2, "dtype": "fp32", "adacheck": {"enabled": True, "keep_last": 2},

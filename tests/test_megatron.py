@@ -89,12 +89,20 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     runs.append({"argv": ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type",
                           "alltoall", "--global-batch-size", "4"],
                  "actions": [["scramble"], ["load", moe], ["save", str(tmp_path / "ep2-to-ep1")], ["train", 1]]})
+    # an existing run switches to AdaCheck: its torch_dist checkpoint loads natively, training
+    # goes on exactly, the next save is AdaCheck's
+    nat = str(tmp_path / "native")
+    tp2_argv = RESUME_2["tp2_fp32"] + ["--global-batch-size", "4"]
+    runs.append({"argv": tp2_argv, "actions": [["train", 3], ["save_native", nat]]})
+    runs.append({"argv": tp2_argv, "actions": [["scramble"], ["load", nat], ["train", 2], ["save", nat]]})
     # another model: a clear error on every rank, and the model keeps its weights
     runs.append({"argv": ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--hidden-size", "64"],
                  "actions": [["expect_error", "model configurations differ", ["load", tp2]], ["train", 1]]})
     check(launch(2, {"runs": runs}, str(tmp_path), script="megatron_worker.py"))
     res = results(str(tmp_path))
     check_resumed(tmp_path, RESUME_2, res)
+    assert res[-2]["loaded"] == [3] and res[-2]["losses"] == res[0]["losses"][3:]
+    assert os.path.exists(os.path.join(nat, "iter_0000005", "manifest.json"))
     for rank in (0, 1):
         err = results(str(tmp_path), rank)[-1]["errors"]
         assert len(err) == 1 and "holds shape" in err[0] and "needs" in err[0], err
