@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import torch
 
-from . import commit
+from . import commit, deltas
 from .checkpoint import CheckpointReader, resolve
 from .errors import AdaCheckError, ConfigError
 from .manifest import referenced_files
@@ -57,6 +57,8 @@ def summary(ckpt_dir: str) -> dict:
         "file_bytes": sum(i["nbytes"] for i in m.files.values()),
         "per_kind": dict(per_kind), "per_rank_file_bytes": dict(sorted(per_rank.items())),
         "references": sorted({t for t, _ in referenced_files(m) if t is not None}),
+        "deltas": (deltas.summary(ckpt_dir, m.step, int(m.topology.get("world_size", 1)))
+                   if m.step is not None and deltas.step_dirs(ckpt_dir) else None),
     }
 
 
@@ -76,6 +78,17 @@ def cmd_inspect(args) -> int:
     st = s["stats"]
     logical, stored = st.get("logical_bytes", 0), s["file_bytes"]
     print(f"tensors     {s['tensors']} logical tensors in {s['files']} files")
+    dl = s["deltas"]
+    if dl is not None:
+        if dl["committed"]:
+            print(f"deltas      {dl['committed']} committed online steps ({dl['first']}-{dl['last']}), "
+                  f"{human(dl['bytes'])}: a load recovers step {dl['last']}"
+                  + ("" if dl["stops"] == "end of the log" else f" ({dl['stops']})"))
+        else:
+            print(f"deltas      none committed ({dl['stops']})")
+        if dl["lossy"]:
+            print(f"            APPROXIMATE: compact (lossy bf16) gradients, largest rounding error "
+                  f"{dl['max_abs_error']:.3g}")
     print(f"bytes       held by all ranks {human(st.get('held_bytes', 0))}, logical {human(logical)}, "
           f"derived (not stored) {human(st.get('derived_bytes', 0))}, on disk {human(stored)}")
     if s["references"]:

@@ -118,6 +118,7 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     like AdaCheck shards are removed, and a directory without manifest that this call
     emptied is removed too.  Call it only when no save into ``save_dir`` is in flight.
     ``dry_run``: delete nothing, as if the checkpoints in ``retired`` had no manifest.
+    The online-delta log of a checkpoint goes with its manifest (``<tag>/deltas/``).
     Returns the files removed (or that would be), as (``<tag>/<file>``, bytes).
     """
     need: Dict[str, set] = {}
@@ -137,6 +138,15 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
         if tag in unreadable or not os.path.isdir(d):
             continue
         before = len(removed)
+        committed = os.path.exists(os.path.join(d, MANIFEST_NAME)) and tag not in retired
+        deltas = os.path.join(d, "deltas")
+        if not committed and os.path.isdir(deltas):
+            # the online deltas of a retired (or never committed) base: nothing replays them
+            size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(deltas) for f in fs)
+            if not dry_run:
+                import shutil
+                shutil.rmtree(deltas, ignore_errors=True)
+            removed.append((f"{tag}/deltas/", size))
         for f in sorted(os.listdir(d)):
             if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
                 path = os.path.join(d, f)

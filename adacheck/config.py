@@ -29,6 +29,23 @@ redundancy_factor   1         store each distinct box this many times, written b
 exchange            "ring"    how ranks share their (box, hash) lists before a save: "ring"
                               (send to next / receive from previous, N-1 steps) or
                               "allgather" (one collective, blocks padded to the longest)
+online              {}        online gradient deltas (below)
+==================  ========  ==============================================================
+
+``"online": {...}`` (all keys optional):
+
+==================  ========  ==============================================================
+enabled             false     after every optimizer step, store what the optimizer consumed
+                              (gradients + scalars) as a delta of the last base checkpoint
+base_interval       50        steps between base (full) checkpoints, or "auto": a new base
+                              when the deltas since the last one cost more bytes, or more
+                              estimated replay time, than a base (adacheck.deltas.auto_interval)
+compact             false     store gradients in bf16 even when that is lossy (recovery is
+                              then approximate, and says so)
+queue_depth         2         steps whose gradients may wait for the background writer; a
+                              step waits when all are in use (bounded memory)
+on_error            "disable" an I/O error while writing a delta: "disable" the online mode
+                              with a warning (training goes on), or "raise"
 ==================  ========  ==============================================================
 
 Keys starting with ``_`` are comments (JSON has none) and are ignored.
@@ -43,6 +60,53 @@ from .errors import ConfigError
 from .exchange import EXCHANGES
 
 
+ON_ERROR = ("disable", "raise")
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    enabled: bool = False
+    base_interval: object = 50          # int >= 1 or "auto"
+    compact: bool = False
+    queue_depth: int = 2
+    on_error: str = "disable"
+
+    def __post_init__(self):
+        for key in ("enabled", "compact"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"adacheck.online.{key} must be true or false, got {getattr(self, key)!r}")
+        bi = self.base_interval
+        if bi != "auto" and (isinstance(bi, bool) or not isinstance(bi, int) or bi < 1):
+            raise ConfigError(f"adacheck.online.base_interval must be an integer >= 1 (steps between "
+                              f"base checkpoints) or \"auto\", got {bi!r}")
+        q = self.queue_depth
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ConfigError(f"adacheck.online.queue_depth must be an integer >= 1, got {q!r}")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(f"adacheck.online.on_error must be one of {', '.join(map(repr, ON_ERROR))}, "
+                              f"got {self.on_error!r}")
+
+    @classmethod
+    def from_dict(cls, block) -> "OnlineConfig":
+        if isinstance(block, OnlineConfig):
+            return block
+        if not isinstance(block, dict):
+            raise ConfigError(f"adacheck.online must be an object like {{\"enabled\": true, "
+                              f"\"base_interval\": 50}}, got {type(block).__name__}: {block!r}")
+        return cls(**_known(block, cls, "adacheck.online"))
+
+
+def _known(block: dict, cls, where: str) -> dict:
+    known = [f.name for f in fields(cls)]
+    block = {k: v for k, v in block.items() if not (isinstance(k, str) and k.startswith("_"))}
+    for key in block:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown key {where}.{key!r}.{hint} Allowed keys: {', '.join(known)}")
+    return block
+
+
 @dataclass(frozen=True)
 class AdaCheckConfig:
     enabled: bool = False
@@ -54,9 +118,14 @@ class AdaCheckConfig:
     reference_previous: bool = True
     redundancy_factor: int = 1
     exchange: str = "ring"
+    online: OnlineConfig = OnlineConfig()
 
     def __post_init__(self):
+        if not isinstance(self.online, OnlineConfig):
+            object.__setattr__(self, "online", OnlineConfig.from_dict(self.online))
         for f in fields(self):
+            if f.name == "online":
+                continue
             v = getattr(self, f.name)
             want = _TYPES[f.name]
             if f.name == "save_dir":
@@ -87,16 +156,9 @@ class AdaCheckConfig:
         if not isinstance(block, dict):
             raise ConfigError(f"the {where!r} block must be a JSON object like "
                               f'{{"enabled": true}}, got {type(block).__name__}: {block!r}')
-        known = [f.name for f in fields(cls)]
-        block = {k: v for k, v in block.items() if not (isinstance(k, str) and k.startswith("_"))}
-        for key in block:
-            if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(f"unknown key {where}.{key!r}.{hint} Allowed keys: {', '.join(known)}")
-        return cls(**block)
+        return cls(**_known(block, cls, where))
 
 
 _TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
-          "redundancy_factor": int, "exchange": str}
+          "redundancy_factor": int, "exchange": str, "online": dict}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from typing import Optional
 
@@ -71,6 +72,15 @@ class AdaCheckDeepSpeed:
         self.engine = engine
         self.config = config
         self.last_manifest = None
+        self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
+        self.online = None
+        if config.online.enabled:
+            from .online import OnlineDS
+            self.online = OnlineDS(self)
+
+    @staticmethod
+    def comm():
+        return _comm()
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
@@ -81,8 +91,11 @@ class AdaCheckDeepSpeed:
             raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
         opt = e.optimizer
+        if self.online is not None:
+            self.online.flush()   # the current chain stays complete up to this step
         if hasattr(opt, "checkpoint_event_prologue"):
             opt.checkpoint_event_prologue()
+        t0 = time.perf_counter()
         try:
             self.last_manifest = core.save(
                 _comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
@@ -92,6 +105,10 @@ class AdaCheckDeepSpeed:
         finally:
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()
+        if self.online is not None and os.path.abspath(save_dir) == os.path.abspath(self.online.save_dir):
+            # every committed save is a base: the deltas of the next steps belong to it
+            self.online.start_chain(tag, int(e.global_steps), int(self.last_manifest.stats.get("file_bytes", 0)),
+                                    time.perf_counter() - t0)
         return True
 
     def _collect(self, client_state, exclude_frozen):
@@ -178,21 +195,35 @@ class AdaCheckDeepSpeed:
                 opt.checkpoint_event_epilogue()
             obj = st.objects
             if not load_module_only:
-                for k, v in obj["counters"].items():
-                    setattr(e, k, v)
-                if load_lr_scheduler_states and e.lr_scheduler is not None and obj.get("lr_scheduler"):
-                    e.lr_scheduler.load_state_dict(obj["lr_scheduler"])
-                sc = getattr(opt, "loss_scaler", None)
-                if sc is not None and obj.get("loss_scaler"):
-                    for k, v in obj["loss_scaler"].items():
-                        cur = getattr(sc, k, None)
-                        setattr(sc, k, torch.tensor(v, dtype=cur.dtype, device=cur.device)
-                                if isinstance(cur, torch.Tensor) else v)
+                self._apply_scalars(obj, load_lr_scheduler_states)
                 if st.rank_objects is not None:
                     set_rng_state(st.rank_objects["rng"])
             return obj.get("client_state") or {}
 
         ckpt_dir, manifest, client_state = core.load(comm, load_dir, tag, read, apply,
                                                      verify=self.config.verify_on_load)
-        log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, manifest.step)
+        last = manifest.step
+        if want_optim and load_lr_scheduler_states:
+            from .online import recover
+            last = recover(self, ckpt_dir, manifest, latest=read_latest(load_dir) == manifest.tag)
+        else:
+            from adacheck.deltas import step_dirs
+            if step_dirs(ckpt_dir):
+                log.warning("AdaCheck: %s has online gradient deltas; they are not replayed when the "
+                            "optimizer or scheduler state is not loaded (state of step %s)", ckpt_dir, manifest.step)
+        log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, last)
         return ckpt_dir, client_state
+
+    def _apply_scalars(self, obj: dict, with_scheduler: bool = True) -> None:
+        """Counters, LR scheduler and loss scaler from a checkpoint's (or delta's) objects."""
+        e = self.engine
+        for k, v in obj["counters"].items():
+            setattr(e, k, v)
+        if with_scheduler and e.lr_scheduler is not None and obj.get("lr_scheduler"):
+            e.lr_scheduler.load_state_dict(obj["lr_scheduler"])
+        sc = getattr(e.optimizer, "loss_scaler", None)
+        if sc is not None and obj.get("loss_scaler"):
+            for k, v in obj["loss_scaler"].items():
+                cur = getattr(sc, k, None)
+                setattr(sc, k, torch.tensor(v, dtype=cur.dtype, device=cur.device)
+                        if isinstance(cur, torch.Tensor) else v)

@@ -13,6 +13,11 @@
   --[no-]adacheck-reference-previous
   --adacheck-redundancy-factor K  redundancy_factor
   --adacheck-exchange {ring,allgather}
+  --adacheck-online               online.enabled (gradient deltas after every step)
+  --adacheck-online-base-interval N|auto
+  --[no-]adacheck-online-compact
+  --adacheck-online-queue-depth N
+  --adacheck-online-on-error {disable,raise}
 
 A flag left out keeps the config default.  ``config_from_args(args)`` validates the result
 with the same rules as the DeepSpeed block and names the offending flag in the error.
@@ -22,58 +27,93 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import fields
+from typing import List, Tuple
 
-from adacheck.config import AdaCheckConfig
+from adacheck.config import ON_ERROR, AdaCheckConfig, OnlineConfig
 from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
-_SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir"}
+_SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
+_CHOICES = {"exchange": EXCHANGES, "online.on_error": ON_ERROR}
+
+
+def _keys() -> List[Tuple[str, object]]:
+    """(dotted key, default) for every leaf of the config, e.g. ("online.base_interval", 50)."""
+    out = []
+    for f in fields(AdaCheckConfig):
+        if f.name == "online":
+            out += [(f"online.{g.name}", getattr(OnlineConfig(), g.name)) for g in fields(OnlineConfig)]
+        else:
+            out.append((f.name, getattr(AdaCheckConfig(), f.name)))
+    return out
 
 
 def flag_of(key: str) -> str:
-    return _SPECIAL.get(key, "--adacheck-" + key.replace("_", "-"))
+    return _SPECIAL.get(key, "--adacheck-" + key.replace(".", "-").replace("_", "-"))
 
 
 def _dest(key: str) -> str:
-    return "adacheck" if key == "enabled" else "adacheck_" + key
+    return "adacheck" if key == "enabled" else "adacheck_" + key.replace(".", "_")
+
+
+def _interval(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("AdaCheck", "deduplicated, verified checkpoints (see adacheck/config.py)")
-    defaults = AdaCheckConfig()
-    for f in fields(AdaCheckConfig):
-        key, default = f.name, getattr(defaults, f.name)
+    for key, default in _keys():
+        flag, dest = flag_of(key), _dest(key)
         if key == "enabled":
-            g.add_argument("--adacheck", action="store_true", default=None,
-                           help="save and load checkpoints with AdaCheck")
+            g.add_argument(flag, action="store_true", default=None, help="save and load checkpoints with AdaCheck")
+        elif key == "online.enabled":
+            g.add_argument(flag, dest=dest, action="store_true", default=None,
+                           help="online gradient deltas after every optimizer step (needs --adacheck)")
         elif key == "save_dir":
-            g.add_argument("--adacheck-dir", dest=_dest(key), default=None, metavar="DIR",
+            g.add_argument(flag, dest=dest, default=None, metavar="DIR",
                            help="checkpoint directory (default: --save / --load)")
         elif isinstance(default, bool):
-            g.add_argument(flag_of(key), dest=_dest(key), action=argparse.BooleanOptionalAction,
+            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                            default=None, help=f"adacheck.{key} (default {str(default).lower()})")
-        elif key == "exchange":
-            g.add_argument(flag_of(key), dest=_dest(key), choices=EXCHANGES, default=None,
+        elif key in _CHOICES:
+            g.add_argument(flag, dest=dest, choices=_CHOICES[key], default=None,
+                           help=f"adacheck.{key} (default {default})")
+        elif key == "online.base_interval":
+            g.add_argument(flag, dest=dest, type=_interval, default=None, metavar="N|auto",
                            help=f"adacheck.{key} (default {default})")
         else:
-            g.add_argument(flag_of(key), dest=_dest(key), type=int, default=None, metavar="N",
+            g.add_argument(flag, dest=dest, type=int, default=None, metavar="N",
                            help=f"adacheck.{key} (default {default})")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> AdaCheckConfig:
     """The validated AdaCheckConfig for parsed ``args``; ConfigError names the flag."""
-    block = {}
-    for f in fields(AdaCheckConfig):
-        v = getattr(args, _dest(f.name), None)
+    block, online = {}, {}
+    for key, _ in _keys():
+        v = getattr(args, _dest(key), None)
         if v is not None:
-            block[f.name] = v
-    given = [flag_of(k) for k in block if k != "enabled"]
+            if key.startswith("online."):
+                online[key[len("online."):]] = v
+            else:
+                block[key] = v
+    given = [flag_of(k) for k in block if k != "enabled"] + [flag_of("online." + k) for k in online]
     if given and not block.get("enabled"):
         raise ConfigError(f"{', '.join(given)} given without --adacheck; add --adacheck to use "
                           "AdaCheck, or drop the other --adacheck-* flags")
+    others = [flag_of("online." + k) for k in online if k != "enabled"]
+    if others and not online.get("enabled"):
+        raise ConfigError(f"{', '.join(others)} given without --adacheck-online; add --adacheck-online "
+                          "to record gradient deltas, or drop those flags")
+    if online:
+        block["online"] = online
     try:
         return AdaCheckConfig.from_dict(block)
     except ConfigError as e:
-        msg = re.sub(r"adacheck\.(\w+)", lambda m: flag_of(m.group(1)), str(e))
+        msg = re.sub(r"adacheck\.([\w.]+)", lambda m: flag_of(m.group(1)), str(e))
         raise ConfigError(msg.replace(" must be true or false", " must be given as a flag")) from None

@@ -3,7 +3,7 @@
 spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam", "hidden": 37,
                   "frozen": [name prefixes], "zero": {extra zero_optimization keys},
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
-Actions: train N | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
+Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import traceback
+import warnings
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
@@ -140,6 +141,16 @@ def act(engine, a, rec, out_dir, rank):
     op = a[0]
     if op == "train":
         train(engine, a[1], rec["losses"])
+    elif op == "train_dump":   # train_dump N PREFIX: after each step, dump PREFIX<global_steps>
+        for _ in range(a[1]):
+            train(engine, 1, rec["losses"])
+            act(engine, ["dump", f"{a[2]}{engine.global_steps}"], rec, out_dir, rank)
+            if len(a) > 3:
+                act(engine, ["marker", f"{a[3]}{engine.global_steps}"], rec, out_dir, rank)
+    elif op == "train_to":   # train until global_steps == N
+        train(engine, a[1] - engine.global_steps, rec["losses"])
+    elif op == "steps":
+        rec["steps"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     elif op == "save":
         cs = {"epoch": 3, "note": "hi", "vec": torch.arange(4.0)}
         engine.save_checkpoint(a[1], tag=a[2] if len(a) > 2 else None, client_state=cs,
@@ -196,8 +207,14 @@ def main():
     if "nodes" in spec:   # pretend the ranks run on these machines (AdaCheck's placement)
         os.environ["ADACHECK_NODE"] = spec["nodes"][rank]
     results = []
+    show = warnings.showwarning
+
+    def record_warning(message, *args, **kwargs):   # kept even when stderr cannot be written
+        results[-1]["warnings"].append(str(message))
+        show(message, *args, **kwargs)
+    warnings.showwarning = record_warning
     for run in spec["runs"]:
-        rec = {"losses": [], "errors": [], "loaded": []}
+        rec = {"losses": [], "errors": [], "loaded": [], "warnings": []}
         results.append(rec)
         engine = make_engine(run)
         for a in run["actions"]:

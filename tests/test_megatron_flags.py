@@ -4,7 +4,7 @@ from dataclasses import fields
 
 import pytest
 
-from adacheck.config import AdaCheckConfig
+from adacheck.config import AdaCheckConfig, OnlineConfig
 from adacheck.errors import ConfigError
 from adacheck_megatron.flags import add_adacheck_args, config_from_args, flag_of
 
@@ -19,7 +19,10 @@ def test_every_config_key_has_a_flag():
     p = add_adacheck_args(argparse.ArgumentParser())
     text = p.format_help()
     for f in fields(AdaCheckConfig):
-        assert flag_of(f.name) in text, f.name
+        if f.name != "online":
+            assert flag_of(f.name) in text, f.name
+    for f in fields(OnlineConfig):
+        assert flag_of("online." + f.name) in text, f.name
 
 
 def test_defaults_and_values():
@@ -28,12 +31,20 @@ def test_defaults_and_values():
               "--adacheck-redundancy-factor", "2", "--adacheck-exchange", "allgather", "--save", "x")
     assert c == AdaCheckConfig(enabled=True, save_dir="/ck", keep_last=3, fsync=False,
                                redundancy_factor=2, exchange="allgather")
+    c = parse("--adacheck", "--adacheck-online", "--adacheck-online-base-interval", "auto",
+              "--adacheck-online-compact", "--adacheck-online-on-error", "raise")
+    assert c.online == OnlineConfig(enabled=True, base_interval="auto", compact=True, on_error="raise")
+    assert parse("--adacheck", "--adacheck-online", "--adacheck-online-base-interval", "7").online.base_interval == 7
 
 
 @pytest.mark.parametrize("argv,match", [
     (["--adacheck", "--adacheck-keep-last", "-1"], "--adacheck-keep-last must be >= 0"),
     (["--adacheck", "--adacheck-redundancy-factor", "0"], "--adacheck-redundancy-factor must be >= 1"),
     (["--adacheck-keep-last", "2"], "--adacheck-keep-last given without --adacheck"),
+    (["--adacheck", "--adacheck-online", "--adacheck-online-base-interval", "0"],
+     "--adacheck-online-base-interval must be an integer >= 1"),
+    (["--adacheck", "--adacheck-online-queue-depth", "3"],
+     "--adacheck-online-queue-depth given without --adacheck-online"),
 ])
 def test_bad_values_name_the_flag(argv, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,0 +1,416 @@
+"""Online gradient deltas: the per-step log between base checkpoints (framework-free).
+
+Between two base (full) checkpoints, each optimizer step is stored as what the optimizer
+consumed: the gradient of every tensor it stepped, plus JSON scalars (hyper-parameters at
+the step, counters, scheduler / loss-scaler state, this rank's RNG).  On disk, inside the
+base checkpoint's directory::
+
+  deltas/chain.json                      the base: tag, step, bytes, save seconds (rank 0)
+  deltas/<step:010d>/rank<r>.safetensors the gradients rank r stored for that step
+  deltas/<step:010d>/rank<r>.json        rank r's record of the step, written LAST
+                                         (tmp + fsync + rename) after its tensors are durable
+
+A step is **committed** when every rank of the base's world has a valid record for it
+carrying the same chain ``nonce`` (a fresh random id per incarnation of the chain, so
+records of a crashed run never combine with those of the run that recovered from it).
+Recovery replays the committed steps that directly follow the base, in order, and stops
+at the first gap.
+
+Gradients are stored in the narrowest dtype that reproduces them bit-exactly: an fp32
+gradient whose values are all exact bf16 values is stored as bf16 (proved per tensor by
+casting back and comparing bytes); ``compact`` stores bf16 regardless and records the
+largest rounding error.  The hook only copies gradients into preallocated staging
+buffers; a background thread proves, casts, hashes and writes them.  At most
+``queue_depth`` steps wait for the writer: the next step blocks until one is free.
+
+Nothing here calls torch.distributed: the integration agrees on the nonce and the plan.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import commit, jsontree
+from .errors import FormatError, IntegrityError
+from .hashing import hash_tensor
+from .reader import SafetensorsFile
+from .types import dtype_name
+from .writer import fsync_dir, write_safetensors
+
+log = logging.getLogger("adacheck")
+
+DELTAS = "deltas"
+CHAIN = "chain.json"
+RECORD_VERSION = 1
+_STEP_DIR = re.compile(r"^\d{10}$")
+_GRAD = "grad/"
+
+
+def deltas_dir(ckpt_dir: str) -> str:
+    return os.path.join(ckpt_dir, DELTAS)
+
+
+def step_dir(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, DELTAS, f"{step:010d}")
+
+
+def bf16_exact(t: torch.Tensor) -> Tuple[bool, torch.Tensor]:
+    """(t holds only exact bf16 values, t as bf16): the bf16 copy reproduces t bit for bit."""
+    b = t.to(torch.bfloat16)
+    back = b.to(t.dtype)
+    ints = {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
+    return bool(torch.equal(back.view(ints), t.view(ints))), b
+
+
+# ----------------------------------------------------------------------------- the base rule
+def auto_interval(base_bytes: int, base_seconds: float, delta_bytes: int, replay_seconds: float,
+                  cap: int = 100000) -> int:
+    """Deltas to take before the next base for ``base_interval: "auto"``.
+
+    The rule: a new base is due once the deltas since the last one would cost more bytes
+    than a base (``n * delta_bytes > base_bytes``) or more estimated replay time than
+    writing a base (``n * replay_seconds > base_seconds``).  Returns the largest ``n`` that
+    stays within both (at least 1, at most ``cap``).
+    """
+    if min(base_bytes, delta_bytes) < 0 or min(base_seconds, replay_seconds) < 0:
+        raise ValueError("auto_interval needs non-negative sizes and times")
+    n = cap
+    if delta_bytes > 0:
+        n = min(n, base_bytes // delta_bytes)
+    if replay_seconds > 0:
+        n = min(n, int(base_seconds / replay_seconds))
+    return max(1, int(n))
+
+
+# ----------------------------------------------------------------------------- writing
+@dataclass
+class _Slot:
+    buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
+    keys: List[str] = field(default_factory=list)
+
+
+class DeltaLog:
+    """This rank's writer of one chain (the deltas of one base checkpoint).
+
+    ``begin(step)`` reserves a staging slot (blocks while ``queue_depth`` steps wait),
+    ``add(key, grad)`` copies one gradient into it, ``submit(step, record)`` hands the step
+    to the background writer.  ``flush()`` waits for everything submitted.
+    """
+
+    def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
+                 queue_depth: int = 2, compact: bool = False, on_error: str = "disable"):
+        self.ckpt_dir, self.rank, self.nonce = ckpt_dir, rank, nonce
+        self.fsync, self.compact, self.on_error = fsync, compact, on_error
+        self.disabled = False
+        self.error: Optional[BaseException] = None
+        self.bytes_written = 0
+        self.steps_written = 0
+        self.write_seconds = 0.0
+        self.last_written: Optional[int] = None
+        self._free: "queue.Queue[_Slot]" = queue.Queue()
+        for _ in range(queue_depth):
+            self._free.put(_Slot())
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._slot: Optional[_Slot] = None
+        self._slot_step: Optional[int] = None
+        self._thread = threading.Thread(target=self._run, name=f"adacheck-deltas-r{rank}", daemon=True)
+        self._thread.start()
+
+    # -- hook side (training thread)
+    def begin(self, step: int) -> None:
+        if self.disabled or self._slot is not None:
+            return
+        self._check_error()
+        self._slot = self._free.get()   # back-pressure: wait for the writer
+        self._slot.keys = []
+        self._slot_step = step
+
+    def add(self, key: str, grad: torch.Tensor) -> None:
+        """Copy ``grad`` into this step's staging buffer for ``key`` (the only per-step cost)."""
+        if self.disabled:
+            return
+        s = self._slot
+        if s is None:
+            raise RuntimeError("DeltaLog.add before begin")
+        buf = s.buffers.get(key)
+        g = grad.detach()
+        if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
+            buf = torch.empty(g.shape, dtype=g.dtype, device="cpu",
+                              pin_memory=g.is_cuda and torch.cuda.is_available())
+            s.buffers[key] = buf
+        buf.copy_(g, non_blocking=g.is_cuda)
+        s.keys.append(key)
+
+    def discard(self) -> None:
+        """Drop what ``begin`` staged (the step is covered by a base checkpoint instead)."""
+        if self._slot is not None:
+            self._free.put(self._slot)
+            self._slot = None
+
+    def submit(self, step: int, record: dict, rank_tensors: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Queue step ``step`` (``record``: JSON; ``rank_tensors``: small extra tensors)."""
+        if self.disabled:
+            self._slot = None
+            return
+        self._check_error()
+        slot, self._slot = self._slot, None
+        if slot is not None and self._slot_step != step:
+            raise RuntimeError(f"staged gradients of step {self._slot_step} submitted as step {step}")
+        if slot is not None and any(b.is_cuda for b in slot.buffers.values()):
+            torch.cuda.current_stream().synchronize()
+        self._jobs.put((step, slot, record, dict(rank_tensors or {})))
+
+    def flush(self) -> None:
+        self._jobs.join()
+        self._check_error()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._jobs.put(None)
+            self._thread.join(timeout=60)
+
+    def _check_error(self) -> None:
+        if self.error is None or self.disabled:
+            return
+        e = self.error
+        if self.on_error == "raise":
+            raise e
+        self.disabled = True
+        warnings.warn(f"AdaCheck online mode disabled on rank {self.rank} after an error writing "
+                      f"gradient deltas under {deltas_dir(self.ckpt_dir)}: {e}. Training goes on; "
+                      "the last committed step and later base checkpoints stay recoverable "
+                      "(set adacheck.online.on_error to \"raise\" to stop instead)")
+
+    # -- writer side (background thread)
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                self._jobs.task_done()
+                return
+            step, slot, record, extra = job
+            try:
+                if self.error is None:
+                    t0 = time.perf_counter()
+                    self._write(step, slot, record, extra)
+                    self.write_seconds += time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - reported to the training thread
+                self.error = e
+            finally:
+                if slot is not None:
+                    self._free.put(slot)
+                self._jobs.task_done()
+
+    def _write(self, step: int, slot: Optional[_Slot], record: dict, extra: Dict[str, torch.Tensor]) -> None:
+        d = step_dir(self.ckpt_dir, step)
+        os.makedirs(d, exist_ok=True)
+        tensors, meta = {}, {}
+        for key in (slot.keys if slot is not None else []):
+            g = slot.buffers[key]
+            stored, err = g, None
+            if g.dtype == torch.float32:
+                exact, b = bf16_exact(g)
+                if exact:
+                    stored = b
+                elif self.compact:
+                    stored = b
+                    err = float((b.float() - g).abs().max()) if g.numel() else 0.0
+            stored = stored.contiguous()
+            tensors[_GRAD + key] = stored
+            meta[key] = {"dtype": dtype_name(g.dtype), "stored": dtype_name(stored.dtype),
+                         "shape": list(g.shape), "hash": hash_tensor(stored)}
+            if err is not None:
+                meta[key]["max_abs_error"] = err
+        for name, t in extra.items():
+            t = t.detach().to("cpu").contiguous()
+            tensors[name] = t
+            meta.setdefault("__extra__", {})[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                                                      "hash": hash_tensor(t)}
+        fname = None
+        size = 0
+        if tensors:
+            fname = f"rank{self.rank}.safetensors"
+            final = os.path.join(d, fname)
+            tmp = final + commit.TMP_SUFFIX
+            size = write_safetensors(tmp, tensors, {"format": "adacheck-delta"}, fsync=self.fsync)
+            commit.publish_file(tmp, final)
+        rec = {"version": RECORD_VERSION, "step": step, "rank": self.rank, "nonce": self.nonce,
+               "file": fname, "file_bytes": size, "tensors": {k: v for k, v in meta.items() if k != "__extra__"},
+               "extra": meta.get("__extra__", {}), "lossy": any("max_abs_error" in v for v in meta.values()
+                                                              if isinstance(v, dict)),
+               "record": record}
+        path = os.path.join(d, f"rank{self.rank}.json")
+        text = json.dumps(rec, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        if self.fsync:
+            commit.atomic_write_text(path, text)
+        else:
+            with open(path + commit.TMP_SUFFIX, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(path + commit.TMP_SUFFIX, path)
+        self.bytes_written += size + len(text)
+        self.steps_written += 1
+        self.last_written = step
+
+
+def write_chain(ckpt_dir: str, info: dict, fsync: bool = True) -> None:
+    """Rank 0 notes what the chain's base cost (for the "auto" rule after a restart)."""
+    os.makedirs(deltas_dir(ckpt_dir), exist_ok=True)
+    text = json.dumps(info, sort_keys=True, allow_nan=False)
+    if fsync:
+        commit.atomic_write_text(os.path.join(deltas_dir(ckpt_dir), CHAIN), text)
+    else:
+        with open(os.path.join(deltas_dir(ckpt_dir), CHAIN), "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def read_chain(ckpt_dir: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(deltas_dir(ckpt_dir), CHAIN), encoding="utf-8") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------------------- reading
+@dataclass
+class Step:
+    """One committed step: every rank's record (rank -> dict)."""
+
+    step: int
+    records: Dict[int, dict]
+
+    def holder_of(self, key: str, prefer: int) -> int:
+        """A rank whose file holds the gradient ``key`` (``prefer`` if it has it)."""
+        if key in self.records[prefer]["tensors"]:
+            return prefer
+        for r in sorted(self.records):
+            if key in self.records[r]["tensors"]:
+                return r
+        raise FormatError(f"delta step {self.step}: no rank stored the gradient {key!r}")
+
+    @property
+    def lossy(self) -> bool:
+        return any(r.get("lossy") for r in self.records.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(r.get("file_bytes", 0)) for r in self.records.values())
+
+    def max_abs_error(self) -> float:
+        return max([v.get("max_abs_error", 0.0) for r in self.records.values() for v in r["tensors"].values()]
+                   or [0.0])
+
+
+def _read_record(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or rec.get("version") != RECORD_VERSION or not isinstance(rec.get("tensors"), dict):
+        return None
+    return rec
+
+
+def step_dirs(ckpt_dir: str) -> List[int]:
+    d = deltas_dir(ckpt_dir)
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(n) for n in os.listdir(d) if _STEP_DIR.match(n))
+
+
+def committed_steps(ckpt_dir: str, base_step: int, world: int) -> Tuple[List[Step], str]:
+    """The committed steps directly after ``base_step`` (in order, up to the first gap) and a
+    one-line reason why the chain stops where it does."""
+    out: List[Step] = []
+    want = base_step + 1
+    for s in step_dirs(ckpt_dir):
+        if s < want:
+            continue
+        if s != want:
+            return out, f"step {want} was never written"
+        recs = {}
+        for r in range(world):
+            rec = _read_record(os.path.join(step_dir(ckpt_dir, s), f"rank{r}.json"))
+            if rec is None or rec.get("step") != s or rec.get("rank") != r:
+                return out, f"step {s} is incomplete (rank {r} has no valid record)"
+            recs[r] = rec
+        if len({rec["nonce"] for rec in recs.values()}) != 1:
+            return out, f"step {s} mixes records of different runs"
+        out.append(Step(s, recs))
+        want = s + 1
+    return out, "end of the log"
+
+
+def read_grad(ckpt_dir: str, step: Step, key: str, prefer_rank: int, verify: bool = True,
+              files: Optional[dict] = None) -> torch.Tensor:
+    """The gradient ``key`` of ``step`` in the dtype it was recorded in (hash-checked)."""
+    r = step.holder_of(key, prefer_rank)
+    rec = step.records[r]
+    meta = rec["tensors"][key]
+    path = os.path.join(step_dir(ckpt_dir, step.step), str(rec["file"]))
+    f = files.get(path) if files is not None else None
+    if f is None:
+        f = SafetensorsFile(path)
+        if files is not None:
+            files[path] = f
+    t = f.read(_GRAD + key)
+    if list(t.shape) != list(meta["shape"]) or dtype_name(t.dtype) != meta["stored"]:
+        raise FormatError(f"{path}: {key} is {dtype_name(t.dtype)}{list(t.shape)}, its record says "
+                          f"{meta['stored']}{meta['shape']}")
+    if verify and hash_tensor(t) != meta["hash"]:
+        raise IntegrityError(f"{path}: gradient {key} of delta step {step.step} does not match its "
+                             "recorded hash (corrupted); recover from the base alone by removing "
+                             f"{step_dir(ckpt_dir, step.step)} and the steps after it")
+    from .types import torch_dtype
+    return t.to(torch_dtype(meta["dtype"]))
+
+
+def read_extra(ckpt_dir: str, step: Step, rank: int, verify: bool = True) -> dict:
+    """This rank's record tree with its tensors (e.g. the RNG state) filled in."""
+    rec = step.records[rank]
+    tensors = {}
+    if rec["extra"]:
+        path = os.path.join(step_dir(ckpt_dir, step.step), str(rec["file"]))
+        f = SafetensorsFile(path)
+        for name, meta in rec["extra"].items():
+            t = f.read(name)
+            if verify and hash_tensor(t) != meta["hash"]:
+                raise IntegrityError(f"{path}: {name} of delta step {step.step} does not match its hash")
+            tensors[name] = t
+    return jsontree.decode(rec["record"], tensors.__getitem__)
+
+
+def remove_steps_after(ckpt_dir: str, step: int) -> List[int]:
+    """Delete the (uncommitted) step directories after ``step``; returns their steps."""
+    gone = []
+    for s in step_dirs(ckpt_dir):
+        if s > step:
+            shutil.rmtree(step_dir(ckpt_dir, s), ignore_errors=True)
+            gone.append(s)
+    if gone:
+        fsync_dir(deltas_dir(ckpt_dir))
+    return gone
+
+
+def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
+    """What ``adacheck inspect`` shows about a base's delta log."""
+    steps, why = committed_steps(ckpt_dir, base_step, world)
+    return {"committed": len(steps), "first": steps[0].step if steps else None,
+            "last": steps[-1].step if steps else None, "bytes": sum(s.bytes for s in steps),
+            "stops": why, "lossy": any(s.lossy for s in steps),
+            "max_abs_error": max([s.max_abs_error() for s in steps] or [0.0]),
+            "on_disk": len(step_dirs(ckpt_dir))}

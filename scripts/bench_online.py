@@ -1,0 +1,194 @@
+"""Benchmark: online gradient deltas vs full checkpoints, and their cost to training.
+
+For every ZeRO stage x dtype (DP=2 by default), one real DeepSpeed training (CPU, gloo,
+torchrun) builds two identical engines: one with AdaCheck without the online mode, one
+with it (a base at the first step, then a delta after every step).  They train in
+alternating blocks of steps, so both see the same machine conditions; then a third engine
+recovers from the online one's checkpoint directory (base + replay of every delta).
+Printed (and written as JSON to ``--json``):
+
+  delta B/step       bytes of one step's deltas, all ranks together (mean over the steps)
+  full/delta         AdaCheck base checkpoint bytes / delta bytes per step
+  native/delta       DeepSpeed's own checkpoint bytes / delta bytes per step
+  bf16 share         share of gradient elements stored as bf16 (exactly representable)
+  step overhead      (time per step with online deltas) / (time per step without) - 1
+  replay/step        replay time per delta / training time per step
+  exact              the recovered engine equals the online engine bit for bit (every
+                     module weight, master weight and optimizer tensor)
+
+    .venv/bin/python scripts/bench_online.py
+    .venv/bin/python scripts/bench_online.py --stages 2 --dtypes bf16 --steps 6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_ds import du, run_workers  # noqa: E402
+
+
+def worker(a) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+
+    import adacheck_ds
+    from adacheck import deltas as D
+    from demo_train import TinyLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    dist = torch.distributed
+    rank = dist.get_rank()
+
+    def engine_for(stage, dtype, ac):
+        torch.manual_seed(0)
+        model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+               "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+               "gradient_clipping": a.clip, "steps_per_print": 10 ** 9, "adacheck": ac}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+
+    def train(engine, n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
+            tokens = torch.randint(0, a.vocab, (2, 17), generator=g)
+            logits = engine(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
+            engine.backward(loss)
+            engine.step()
+        dist.barrier()
+        return (time.perf_counter() - t0) / n
+
+    def state(engine):
+        out = [p.detach() for p in engine.module.parameters()]
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        for src in (getattr(engine.optimizer, "single_partition_of_fp32_groups", None),
+                    getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)):
+            out += list(src or [])
+        for st in base.state.values():
+            out += [v for v in st.values() if torch.is_tensor(v)]
+        return out
+
+    rows = []
+    for stage in a.stages:
+        for dtype in a.dtypes:
+            work = os.path.join(a.work, f"z{stage}-{dtype}")
+            ck = os.path.join(work, "online")
+            plain = engine_for(stage, dtype, {"enabled": True})
+            on = engine_for(stage, dtype, {"enabled": True, "save_dir": ck,
+                                           "online": {"enabled": True, "base_interval": 10 ** 6}})
+            train(plain, 2)
+            train(on, 2)            # the base (step 1) and the first delta
+            t_plain, t_on = [], []
+            for block in range(a.blocks):
+                pair = [(t_plain, plain), (t_on, on)]
+                for times, eng in (pair if block % 2 == 0 else pair[::-1]):
+                    times.append(train(eng, a.steps))
+            t0 = time.perf_counter()
+            on.adacheck.online.flush()
+            dist.barrier()
+            drain = time.perf_counter() - t0
+            native = os.path.join(work, "native")
+            adacheck_ds.save_native(on, native, tag="n")
+            base_dir = os.path.join(ck, "global_step1")
+            steps, _ = D.committed_steps(base_dir, 1, dist.get_world_size())
+            total_steps = 2 + a.blocks * a.steps
+            assert [s.step for s in steps] == list(range(2, total_steps + 1)), [s.step for s in steps]
+            elems = {"bfloat16": 0, "float32": 0}
+            for s in steps:
+                for rec in s.records.values():
+                    for m in rec["tensors"].values():
+                        n = 1
+                        for x in m["shape"]:
+                            n *= x
+                        elems[m["stored"]] = elems.get(m["stored"], 0) + n
+            delta_bytes = statistics.mean(s.bytes for s in steps)
+            manifest = on.adacheck.last_manifest
+            rec_engine = engine_for(stage, dtype, {"enabled": True})
+            rec_engine.load_checkpoint(ck)
+            replay = rec_engine.adacheck.last_replay
+            exact = all(torch.equal(x, y) for x, y in zip(state(on), state(rec_engine)))
+            flag = torch.tensor(int(exact))
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if rank == 0:
+                full = manifest.stats["file_bytes"]
+                nb = du(os.path.join(native, "n"))
+                tp, to = statistics.median(t_plain), statistics.median(t_on)
+                rows.append({"dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "clip": a.clip,
+                             "params": sum(p.numel() for p in plain.module.parameters()) if stage != 3 else None,
+                             "delta_bytes": delta_bytes, "full_bytes": full, "native_bytes": nb,
+                             "full_over_delta": full / delta_bytes, "native_over_delta": nb / delta_bytes,
+                             "bf16_share": elems.get("bfloat16", 0) / max(1, sum(elems.values())),
+                             "step_s": tp, "step_online_s": to, "overhead": to / tp - 1,
+                             "drain_s": drain, "replay_steps": replay["steps"],
+                             "replay_s_per_step": replay["seconds"] / replay["steps"],
+                             "replay_over_step": replay["seconds"] / replay["steps"] / tp,
+                             "exact": bool(flag.item())})
+                print(json.dumps(rows[-1]), flush=True)
+            for eng in (plain, on, rec_engine):
+                eng.destroy()
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+    if rank == 0:
+        with open(a.rows, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def table(rows) -> str:
+    out = ["| DP | ZeRO | dtype | delta B/step | full B | full/delta | native/delta | bf16 share "
+           "| step s | step overhead | replay/step | exact |", "|" + "---:|" * 12]
+    for r in rows:
+        out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['delta_bytes']:,.0f} | {r['full_bytes']:,} | "
+                   f"{r['full_over_delta']:.2f}x | {r['native_over_delta']:.2f}x | {r['bf16_share']:.0%} | "
+                   f"{r['step_s']:.3f} | {r['overhead']:+.1%} | {r['replay_over_step']:.2f} | "
+                   f"{'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[2])
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per timed block")
+    ap.add_argument("--blocks", type=int, default=4, help="alternating timed blocks per engine")
+    ap.add_argument("--work", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--json", default="bench_online.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700,
+                       ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
+                        "--clip", str(a.clip), "--steps", str(a.steps), "--blocks", str(a.blocks),
+                        "--stages", *map(str, a.stages), "--dtypes", *a.dtypes])
+    import deepspeed
+    import torch
+    with open(a.json, "w") as f:
+        json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                   "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
+                   "clip": a.clip, "steps": a.steps, "blocks": a.blocks}, f, indent=1)
+    print(table(rows))
+    print(f"\nJSON in {a.json}")
+
+
+if __name__ == "__main__":
+    main()

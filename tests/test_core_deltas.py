@@ -1,0 +1,158 @@
+"""The delta log of the online mode, without a framework: what counts as committed, the
+narrowest exact dtype, bounded staging, errors, and the rule for "auto" bases."""
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from adacheck import deltas as D
+from adacheck.errors import IntegrityError
+
+
+def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
+    logs = [D.DeltaLog(ckpt, r, nonce, fsync=False, **kw) for r in range(world)]
+    for s in steps:
+        for r, lg in enumerate(logs):
+            lg.begin(s)
+            for k, g in (grads or {f"g{r}": torch.full((3,), float(s))}).items():
+                lg.add(k, g)
+            lg.submit(s, {"step": s, "rank": r})
+    for lg in logs:
+        lg.close()
+    return logs
+
+
+def test_committed_steps_stop_at_the_first_incomplete_or_missing_step(tmp_path):
+    ck = str(tmp_path)
+    write_steps(ck, [2, 3, 4, 5, 7])
+    steps, why = D.committed_steps(ck, 1, 2)
+    assert [s.step for s in steps] == [2, 3, 4, 5] and why == "step 6 was never written"
+    os.remove(os.path.join(D.step_dir(ck, 4), "rank1.json"))
+    steps, why = D.committed_steps(ck, 1, 2)
+    assert [s.step for s in steps] == [2, 3] and "step 4 is incomplete (rank 1" in why
+    with open(os.path.join(D.step_dir(ck, 3), "rank0.json"), "w") as f:
+        f.write('{"version": 1, "step": 3, "tens')    # torn record
+    assert [s.step for s in D.committed_steps(ck, 1, 2)[0]] == [2]
+    assert D.committed_steps(ck, 2, 2)[1].startswith("step 3 is incomplete")
+    assert D.remove_steps_after(ck, 2) == [3, 4, 5, 7] and D.step_dirs(ck) == [2]
+
+
+def test_records_of_two_runs_never_combine(tmp_path):
+    ck = str(tmp_path)
+    write_steps(ck, [2, 3])
+    os.remove(os.path.join(D.step_dir(ck, 3), "rank1.json"))
+    write_steps(ck, [3], world=1, nonce="other")    # only rank 0 of a later run wrote step 3
+    lg = D.DeltaLog(ck, 1, "n1", fsync=False)       # rank 1 of the old run, late
+    lg.begin(3)
+    lg.submit(3, {})
+    lg.close()
+    steps, why = D.committed_steps(ck, 1, 2)
+    assert [s.step for s in steps] == [2] and "mixes records of different runs" in why
+
+
+def test_narrowest_exact_dtype_and_round_trip(tmp_path):
+    ck = str(tmp_path)
+    exact = torch.randn(64).to(torch.bfloat16).float()
+    inexact = exact.clone()
+    inexact[5] += 1e-6
+    half = torch.randn(8).half()
+    write_steps(ck, [1], world=1, grads={"e": exact, "i": inexact, "h": half})
+    (st,), _ = D.committed_steps(ck, 0, 1)
+    meta = st.records[0]["tensors"]
+    assert (meta["e"]["stored"], meta["i"]["stored"], meta["h"]["stored"]) == ("bfloat16", "float32", "float16")
+    for k, t in (("e", exact), ("i", inexact), ("h", half)):
+        got = D.read_grad(ck, st, k, 0)
+        assert got.dtype == t.dtype and torch.equal(got, t)
+    assert not st.lossy
+
+
+def test_compact_is_lossy_and_says_by_how_much(tmp_path):
+    ck = str(tmp_path)
+    g = torch.randn(100)
+    write_steps(ck, [1], world=1, grads={"g": g}, compact=True)
+    (st,), _ = D.committed_steps(ck, 0, 1)
+    got = D.read_grad(ck, st, "g", 0)
+    err = (got - g).abs().max().item()
+    assert st.lossy and err > 0 and st.max_abs_error() == pytest.approx(err)
+    assert D.summary(ck, 0, 1)["lossy"]
+
+
+def test_a_corrupted_gradient_is_refused(tmp_path):
+    ck = str(tmp_path)
+    write_steps(ck, [1], world=1, grads={"g": torch.randn(1000)})
+    path = os.path.join(D.step_dir(ck, 1), "rank0.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    (st,), _ = D.committed_steps(ck, 0, 1)
+    with pytest.raises(IntegrityError, match="does not match its recorded hash"):
+        D.read_grad(ck, st, "g", 0)
+
+
+def test_staging_is_bounded_by_queue_depth(tmp_path):
+    """With queue_depth=1 the second step waits until the writer has finished the first."""
+    ck = str(tmp_path)
+    lg = D.DeltaLog(ck, 0, "n", fsync=False, queue_depth=1)
+    gate = threading.Event()
+    orig = lg._write
+
+    def slow_write(*a):
+        gate.wait(10)
+        orig(*a)
+    lg._write = slow_write
+    lg.begin(1)
+    lg.add("g", torch.ones(4))
+    lg.submit(1, {})
+    waited = threading.Event()
+
+    def second():
+        lg.begin(2)
+        waited.set()
+    t = threading.Thread(target=second)
+    t.start()
+    t.join(0.3)
+    assert not waited.is_set()          # blocked: the only slot is still being written
+    gate.set()
+    t.join(10)
+    assert waited.is_set()
+    lg.add("g", torch.ones(4))
+    lg.submit(2, {})
+    lg.close()
+    assert [s.step for s in D.committed_steps(ck, 0, 1)[0]] == [1, 2]
+
+
+def test_write_error_disables_or_raises(tmp_path):
+    blocker = tmp_path / "ck"
+    blocker.write_text("a file where the checkpoint directory should be")
+    for on_error in ("disable", "raise"):
+        lg = D.DeltaLog(str(blocker), 0, "n", fsync=False, on_error=on_error)
+        lg.begin(1)
+        lg.add("g", torch.ones(4))
+        lg.submit(1, {})
+        lg._jobs.join()
+        if on_error == "raise":
+            with pytest.raises(OSError):
+                lg.begin(2)
+        else:
+            with pytest.warns(UserWarning, match="online mode disabled on rank 0"):
+                lg.begin(2)
+            assert lg.disabled
+            lg.add("g", torch.ones(4))      # ignored from now on
+            lg.submit(2, {})
+            lg.close()
+
+
+@pytest.mark.parametrize("base_bytes,base_s,delta_bytes,replay_s,want", [
+    (1000, 10.0, 100, 0.1, 10),      # bytes decide: 10 deltas cost a base
+    (1000, 1.0, 10, 0.25, 4),        # replay time decides
+    (1000, 1.0, 5000, 0.1, 1),       # one delta already costs more than a base: base every step
+    (1000, 1.0, 0, 0.0, 100000),     # free deltas: capped
+])
+def test_auto_base_rule(base_bytes, base_s, delta_bytes, replay_s, want):
+    n = D.auto_interval(base_bytes, base_s, delta_bytes, replay_s)
+    assert n == want
+    if want < 100000:    # n deltas stay within a base's bytes and time, n + 1 would not (unless n = 1)
+        assert n == 1 or (n * delta_bytes <= base_bytes and n * replay_s <= base_s)
+        assert n == 1 or ((n + 1) * delta_bytes > base_bytes or (n + 1) * replay_s > base_s)

@@ -1,0 +1,151 @@
+"""Online gradient deltas with real DeepSpeed engines (CPU, gloo, 2 processes): recovery
+replays the committed deltas to exactly the state of the uninterrupted run."""
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch import check, launch
+from test_ds_integration import LAYOUTS, assert_same, results
+
+from adacheck import deltas as D
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def online(ck, **kw):
+    return {"enabled": True, "save_dir": ck, "online": dict({"enabled": True}, **kw)}
+
+
+def dump(d, name):
+    return load_file(os.path.join(d, f"{name}.safetensors"))
+
+
+def test_recovery_replays_deltas_bit_exactly_for_every_stage_and_dtype(tmp_path):
+    """6 steps with online deltas (bases at steps 1 and 4, deltas 2-3 and 5-6); a new job's
+    load_checkpoint replays base 4 + deltas 5, 6: every logical tensor equals the
+    uninterrupted run's at step 6, and the next losses are those of a run never checkpointed."""
+    d = str(tmp_path)
+    runs = []
+    for stage, dtype in LAYOUTS:
+        ck = f"{d}/ck{stage}{dtype}"
+        runs += [{"stage": stage, "dtype": dtype, "actions": [["train", 8]]},
+                 {"stage": stage, "dtype": dtype, "adacheck": online(ck, base_interval=3),
+                  "actions": [["train_dump", 6, f"A{stage}{dtype}_"]]},
+                 {"stage": stage, "dtype": dtype, "seed": 5, "adacheck": online(ck, base_interval=3),
+                  "actions": [["load", ck], ["steps"], ["dump", f"B{stage}{dtype}"], ["train", 2]]}]
+    check(launch(2, {"runs": runs}, d))
+    res = results(d)
+    for i, (stage, dtype) in enumerate(LAYOUTS):
+        ref, a, b = res[3 * i: 3 * i + 3]
+        assert a["losses"] == ref["losses"][:6], (stage, dtype)      # recording changes nothing
+        assert b["steps"] == [6, 24, 0], (stage, dtype)
+        assert_same(dump(d, f"A{stage}{dtype}_6"), dump(d, f"B{stage}{dtype}"))
+        assert b["losses"] == ref["losses"][6:8], (stage, dtype)
+        ck = f"{d}/ck{stage}{dtype}"
+        # bases every 3 steps, also in the job that recovered (it continued the chain of step 4)
+        assert sorted(t for t in os.listdir(ck) if t != "latest") == ["global_step1", "global_step4",
+                                                                        "global_step7"]
+        assert open(f"{ck}/latest").read().strip() == "global_step7"
+        assert D.step_dirs(f"{ck}/global_step1") == [2, 3]
+        assert D.step_dirs(f"{ck}/global_step7") == [8]
+        steps, why = D.committed_steps(f"{ck}/global_step4", 4, 2)
+        assert [s.step for s in steps] == [5, 6] and why == "end of the log", why
+        rec0 = steps[0].records
+        if stage == 0:   # gradients replicated over DP are stored once: the two ranks split them
+            k0, k1 = set(rec0[0]["tensors"]), set(rec0[1]["tensors"])
+            assert k0 and k1 and not (k0 & k1), (stage, dtype)
+        else:            # each rank stores the gradient of its own partition
+            assert set(rec0[0]["tensors"]) == set(rec0[1]["tensors"]), (stage, dtype)
+        for r in rec0.values():
+            for meta in r["tensors"].values():
+                assert meta["dtype"] == "float32" and meta["stored"] in ("bfloat16", "float32")
+
+
+def test_a_step_not_committed_on_every_rank_is_not_replayed(tmp_path):
+    """Rank 1's record of step 5 is missing (its write was interrupted): recovery stops at
+    step 4, removes the uncommitted steps, and training resumes exactly from step 4; the
+    next job recovers the continued chain."""
+    d = str(tmp_path)
+    ck = f"{d}/ck"
+    ac = online(ck, base_interval=100)
+    check(launch(2, {"runs": [{"stage": 2, "dtype": "bf16", "adacheck": ac,
+                               "actions": [["train_dump", 6, "A"]]}]}, d))
+    os.remove(os.path.join(D.step_dir(f"{ck}/global_step1", 5), "rank1.json"))
+    check(launch(2, {"runs": [{"stage": 2, "dtype": "bf16", "seed": 3, "adacheck": ac,
+                               "actions": [["load", ck], ["steps"], ["dump", "B"], ["train_dump", 2, "B_"]]},
+                              {"stage": 2, "dtype": "bf16", "seed": 4, "adacheck": ac,
+                               "actions": [["load", ck], ["steps"], ["dump", "C"]]}]}, d))
+    b, c = results(d)
+    assert b["steps"][0] == 4
+    assert_same(dump(d, "A4"), dump(d, "B"))
+    assert_same(dump(d, "A6"), dump(d, "B_6"))   # the same two steps again, exactly
+    assert c["steps"][0] == 6
+    assert_same(dump(d, "B_6"), dump(d, "C"))
+
+
+def test_sigkill_at_a_random_step_then_recover_and_continue(tmp_path):
+    """One rank is SIGKILLed somewhere in a run with online deltas; a new job recovers the
+    newest committed step (state equal to the uninterrupted run's at that step) and
+    finishes the run with the uninterrupted run's losses."""
+    d = str(tmp_path)
+    ck = f"{d}/ck"
+    model = {"stage": 2, "dtype": "bf16", "hidden": 256, "layers": 4}
+    check(launch(2, {"runs": [dict(model, actions=[["train_dump", 24, "U"]])]}, f"{d}/u"))
+    ref = results(f"{d}/u")[0]["losses"]
+    ac = online(ck, base_interval=5)
+    kill_after = random.Random(os.getpid()).randint(4, 14)
+
+    def killer(procs):
+        marker = f"{d}/k/m{kill_after}-rank1"
+        deadline = time.monotonic() + 400
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(random.random() * 0.3)
+        procs[1].send_signal(signal.SIGKILL)
+
+    def started(procs):
+        threading.Thread(target=killer, args=(procs,), daemon=True).start()
+
+    res = launch(2, {"runs": [dict(model, adacheck=ac, actions=[["train_dump", 24, "K", "m"]])]}, f"{d}/k",
+                 on_started=started, grace=30)
+    assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
+    check(launch(2, {"runs": [dict(model, seed=11, adacheck=ac,
+                                   actions=[["load", ck], ["steps"], ["dump", "R"], ["train_to", 24]])]},
+                 f"{d}/r"))
+    r = results(f"{d}/r")[0]
+    t = r["steps"][0]
+    assert t >= kill_after - 1, (t, kill_after)
+    assert_same(dump(f"{d}/u", f"U{t}"), dump(f"{d}/r", "R"))
+    assert r["losses"] == ref[t:24]
+
+
+def test_write_error_disables_online_mode_and_training_goes_on(tmp_path):
+    """Rank 1 cannot write delta files (file size limit): it warns once, training goes on with
+    unchanged losses, and recovery stops at the last step every rank committed."""
+    d = str(tmp_path)
+    ck = f"{d}/ck"
+    ac = online(ck, base_interval=100)
+    runs = [{"stage": 1, "dtype": "fp32", "actions": [["train", 6]]},
+            {"stage": 1, "dtype": "fp32", "adacheck": ac,
+             "actions": [["train_dump", 3, "A"], ["fsize_limit", 1, 600], ["train_dump", 3, "A"],
+                         ["fsize_limit", 1, -1]]},
+            {"stage": 1, "dtype": "fp32", "seed": 2, "adacheck": ac,
+             "actions": [["load", ck], ["steps"], ["dump", "B"]]}]
+    check(launch(2, {"runs": runs}, d))
+    ref, a, b = results(d)
+    assert a["losses"] == ref["losses"]
+    warned = [w for w in results(d, 1)[1]["warnings"] if "online mode disabled" in w]
+    assert len(warned) == 1 and "rank 1" in warned[0] and "File too large" in warned[0], warned
+    assert not [w for w in a["warnings"] if "online mode disabled" in w]
+    # the deltas are written in the background, so the limit hits rank 1 at step 2, 3 or 4
+    t = b["steps"][0]
+    assert 1 <= t <= 4
+    assert_same(dump(d, f"A{t}"), dump(d, "B"))
