@@ -107,7 +107,7 @@ class AdaCheckDeepSpeed:
                 opt.checkpoint_event_epilogue()
         if self.online is not None and os.path.abspath(save_dir) == os.path.abspath(self.online.save_dir):
             # every committed save is a base: the deltas of the next steps belong to it
-            self.online.start_chain(tag, int(e.global_steps), int(self.last_manifest.stats.get("file_bytes", 0)),
+            self.online.recorder.start_chain(tag, int(e.global_steps), int(self.last_manifest.stats.get("file_bytes", 0)),
                                     time.perf_counter() - t0)
         return True
 

@@ -1,0 +1,168 @@
+"""The online mode, independent of the framework: chains of deltas on top of base checkpoints.
+
+An integration provides an :class:`~adacheck.optimtap.OptimizerTap` on its torch optimizers,
+calls :meth:`OnlineRecorder.after_step` at its post-step point with the step number and the
+JSON scalars it needs to restore (counters, scheduler, loss scaler), and
+:meth:`OnlineRecorder.start_chain` after every committed base checkpoint.  The recorder
+decides when the next base is due (``base_interval`` steps, or "auto": see
+:func:`adacheck.deltas.auto_interval`, decided once per chain from the first delta) and
+asks the integration to take it.  :func:`replay` is the recovery side.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, List, Optional
+
+from . import deltas as D
+from . import jsontree
+from .config import OnlineConfig
+from .exchange import Comm, agree
+from .optimtap import OptimizerTap
+from .rng import rng_state
+
+log = logging.getLogger("adacheck")
+
+
+class OnlineRecorder:
+    def __init__(self, tap: OptimizerTap, config: OnlineConfig, save_dir: str, comm: Callable[[], Comm],
+                 take_base: Callable[[], None], fsync: bool = True, mine: Optional[set] = None,
+                 rank_state: Callable[[], dict] = rng_state):
+        self.tap, self.config, self.save_dir = tap, config, save_dir
+        self.comm, self.take_base, self.fsync, self.mine = comm, take_base, fsync, mine
+        self.rank_state = rank_state
+        self.log: Optional[D.DeltaLog] = None
+        self.base_step: Optional[int] = None
+        self.base_tag: Optional[str] = None
+        self.interval: Optional[int] = config.base_interval if config.base_interval != "auto" else None
+        self.chain_info: dict = {}
+        self._next = 0
+        tap.on_first_call = self._begin
+        tap.on_grad = self._grad
+
+    def _begin(self) -> None:
+        if self.log is not None:
+            self.log.begin(self._next)
+
+    def _grad(self, key, grad) -> None:
+        if self.log is not None and (self.mine is None or key in self.mine):
+            self.log.add(key, grad)
+
+    def expect(self, step: int) -> None:
+        """The step the next optimizer calls belong to."""
+        self._next = step
+
+    def after_step(self, step: int, scalars: dict) -> None:
+        """Step ``step`` is complete: record it, or take a base if one is due (collectively:
+        every rank makes the same decision from the same step number)."""
+        calls = self.tap.take_calls()
+        self._next = step + 1
+        if self.base_step is None or (self.interval is not None and step - self.base_step >= self.interval):
+            if self.log is not None:
+                self.log.discard()
+            self.take_base()
+            return
+        tree = dict(scalars, calls=calls, param_groups=self.tap.group_state(), rank_state=self.rank_state())
+        enc, tensors = jsontree.encode(tree, "rank/")
+        if self.log is not None:
+            self.log.submit(step, enc, dict(tensors))
+        if self.interval is None and step == self.base_step + 2:
+            self._decide_interval()
+
+    def _decide_interval(self) -> None:
+        """``base_interval: "auto"``: one collective after the first delta of a chain."""
+        mine = {"bytes": 0, "seconds": self.tap.step_seconds}
+        if self.log is not None:
+            self.log.flush()
+            mine["bytes"] = self.log.bytes_written
+        allr = self.comm().all_gather_object(mine)
+        delta_bytes = sum(a["bytes"] for a in allr)
+        base_bytes = int(self.chain_info.get("base_bytes", 0))
+        base_seconds = float(self.chain_info.get("base_seconds", 0.0))
+        read_seconds = delta_bytes * base_seconds / base_bytes if base_bytes else 0.0
+        replay = max(a["seconds"] for a in allr) + read_seconds
+        self.interval = D.auto_interval(base_bytes, base_seconds, delta_bytes, replay)
+        log.info("AdaCheck online: base_interval auto = %d (base %d B in %.2fs; delta %d B, replay ~%.3fs)",
+                 self.interval, base_bytes, base_seconds, delta_bytes, replay)
+
+    def flush(self) -> None:
+        if self.log is not None:
+            self.log.flush()
+
+    def close(self) -> None:
+        self.tap.remove()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def start_chain(self, tag: str, step: int, base_bytes: int = 0, base_seconds: float = 0.0,
+                    resume_after: Optional[int] = None) -> None:
+        """Deltas from now on belong to the base ``tag`` of step ``step`` (collective).
+        ``resume_after``: continue that base's chain after this (recovered) step instead."""
+        comm = self.comm()
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+        ckpt_dir = os.path.join(self.save_dir, tag)
+        if resume_after is None:
+            info = {"base_tag": tag, "base_step": step, "base_bytes": base_bytes,
+                    "base_seconds": base_seconds, "world_size": comm.world_size}
+            if comm.rank == 0:
+                D.write_chain(ckpt_dir, info, fsync=self.fsync)
+        else:
+            info = D.read_chain(ckpt_dir) or {"base_bytes": base_bytes, "base_seconds": base_seconds}
+            if comm.rank == 0:
+                D.remove_steps_after(ckpt_dir, resume_after)
+        nonce = comm.broadcast_object(os.urandom(8).hex() if comm.rank == 0 else None)
+        comm.barrier()
+        self.chain_info = info
+        self.base_tag, self.base_step = tag, step
+        self._next = (resume_after if resume_after is not None else step) + 1
+        self.tap.step_seconds = 0.0
+        if self.config.base_interval == "auto":
+            self.interval = None
+        self.log = D.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
+                              compact=self.config.compact, on_error=self.config.on_error)
+
+
+def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int):
+    """The committed steps every rank agrees on, and why the log stops."""
+    steps, why = D.committed_steps(ckpt_dir, base_step, world)
+    n = min(comm.all_gather_object(len(steps)))
+    return steps[:n], why
+
+
+def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], verify: bool = True) -> dict:
+    """Replay ``steps`` through ``tap``'s optimizers (collective per step: read, then apply).
+    Returns the last step's record; the integration restores its scalars, refreshes the
+    low-precision weights and sets ``rank_state`` (the RNG)."""
+    files: dict = {}
+    tap.reindex()
+    last = None
+    for st in steps:
+        def read(st=st):
+            tree = D.read_extra(ckpt_dir, st, comm.rank, verify=verify)
+            keys = tap.grad_keys(tree["calls"], f"delta step {st.step}")
+            return tree, {k: D.read_grad(ckpt_dir, st, k, comm.rank, verify, files) for k in keys}
+        tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)", read)
+        tap.replay(tree["calls"], grads)
+        last = tree
+    tap.set_group_state(last["param_groups"])
+    return last
+
+
+def describe_replay(steps: List[D.Step], base_step, seconds: float, why: str) -> None:
+    log.warning("AdaCheck: replayed %d gradient deltas (steps %d-%d) on base step %s in %.2fs%s",
+                len(steps), steps[0].step, steps[-1].step, base_step, seconds,
+                "" if why == "end of the log" else f"; the log stops there: {why}")
+    lossy = [s for s in steps if s.lossy]
+    if lossy:
+        log.warning("AdaCheck: APPROXIMATE recovery: %d of these deltas were stored in compact (lossy bf16) "
+                    "form; largest gradient rounding error %.3g", len(lossy), max(s.max_abs_error() for s in lossy))
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
