@@ -198,7 +198,7 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
         m = commit.read_manifest(os.path.join(save_dir, prev_tag))
         files = {}   # does each referenced file still exist? (one stat per file)
         return previous_index(prev_tag, m, lambda ref: files.setdefault(
-            ref, os.path.isfile(os.path.join(save_dir, ref))))
+            ref, os.path.isfile(os.path.join(save_dir, ref))), saving=tag)
 
     previous = agree(comm, f"AdaCheck save of {ckpt_dir} (previous checkpoint {prev_tag})", index_previous)
     plan = plan_save([g["metas"] for g in gathered], generation, previous, copies=copies,

@@ -117,6 +117,8 @@ class DeltaLog:
         self.bytes_written = 0
         self.steps_written = 0
         self.write_seconds = 0.0
+        self.stall_seconds = 0.0         # training time spent waiting for a free staging slot
+        self.started = time.perf_counter()
         self.last_written: Optional[int] = None
         self._free: "queue.Queue[_Slot]" = queue.Queue()
         for _ in range(queue_depth):
@@ -132,7 +134,9 @@ class DeltaLog:
         if self.disabled or self._slot is not None:
             return
         self._check_error()
+        t0 = time.perf_counter()
         self._slot = self._free.get()   # back-pressure: wait for the writer
+        self.stall_seconds += time.perf_counter() - t0
         self._slot.keys = []
         self._slot_step = step
 

@@ -38,6 +38,7 @@ class OnlineRecorder:
         self.interval: Optional[int] = config.base_interval if config.base_interval != "auto" else None
         self.chain_info: dict = {}
         self._next = 0
+        self._warned_slow = False
         tap.on_first_call = self._begin
         tap.on_grad = self._grad
 
@@ -69,6 +70,16 @@ class OnlineRecorder:
             self.log.submit(step, enc, dict(tensors))
         if self.interval is None and step == self.base_step + 2:
             self._decide_interval()
+        if self.log is not None and not self._warned_slow and step - self.base_step >= 10:
+            lg = self.log
+            wall = time.perf_counter() - lg.started
+            if wall > 0 and lg.stall_seconds > 0.1 * wall:
+                self._warned_slow = True
+                log.warning("AdaCheck online: training waited %.0f%% of the last %.1fs for the delta writer "
+                            "(%d steps, %.1f MB written at %.2f GB/s): the storage cannot absorb a delta per "
+                            "step at this speed; use faster storage or a larger queue_depth for bursts",
+                            100 * lg.stall_seconds / wall, wall, lg.steps_written, lg.bytes_written / 1e6,
+                            lg.bytes_written / max(lg.write_seconds, 1e-9) / 1e9)
 
     def _decide_interval(self) -> None:
         """``base_interval: "auto"``: one collective after the first delta of a chain."""

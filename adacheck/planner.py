@@ -44,11 +44,12 @@ PreviousIndex = Dict[Tuple[str, Box], Tuple[str, str, List[Tuple[str, str]]]]
 # (name, box) -> (hash, dtype, [(file ref, key) per stored copy])
 
 
-def previous_index(tag: str, manifest, exists=lambda ref: True) -> PreviousIndex:
+def previous_index(tag: str, manifest, exists=lambda ref: True, saving: str = "") -> PreviousIndex:
     """What a later save may reference of committed checkpoint ``tag``: every box stored in
     one variant, with each copy's file as seen from the save directory (``<tag>/<file>``;
     a box that checkpoint itself referenced keeps pointing at where its bytes are).
-    ``exists(ref)`` filters out files that are gone."""
+    ``exists(ref)`` filters out files that are gone; files of the tag being ``saving`` (an
+    earlier generation of a re-saved tag) are never referenced: it is rewritten instead."""
     out: PreviousIndex = {}
     for name, e in manifest.tensors.items():
         by_box: Dict[Box, list] = defaultdict(list)
@@ -58,7 +59,7 @@ def previous_index(tag: str, manifest, exists=lambda ref: True) -> PreviousIndex
             if len({sb.hash for sb in sbs}) != 1:
                 continue   # diverged variants: always written again
             refs = [(sb.file if "/" in sb.file else f"{tag}/{sb.file}", sb.key) for sb in sbs]
-            refs = [r for r in refs if exists(r[0])]
+            refs = [r for r in refs if exists(r[0]) and not (saving and r[0].startswith(saving + "/"))]
             if refs:
                 out[(name, box)] = (sbs[0].hash, e.dtype, refs)
     return out

@@ -155,6 +155,9 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         raise ConfigError("AdaCheck save needs a directory: --adacheck-dir or --save")
     t0 = time.perf_counter()
     comm = _comm()
+    from . import online
+    if online.active() is not None:
+        online.active().recorder.flush()   # the current chain stays complete up to here
 
     def collect():
         topo = topology()
@@ -194,6 +197,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                          keep_last=cfg.keep_last or None, fsync=cfg.fsync,
                          reference_previous=cfg.reference_previous, copies=cfg.redundancy_factor,
                          exchange=cfg.exchange)
+    online.saved(save_dir, manifest, int(iteration), time.perf_counter() - t0)
     if comm.rank == 0:
         st = manifest.stats
         log.info("AdaCheck: saved iteration %d to %s in %.2fs (%d bytes written, %d referenced)",
@@ -206,6 +210,14 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
 
 def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
     return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
+
+
+def load_scheduler(scheduler, state: dict) -> None:
+    """``OptimizerParamScheduler.load_state_dict`` *adds* the saved step count to the current
+    one (it expects a fresh scheduler); start from zero so loading into a scheduler that
+    has already stepped restores the saved state exactly."""
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
 
 
 def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
@@ -301,13 +313,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         chunks = list(model)
         for i, chunk in enumerate(chunks):
             _unwrap(chunk).load_state_dict(state[_chunk_key(i, len(chunks))], strict=strict)
+        if not load_optim and optimizer is not None and hasattr(optimizer, "reload_model_params") and (
+                getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+            optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM
         if load_optim and optimizer is not None:
             if dstaged is not None:
                 S.distopt_apply(optimizer, dstaged, objects["distributed_optimizer"])
             else:
                 optimizer.load_state_dict(state["optimizer"])
             if opt_param_scheduler is not None and objects.get("opt_param_scheduler") is not None:
-                opt_param_scheduler.load_state_dict(objects["opt_param_scheduler"])
+                load_scheduler(opt_param_scheduler, objects["opt_param_scheduler"])
         if rng is not None:
             set_rng_state(rng)
             from megatron.core import tensor_parallel
@@ -319,6 +334,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
 
     ckpt_dir, manifest, objects = core.load(comm, load_dir, tag, read, apply, verify=cfg.verify_on_load)
     iteration = 0 if finetune else int(objects["iteration"])
+    if load_optim and opt_param_scheduler is not None:
+        from . import online
+        iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
+                                   latest=read_latest(load_dir) == manifest.tag,
+                                   same_layout=_same_layout(manifest.layout.get("ranks", []), topology(),
+                                                            comm.world_size), iteration=iteration)
     flops = 0 if finetune else objects.get("num_floating_point_operations_so_far", 0)
     if comm.rank == 0:
         log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects["iteration"],

@@ -76,7 +76,7 @@ def worker(a) -> None:
                     getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)):
             out += list(src or [])
         for st in base.state.values():
-            out += [v for v in st.values() if torch.is_tensor(v)]
+            out += [v for _, v in sorted(st.items()) if torch.is_tensor(v)]
         return out
 
     rows = []
@@ -117,7 +117,11 @@ def worker(a) -> None:
             rec_engine = engine_for(stage, dtype, {"enabled": True})
             rec_engine.load_checkpoint(ck)
             replay = rec_engine.adacheck.last_replay
-            exact = all(torch.equal(x, y) for x, y in zip(state(on), state(rec_engine)))
+            sa, sb = state(on), state(rec_engine)
+            diff = [i for i, (x, y) in enumerate(zip(sa, sb)) if not torch.equal(x, y)]
+            exact = not diff and len(sa) == len(sb)
+            if diff and rank == 0:
+                print("differs:", len(sa), len(sb), diff[:20], flush=True)
             flag = torch.tensor(int(exact))
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             if rank == 0:
@@ -133,7 +137,7 @@ def worker(a) -> None:
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "replay_s_per_step": replay["seconds"] / replay["steps"],
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
-                             "exact": bool(flag.item())})
+                             "exact": bool(flag.item()), "differs": diff[:8]})
                 print(json.dumps(rows[-1]), flush=True)
             for eng in (plain, on, rec_engine):
                 eng.destroy()

@@ -26,7 +26,12 @@ Extension points, each in one place:
     ``--adacheck``, AdaCheck (``adacheck_megatron.save_checkpoint`` / ``load_checkpoint``, into
     ``--adacheck-dir`` or else ``--save`` / ``--load``); without it megatron-core's
     ``dist_checkpointing`` (torch_dist format), the native baseline;
-  * ``POST_STEP_HOOKS``: callables run after each successful ``optimizer.step()``.
+  * post-step hooks: ``build_optimizer`` wraps the optimizer with
+    ``adacheck_megatron.hooks.wrap_optimizer_step``, so every callable registered with
+    ``adacheck_megatron.hooks.add_post_step_hook(fn)`` runs as ``fn(optimizer, update_successful)``
+    after each ``optimizer.step()`` (a skipped step too, with False), before the
+    scheduler advances the learning rate and before the gradients are zeroed (the same point
+    as in Megatron-LM with the patch or ``python -m adacheck_megatron.launch``).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ import random
 import sys
 import time
 from functools import partial
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -60,11 +65,7 @@ from megatron.core.utils import unwrap_model  # noqa: E402
 import adacheck_megatron  # noqa: E402
 from adacheck.errors import ConfigError  # noqa: E402
 from adacheck_megatron.flags import add_adacheck_args, config_from_args  # noqa: E402
-
-# Called as hook(iteration, model, optimizer, opt_param_scheduler) right after each
-# successful optimizer.step() (an fp16 overflow skip is not one), before the scheduler
-# advances the learning rate and before the gradients are zeroed for the next iteration.
-POST_STEP_HOOKS: List[Callable] = []
+from adacheck_megatron.hooks import wrap_optimizer_step  # noqa: E402
 
 
 # --------------------------------------------------------------------------- arguments
@@ -308,7 +309,7 @@ def build_optimizer(args, model, config):
         params_dtype=dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    optimizer = wrap_optimizer_step(get_megatron_optimizer(opt_config, model))   # post-step hooks
     config.grad_scale_func = optimizer.scale_loss
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
@@ -530,8 +531,6 @@ def train_step(args, iteration: int, model, optimizer, opt_param_scheduler):
     update_successful, grad_norm, _ = optimizer.step()
     lr = optimizer.param_groups[0]["lr"]
     if update_successful:
-        for hook in POST_STEP_HOOKS:
-            hook(iteration, model, optimizer, opt_param_scheduler)
         opt_param_scheduler.step(increment=args.global_batch_size)
     loss = None
     if parallel_state.is_pipeline_last_stage():
@@ -546,6 +545,9 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
     initialize(args)
     model, config = build_model(args)
     optimizer, opt_param_scheduler = build_optimizer(args, model, config)
+    if args.adacheck and args.adacheck_config.online.enabled:   # deltas after every iteration
+        from adacheck_megatron import online
+        online.attach(model, optimizer, opt_param_scheduler, args, args.adacheck_config)
     resume = args.load or (args.adacheck and args.adacheck_config.save_dir)
     iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args) if resume else 0
 

@@ -4,7 +4,7 @@ spec = {"runs": [{"argv": [pretrain_gpt.py flags], "actions": [["train", 2], ["s
 Every run builds its own layout (parallel state, GPTModel, DDP, optimizer, scheduler) with
 scripts/pretrain_gpt.py's own functions in the same process group, then tears the parallel
 state down, so several layouts share one launch. Actions:
-  train N | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
+  train N | online [false] | dump NAME | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json: per run, the losses (from the last pipeline stage),
 the iterations loaded and errors caught by expect_error.
 """
@@ -53,6 +53,29 @@ def run_one(run, out):
                 iteration += 1
                 loss, _, _, _ = P.train_step(args, iteration, model, optimizer, scheduler)
                 res["losses"].append(last_stage_value(loss))
+        elif kind == "online":   # start the online mode (flags in argv), or stop it: ["online", false]
+            from adacheck_megatron import online
+            if rest and rest[0] is False:
+                online.active().close()
+            else:
+                online.attach(model, optimizer, scheduler, args, args.adacheck_config)
+        elif kind == "dump":     # this rank's weights, main weights, optimizer state and LR
+            t = {}
+            for i, chunk in enumerate(model):
+                for n, p in chunk.named_parameters():
+                    t[f"model{i}/{n}"] = p.detach().clone()
+            for oi, o in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+                for gi, g in enumerate(o.optimizer.param_groups):
+                    t[f"lr{oi}.{gi}"] = torch.tensor([g["lr"], g.get("weight_decay", 0.0)], dtype=torch.float64)
+                    for j, p in enumerate(g["params"]):
+                        t[f"main{oi}.{gi}.{j}"] = p.detach().clone()
+                        for k, v in sorted(o.optimizer.state.get(p, {}).items()):
+                            if torch.is_tensor(v):
+                                t[f"state{oi}.{gi}.{j}.{k}"] = v.detach().clone().reshape(-1)
+            t["scheduler"] = torch.tensor([scheduler.num_steps], dtype=torch.int64)
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in t.items()},
+                      os.path.join(out, f"{rest[0]}-rank{torch.distributed.get_rank()}.safetensors"))
         elif kind == "scramble":   # other weights than the run that saved (the load must overwrite them)
             with torch.no_grad():
                 for chunk in model:

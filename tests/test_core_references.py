@@ -102,3 +102,17 @@ def test_cli_prune_dry_run_then_yes_and_diff(tmp_path, capsys):
     assert "1 tensor(s) equal, 1 differ" in out and "master/trained" in out
     assert main(["diff", str(tmp_path / "s4"), str(tmp_path)]) == 0     # a save dir means its latest
     assert main(["prune", str(tmp_path), "--keep-last", "0"]) == 2
+
+
+def test_resaving_a_tag_never_references_its_own_older_files(tmp_path):
+    """s2 references s1's bytes; saving s1 again (a job that restarted from an earlier step)
+    must write them anew, not point at its own older generation (which the manifest format
+    forbids), so both it and later saves load."""
+    frozen, trained = torch.ones(8, 8), torch.zeros(4, 6)
+    save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen, trained, 1))
+    save(SoloComm(), str(tmp_path), "s2", lambda: state(frozen, trained + 1, 2))   # frozen -> s1
+    m = save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen, trained + 2, 1))
+    assert all(not b.file.startswith("s1/") for e in m.tensors.values() for b in e.boxes)
+    assert torch.equal(read_all(tmp_path / "s1")["model/frozen"], frozen)
+    save(SoloComm(), str(tmp_path), "s3", lambda: state(frozen, trained + 3, 3))
+    assert torch.equal(read_all(tmp_path / "s3")["model/frozen"], frozen)

@@ -1,0 +1,376 @@
+"""Run a Megatron-LM training script, unpatched, with AdaCheck checkpoints.
+
+    cd Megatron-LM        # or put the Megatron-LM tree on PYTHONPATH
+    python -m adacheck_megatron.launch pretrain_gpt.py [Megatron-LM flags] --adacheck [--adacheck-* flags]
+    torchrun --nproc-per-node 8 -m adacheck_megatron.launch pretrain_gpt.py ...
+
+The launcher imports ``megatron.training``, installs AdaCheck into it (:func:`install`) and
+runs the script with ``runpy.run_path(script, run_name="__main__")`` and ``sys.argv`` set to
+the script and its flags, as ``python pretrain_gpt.py ...`` would (the script's folder first
+on ``sys.path``).  What it installs, in every loaded ``megatron.*`` module that holds these
+functions by name (``megatron.training.training`` imports them with ``from ... import``):
+
+* ``parse_args`` (``megatron.training.arguments``, ``megatron.training.initialize``): the
+  ``--adacheck*`` flags are added after the script's own ``extra_args_provider`` and
+  checked after parsing (:func:`add_args`, :func:`check_args`);
+* ``save_checkpoint`` / ``load_checkpoint`` (``megatron.training.checkpointing``,
+  ``megatron.training.training``, ...): with ``--adacheck`` they delegate to
+  :func:`save_checkpoint` / :func:`load_checkpoint` below, otherwise Megatron-LM's own run;
+* ``setup_model_and_optimizer`` (``megatron.training.training``): with ``--adacheck`` the
+  optimizer it returns gets the post-step hooks (:func:`adacheck_megatron.hooks.wrap_optimizer_step`).
+
+``patches/megatron-lm-core_v0.16.1.patch`` is the other way: a few lines in Megatron-LM that
+call the same :func:`add_args`, :func:`check_args`, :func:`save_checkpoint`,
+:func:`load_checkpoint` and ``wrap_optimizer_step``, so both behave the same.
+
+The delegation keeps Megatron-LM's contract: ``save_checkpoint`` returns None; ``load_checkpoint``
+returns ``(iteration, num_floating_point_operations_so_far)`` and restores the sample counters
+(``consumed_train_samples``, ``skipped_train_samples``, ``consumed_valid_samples``, saved with
+each AdaCheck checkpoint) and the micro-batch calculator, as Megatron-LM's loader does; with
+``--no-load-optim`` / ``--finetune`` in fp16/bf16 the fp32 master weights are reloaded from the
+loaded model weights.  A load directory holding a native Megatron checkpoint and no AdaCheck
+one is loaded by Megatron-LM's own code (an existing run switching to AdaCheck); the next save
+is AdaCheck's.  ``--adacheck-dir DIR`` without ``--save`` / ``--load`` sets them to DIR, since
+Megatron-LM saves and loads only when they are set.
+
+Nothing in this module imports megatron at import time: Megatron-LM's ``arguments.py`` imports
+it (patched tree) while ``megatron.training`` is still being imported.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import os
+import runpy
+import sys
+from typing import Optional
+
+from adacheck.errors import ConfigError
+
+from .flags import add_adacheck_args, config_from_args
+
+__all__ = ["add_args", "check_args", "save_checkpoint", "load_checkpoint", "install", "main",
+           "adacheck_parse_args", "adacheck_save_checkpoint", "adacheck_load_checkpoint",
+           "adacheck_setup_model_and_optimizer"]
+
+# Megatron-LM's arguments restored from a checkpoint by its loader; kept in each AdaCheck
+# checkpoint's extra_state under this key.
+SAMPLE_COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples")
+EXTRA_KEY = "megatron_lm_args"
+
+# Megatron-LM options whose checkpoints AdaCheck does not write (dest, flag).
+UNSUPPORTED = (("non_persistent_save_interval", "--non-persistent-save-interval"),
+               ("use_torch_fsdp2", "--use-torch-fsdp2"),
+               ("use_megatron_fsdp", "--use-megatron-fsdp"))
+
+_INSTALLED = "_adacheck_installed"
+
+
+# ----------------------------------------------------------------------------- arguments
+
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--adacheck*`` flags, unless the parser has them already (an extra_args_provider
+    that added them, or both the patch and the launcher)."""
+    if "--adacheck" not in getattr(parser, "_option_string_actions", {}):
+        add_adacheck_args(parser)
+    return parser
+
+
+def _fail(parser: Optional[argparse.ArgumentParser], message: str):
+    if parser is not None:
+        parser.error(message)            # usage + message on stderr, exit status 2
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
+
+
+def check_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None):
+    """Validate the ``--adacheck*`` flags of parsed Megatron-LM ``args`` (a bad value exits
+    with a parser error naming the flag); sets ``args.adacheck_config`` (None without
+    ``--adacheck``, so native checkpoints never pickle an AdaCheck object) and, with
+    ``--adacheck-dir`` alone, ``args.save`` / ``args.load``. Returns ``args``."""
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        _fail(parser, str(e))
+    if not cfg.enabled:
+        args.adacheck_config = None
+        return args
+    for dest, flag in UNSUPPORTED:
+        if getattr(args, dest, None):
+            _fail(parser, f"{flag} is not supported with --adacheck")
+    if cfg.save_dir:
+        for dest in ("save", "load"):
+            if getattr(args, dest, None) is None:
+                setattr(args, dest, cfg.save_dir)
+    args.adacheck_config = cfg
+    return args
+
+
+def _config(args):
+    cfg = getattr(args, "adacheck_config", None)
+    return cfg if cfg is not None else config_from_args(args)
+
+
+def _print_rank0(message: str) -> None:
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far=0, checkpointing_context=None, *, args):
+    """Megatron-LM's ``save_checkpoint`` with ``--adacheck``: an AdaCheck checkpoint of
+    iteration ``iteration`` (with the sample counters); returns None like Megatron-LM's."""
+    from .checkpointing import save_checkpoint as adacheck_save
+    adacheck_save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                  checkpointing_context, args=args, config=_config(args),
+                  extra_state=_extra_state(args, iteration))
+    return None
+
+
+def _extra_state(args, iteration: int, pending: int = 0) -> dict:
+    """Megatron-LM's sample counters at ``iteration`` (``pending``: samples of this iteration
+    the training loop has not added yet, for a base taken inside the post-step hook)."""
+    counters = {k: getattr(args, k) for k in SAMPLE_COUNTERS if isinstance(getattr(args, k, None), int)}
+    if "consumed_train_samples" in counters:
+        counters["consumed_train_samples"] += pending
+    counters["iteration"] = int(iteration)
+    return {EXTRA_KEY: counters}
+
+
+def setup_hooks(model, optimizer, opt_param_scheduler, args) -> None:
+    """After Megatron-LM built the optimizer: the post-step point, and the online mode when
+    --adacheck-online is given (its bases carry Megatron-LM's sample counters)."""
+    from .hooks import wrap_optimizer_step
+    wrap_optimizer_step(optimizer)
+    cfg = _config(args)
+    if cfg.online.enabled and optimizer is not None:
+        from . import online
+        on = online.active()
+        if on is None or on.optimizer is not optimizer:   # (the load inside setup attaches first)
+            on = online.attach(model, optimizer, opt_param_scheduler, args, cfg)
+            on.extra_state = lambda: _extra_state(args, on.iteration, pending=int(args.global_batch_size))
+        if on.recorder.base_step is None and isinstance(getattr(args, "iteration", None), int):
+            on.iteration = args.iteration   # e.g. a native checkpoint Megatron-LM loaded itself
+
+
+def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
+                    checkpointing_context=None, *, args):
+    """Megatron-LM's ``load_checkpoint`` with ``--adacheck``: ``(iteration,
+    num_floating_point_operations_so_far)``, ``(0, 0)`` when there is no checkpoint yet; None
+    when the directory holds a native Megatron checkpoint and no AdaCheck one: the caller then
+    loads it with Megatron-LM's own code."""
+    from .checkpointing import load_checkpoint as adacheck_load, native_checkpoint
+    cfg = _config(args)
+    load_dir = cfg.save_dir or getattr(args, load_arg, None)
+    native = native_checkpoint(load_dir)
+    if native is not None:
+        _print_rank0(f"AdaCheck: {native} is a native Megatron checkpoint: loading it with "
+                     "Megatron-LM's loader; the next save is AdaCheck's")
+        return None
+    # Megatron-LM loads inside setup_model_and_optimizer: attach the online mode first, so
+    # that the load replays its deltas and continues its chain
+    setup_hooks(model, optimizer, opt_param_scheduler, args)
+    step = getattr(args, "ckpt_step", None)
+    tag = f"iter_{int(step):07d}" if step is not None else None
+    iteration, flops, extra = adacheck_load(model, optimizer, opt_param_scheduler, load_arg, strict,
+                                            checkpointing_context, args=args, config=cfg, tag=tag,
+                                            return_extra_state=True)
+    finetune = bool(getattr(args, "finetune", False))
+    if iteration and not finetune:
+        counters = extra.get(EXTRA_KEY, {})
+        for k in SAMPLE_COUNTERS:
+            setattr(args, k, int(counters.get(k, 0)))
+        # iterations replayed from online deltas after the base consumed one global batch each
+        # (no batch-size ramp-up with --adacheck-online)
+        args.consumed_train_samples += (iteration - int(counters.get("iteration", iteration))) * int(
+            args.global_batch_size)
+        try:
+            from megatron.core.num_microbatches_calculator import update_num_microbatches
+            update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+        except (ImportError, AssertionError):   # no calculator set up (not a Megatron-LM run)
+            pass
+        try:
+            from megatron.training.checkpointing import set_loaded_iteration
+            set_loaded_iteration(iteration)
+        except ImportError:
+            pass
+    if optimizer is not None:
+        for group in getattr(optimizer, "param_groups", []):
+            group.setdefault("default_config", True)   # as Megatron-LM's loader
+    if iteration:
+        _print_rank0(f"AdaCheck: loaded iteration {iteration} from {load_dir}")
+    return iteration, flops
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+def _get_args():
+    from megatron.training.global_vars import get_args
+    return get_args()
+
+
+def _mark(wrapper, original):
+    wrapper.__wrapped__ = original
+    setattr(wrapper, _INSTALLED, True)
+    return wrapper
+
+
+def adacheck_parse_args(original):
+    """``parse_args(extra_args_provider=None, ignore_unknown_args=False)`` with the AdaCheck flags."""
+    if getattr(original, _INSTALLED, False):
+        return original
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, *rest, **kwargs):
+        seen = {}
+
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            seen["parser"] = parser
+            return add_args(parser)
+
+        return check_args(original(provider, *rest, **kwargs), seen.get("parser"))
+
+    return _mark(parse_args, original)
+
+
+def _positional(original, n, a, kw):
+    """The first ``n`` parameters of a call of ``original`` (names differ across versions)."""
+    bound = inspect.signature(original).bind(*a, **kw)
+    bound.apply_defaults()
+    return bound.arguments, list(bound.arguments.values())[:n]
+
+
+def adacheck_save_checkpoint(original):
+    """Megatron-LM's ``save_checkpoint``, delegating to :func:`save_checkpoint` with --adacheck."""
+    if getattr(original, _INSTALLED, False):
+        return original
+
+    @functools.wraps(original)
+    def wrapper(*a, **kw):
+        args = _get_args()
+        if getattr(args, "adacheck", False):
+            named, first = _positional(original, 6, a, kw)
+            if not named.get("non_persistent_ckpt", False):
+                return save_checkpoint(*first, args=args)
+        return original(*a, **kw)
+
+    return _mark(wrapper, original)
+
+
+def adacheck_load_checkpoint(original):
+    """Megatron-LM's ``load_checkpoint``, delegating to :func:`load_checkpoint` with --adacheck."""
+    if getattr(original, _INSTALLED, False):
+        return original
+
+    @functools.wraps(original)
+    def wrapper(*a, **kw):
+        args = _get_args()
+        if getattr(args, "adacheck", False):
+            _, first = _positional(original, 6, a, kw)
+            loaded = load_checkpoint(*first, args=args)
+            if loaded is not None:
+                return loaded
+        return original(*a, **kw)
+
+    return _mark(wrapper, original)
+
+
+def adacheck_setup_model_and_optimizer(original):
+    """Megatron-LM's ``setup_model_and_optimizer``; with --adacheck the optimizer it returns
+    runs the post-step hooks."""
+    if getattr(original, _INSTALLED, False):
+        return original
+
+    @functools.wraps(original)
+    def wrapper(*a, **kw):
+        result = original(*a, **kw)
+        args = _get_args()
+        if getattr(args, "adacheck", False):
+            setup_hooks(result[0], result[1], result[2], args)
+        return result
+
+    return _mark(wrapper, original)
+
+
+def install() -> dict:
+    """Install AdaCheck into the imported ``megatron.training`` (idempotent). Returns
+    ``{"module.attribute": wrapper}`` for every attribute replaced."""
+    import megatron.training  # noqa: F401  (imports arguments, checkpointing, initialize, training)
+    from megatron.training import arguments, checkpointing, training
+    factories = [(arguments, "parse_args", adacheck_parse_args),
+                 (checkpointing, "save_checkpoint", adacheck_save_checkpoint),
+                 (checkpointing, "load_checkpoint", adacheck_load_checkpoint),
+                 (training, "setup_model_and_optimizer", adacheck_setup_model_and_optimizer)]
+    replace = {}
+    for module, name, factory in factories:
+        original = getattr(module, name)
+        wrapped = factory(original)
+        if wrapped is not original:
+            replace[id(original)] = wrapped
+    done = {}
+    for modname, module in list(sys.modules.items()):
+        if module is None or not (modname == "megatron" or modname.startswith("megatron.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            new = replace.get(id(value))
+            if new is not None:
+                setattr(module, attr, new)
+                done[f"{modname}.{attr}"] = new
+    return done
+
+
+# ----------------------------------------------------------------------------- command line
+
+USAGE = """usage: python -m adacheck_megatron.launch SCRIPT [ARGS...]
+
+Runs a Megatron-LM training script (e.g. pretrain_gpt.py) unpatched, with AdaCheck installed:
+its --adacheck* flags, save/load through AdaCheck with --adacheck, and the post-step hooks.
+Run it from the Megatron-LM root, or with the Megatron-LM tree on PYTHONPATH."""
+
+
+def _import_megatron_training() -> Optional[str]:
+    """None, or why megatron.training cannot be imported."""
+    try:
+        import megatron.training  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name in ("megatron", "megatron.training"):
+            return ("cannot import megatron.training (Megatron-LM's training package; the "
+                    "megatron-core wheel does not have it): run from the Megatron-LM root "
+                    "or put the Megatron-LM tree on PYTHONPATH")
+        return (f"importing megatron.training failed: {e} (a dependency of Megatron-LM is "
+                "missing; install Megatron-LM's requirements)")
+    except ImportError as e:
+        return f"importing megatron.training failed: {e}"
+    return None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    script = argv[0]
+    if not os.path.isfile(script):
+        print(f"adacheck_megatron.launch: error: no such script: {script}", file=sys.stderr)
+        return 2
+    script_dir = os.path.dirname(os.path.abspath(script))
+    if script_dir not in sys.path:
+        sys.path.insert(0, script_dir)      # as `python SCRIPT` does (model_provider.py, ...)
+    why = _import_megatron_training()
+    if why is not None:
+        print(f"adacheck_megatron.launch: error: {why}", file=sys.stderr)
+        return 2
+    install()
+    sys.argv = [script] + argv[1:]
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Online gradient deltas for megatron-core training (``--adacheck-online``).
+
+``attach(model, optimizer, opt_param_scheduler, args)`` taps the torch optimizers inside
+Megatron's optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+``DistributedOptimizer``, and the parts of a ``ChainedOptimizer``) and uses the one
+post-step point (:mod:`adacheck_megatron.hooks`): after every ``optimizer.step()`` the
+consumed main gradients (after clipping) and the step's scalars become a delta of the last
+base checkpoint.  The hook runs before the training loop advances the LR scheduler, so a
+delta records the scheduler *before* the step plus the increment the loop applies after a
+successful step; replay applies it with the scheduler's own ``step``.
+
+Gradients that every data-parallel rank holds identically (no distributed optimizer, one
+optimizer) are stored once per data-parallel group, by a balanced choice of ranks; with the
+distributed optimizer each rank stores its own shard.  Keys carry the model-parallel
+coordinates, so equal keys mean the same tensor.
+
+Bases: every ``--adacheck-online-base-interval`` iterations (taken inside the hook: the
+scheduler is advanced for the save and put back, so the base holds exactly the state the
+loop will have after this iteration), and every explicit ``save_checkpoint``.  Recovery:
+``adacheck_megatron.load_checkpoint`` replays the committed deltas of the base it loaded
+(same layout only) and returns the iteration reached.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import List, Optional
+
+import torch
+
+from adacheck import online as O
+from adacheck.optimtap import OptimizerTap
+from adacheck.planner import place
+from adacheck.rng import rng_state, set_rng_state
+
+from . import hooks
+from .checkpointing import load_scheduler
+
+log = logging.getLogger("adacheck")
+
+_ACTIVE: Optional["OnlineMegatron"] = None
+
+
+def active() -> Optional["OnlineMegatron"]:
+    return _ACTIVE
+
+
+def _parts(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _distributed(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    return any(isinstance(o, DistributedOptimizer) for o in _parts(optimizer))
+
+
+def make_tap(optimizer) -> OptimizerTap:
+    from megatron.core import parallel_state as ps
+    prefix = (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}."
+              f"ep{ps.get_expert_model_parallel_rank()}.")
+    if _distributed(optimizer):
+        prefix += f"dp{ps.get_data_parallel_rank()}."
+    return OptimizerTap([o.optimizer for o in _parts(optimizer)], prefix=prefix)
+
+
+def rank_state() -> dict:
+    from .checkpointing import _tracker_states
+    return dict(rng_state(), tracker=_tracker_states())
+
+
+class OnlineMegatron:
+    def __init__(self, model, optimizer, opt_param_scheduler, args, config):
+        from megatron.core import parallel_state as ps
+        from .checkpointing import _comm
+        if not (config.save_dir or getattr(args, "save", None)):
+            from adacheck.errors import ConfigError
+            raise ConfigError("--adacheck-online needs --adacheck-dir or --save: deltas are written after "
+                              "every iteration")
+        self.model, self.optimizer, self.scheduler = model, optimizer, opt_param_scheduler
+        self.args, self.config = args, config
+        self.save_dir = config.save_dir or args.save
+        self.increment = int(args.global_batch_size)
+        self.iteration = 0
+        self.tap = make_tap(optimizer)
+        mine = None
+        if len(_parts(optimizer)) == 1 and not _distributed(optimizer):
+            dp, me = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
+            writers, _ = place(items, dp)
+            mine = {k for k, w in writers.items() if w[0] == me}
+        self.recorder = O.OnlineRecorder(self.tap, config.online, self.save_dir, _comm, self._take_base,
+                                         fsync=config.fsync, mine=mine, rank_state=rank_state)
+        self._ok = True
+        self.extra_state = None     # callable -> dict saved with each base (Megatron-LM counters)
+        hooks.wrap_optimizer_step(optimizer)
+        hooks.add_post_step_hook(self._post_step)
+
+    def close(self) -> None:
+        global _ACTIVE
+        hooks.remove_post_step_hook(self._post_step)
+        self.recorder.close()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def _post_step(self, optimizer, update_successful: bool) -> None:
+        if optimizer is not self.optimizer:
+            return
+        self.iteration += 1
+        self._ok = update_successful
+        scalars = {"iteration": self.iteration, "update_successful": bool(update_successful),
+                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                   "increment": self.increment if update_successful else 0}
+        self.recorder.expect(self.iteration)
+        self.recorder.after_step(self.iteration, scalars)
+        self.recorder.expect(self.iteration + 1)
+
+    def _take_base(self) -> None:
+        """A base at this iteration, as the loop will be once it has stepped the scheduler."""
+        from .checkpointing import save_checkpoint
+        sched = self.scheduler
+        before = sched.state_dict() if sched is not None else None
+        if sched is not None and self._ok:
+            sched.step(increment=self.increment)
+        t0 = time.perf_counter()
+        try:
+            save_checkpoint(self.iteration, self.model, self.optimizer, sched, args=self.args, config=self.config,
+                            extra_state=self.extra_state() if self.extra_state is not None else None)
+        finally:
+            if sched is not None:
+                load_scheduler(sched, before)
+        log.info("AdaCheck online: base checkpoint at iteration %d in %.2fs", self.iteration,
+                 time.perf_counter() - t0)
+
+
+def attach(model, optimizer, opt_param_scheduler, args, config) -> OnlineMegatron:
+    """Start the online mode for this training job (one per process)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.close()
+    _ACTIVE = OnlineMegatron(model, optimizer, opt_param_scheduler, args, config)
+    return _ACTIVE
+
+
+def saved(save_dir: str, manifest, iteration: int, seconds: float) -> None:
+    """Called by save_checkpoint after a commit: that checkpoint is the new base."""
+    on = _ACTIVE
+    if on is not None and os.path.abspath(save_dir) == os.path.abspath(on.save_dir):
+        on.iteration = iteration
+        on.recorder.start_chain(manifest.tag, iteration, int(manifest.stats.get("file_bytes", 0)), seconds)
+
+
+@torch.no_grad()
+def _refresh_model_params(optimizer) -> None:
+    """Model weights from the main weights, with megatron-core's own code (and the
+    distributed optimizer's parameter all-gather)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+    for o in _parts(optimizer):
+        if isinstance(o, FP32Optimizer):
+            continue
+        o._copy_main_params_to_model_params()
+        if isinstance(o, DistributedOptimizer):
+            for chunk in o.model_chunks:
+                chunk.start_param_sync(force_sync=True)
+
+
+def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler, latest: bool,
+            same_layout: bool, iteration: int) -> int:
+    """Replay the committed deltas of the base just loaded (collective); returns the iteration."""
+    on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
+    world = int(manifest.topology.get("world_size", 1))
+    steps, why = O.committed(comm, ckpt_dir, manifest.step, world)
+    if steps and not same_layout:
+        log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay only in the saving "
+                    "layout, so this job starts from the base's iteration %d", ckpt_dir, len(steps),
+                    steps[-1].step, manifest.step)
+        steps = []
+    if steps:
+        tap = on.tap if on is not None else make_tap(optimizer)
+        t0 = time.perf_counter()
+        try:
+            last = O.replay(comm, tap, ckpt_dir, steps)
+        finally:
+            if on is None:
+                tap.remove()
+        _refresh_model_params(optimizer)
+        if opt_param_scheduler is not None and last.get("scheduler") is not None:
+            load_scheduler(opt_param_scheduler, last["scheduler"])
+            if last["increment"]:
+                opt_param_scheduler.step(increment=last["increment"])
+        set_rng_state(last["rank_state"])
+        from megatron.core import tensor_parallel
+        tensor_parallel.get_cuda_rng_tracker().set_states(last["rank_state"]["tracker"])
+        iteration = int(last["iteration"])
+        O.describe_replay(steps, manifest.step, time.perf_counter() - t0, why)
+    if on is not None:
+        on.iteration = iteration
+        on.tap.reindex()
+        if latest and os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(on.save_dir):
+            on.recorder.start_chain(manifest.tag, int(manifest.step), resume_after=iteration)
+        else:
+            on.recorder.base_step = None
+    return iteration
