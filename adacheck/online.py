@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 from . import deltas as D
 from . import jsontree
 from .config import OnlineConfig
+from .errors import StateError
 from .exchange import Comm, agree
 from .optimtap import OptimizerTap
 from .rng import rng_state
@@ -39,6 +40,7 @@ class OnlineRecorder:
         self.chain_info: dict = {}
         self._next = 0
         self._warned_slow = False
+        self._pre: dict = {}
         tap.on_first_call = self._begin
         tap.on_grad = self._grad
 
@@ -47,6 +49,19 @@ class OnlineRecorder:
             self.log.begin(self._next)
 
     def _grad(self, key, grad) -> None:
+        if key in self._pre:
+            return       # its gradient before the framework's unscale/clip is staged already
+        if self.log is not None and (self.mine is None or key in self.mine):
+            self.log.add(key, grad)
+
+    def note_preclip(self, key: str, grad, args) -> None:
+        """The framework is about to unscale / clip ``grad`` (of tensor ``key``) in place with
+        ``args`` (e.g. the global norm): stage the gradient as it is now (it is often exact in
+        bf16, the clipped one is not) and let replay apply the same transform again."""
+        if self.tap.replaying:
+            return
+        self._begin()
+        self._pre[key] = args
         if self.log is not None and (self.mine is None or key in self.mine):
             self.log.add(key, grad)
 
@@ -58,13 +73,15 @@ class OnlineRecorder:
         """Step ``step`` is complete: record it, or take a base if one is due (collectively:
         every rank makes the same decision from the same step number)."""
         calls = self.tap.take_calls()
+        pre, self._pre = self._pre, {}
         self._next = step + 1
         if self.base_step is None or (self.interval is not None and step - self.base_step >= self.interval):
             if self.log is not None:
                 self.log.discard()
             self.take_base()
             return
-        tree = dict(scalars, calls=calls, param_groups=self.tap.group_state(), rank_state=self.rank_state())
+        tree = dict(scalars, calls=calls, preclip=pre, param_groups=self.tap.group_state(),
+                    rank_state=self.rank_state())
         enc, tensors = jsontree.encode(tree, "rank/")
         if self.log is not None:
             self.log.submit(step, enc, dict(tensors))
@@ -144,8 +161,10 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int):
     return steps[:n], why
 
 
-def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], verify: bool = True) -> dict:
+def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], verify: bool = True,
+           preclip: Optional[Callable[[str, object, object], None]] = None) -> dict:
     """Replay ``steps`` through ``tap``'s optimizers (collective per step: read, then apply).
+    ``preclip(key, grad, args)`` re-applies a recorded unscale/clip (note_preclip) in place.
     Returns the last step's record; the integration restores its scalars, refreshes the
     low-precision weights and sets ``rank_state`` (the RNG)."""
     files: dict = {}
@@ -157,6 +176,11 @@ def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], ve
             keys = tap.grad_keys(tree["calls"], f"delta step {st.step}")
             return tree, {k: D.read_grad(ckpt_dir, st, k, comm.rank, verify, files) for k in keys}
         tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)", read)
+        for key, args in (tree.get("preclip") or {}).items():
+            if preclip is None:
+                raise StateError(f"delta step {st.step} needs the framework's gradient clipping to be "
+                                 "replayed, and this integration did not provide it")
+            preclip(key, grads[key], args)    # in place, with the framework's own code
         tap.replay(tree["calls"], grads)
         last = tree
     tap.set_group_state(last["param_groups"])

@@ -65,11 +65,32 @@ class OnlineDS:
             mine = {k for k, w in writers.items() if w[0] == comm.rank}
         self.recorder = O.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
                                          fsync=ac.config.fsync, mine=mine)
+        self._orig_clip = None
+        if self.lay.kind in ("zero12", "zero3") and not e.fp16_enabled():
+            # record gradients before ZeRO unscales/clips them in place: they are exact bf16
+            # values where the clipped ones are not (a dynamic fp16 loss scale is not replayable)
+            self._orig_clip = e.optimizer.unscale_and_clip_grads
+            e.optimizer.unscale_and_clip_grads = self._clip
         self._orig_step = e.step
         e.step = self._engine_step
         self._orig_destroy = getattr(e, "destroy", None)
         if self._orig_destroy is not None:
             e.destroy = self._destroy
+
+    def _clip(self, first, total_norm, *rest, **kw):
+        norm = total_norm.detach().clone() if torch.is_tensor(total_norm) else total_norm
+        if self.lay.kind == "zero12":
+            for g in first:
+                key = next((self.tap._key_of.get(id(f)) for f in self.engine.optimizer.single_partition_of_fp32_groups
+                            if f.grad is g), None) if torch.is_tensor(g) else None
+                if key is not None:
+                    self.recorder.note_preclip(key, g, {"norm": norm})
+        else:
+            flat = self.engine.optimizer.fp32_partitioned_groups_flat[first]
+            key = self.tap._key_of.get(id(flat))
+            if key is not None and flat.grad is not None:
+                self.recorder.note_preclip(key, flat.grad, {"norm": norm, "sub": int(first)})
+        return self._orig_clip(first, total_norm, *rest, **kw)
 
     def _engine_step(self, *args, **kwargs):
         e = self.engine
@@ -96,6 +117,8 @@ class OnlineDS:
     def close(self) -> None:
         self.recorder.close()
         self.engine.step = self._orig_step
+        if self._orig_clip is not None:
+            self.engine.optimizer.unscale_and_clip_grads = self._orig_clip
         if self._orig_destroy is not None:
             self.engine.destroy = self._orig_destroy
 
@@ -132,7 +155,8 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
         lay, tap = (ac.online.lay, ac.online.tap) if ac.online is not None else _tap(e)
         t0 = time.perf_counter()
         try:
-            last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load)
+            last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
+                            preclip=lambda key, g, a: _preclip(e, tap, key, g, a))
         finally:
             if ac.online is None:
                 tap.remove()
@@ -151,6 +175,24 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
             rec.base_step = None     # not the newest chain: the next step takes a base
         ac.online.tap.reindex()
     return last_step
+
+
+def _preclip(engine, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:
+    """Unscale/clip ``grad`` in place exactly as ZeRO did while recording (its own code)."""
+    opt = engine.optimizer
+    clip = type(opt).unscale_and_clip_grads     # the class's, not a recording wrapper
+    norm = args["norm"]
+    if torch.is_tensor(norm):
+        norm = norm.to(grad.device)
+    if "sub" in args:
+        flat = tap.tensors[key]
+        saved, flat.grad = flat.grad, grad
+        try:
+            clip(opt, args["sub"], norm)
+        finally:
+            flat.grad = saved
+    else:
+        clip(opt, [grad], norm)
 
 
 @torch.no_grad()
