@@ -200,6 +200,9 @@ def act(engine, a, rec, out_dir, rank):
 
 
 def main():
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("adacheck").setLevel(logging.INFO)   # AdaCheck's decisions in the rank logs
     spec = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")

@@ -152,3 +152,53 @@ def test_write_error_disables_online_mode_and_training_goes_on(tmp_path):
     t = b["steps"][0]
     assert 1 <= t <= 4
     assert_same(dump(d, f"A{t}"), dump(d, "B"))
+
+
+def test_compact_and_auto_bases(tmp_path):
+    """compact: fp32 gradients stored lossy in bf16; the recovery says it is approximate,
+    `adacheck inspect` shows the rounding error, and the weights land close to the exact ones.
+    base_interval "auto": the interval the engine logged is the rule's answer for the numbers
+    it logged, the bases follow it, and recovery is exact."""
+    import re
+    import subprocess
+    import sys
+    d = str(tmp_path)
+    runs = [{"stage": 1, "dtype": "fp32", "adacheck": online(f"{d}/c", base_interval=100, compact=True),
+             "actions": [["train_dump", 6, "C"]]},
+            {"stage": 1, "dtype": "fp32", "adacheck": online(f"{d}/c", base_interval=100, compact=True),
+             "actions": [["load", f"{d}/c"], ["steps"], ["dump", "D"]]},
+            {"stage": 2, "dtype": "bf16", "hidden": 128, "adacheck": online(f"{d}/a", base_interval="auto"),
+             "actions": [["train_dump", 9, "E"]]},
+            {"stage": 2, "dtype": "bf16", "hidden": 128, "adacheck": online(f"{d}/a", base_interval="auto"),
+             "actions": [["load", f"{d}/a"], ["steps"], ["dump", "F"]]}]
+    out = check(launch(2, {"runs": runs}, d))
+    c, dd, e, f = results(d)
+    log0 = out[0][1]
+    assert dd["steps"][0] == 6 and "APPROXIMATE recovery: 5 of these deltas" in log0
+    exact, got, base = dump(d, "C6"), dump(d, "D"), dump(d, "C1")
+    for k in exact:
+        if k.startswith("master/"):
+            dev = (exact[k] - got[k]).abs().max().item()
+            moved = (exact[k] - base[k]).abs().max().item()
+            assert 0 <= dev <= 0.05 * moved, (k, dev, moved)
+    assert any(not torch.equal(exact[k], got[k]) for k in exact if k.startswith("master/"))
+    info = json.loads(subprocess.run([sys.executable, "-m", "adacheck.cli", "inspect", f"{d}/c", "--json"],
+                                     capture_output=True, text=True, check=True).stdout)["deltas"]
+    assert info["lossy"] and info["committed"] == 5 and info["max_abs_error"] > 0
+    decided = re.findall(r"base_interval auto = (\d+) \(base (\d+) B in ([\d.]+)s; delta (\d+) B, "
+                         r"replay ~([\d.]+)s\)", log0)
+    assert decided, log0[-3000:]
+    for n, bb, bs, db, rs in decided:   # each chain's interval is the rule applied to its numbers
+        assert int(n) == D.auto_interval(int(bb), float(bs), int(db), float(rs))
+    # the bases: the first step, then (per chain, decided after its second delta) every n steps
+    expect, base, interval, ns = [1], 1, None, [int(x[0]) for x in decided]
+    for step in range(2, 10):
+        if interval is not None and step - base >= interval:
+            expect.append(step)
+            base, interval = step, None
+        elif interval is None and step == base + 2:
+            interval = ns.pop(0)
+    bases = sorted(int(t[len("global_step"):]) for t in os.listdir(f"{d}/a") if t.startswith("global_step"))
+    assert bases == expect, (bases, decided)
+    assert f["steps"][0] == 9
+    assert_same(dump(d, "E9"), dump(d, "F"))
