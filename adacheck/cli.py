@@ -367,6 +367,15 @@ def cmd_convert(args) -> int:
               f"{human(m.stats.get('file_bytes', 0))})")
         return 0
     d = resolve(args.src, args.tag)
+    pending = deltas.step_dirs(d)
+    if pending:
+        m = CheckpointReader(d, verify=False).manifest
+        dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)))
+        if dl["committed"]:
+            sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
+                             f"committed online steps (to step {dl['last']}); the conversion holds the "
+                             "base's step. For the newest step, load the directory in the training job "
+                             "(that replays the deltas) and save once, then convert that checkpoint.\n")
     if args.to == "adacheck":
         raise ConfigError("--to adacheck needs --from torch-dist (SRC is already an AdaCheck checkpoint)")
     if args.to == "torch-dist":
