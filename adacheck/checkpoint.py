@@ -72,6 +72,25 @@ def _meta(s: LocalShard) -> ShardMeta:
                      derive_ok=s.derive_ok, replicated=s.replicated)
 
 
+def split_chunks(s: LocalShard, limit: int) -> List[LocalShard]:
+    """``s`` cut along the first axis of its box into pieces of at most ``limit`` bytes (at
+    least one row each).  Deterministic in (box, shape, dtype), so every holder of a box and
+    the next checkpoint cut it the same way and equal pieces are found by their hashes."""
+    t = s.tensor
+    nbytes = t.numel() * t.element_size()
+    if limit <= 0 or nbytes <= limit or not s.box.lengths or s.box.lengths[0] <= 1:
+        return [s]
+    rows = s.box.lengths[0]
+    per = max(1, limit // max(1, nbytes // rows))
+    out = []
+    for a in range(0, rows, per):
+        n = min(per, rows - a)
+        box = Box((s.box.offsets[0] + a,) + tuple(s.box.offsets[1:]), (n,) + tuple(s.box.lengths[1:]))
+        out.append(LocalShard(s.name, s.kind, s.shape, box, t.narrow(0, a, n), derive=s.derive,
+                              derive_ok=s.derive_ok, replicated=s.replicated))
+    return out
+
+
 def _object_shards(tree, prefix: str, replicated: bool):
     enc, tensors = jsontree.encode(tree, prefix)
     shards = []
@@ -146,13 +165,15 @@ def _previous(save_dir: str, tag: str) -> Optional[str]:
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
-         reference_previous: bool = True, copies: int = 1, exchange: str = "ring") -> Manifest:
+         reference_previous: bool = True, copies: int = 1, exchange: str = "ring",
+         chunk_bytes: int = 64 << 20) -> Manifest:
     """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
 
     With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint
     ``latest`` names are referenced there instead of written again.  ``copies``: how many
     holders write each distinct box, on distinct nodes where possible (see node_id).
     ``exchange``: how the ranks share their (box, hash) lists ("ring" or "allgather").
+    ``chunk_bytes``: larger boxes are hashed and stored as pieces (see split_chunks).
     """
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(save_dir, tag)
@@ -165,7 +186,7 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
             ctx["generation"] = commit.generation_of(ckpt_dir)
             ctx["previous"] = _previous(save_dir, tag) if reference_previous else None
         state = collect()
-        shards = list(state.shards)
+        shards = [c for s in state.shards for c in split_chunks(s, chunk_bytes)]
         objects = None
         if comm.rank == 0:
             objects, extra = _object_shards(state.objects, "object", replicated=False)

@@ -29,6 +29,10 @@ redundancy_factor   1         store each distinct box this many times, written b
 exchange            "ring"    how ranks share their (box, hash) lists before a save: "ring"
                               (send to next / receive from previous, N-1 steps) or
                               "allgather" (one collective, blocks padded to the longest)
+hash_chunk_bytes    67108864  boxes larger than this are split along their first axis into
+                              chunks with their own hash, so an unchanged part of a large
+                              tensor (rows of unused tokens, a frozen slice) is referenced
+                              by the next checkpoint instead of rewritten; 0 = never split
 online              {}        online gradient deltas (below)
 ==================  ========  ==============================================================
 
@@ -118,6 +122,7 @@ class AdaCheckConfig:
     reference_previous: bool = True
     redundancy_factor: int = 1
     exchange: str = "ring"
+    hash_chunk_bytes: int = 64 << 20
     online: OnlineConfig = OnlineConfig()
 
     def __post_init__(self):
@@ -145,6 +150,9 @@ class AdaCheckConfig:
         if self.redundancy_factor < 1:
             raise ConfigError(f"adacheck.redundancy_factor must be >= 1 (copies of each distinct "
                               f"box), got {self.redundancy_factor}")
+        if self.hash_chunk_bytes < 0:
+            raise ConfigError(f"adacheck.hash_chunk_bytes must be >= 0 (0: never split boxes), "
+                              f"got {self.hash_chunk_bytes}")
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
@@ -161,4 +169,4 @@ class AdaCheckConfig:
 
 _TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
-          "redundancy_factor": int, "exchange": str, "online": dict}
+          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "online": dict}

@@ -101,7 +101,8 @@ class AdaCheckDeepSpeed:
                 _comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
                 keep_last=self.config.keep_last or None, fsync=self.config.fsync,
                 update_latest=save_latest, reference_previous=self.config.reference_previous,
-                copies=self.config.redundancy_factor, exchange=self.config.exchange)
+                copies=self.config.redundancy_factor, exchange=self.config.exchange,
+                chunk_bytes=self.config.hash_chunk_bytes)
         finally:
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()

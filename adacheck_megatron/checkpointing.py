@@ -196,7 +196,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     manifest = core.save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
                          keep_last=cfg.keep_last or None, fsync=cfg.fsync,
                          reference_previous=cfg.reference_previous, copies=cfg.redundancy_factor,
-                         exchange=cfg.exchange)
+                         exchange=cfg.exchange, chunk_bytes=cfg.hash_chunk_bytes)
     online.saved(save_dir, manifest, int(iteration), time.perf_counter() - t0)
     if comm.rank == 0:
         st = manifest.stats

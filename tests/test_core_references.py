@@ -116,3 +116,28 @@ def test_resaving_a_tag_never_references_its_own_older_files(tmp_path):
     assert torch.equal(read_all(tmp_path / "s1")["model/frozen"], frozen)
     save(SoloComm(), str(tmp_path), "s3", lambda: state(frozen, trained + 3, 3))
     assert torch.equal(read_all(tmp_path / "s3")["model/frozen"], frozen)
+
+
+def test_large_boxes_are_chunked_so_partial_changes_are_referenced(tmp_path):
+    """With hash_chunk_bytes, a box is hashed and stored in row chunks: when only the last
+    rows of a big tensor change (an embedding whose other tokens were not used), the next
+    checkpoint writes one chunk and references the rest; loads are exact either way."""
+    emb = torch.randn(64, 16)                      # 4 KiB; chunks of 1 KiB = 16 rows
+    trained = torch.zeros(4, 6)
+
+    def st(step):
+        s = state(torch.ones(2, 2), trained, step)
+        s.shards.append(LocalShard("model/emb", "model", (64, 16), Box.full((64, 16)), emb))
+        return s
+    m1 = save(SoloComm(), str(tmp_path), "s1", lambda: st(1), chunk_bytes=1024)
+    assert [b.box.offsets[0] for b in m1.tensors["model/emb"].boxes] == [0, 16, 32, 48]
+    emb[60:] += 1
+    m2 = save(SoloComm(), str(tmp_path), "s2", lambda: st(2), chunk_bytes=1024)
+    files = {b.box.offsets[0]: b.file for b in m2.tensors["model/emb"].boxes}
+    assert files == {0: "s1/rank00000-g0.safetensors", 16: "s1/rank00000-g0.safetensors",
+                     32: "s1/rank00000-g0.safetensors", 48: "rank00000-g0.safetensors"}
+    assert torch.equal(read_all(tmp_path / "s2")["model/emb"], emb)
+    r = CheckpointReader(str(tmp_path / "s2"))
+    assert torch.equal(r.read("model/emb", Box((10, 3), (30, 5))), emb[10:40, 3:8])   # across chunks
+    m3 = save(SoloComm(), str(tmp_path), "s3", lambda: st(3), chunk_bytes=0)     # 0: one box
+    assert len(m3.tensors["model/emb"].boxes) == 1
