@@ -1,0 +1,147 @@
+"""Benchmark: `adacheck convert --to deepspeed-universal` vs DeepSpeed's own ds_to_universal.
+
+One real DeepSpeed training (CPU, gloo, torchrun, ZeRO-2 bf16 by default) saves the same
+engine state natively and with AdaCheck; then each converter runs in its own process tree:
+DeepSpeed's ``python -m deepspeed.checkpoint.ds_to_universal`` on the native checkpoint and
+``adacheck convert --to deepspeed-universal`` on the AdaCheck one.  Printed (and written as
+JSON): wall seconds and peak RSS of each (the largest process of its tree), the ratio, and
+whether the two universal checkpoints hold the same fp32 weights and moments, tensor for
+tensor (exact equality of the values; DeepSpeed writes ZeRO-3 tensors flat).
+
+    .venv/bin/python scripts/bench_convert.py
+    .venv/bin/python scripts/bench_convert.py --stage 1 --dim 256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_ds import du, run_workers  # noqa: E402
+
+_MEASURE = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+            "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode; "
+            "print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def measured(cmd) -> dict:
+    """Run ``cmd`` under a fresh parent; its wall time and the peak RSS of its process tree."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    rc, secs, rss_kb = out.stdout.split()[-3:]
+    if int(rc) != 0:
+        raise SystemExit(f"bench_convert: {' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
+    return {"seconds": float(secs), "peak_rss_bytes": int(rss_kb) * 1024}
+
+
+def worker(a) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+
+    import adacheck_ds
+    from demo_train import TinyLM
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": a.stage}, "bf16": {"enabled": a.dtype == "bf16"},
+           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "adacheck": {"enabled": True}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    engine = deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+    for _ in range(2):
+        g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
+        tokens = torch.randint(0, a.vocab, (2, 17), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(tokens[:, :-1]).float().reshape(-1, a.vocab),
+                                                 tokens[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+    adacheck_ds.save_native(engine, os.path.join(a.work, "native"), tag="t")
+    engine.save_checkpoint(os.path.join(a.work, "adacheck"), tag="t")
+    if rank == 0:
+        with open(a.rows, "w") as f:
+            json.dump([{"params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}], f)
+    torch.distributed.barrier()
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+
+
+def same_universal(a_dir: str, b_dir: str) -> bool:
+    import torch
+    za, zb = os.path.join(a_dir, "zero"), os.path.join(b_dir, "zero")
+    params = sorted(p for p in os.listdir(za) if os.path.isdir(os.path.join(za, p)))
+    if params != sorted(p for p in os.listdir(zb) if os.path.isdir(os.path.join(zb, p))):
+        return False
+    for p in params:
+        for f in ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"):
+            x = torch.load(os.path.join(za, p, f), weights_only=False)
+            y = torch.load(os.path.join(zb, p, f), weights_only=False)
+            x, y = (v["param"] if isinstance(v, dict) else v for v in (x, y))
+            # (DeepSpeed writes ZeRO-3 tensors flat, AdaCheck in the parameter's shape; the
+            # loader accepts both, so the values are compared)
+            if x.dtype != y.dtype or not torch.equal(x.detach().reshape(-1), y.detach().reshape(-1)):
+                return False
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--stage", type=int, default=2, choices=[1, 2, 3])
+    ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--work", default=None)
+    ap.add_argument("--json", default="bench_convert.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    work = a.work or tempfile.mkdtemp(prefix="adacheck-bench-convert-")
+    rows = run_workers(os.path.abspath(__file__), [a.dp], work, 29800,
+                       ["--stage", str(a.stage), "--dtype", a.dtype, "--vocab", str(a.vocab), "--dim", str(a.dim),
+                        "--layers", str(a.layers)])
+    ds_out, ada_out = os.path.join(work, "ds_universal"), os.path.join(work, "ada_universal")
+    ds = measured([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   os.path.join(work, "native", "t"), "--output_folder", ds_out, "--num_extract_workers", "1",
+                   "--num_merge_workers", "1", "--inject_missing_state"])
+    ada = measured([sys.executable, "-m", "adacheck.cli", "convert", os.path.join(work, "adacheck"), ada_out,
+                    "--to", "deepspeed-universal"])
+    ada_dir = os.path.join(ada_out, os.listdir(ada_out)[0]) if not os.path.isdir(os.path.join(ada_out, "zero")) \
+        else ada_out
+    ada_dir = next((os.path.join(r, "") for r, ds_, _ in os.walk(ada_out) if "zero" in ds_), ada_dir)
+    ds_dir = next((os.path.join(r, "") for r, ds_, _ in os.walk(ds_out) if "zero" in ds_), ds_out)
+    row = {"dp": a.dp, "stage": a.stage, "dtype": a.dtype, "params": rows[0]["params"],
+           "native_bytes": du(os.path.join(work, "native")), "adacheck_bytes": du(os.path.join(work, "adacheck")),
+           "ds_to_universal": ds, "adacheck_convert": ada,
+           "time_ratio": ds["seconds"] / ada["seconds"], "rss_ratio": ds["peak_rss_bytes"] / ada["peak_rss_bytes"],
+           "same_fp32_and_moments": same_universal(ds_dir, ada_dir)}
+    import deepspeed
+    import torch
+    with open(a.json, "w") as f:
+        json.dump({"row": row, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                   "cpu_count": os.cpu_count()}, f, indent=1)
+    print(f"| converter | seconds | peak RSS |\n|---|---:|---:|\n"
+          f"| DeepSpeed ds_to_universal | {ds['seconds']:.2f} | {ds['peak_rss_bytes'] / 2**20:,.0f} MiB |\n"
+          f"| adacheck convert --to deepspeed-universal | {ada['seconds']:.2f} | "
+          f"{ada['peak_rss_bytes'] / 2**20:,.0f} MiB |\n\n"
+          f"ZeRO-{a.stage} {a.dtype}, DP={a.dp}, {row['params']:,} params: time ratio (DeepSpeed / AdaCheck) "
+          f"{row['time_ratio']:.2f}x, peak RSS ratio {row['rss_ratio']:.2f}x; same fp32 weights and moments: "
+          f"{'yes' if row['same_fp32_and_moments'] else 'NO'}; JSON in {a.json}")
+    if a.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
