@@ -29,14 +29,16 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_text(path: str, text: str, fsync: bool = True) -> None:
     tmp = path + TMP_SUFFIX
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def publish_file(tmp_path: str, final_path: str) -> None:

@@ -45,7 +45,7 @@ from . import commit, jsontree
 from .errors import FormatError, IntegrityError
 from .hashing import hash_tensor
 from .reader import SafetensorsFile
-from .types import dtype_name
+from .types import dtype_name, torch_dtype
 from .writer import fsync_dir, write_safetensors
 
 log = logging.getLogger("adacheck")
@@ -228,7 +228,7 @@ class DeltaLog:
     def _write(self, step: int, slot: Optional[_Slot], record: dict, extra: Dict[str, torch.Tensor]) -> None:
         d = step_dir(self.ckpt_dir, step)
         os.makedirs(d, exist_ok=True)
-        tensors, meta = {}, {}
+        tensors, meta, extra_meta = {}, {}, {}
         for key in (slot.keys if slot is not None else []):
             g = slot.buffers[key]
             stored, err = g, None
@@ -248,8 +248,7 @@ class DeltaLog:
         for name, t in extra.items():
             t = t.detach().to("cpu").contiguous()
             tensors[name] = t
-            meta.setdefault("__extra__", {})[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                                                      "hash": hash_tensor(t)}
+            extra_meta[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "hash": hash_tensor(t)}
         fname = None
         size = 0
         if tensors:
@@ -259,18 +258,12 @@ class DeltaLog:
             size = write_safetensors(tmp, tensors, {"format": "adacheck-delta"}, fsync=self.fsync)
             commit.publish_file(tmp, final)
         rec = {"version": RECORD_VERSION, "step": step, "rank": self.rank, "nonce": self.nonce,
-               "file": fname, "file_bytes": size, "tensors": {k: v for k, v in meta.items() if k != "__extra__"},
-               "extra": meta.get("__extra__", {}), "lossy": any("max_abs_error" in v for v in meta.values()
-                                                              if isinstance(v, dict)),
+               "file": fname, "file_bytes": size, "tensors": meta, "extra": extra_meta,
+               "lossy": any("max_abs_error" in v for v in meta.values()),
                "record": record}
         path = os.path.join(d, f"rank{self.rank}.json")
         text = json.dumps(rec, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        if self.fsync:
-            commit.atomic_write_text(path, text)
-        else:
-            with open(path + commit.TMP_SUFFIX, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(path + commit.TMP_SUFFIX, path)
+        commit.atomic_write_text(path, text, fsync=self.fsync)
         self.bytes_written += size + len(text)
         self.steps_written += 1
         self.last_written = step
@@ -279,12 +272,8 @@ class DeltaLog:
 def write_chain(ckpt_dir: str, info: dict, fsync: bool = True) -> None:
     """Rank 0 notes what the chain's base cost (for the "auto" rule after a restart)."""
     os.makedirs(deltas_dir(ckpt_dir), exist_ok=True)
-    text = json.dumps(info, sort_keys=True, allow_nan=False)
-    if fsync:
-        commit.atomic_write_text(os.path.join(deltas_dir(ckpt_dir), CHAIN), text)
-    else:
-        with open(os.path.join(deltas_dir(ckpt_dir), CHAIN), "w", encoding="utf-8") as f:
-            f.write(text)
+    commit.atomic_write_text(os.path.join(deltas_dir(ckpt_dir), CHAIN),
+                             json.dumps(info, sort_keys=True, allow_nan=False), fsync=fsync)
 
 
 def read_chain(ckpt_dir: str) -> Optional[dict]:
@@ -373,12 +362,7 @@ def read_grad(ckpt_dir: str, step: Step, key: str, prefer_rank: int, verify: boo
     rec = step.records[r]
     meta = rec["tensors"][key]
     path = os.path.join(step_dir(ckpt_dir, step.step), str(rec["file"]))
-    f = files.get(path) if files is not None else None
-    if f is None:
-        f = SafetensorsFile(path)
-        if files is not None:
-            files[path] = f
-    t = f.read(_GRAD + key)
+    t = _open(path, files).read(_GRAD + key)
     if list(t.shape) != list(meta["shape"]) or dtype_name(t.dtype) != meta["stored"]:
         raise FormatError(f"{path}: {key} is {dtype_name(t.dtype)}{list(t.shape)}, its record says "
                           f"{meta['stored']}{meta['shape']}")
@@ -386,17 +370,25 @@ def read_grad(ckpt_dir: str, step: Step, key: str, prefer_rank: int, verify: boo
         raise IntegrityError(f"{path}: gradient {key} of delta step {step.step} does not match its "
                              "recorded hash (corrupted); recover from the base alone by removing "
                              f"{step_dir(ckpt_dir, step.step)} and the steps after it")
-    from .types import torch_dtype
     return t.to(torch_dtype(meta["dtype"]))
 
 
-def read_extra(ckpt_dir: str, step: Step, rank: int, verify: bool = True) -> dict:
+def _open(path: str, files: Optional[dict]) -> SafetensorsFile:
+    f = files.get(path) if files is not None else None
+    if f is None:
+        f = SafetensorsFile(path)
+        if files is not None:
+            files[path] = f
+    return f
+
+
+def read_extra(ckpt_dir: str, step: Step, rank: int, verify: bool = True, files: Optional[dict] = None) -> dict:
     """This rank's record tree with its tensors (e.g. the RNG state) filled in."""
     rec = step.records[rank]
     tensors = {}
     if rec["extra"]:
         path = os.path.join(step_dir(ckpt_dir, step.step), str(rec["file"]))
-        f = SafetensorsFile(path)
+        f = _open(path, files)
         for name, meta in rec["extra"].items():
             t = f.read(name)
             if verify and hash_tensor(t) != meta["hash"]:

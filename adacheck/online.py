@@ -172,7 +172,7 @@ def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], ve
     last = None
     for st in steps:
         def read(st=st):
-            tree = D.read_extra(ckpt_dir, st, comm.rank, verify=verify)
+            tree = D.read_extra(ckpt_dir, st, comm.rank, verify=verify, files=files)
             keys = tap.grad_keys(tree["calls"], f"delta step {st.step}")
             return tree, {k: D.read_grad(ckpt_dir, st, k, comm.rank, verify, files) for k in keys}
         tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)", read)
@@ -196,8 +196,3 @@ def describe_replay(steps: List[D.Step], base_step, seconds: float, why: str) ->
         log.warning("AdaCheck: APPROXIMATE recovery: %d of these deltas were stored in compact (lossy bf16) "
                     "form; largest gradient rounding error %.3g", len(lossy), max(s.max_abs_error() for s in lossy))
 
-
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0

@@ -119,6 +119,17 @@ def sharded_state_dict(model: List, optimizer, is_loading: bool, with_optimizer:
     return sd
 
 
+def rank_state() -> dict:
+    """This rank's RNG states: host generators and megatron-core's model-parallel tracker."""
+    return dict(rng_state(), tracker=_tracker_states())
+
+
+def set_rank_state(state: dict) -> None:
+    set_rng_state(state)
+    from megatron.core import tensor_parallel
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
 def _tracker_states() -> dict:
     from megatron.core import tensor_parallel
     return {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
@@ -189,7 +200,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                      "names": {"model": "", "master": S.MASTER_PREFIX}}
         return core.LocalState(
             shards=shards, objects=objects,
-            rank_objects={"rng": dict(rng_state(), tracker=_tracker_states()),
+            rank_objects={"rng": rank_state(),
                           "sharded_objects": sharded_objects},
             layout=topo, framework=framework, step=int(iteration))
 
@@ -324,9 +335,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
             if opt_param_scheduler is not None and objects.get("opt_param_scheduler") is not None:
                 load_scheduler(opt_param_scheduler, objects["opt_param_scheduler"])
         if rng is not None:
-            set_rng_state(rng)
-            from megatron.core import tensor_parallel
-            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+            set_rank_state(rng)
         if missing and comm.rank == 0:
             warnings.warn(f"AdaCheck: {len(missing)} tensors not in the checkpoint kept their "
                           f"current values: {missing[:8]}")

@@ -32,10 +32,9 @@ import torch
 from adacheck import online as O
 from adacheck.optimtap import OptimizerTap
 from adacheck.planner import place
-from adacheck.rng import rng_state, set_rng_state
 
 from . import hooks
-from .checkpointing import load_scheduler
+from .checkpointing import load_scheduler, rank_state, set_rank_state
 
 log = logging.getLogger("adacheck")
 
@@ -62,11 +61,6 @@ def make_tap(optimizer) -> OptimizerTap:
     if _distributed(optimizer):
         prefix += f"dp{ps.get_data_parallel_rank()}."
     return OptimizerTap([o.optimizer for o in _parts(optimizer)], prefix=prefix)
-
-
-def rank_state() -> dict:
-    from .checkpointing import _tracker_states
-    return dict(rng_state(), tracker=_tracker_states())
 
 
 class OnlineMegatron:
@@ -111,9 +105,7 @@ class OnlineMegatron:
         scalars = {"iteration": self.iteration, "update_successful": bool(update_successful),
                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                    "increment": self.increment if update_successful else 0}
-        self.recorder.expect(self.iteration)
         self.recorder.after_step(self.iteration, scalars)
-        self.recorder.expect(self.iteration + 1)
 
     def _take_base(self) -> None:
         """A base at this iteration, as the loop will be once it has stepped the scheduler."""
@@ -189,9 +181,7 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
             load_scheduler(opt_param_scheduler, last["scheduler"])
             if last["increment"]:
                 opt_param_scheduler.step(increment=last["increment"])
-        set_rng_state(last["rank_state"])
-        from megatron.core import tensor_parallel
-        tensor_parallel.get_cuda_rng_tracker().set_states(last["rank_state"]["tracker"])
+        set_rank_state(last["rank_state"])
         iteration = int(last["iteration"])
         O.describe_replay(steps, manifest.step, time.perf_counter() - t0, why)
     if on is not None:
