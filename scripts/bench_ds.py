@@ -103,22 +103,32 @@ def worker(a) -> None:
             if rank == 0:
                 last = f"t{a.repeat - 1}"
                 nb, ab = du(os.path.join(nat, last)), du(os.path.join(ada, last))
-                rows.append({
-                    "dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
-                    "native_bytes": nb, "adacheck_bytes": ab, "unique_bytes": unique,
-                    "adacheck_over_unique": ab / unique, "native_over_adacheck": nb / ab,
-                    **{f"{k}_s": min(v) for k, v in t.items()},
-                    "save_ratio": min(t["native_save"]) / min(t["ada_save"]),
-                    "save_ratio_nofsync": min(t["native_save"]) / min(t["ada_save_nofsync"]),
-                    "load_ratio": min(t["native_load"]) / min(t["ada_load"]),
-                })
+                rows.append({"dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
+                             **comparison(nb, ab, unique, t)})
                 print(json.dumps(rows[-1]), flush=True)
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
             engine.destroy()
-    if rank == 0:
-        with open(a.rows, "w") as f:
+    finish_worker(rows, a.rows)
+
+
+def comparison(native_bytes: int, ada_bytes: int, unique: int, t: dict) -> dict:
+    """Bytes and the fastest time of each timed operation (native/ada save, save without
+    fsync, load), as the ratios every save/load benchmark reports."""
+    return {"native_bytes": native_bytes, "adacheck_bytes": ada_bytes, "unique_bytes": unique,
+            "adacheck_over_unique": ada_bytes / unique, "native_over_adacheck": native_bytes / ada_bytes,
+            **{f"{k}_s": min(v) for k, v in t.items()},
+            "save_ratio": min(t["native_save"]) / min(t["ada_save"]),
+            "save_ratio_nofsync": min(t["native_save"]) / min(t["ada_save_nofsync"]),
+            "load_ratio": min(t["native_load"]) / min(t["ada_load"])}
+
+
+def finish_worker(rows: list, rows_path: str) -> None:
+    """End of a torchrun worker: rank 0 hands its rows to the driver, then all ranks leave."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        with open(rows_path, "w") as f:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()

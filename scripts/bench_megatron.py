@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_ds import du, run_workers  # noqa: E402
+from bench_ds import comparison, du, finish_worker, run_workers  # noqa: E402
 
 # name -> (world size, pretrain_gpt.py flags)
 LAYOUTS = {
@@ -140,25 +140,14 @@ def worker(a) -> None:
             last = a.repeat - 1
             nb = du(os.path.join(work, f"native{last}"))
             ab = du(os.path.join(work, f"ada{last}"))
-            rows.append({
-                "layout": name, "world": world, "flags": flags, "params": nparams,
-                "native_bytes": nb, "adacheck_bytes": ab, "unique_bytes": unique,
-                "adacheck_over_unique": ab / unique, "native_over_adacheck": nb / ab,
-                **{f"{k}_s": min(v) for k, v in t.items()},
-                "save_ratio": min(t["native_save"]) / min(t["ada_save"]),
-                "save_ratio_nofsync": min(t["native_save"]) / min(t["ada_save_nofsync"]),
-                "load_ratio": min(t["native_load"]) / min(t["ada_load"]),
-            })
+            rows.append({"layout": name, "world": world, "flags": flags, "params": nparams,
+                         **comparison(nb, ab, unique, t)})
             print(json.dumps(rows[-1]), flush=True)
         dist.barrier()
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
         parallel_state.destroy_model_parallel()
-    if rank == 0:
-        with open(a.rows, "w") as f:
-            json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rows, a.rows)
 
 
 def table(rows) -> str:

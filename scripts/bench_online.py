@@ -31,7 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ds import du, run_workers  # noqa: E402
+from bench_ds import du, finish_worker, run_workers  # noqa: E402
 
 
 def worker(a) -> None:
@@ -144,11 +144,7 @@ def worker(a) -> None:
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
-    if rank == 0:
-        with open(a.rows, "w") as f:
-            json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rows, a.rows)
 
 
 def table(rows) -> str:

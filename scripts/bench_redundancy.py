@@ -31,7 +31,7 @@ def worker(a) -> None:
     import torch
 
     sys.path.insert(0, HERE)
-    from bench_ds import du
+    from bench_ds import du, finish_worker
     from demo_train import TinyLM
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -106,11 +106,7 @@ def worker(a) -> None:
         if rank == 0:
             shutil.rmtree(work, ignore_errors=True)
         engine.destroy()
-    if rank == 0:
-        with open(a.rows, "w") as f:
-            json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker(rows, a.rows)
 
 
 def table(rows) -> str:
