@@ -341,11 +341,37 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
+def _convert_deepspeed(args) -> int:
+    """Native DeepSpeed files <-> AdaCheck, and materialising online deltas: DeepSpeed itself
+    reads or writes the native files, in as many local ranks as the layout has."""
+    from adacheck_ds import native   # DeepSpeed's format lives with DeepSpeed
+    if args.from_ == "deepspeed":
+        if args.to not in (None, "adacheck"):
+            raise ConfigError("--from deepspeed converts into AdaCheck: use --to adacheck (or leave --to out)")
+        direction = "from-native"
+    elif args.from_ != "adacheck":
+        raise ConfigError("--to deepspeed converts an AdaCheck checkpoint (leave --from out)")
+    else:
+        direction = "to-native" if args.to == "deepspeed" else "materialise"
+    if (args.zero_stage is not None or args.dp is not None) and direction != "to-native":
+        raise ConfigError("--zero-stage / --dp choose the layout of native files: use them with --to deepspeed")
+    if args.dp is not None and args.dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
+    if not args.json:
+        sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
+    out = native.convert(direction, args.src, args.out, dp=args.dp, zero_stage=args.zero_stage, tag=args.tag,
+                         ds_config=args.ds_config, optimizer=args.optimizer, verify=not args.no_verify)
+    what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
+            "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
+    print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
+    return 0
+
+
 def cmd_convert(args) -> int:
     from .convert import export_weights
     show = sys.stderr.isatty() and not args.json
     if args.to is None:
-        args.to = "adacheck" if args.from_ == "torch-dist" else "weights"
+        args.to = "adacheck" if args.from_ in ("torch-dist", "deepspeed") else "weights"
 
     def progress(done, total):
         if show:
@@ -354,6 +380,8 @@ def cmd_convert(args) -> int:
                              f"{done}/{total}" if args.to != "weights" else
                              f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
                              f"{human(done)}/{human(total)}")
+    if args.from_ == "deepspeed" or args.to == "deepspeed" or (args.to == "adacheck" and args.from_ == "adacheck"):
+        return _convert_deepspeed(args)
     if args.from_ == "torch-dist":
         if args.to != "adacheck":
             raise ConfigError("--from torch-dist converts into AdaCheck: use --to adacheck (or leave --to out)")
@@ -374,10 +402,9 @@ def cmd_convert(args) -> int:
         if dl["committed"]:
             sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
                              f"committed online steps (to step {dl['last']}); the conversion holds the "
-                             "base's step. For the newest step, load the directory in the training job "
-                             "(that replays the deltas) and save once, then convert that checkpoint.\n")
-    if args.to == "adacheck":
-        raise ConfigError("--to adacheck needs --from torch-dist (SRC is already an AdaCheck checkpoint)")
+                             "base's step. For the newest step make it a base first: DeepSpeed: adacheck "
+                             "convert SRC NEW --to adacheck (replays the deltas); Megatron: load the "
+                             "directory in the training job and save once.\n")
     if args.to == "torch-dist":
         from adacheck_megatron.convert import to_torch_dist
         out = to_torch_dist(d, args.out, verify=not args.no_verify, progress=progress)
@@ -445,14 +472,28 @@ def main(argv=None) -> int:
     s.add_argument("src", help="a save directory (its 'latest') or a checkpoint directory")
     s.add_argument("out", help="output directory")
     s.add_argument("--tag", help="checkpoint tag inside SRC")
-    s.add_argument("--to", choices=["weights", "deepspeed-universal", "torch-dist", "adacheck"], default=None,
+    s.add_argument("--to", choices=["weights", "deepspeed", "deepspeed-universal", "torch-dist", "adacheck"],
+                   default=None,
                    help="weights (default): model.safetensors for inference / Hugging Face tools; "
+                   "deepspeed: native DeepSpeed files for a ZeRO stage and DP size (--zero-stage, --dp; "
+                   "written by DeepSpeed itself in as many local ranks); "
                    "deepspeed-universal: DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size); "
                    "torch-dist: megatron-core dist_checkpointing (any TP/PP/EP/DP layout); "
-                   "adacheck: with --from torch-dist")
-    s.add_argument("--from", dest="from_", choices=["adacheck", "torch-dist"], default="adacheck",
-                   help="torch-dist: SRC is a megatron-core torch_dist checkpoint (or a Megatron save dir) "
-                   "to convert into an AdaCheck checkpoint under OUT")
+                   "adacheck: from --from torch-dist / deepspeed, or, from a DeepSpeed AdaCheck checkpoint "
+                   "with online deltas, one new base at the newest committed step")
+    s.add_argument("--from", dest="from_", choices=["adacheck", "torch-dist", "deepspeed"], default="adacheck",
+                   help="torch-dist: SRC is a megatron-core torch_dist checkpoint (or a Megatron save dir); "
+                   "deepspeed: SRC is a native DeepSpeed checkpoint (save dir or tag dir, any ZeRO stage); "
+                   "either is converted into an AdaCheck checkpoint under OUT")
+    s.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="--to deepspeed: the ZeRO stage of the native files (default: the saving one)")
+    s.add_argument("--dp", type=int, default=None,
+                   help="--to deepspeed: the data-parallel size of the native files (default: the saving one)")
+    s.add_argument("--ds-config", default=None, metavar="JSON",
+                   help="DeepSpeed config to build the conversion engines with (default: the recorded one)")
+    s.add_argument("--optimizer", default=None, metavar="CLASS",
+                   help="--from deepspeed: the client optimizer class (e.g. torch.optim.AdamW) when the "
+                   "DeepSpeed config has no optimizer block")
     s.add_argument("--dtype", choices=["model", "fp32"], default="model",
                    help="model: the training dtype of the module weights; fp32: the fp32 master weights")
     s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="split into shards of at most SIZE "

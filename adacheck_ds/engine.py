@@ -128,6 +128,7 @@ class AdaCheckDeepSpeed:
                              if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict") else None),
             "loss_scaler": self._scaler_state(),
             "client_state": _json_or_skip(dict(client_state or {}), "client_state", strict),
+            "model_spec": self._model_spec(lay),
         }
         import deepspeed
         dp = e.data_parallel_group if hasattr(e, "data_parallel_group") else None
@@ -140,6 +141,20 @@ class AdaCheckDeepSpeed:
                      "dp_world_size": layout["dp_world_size"]}
         return core.LocalState(shards=shards, objects=objects, rank_objects={"rng": rng_state()},
                                layout=layout, framework=framework, step=int(e.global_steps))
+
+    def _model_spec(self, lay) -> dict:
+        """What a DeepSpeed engine of another layout is built from (adacheck_ds.native): the
+        parameters in module order with their trainability, the buffers, the optimizer groups
+        as DeepSpeed was given them, the optimizer class and the DeepSpeed config."""
+        e = self.engine
+        base = lay.base_optimizer
+        raw = getattr(getattr(e, "_config", None), "_param_dict", None)
+        cfg = {k: v for k, v in raw.items() if k != "adacheck"} if isinstance(raw, dict) else None
+        return {"parameters": [[n, bool(p.requires_grad)] for n, p in e.module.named_parameters()],
+                "buffers": [n for n, _ in e.module.named_buffers()],
+                "groups": lay.groups,
+                "optimizer": f"{type(base).__module__}.{type(base).__qualname__}" if base is not None else None,
+                "ds_config": _json_or_skip(cfg, "ds_config", False) if cfg is not None else None}
 
     def _scaler_state(self):
         sc = getattr(self.engine.optimizer, "loss_scaler", None)

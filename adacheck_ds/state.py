@@ -48,6 +48,8 @@ class Layout:
     frags: List[Frag] = field(default_factory=list)
     lp_views: Dict[str, tuple] = field(default_factory=dict)   # name -> (start, 1-D view of module data)
     trained: set = field(default_factory=set)   # names of parameters the optimizer updates (any rank)
+    groups: List[List[str]] = field(default_factory=list)   # parameter names per optimizer group, in
+    # the order DeepSpeed was given them (what a DeepSpeed engine of another layout is built from)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,7 +72,7 @@ def describe(engine) -> Layout:
     stage = engine.zero_optimization_stage()
     if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         base = opt.optimizer
-        lay = Layout(stage, "zero3", base)
+        lay = Layout(stage, "zero3", base, groups=[[names[p] for p in g] for g in opt.fp16_groups])
         for g, group in enumerate(opt.fp16_groups):
             flat = opt.fp32_partitioned_groups_flat[g]
             lay.trained.update(names[p] for p in group)
@@ -89,7 +91,7 @@ def describe(engine) -> Layout:
             lay.lp_views[n] = (start, p.ds_tensor.data.view(-1).narrow(0, 0, valid))
         return lay
     if isinstance(opt, DeepSpeedZeroOptimizer):
-        lay = Layout(stage, "zero12", opt.optimizer)
+        lay = Layout(stage, "zero12", opt.optimizer, groups=[[names[p] for p in g] for g in opt.bit16_groups])
         for g, flat in enumerate(opt.single_partition_of_fp32_groups):
             # The flat buffer holds the parameters in round_robin_bit16_groups order at
             # round_robin_bit16_offsets (with round_robin_gradients or parameter_alignment these
@@ -107,7 +109,7 @@ def describe(engine) -> Layout:
             lay.lp_views[n] = (0, p.data.view(-1))
         return lay
     if isinstance(opt, BF16_Optimizer):
-        lay = Layout(stage, "bf16opt", opt.optimizer)
+        lay = Layout(stage, "bf16opt", opt.optimizer, groups=[[names[p] for p in g] for g in opt.bf16_groups])
         for g, group in enumerate(opt.bf16_groups):
             lay.trained.update(names[p] for p in group)
             for p in group:
@@ -119,7 +121,7 @@ def describe(engine) -> Layout:
             lay.lp_views[n] = (0, p.data.view(-1))
         return lay
     if opt is not None and type(opt).__name__ == "FP16_UnfusedOptimizer":
-        lay = Layout(stage, "fp16unfused", opt.optimizer)
+        lay = Layout(stage, "fp16unfused", opt.optimizer, groups=[[names[p] for p in g] for g in opt.fp16_groups])
         for lps, masters in zip(opt.fp16_groups, opt.fp32_groups):
             for p, m in zip(lps, masters):
                 lay.frags.append(Frag(names[p], p, 0, m.data.view(-1), m, 0))
@@ -135,7 +137,8 @@ def describe(engine) -> Layout:
         raise StateError(f"{type(opt).__name__} keeps fp32 master weights in a layout AdaCheck does "
                          "not know; supported without ZeRO: a plain torch optimizer and "
                          "FP16_UnfusedOptimizer (use ZeRO stage 1-3 otherwise)")
-    lay = Layout(stage, "plain", base)
+    lay = Layout(stage, "plain", base,
+                 groups=[[names[p] for p in g["params"] if p in names] for g in base.param_groups] if base else [])
     for p, n in names.items():
         lay.lp_views[n] = (0, p.data.view(-1))
     if base is not None:

@@ -1,4 +1,5 @@
-"""Benchmark: `adacheck convert --to deepspeed-universal` vs DeepSpeed's own ds_to_universal.
+"""Benchmark: `adacheck convert --to deepspeed-universal` vs DeepSpeed's own ds_to_universal,
+and `adacheck convert --to deepspeed` (native files of the saving layout).
 
 One real DeepSpeed training (CPU, gloo, torchrun, ZeRO-2 bf16 by default) saves the same
 engine state natively and with AdaCheck; then each converter runs in its own process tree:
@@ -6,7 +7,9 @@ DeepSpeed's ``python -m deepspeed.checkpoint.ds_to_universal`` on the native che
 ``adacheck convert --to deepspeed-universal`` on the AdaCheck one.  Printed (and written as
 JSON): wall seconds and peak RSS of each (the largest process of its tree), the ratio, and
 whether the two universal checkpoints hold the same fp32 weights and moments, tensor for
-tensor (exact equality of the values; DeepSpeed writes ZeRO-3 tensors flat).
+tensor (exact equality of the values; DeepSpeed writes ZeRO-3 tensors flat).  The native files
+``--to deepspeed`` writes are compared with DeepSpeed's own native save of the same engine,
+file by file and tensor by tensor.
 
     .venv/bin/python scripts/bench_convert.py
     .venv/bin/python scripts/bench_convert.py --stage 1 --dim 256
@@ -93,6 +96,32 @@ def same_universal(a_dir: str, b_dir: str) -> bool:
     return True
 
 
+def _tensors(tree, path=""):
+    import torch
+    if torch.is_tensor(tree):
+        yield path, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{path}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _tensors(v, f"{path}/{i}")
+
+
+def same_native(a_dir: str, b_dir: str) -> bool:
+    """Do two native DeepSpeed checkpoints hold the same tensors, file by file and key by key?"""
+    import torch
+    files = sorted(f for f in os.listdir(a_dir) if f.endswith(".pt"))
+    if files != sorted(f for f in os.listdir(b_dir) if f.endswith(".pt")):
+        return False
+    for f in files:
+        x = dict(_tensors(torch.load(os.path.join(a_dir, f), weights_only=False, map_location="cpu")))
+        y = dict(_tensors(torch.load(os.path.join(b_dir, f), weights_only=False, map_location="cpu")))
+        if set(x) != set(y) or any(x[k].dtype != y[k].dtype or not torch.equal(x[k], y[k]) for k in x):
+            return False
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, default=2)
@@ -118,6 +147,9 @@ def main() -> None:
                    "--num_merge_workers", "1", "--inject_missing_state"])
     ada = measured([sys.executable, "-m", "adacheck.cli", "convert", os.path.join(work, "adacheck"), ada_out,
                     "--to", "deepspeed-universal"])
+    nat_out = os.path.join(work, "ada_native")
+    nat = measured([sys.executable, "-m", "adacheck.cli", "convert", os.path.join(work, "adacheck"), nat_out,
+                    "--to", "deepspeed"])
     ada_dir = os.path.join(ada_out, os.listdir(ada_out)[0]) if not os.path.isdir(os.path.join(ada_out, "zero")) \
         else ada_out
     ada_dir = next((os.path.join(r, "") for r, ds_, _ in os.walk(ada_out) if "zero" in ds_), ada_dir)
@@ -126,7 +158,9 @@ def main() -> None:
            "native_bytes": du(os.path.join(work, "native")), "adacheck_bytes": du(os.path.join(work, "adacheck")),
            "ds_to_universal": ds, "adacheck_convert": ada,
            "time_ratio": ds["seconds"] / ada["seconds"], "rss_ratio": ds["peak_rss_bytes"] / ada["peak_rss_bytes"],
-           "same_fp32_and_moments": same_universal(ds_dir, ada_dir)}
+           "same_fp32_and_moments": same_universal(ds_dir, ada_dir),
+           "adacheck_convert_native": nat,
+           "native_same_tensors": same_native(os.path.join(work, "native", "t"), os.path.join(nat_out, "t"))}
     import deepspeed
     import torch
     with open(a.json, "w") as f:
@@ -135,10 +169,14 @@ def main() -> None:
     print(f"| converter | seconds | peak RSS |\n|---|---:|---:|\n"
           f"| DeepSpeed ds_to_universal | {ds['seconds']:.2f} | {ds['peak_rss_bytes'] / 2**20:,.0f} MiB |\n"
           f"| adacheck convert --to deepspeed-universal | {ada['seconds']:.2f} | "
-          f"{ada['peak_rss_bytes'] / 2**20:,.0f} MiB |\n\n"
+          f"{ada['peak_rss_bytes'] / 2**20:,.0f} MiB |\n"
+          f"| adacheck convert --to deepspeed (ZeRO-{a.stage}, DP={a.dp}: {a.dp} ranks) | {nat['seconds']:.2f} | "
+          f"{nat['peak_rss_bytes'] / 2**20:,.0f} MiB (largest rank) |\n\n"
           f"ZeRO-{a.stage} {a.dtype}, DP={a.dp}, {row['params']:,} params: time ratio (DeepSpeed / AdaCheck) "
           f"{row['time_ratio']:.2f}x, peak RSS ratio {row['rss_ratio']:.2f}x; same fp32 weights and moments: "
-          f"{'yes' if row['same_fp32_and_moments'] else 'NO'}; JSON in {a.json}")
+          f"{'yes' if row['same_fp32_and_moments'] else 'NO'}; native files from AdaCheck hold the tensors of "
+          f"DeepSpeed's own native save, key for key: {'yes' if row['native_same_tensors'] else 'NO'}; "
+          f"JSON in {a.json}")
     if a.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -103,6 +103,11 @@ def full_state(engine):
     unfused = {}
     if type(opt).__name__ == "FP16_UnfusedOptimizer":   # per-parameter fp32 masters
         unfused = {id(p): m for lps, ms in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(lps, ms)}
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        # DeepSpeed's per-fragment views of the optimizer state (safe_get_full_optimizer_state)
+        # are linked at the first step; a native load replaces the state, so link them again
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
     for n, p in engine.module.named_parameters():
         if stage3:
             with deepspeed.zero.GatheredParameters([p]):

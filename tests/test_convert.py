@@ -66,3 +66,71 @@ def test_deepspeed_universal_loads_with_stock_deepspeed(tmp_path):
     after, resumed = load_file(f"{d}/A2.safetensors"), load_file(f"{d}/l2/UA2bf162.safetensors")
     for k in after:
         assert torch.equal(after[k], resumed[k]), k
+
+
+def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
+    """adacheck convert --to deepspeed / --from deepspeed / --to adacheck: DeepSpeed itself writes
+    and reads the native files in the target layout.  Stock engine.load_checkpoint of the
+    converted files gives every logical tensor of the saved state (ZeRO-2 -> 2 and -> 3 at DP=4,
+    ZeRO-0 fp32 -> ZeRO-1), training continues bit-identically, native -> AdaCheck -> native and
+    AdaCheck -> native -> AdaCheck are exact, and online deltas are materialised first (also
+    into another layout).  Nothing existing is overwritten."""
+    d = str(tmp_path)
+    on = {"enabled": True, "save_dir": f"{d}/on", "online": {"enabled": True, "base_interval": 100}}
+    check(launch(2, {"runs": [
+        dict(stage=2, dtype="bf16", layers=3, frozen=["norm"], adacheck={"enabled": True},
+             actions=[["train", 3], ["save", f"{d}/ck2"], ["dump", "S2"], ["train", 2], ["dump", "A2"]]),
+        dict(stage=0, dtype="fp32", layers=3, adacheck={"enabled": True},
+             actions=[["train", 3], ["save", f"{d}/ck0"], ["dump", "S0"]]),
+        dict(stage=1, dtype="bf16", layers=3, optimizer="ds_adam",
+             actions=[["train", 3], ["save_native", f"{d}/nsrc"], ["dump", "N1"], ["train", 2], ["dump", "NA1"]]),
+        dict(stage=1, dtype="bf16", layers=3, adacheck=on, actions=[["train_dump", 5, "O_"]]),
+    ]}, d))
+    conv = [(["ck2", "nat2", "--to", "deepspeed"]),
+            (["ck2", "nat34", "--to", "deepspeed", "--zero-stage", "3", "--dp", "4"]),
+            (["ck0", "nat1", "--to", "deepspeed", "--zero-stage", "1"]),
+            (["nsrc", "back", "--from", "deepspeed"]),
+            (["back", "nsrc2", "--to", "deepspeed"]),
+            (["nat2", "back2", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]),   # a client optimizer
+            (["on", "onm", "--to", "adacheck"]),                                      # deltas -> one base
+            (["on", "onn", "--to", "deepspeed", "--zero-stage", "3", "--dp", "4"])]  # via the saving layout
+    for args in conv:
+        assert cli(["convert", f"{d}/{args[0]}", f"{d}/{args[1]}", *args[2:]]) == 0, args
+    assert open(f"{d}/nat2/latest").read() == "global_step3"
+    assert sorted(os.listdir(f"{d}/onm")) == ["global_step5", "latest"]
+    # never overwrites, and bad requests are refused before anything is written
+    before = sorted(os.listdir(f"{d}/nat2/global_step3"))
+    assert cli(["convert", f"{d}/ck2", f"{d}/nat2", "--to", "deepspeed"]) == 2
+    assert sorted(os.listdir(f"{d}/nat2/global_step3")) == before and not [
+        f for f in os.listdir(f"{d}/nat2") if f.startswith(".")]
+    assert cli(["convert", f"{d}/nsrc", f"{d}/x", "--from", "deepspeed", "--dp", "3"]) == 2
+    assert cli(["convert", f"{d}/S2.safetensors", f"{d}/x", "--from", "deepspeed"]) == 2
+    assert cli(["convert", f"{d}/nat2", f"{d}/x", "--from", "deepspeed"]) == 2   # which optimizer?
+    # AdaCheck -> native -> AdaCheck: the same tensors
+    from adacheck.checkpoint import CheckpointReader, resolve
+    a, b = CheckpointReader(resolve(f"{d}/ck2")), CheckpointReader(resolve(f"{d}/back2"))
+    assert set(a.manifest.tensors) == set(b.manifest.tensors)
+    for n in a.manifest.tensors:
+        if "/rng/" not in n:   # DeepSpeed's native files hold no RNG state (the new one is the converter's)
+            assert torch.equal(a.read(n), b.read(n)), n
+    # stock DeepSpeed loads the native files
+    check(launch(2, {"runs": [
+        dict(stage=2, dtype="bf16", layers=3, frozen=["norm"], seed=7,
+             actions=[["load_native", f"{d}/nat2"], ["dump", "L2"], ["train", 2], ["dump", "LA2"]]),
+        dict(stage=1, dtype="fp32", layers=3, seed=7, actions=[["load_native", f"{d}/nat1"], ["dump", "L1"]]),
+        dict(stage=1, dtype="bf16", layers=3, optimizer="ds_adam", seed=7,
+             actions=[["load_native", f"{d}/nsrc2"], ["dump", "LN1"], ["train", 2], ["dump", "LNA1"]]),
+        dict(stage=1, dtype="bf16", layers=3, seed=7, adacheck={"enabled": True},
+             actions=[["load", f"{d}/onm"], ["dump", "LM"]]),
+    ]}, f"{d}/l2"))
+    check(launch(4, {"runs": [
+        dict(stage=3, dtype="bf16", layers=3, frozen=["norm"], seed=7,
+             actions=[["load_native", f"{d}/nat34"], ["dump", "L34"]]),
+        dict(stage=3, dtype="bf16", layers=3, seed=7, actions=[["load_native", f"{d}/onn"], ["dump", "LO"]]),
+    ]}, f"{d}/l4"))
+    for ref, got in (("S2", "l2/L2"), ("A2", "l2/LA2"), ("S0", "l2/L1"), ("N1", "l2/LN1"), ("NA1", "l2/LNA1"),
+                     ("S2", "l4/L34"), ("O_5", "l2/LM"), ("O_5", "l4/LO")):
+        saved, loaded = load_file(f"{d}/{ref}.safetensors"), load_file(f"{d}/{got}.safetensors")
+        assert set(saved) == set(loaded), (ref, got)
+        for k in saved:
+            assert torch.equal(saved[k], loaded[k]), (ref, got, k)

@@ -1,0 +1,478 @@
+"""AdaCheck <-> native DeepSpeed checkpoints for any ZeRO stage and data-parallel size,
+written and read by DeepSpeed itself.
+
+DeepSpeed's native files (a model-states file, one optimizer partition per rank, ``latest``)
+depend on how DeepSpeed flattens, pads and partitions each parameter group for a ZeRO stage
+and DP size.  Rather than re-implement that, the converter starts the target number of ranks
+and builds in each a DeepSpeed engine around a *shell* module: the checkpoint's parameters
+(names, shapes, dtypes, module order, trainability, optimizer groups) and buffers, with no
+forward code, plus the run's own DeepSpeed config with the target ZeRO stage.
+
+- ``to-native``: the engine loads the AdaCheck checkpoint (resharded to the target layout; its
+  committed online deltas replayed), then DeepSpeed's own ``save_checkpoint`` writes the files.
+  Deltas replay only in the layout that recorded them, so when the target layout differs the
+  newest state is first materialised in the saving layout into a temporary AdaCheck base.
+- ``from-native``: DeepSpeed's own ``load_checkpoint`` reads a native checkpoint into an
+  engine of its layout, and AdaCheck saves it.
+- ``materialise``: load (replaying the deltas) and save again with AdaCheck: one base holding
+  the newest recoverable step.
+
+The shell is described by the ``model_spec`` object AdaCheck's DeepSpeed save records, or, for
+native checkpoints, by DeepSpeed's own ``param_shapes`` / module state / config.  Replay is
+bit-exact when the conversion runs the optimizer on the same kind of device as training did
+(the device is DeepSpeed's accelerator of this environment; DS_ACCELERATOR chooses).
+
+Run it with ``adacheck convert ... --to deepspeed|adacheck`` (which starts the ranks on this
+machine), or under torchrun for large layouts:
+``torchrun --nproc_per_node 8 -m adacheck_ds.native to-native SRC OUT --zero-stage 2``.
+Output goes to a temporary directory beside OUT and is renamed into place when every rank is
+done; an existing checkpoint of the same tag is never overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from adacheck import commit, deltas
+from adacheck.checkpoint import CheckpointReader, resolve
+from adacheck.errors import ConfigError, StateError
+from adacheck.types import torch_dtype
+
+DIRECTIONS = ("to-native", "from-native", "materialise")
+# keys DeepSpeed writes into its model-states dict; some versions hand some of them back as
+# client state (load_checkpoint's second result), where they are not the user's
+_DS_METADATA = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+                "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
+                "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions",
+                "universal_checkpoint_info", "folding", "ds_autoep_layers", "autoep_layers"}
+
+
+@dataclass
+class ModelSpec:
+    params: list                     # [(name, shape, dtype name, requires_grad)] in module order
+    buffers: list                    # [(name, shape, dtype name)]
+    groups: List[List[str]]          # parameter names per optimizer group, as DeepSpeed got them
+    optimizer: Optional[str]         # class path of a client optimizer (None: the config's block)
+    ds_config: dict
+    lr_scheduler: Optional[dict] = None   # state of a client LR scheduler (no "scheduler" block)
+    stage: int = 0                   # the saving layout (for replay / native loads)
+    world: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ the model description
+def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None) -> ModelSpec:
+    r = CheckpointReader(ckpt_dir, verify=False)
+    m = r.manifest
+    if m.framework.get("name") != "deepspeed":
+        raise StateError(f"{ckpt_dir} was saved by {m.framework.get('name')!r}, not DeepSpeed; this "
+                         "conversion rebuilds DeepSpeed engines (Megatron: --to torch-dist, or load in the "
+                         "training job and save to materialise online deltas)")
+    objects = r.objects()
+    ms = objects.get("model_spec")
+    if not ms:
+        raise StateError(f"{ckpt_dir} was saved by an AdaCheck version that did not record the model "
+                         "description (model_spec); convert it with --to deepspeed-universal, or load it "
+                         "in the training job and save once")
+    cfg = ds_config if ds_config is not None else ms.get("ds_config")
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{ckpt_dir} does not hold the run's DeepSpeed config; pass it with --ds-config FILE")
+    params, missing = [], []
+    for name, trainable in ms["parameters"]:
+        e = m.tensors.get(f"model/{name}")
+        if e is None:
+            missing.append(name)
+            continue
+        params.append((name, tuple(e.shape), e.dtype, trainable))
+    if missing:
+        raise StateError(f"{ckpt_dir} does not hold the parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         "(saved with exclude_frozen_parameters?); a native checkpoint needs every parameter")
+    buffers = [(n, tuple(m.tensors[f"buffer/{n}"].shape), m.tensors[f"buffer/{n}"].dtype)
+               for n in ms["buffers"] if f"buffer/{n}" in m.tensors]
+    return ModelSpec(params, buffers, ms["groups"], ms.get("optimizer"), cfg,
+                     lr_scheduler=objects.get("lr_scheduler") if "scheduler" not in cfg else None,
+                     stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)))
+
+
+def _native_dir(src: str, tag: Optional[str]) -> str:
+    if tag is None and os.path.isfile(os.path.join(src, "latest")):
+        tag = open(os.path.join(src, "latest"), encoding="utf-8").read().strip()
+    d = os.path.join(src, tag) if tag is not None else src
+    if not glob.glob(os.path.join(d, "*model_states.pt")):
+        raise ConfigError(f"{d} is not a native DeepSpeed checkpoint (no *model_states.pt); pass the "
+                          "directory DeepSpeed saved into (with its 'latest') or the tag directory")
+    return d
+
+
+def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
+                     optimizer: Optional[str] = None) -> ModelSpec:
+    """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
+    import torch
+    files = sorted(glob.glob(os.path.join(ckpt_dir, "*model_states.pt")))
+    # DeepSpeed's own pickles (it loads them the same way); mapped to CPU, tensors only read
+    sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    cfg = ds_config if ds_config is not None else sd.get("ds_config")
+    if isinstance(cfg, str) and os.path.isfile(cfg):
+        with open(cfg, encoding="utf-8") as f:
+            cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{files[0]} does not hold the run's DeepSpeed config as a dict; pass it with --ds-config FILE")
+    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    module = sd["module"]
+    buffer_names = set(sd.get("buffer_names") or [])
+    shapes = sd.get("param_shapes")
+    frozen = set(sd.get("frozen_param_shapes") or {})
+    lp = torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else (
+        torch.float16 if (cfg.get("fp16") or {}).get("enabled") else torch.float32)
+    full_shape = {}
+    for g in shapes or []:
+        full_shape.update({n: tuple(s) for n, s in g.items()})
+    full_shape.update({n: tuple(s) for n, s in (sd.get("frozen_param_shapes") or {}).items()})
+    param_names = [n for n in module if n not in buffer_names]
+    if shapes is not None:
+        groups = [list(g) for g in shapes]
+    else:   # no ZeRO: the optimizer's groups number its parameters in order
+        osd = sd.get("optimizer") or {}
+        osd = osd.get("optimizer_state_dict", osd)
+        counts = [len(g["params"]) for g in osd.get("param_groups", [])]
+        if sum(counts) != len(param_names):
+            raise StateError(f"{files[0]}: the optimizer holds {sum(counts)} parameters and the module "
+                             f"{len(param_names)}; which ones are frozen is not recorded without ZeRO, so "
+                             "this checkpoint cannot be rebuilt offline")
+        it = iter(param_names)
+        groups = [[next(it) for _ in range(c)] for c in counts]
+    trained = {n for g in groups for n in g}
+    params = []
+    for n in param_names:
+        t = module[n]
+        shape = full_shape.get(n, tuple(t.shape))
+        dtype = t.dtype if t.is_floating_point() else lp
+        params.append((n, shape, str(dtype).replace("torch.", ""), n in trained and n not in frozen))
+    buffers = [(n, tuple(module[n].shape), str(module[n].dtype).replace("torch.", ""))
+               for n in module if n in buffer_names]
+    if "optimizer" not in cfg and optimizer is None:
+        raise ConfigError(f"{ckpt_dir} was trained with an optimizer built outside the DeepSpeed config; "
+                          "name its class with --optimizer (e.g. torch.optim.AdamW)")
+    return ModelSpec(params, buffers, groups, optimizer, cfg,
+                     lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
+                     stage=stage, world=int(sd.get("dp_world_size", 1)))
+
+
+# ------------------------------------------------------------------ the shell engine
+class SavedScheduler:
+    """Stands in for a client LR scheduler the converter cannot rebuild: carries its state
+    from one checkpoint to the other unchanged (the conversion never steps)."""
+
+    def __init__(self, state: Optional[dict]):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state):
+        self.state = state
+
+    def step(self, *args, **kwargs):
+        raise StateError("a conversion engine does not train")
+
+    def get_last_lr(self):
+        return list((self.state or {}).get("_last_lr", []))
+
+
+def shell_module(spec: ModelSpec):
+    """An nn.Module with the checkpoint's parameters and buffers under their dotted names, in
+    module order (so DeepSpeed groups, flattens and partitions them as in the training job)."""
+    import torch
+
+    root = torch.nn.Module()
+
+    def owner(name):
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+        return m, leaf
+
+    for name, shape, dtype, trainable in spec.params:
+        m, leaf = owner(name)
+        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=torch_dtype(dtype)),
+                                                      requires_grad=trainable))
+    for name, shape, dtype in spec.buffers:
+        m, leaf = owner(name)
+        m.register_buffer(leaf, torch.zeros(shape, dtype=torch_dtype(dtype)))
+    order = [n for n, _ in root.named_parameters()]
+    if order != [p[0] for p in spec.params]:
+        raise StateError("the parameter names do not form a module tree in their recorded order; "
+                         "this model cannot be rebuilt offline")
+    return root
+
+
+def _import(path: str):
+    mod, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"cannot import the optimizer class {path!r} ({e}); pass another with "
+                          "--optimizer or a DeepSpeed config with an \"optimizer\" block via --ds-config") from None
+
+
+def build_engine(spec: ModelSpec, stage: int):
+    import deepspeed
+
+    module = shell_module(spec)
+    named = dict(module.named_parameters())
+    cfg = copy.deepcopy(spec.ds_config)
+    cfg.pop("adacheck", None)
+    zero = dict(cfg.get("zero_optimization") or {})
+    zero["stage"] = stage
+    cfg["zero_optimization"] = zero
+    # the batch size is not part of a checkpoint; keep the per-rank numbers valid for any DP size
+    micro = cfg.get("train_micro_batch_size_per_gpu") or 1
+    cfg.pop("train_batch_size", None)
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg["gradient_accumulation_steps"] = cfg.get("gradient_accumulation_steps") or 1
+    groups = [{"params": [named[n] for n in g]} for g in spec.groups if g]
+    kw = {}
+    if "optimizer" not in cfg:
+        if not spec.optimizer:
+            raise ConfigError("the checkpoint names no optimizer; pass --optimizer or --ds-config")
+        kw["optimizer"] = _import(spec.optimizer)(groups)
+    if "scheduler" not in cfg and spec.lr_scheduler is not None:
+        kw["lr_scheduler"] = SavedScheduler(spec.lr_scheduler)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=cfg, **kw)
+    return engine
+
+
+# ------------------------------------------------------------------ one rank
+def _init_distributed():
+    import deepspeed
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    cpu = get_accelerator().device_name() == "cpu"
+    deepspeed.init_distributed(dist_backend="gloo" if cpu else None)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def run_rank(a) -> None:
+    """One rank of a conversion (under torchrun, or started by ``convert``)."""
+    import logging
+    import torch
+    import adacheck_ds
+    logging.getLogger("adacheck").setLevel(logging.INFO)
+    rank, world = _init_distributed()
+    ds_config = _read_json(a.ds_config) if a.ds_config else None
+    tmp = a.tmp
+    try:
+        if a.direction == "from-native":
+            src = _native_dir(a.src, a.tag)
+            spec = spec_from_native(src, ds_config, a.optimizer)
+            if world != spec.world:
+                raise ConfigError(f"{src} was saved by {spec.world} data-parallel ranks; DeepSpeed "
+                                  f"loads it only into as many, not {world} (run with --dp {spec.world})")
+            _refuse_existing(os.path.join(a.out, os.path.basename(src)))
+            torch.distributed.barrier()   # every rank checked before any writes
+            engine = build_engine(spec, spec.stage)
+            _, client_state = adacheck_ds.load_native(engine, os.path.dirname(src), tag=os.path.basename(src))
+            # DeepSpeed returns some of its own metadata among the client state; it is not the user's
+            client_state = {k: v for k, v in (client_state or {}).items() if k not in _DS_METADATA}
+            ac = adacheck_ds.attach(engine, {"enabled": True, "fsync": True})
+            ac.save_checkpoint(a.out, tag=os.path.basename(src), client_state=client_state)
+            return
+        src = resolve(a.src, a.tag)
+        spec = spec_from_adacheck(src, ds_config)
+        stage = spec.stage if a.zero_stage is None else a.zero_stage
+        if a.direction == "materialise" and (world, stage) != (spec.world, spec.stage):
+            raise ConfigError(f"materialising replays the deltas in the saving layout: ZeRO-{spec.stage} "
+                              f"on {spec.world} ranks (this is {world})")
+        m = CheckpointReader(src, verify=False).manifest
+        dl = deltas.summary(src, m.step, spec.world) if deltas.step_dirs(src) else {"committed": 0, "last": m.step}
+        pending = dl["committed"]
+        if pending and (world, stage) != (spec.world, spec.stage):
+            raise ConfigError(f"{src} has {pending} committed online steps, which replay only in the saving "
+                              f"layout (ZeRO-{spec.stage} on {spec.world} ranks): run 'materialise' there first "
+                              "(adacheck convert --to deepspeed does both)")
+        out_tag = a.out_tag or (f"global_step{dl['last']}" if pending else m.tag)
+        _refuse_existing(os.path.join(a.out, out_tag))
+        torch.distributed.barrier()   # every rank checked before any writes
+        engine = build_engine(spec, stage)
+        ac = adacheck_ds.attach(engine, {"enabled": True, "verify_on_load": not a.no_verify})
+        # AdaCheck's load: resharded to this layout, committed deltas replayed
+        _, client_state = ac.load_checkpoint(os.path.dirname(src), tag=os.path.basename(src))
+        if engine.global_steps != dl["last"]:
+            raise StateError(f"loading {src} reached step {engine.global_steps}, not its newest committed "
+                             f"step {dl['last']}")
+        if a.direction == "materialise":
+            ac.save_checkpoint(a.out, tag=out_tag, client_state=client_state or {})
+            return
+        adacheck_ds.save_native(engine, tmp, tag=out_tag, client_state=client_state or {})
+        torch.distributed.barrier()
+        if rank == 0:
+            _publish_native(tmp, a.out, out_tag)
+    except BaseException:
+        if rank == 0 and tmp and a.direction == "to-native":
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish_native(tmp: str, out: str, tag: str) -> None:
+    final = os.path.join(out, tag)
+    if os.path.exists(final):
+        raise ConfigError(f"{final} already exists; nothing was overwritten (choose another output directory)")
+    os.replace(os.path.join(tmp, tag), final)
+    commit.atomic_write_text(os.path.join(out, "latest"), tag)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the DeepSpeed config {path}: {e}") from None
+
+
+# ------------------------------------------------------------------ starting the ranks
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world: int, argv: List[str], grace: float = 60.0) -> None:
+    """Run ``python -m adacheck_ds.native ARGV`` on ``world`` local ranks; raise if any fails."""
+    port = _free_port()
+    logs_dir = tempfile.mkdtemp(prefix="adacheck-convert-logs-")
+    env0 = dict(os.environ)
+    if "DS_ACCELERATOR" not in env0:
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                env0["DS_ACCELERATOR"] = "cpu"
+        except ImportError:  # pragma: no cover
+            pass
+    procs, logs = [], []
+    for r in range(world):
+        env = dict(env0, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(os.path.join(logs_dir, f"rank{r}.log"), "w+")
+        procs.append(subprocess.Popen([sys.executable, "-m", "adacheck_ds.native", *argv], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    first_exit, first_failed = None, None
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed and first_exit is None:
+            first_exit, first_failed = time.monotonic(), failed[0]
+        if first_exit is not None and time.monotonic() - first_exit > grace:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    tails = {}
+    for r, log in enumerate(logs):
+        log.seek(0)
+        tails[r] = log.read()
+        log.close()
+    if bad:
+        # the rank that failed first names the cause; the others lost their peer
+        r, rc = next(((r, rc) for r, rc in bad if r == first_failed), bad[0])
+        lines = [ln for ln in tails[r].splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        raise StateError(f"conversion rank {r} failed (exit {rc}): "
+                         f"{(errors or lines or ['no output'])[-1].strip()} (all logs: {logs_dir})")
+    shutil.rmtree(logs_dir, ignore_errors=True)
+
+
+def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_stage: Optional[int] = None,
+            tag: Optional[str] = None, ds_config: Optional[str] = None, optimizer: Optional[str] = None,
+            verify: bool = True) -> str:
+    """Convert on this machine (ranks started here); returns the written checkpoint directory."""
+    if direction not in DIRECTIONS:
+        raise ConfigError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
+    os.makedirs(out, exist_ok=True)
+    opts = ["--ds-config", ds_config] if ds_config else []
+    opts += ["--optimizer", optimizer] if optimizer else []
+    opts += ["--no-verify"] if not verify else []
+    base = opts + (["--tag", tag] if tag else [])
+    if direction == "from-native":
+        src_dir = _native_dir(src, tag)
+        spec = spec_from_native(src_dir, _read_json(ds_config) if ds_config else None, optimizer)
+        final = os.path.join(out, os.path.basename(src_dir))
+        _refuse_existing(final)
+        spawn(spec.world, ["from-native", src, out, *base])
+        return final
+    src_dir = resolve(src, tag)
+    spec = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
+    dp = dp or spec.world
+    stage = spec.stage if zero_stage is None else zero_stage
+    m = CheckpointReader(src_dir, verify=False).manifest
+    summary = deltas.summary(src_dir, m.step, spec.world) if deltas.step_dirs(src_dir) else {"committed": 0}
+    if direction == "materialise":
+        final = os.path.join(out, f"global_step{summary['last']}" if summary["committed"] else m.tag)
+        _refuse_existing(final)
+        spawn(spec.world, ["materialise", src, out, *base])
+        return final
+    work = tempfile.mkdtemp(prefix=".adacheck-convert-", dir=out)
+    try:
+        if summary["committed"] and (dp, stage) != (spec.world, spec.stage):
+            # the deltas replay only in the saving layout: materialise there first
+            spawn(spec.world, ["materialise", src, os.path.join(work, "base"), *base])
+            base, src = opts, os.path.join(work, "base")
+        out_tag = f"global_step{summary['last']}" if summary["committed"] else m.tag
+        final = os.path.join(out, out_tag)
+        _refuse_existing(final)
+        spawn(dp, ["to-native", src, out, "--zero-stage", str(stage), "--tmp", os.path.join(work, "native"),
+                   "--out-tag", out_tag, *base])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def _refuse_existing(final: str) -> None:
+    if os.path.exists(final):
+        raise ConfigError(f"{final} already exists; nothing was written (choose another output directory)")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m adacheck_ds.native", description=__doc__.split("\n\n")[0])
+    p.add_argument("direction", choices=DIRECTIONS)
+    p.add_argument("src")
+    p.add_argument("out")
+    p.add_argument("--tag", default=None, help="source tag (default: the one 'latest' names)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="target ZeRO stage (default: the saving one)")
+    p.add_argument("--dp", type=int, default=None, help="target data-parallel size (default: the saving one)")
+    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON to use instead of the recorded one")
+    p.add_argument("--optimizer", default=None, help="client optimizer class, e.g. torch.optim.AdamW")
+    p.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
+    p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out-tag", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # one rank (torchrun or spawn)
+        if a.direction == "to-native" and a.tmp is None:
+            a.tmp = os.path.join(a.out, f".adacheck-convert-{os.environ.get('MASTER_PORT', 'x')}")
+        run_rank(a)
+        return 0
+    print(convert(a.direction, a.src, a.out, a.dp, a.zero_stage, a.tag, a.ds_config, a.optimizer,
+                  not a.no_verify))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
