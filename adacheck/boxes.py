@@ -53,6 +53,26 @@ def flat_range_to_boxes(shape, start: int, stop: int) -> List[Box]:
     return out
 
 
+def _check_disjoint(name: str, regions: List[Box]) -> None:
+    """Raise if two boxes overlap: a sweep along the axis where the boxes' offsets differ most,
+    comparing each box only with those still open there (about n log n for the layouts
+    frameworks make: row, column and flat-range partitions), not every pair."""
+    if len(regions) < 2:
+        return
+    nd = len(regions[0].offsets)
+    if nd == 0:
+        raise FormatError(f"{name}: stored boxes {regions[0]} and {regions[1]} overlap")
+    axis = max(range(nd), key=lambda d: (len({b.offsets[d] for b in regions}), -d))
+    open_: List[Box] = []
+    for b in sorted(regions, key=lambda b: b.offsets[axis]):
+        start = b.offsets[axis]
+        open_ = [a for a in open_ if a.offsets[axis] + a.lengths[axis] > start]
+        for a in open_:
+            if a.intersect(b) is not None:
+                raise FormatError(f"{name}: stored boxes {a} and {b} overlap")
+        open_.append(b)
+
+
 def check_tiling(name: str, shape, boxes: Iterable[Box]) -> None:
     """Raise unless the distinct ``boxes`` exactly tile ``shape`` (cover it, no overlap)."""
     shape = tuple(shape)
@@ -61,10 +81,7 @@ def check_tiling(name: str, shape, boxes: Iterable[Box]) -> None:
         if not b.fits(shape):
             raise FormatError(f"{name}: stored box {b} lies outside the tensor shape {shape}")
     covered = sum(b.numel for b in regions)
-    for i, a in enumerate(regions):
-        for b in regions[i + 1:]:
-            if a.intersect(b) is not None:
-                raise FormatError(f"{name}: stored boxes {a} and {b} overlap")
+    _check_disjoint(name, regions)
     if covered != math.prod(shape):
         raise FormatError(
             f"{name}: stored boxes cover {covered} of {math.prod(shape)} elements of shape {shape}; "

@@ -89,6 +89,11 @@ def place(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = No
     return out, load
 
 
+# name -> (shape, boxes) already proven to tile: a training job saves the same structure at every
+# checkpoint, so the tiling check (the planner's costliest part) runs once per process.
+_TILED: Dict[str, tuple] = {}
+
+
 def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
               previous: PreviousIndex | None = None, copies: int = 1,
               nodes: Sequence[str] | None = None) -> WritePlan:
@@ -113,7 +118,10 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
         for rank, s in held_by:
             regions[s.box][s.hash].append(rank)
             held += s.nbytes
-        check_tiling(name, first.shape, regions.keys())
+        structure = (first.shape, frozenset(regions))
+        if _TILED.get(name) != structure:   # checked once per structure, not at every checkpoint
+            check_tiling(name, first.shape, regions.keys())
+            _TILED[name] = structure
         logical += sum(b.numel for b in regions) * itemsize(first.dtype)
         diverged = []
         for box, variants in regions.items():
@@ -152,6 +160,7 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
     referenced = 0
+    fnames: Dict[int, str] = {}
     for name, e in tensors.items():
         if e.derived is not None:
             continue
@@ -162,7 +171,7 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
                 referenced += sb.box.numel * itemsize(e.dtype)
                 continue
             for w in writer_of[sb.key]:   # one stored copy per writer
-                fname = file_name(w, generation)
+                fname = fnames.get(w) or fnames.setdefault(w, file_name(w, generation))
                 files.setdefault(fname, {"writer": w, "nbytes": 0})
                 files[fname]["nbytes"] += sb.box.numel * itemsize(e.dtype)
                 writes[w].append((name, sb.box, sb.key))

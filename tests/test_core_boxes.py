@@ -36,6 +36,34 @@ def test_tiling_detects_gaps_and_overlaps():
         check_tiling("w", (4, 4), [Box((0, 0), (5, 4))])
 
 
+def test_tiling_check_agrees_with_every_pair_on_many_layouts():
+    """The sweep finds exactly the overlaps a comparison of every pair finds: row, column and
+    flat-range partitions of 64 ranks, with and without one box moved onto its neighbour."""
+    rng = torch.Generator().manual_seed(0)
+    shape = (64, 96)
+    layouts = {"rows": [Box((r, 0), (1, 96)) for r in range(64)],
+               "cols": [Box((0, c * 3), (64, 3)) for c in range(32)],
+               "flat": [b for r in range(64) for b in flat_range_to_boxes(shape, r * 96, (r + 1) * 96)]}
+    cuts = sorted(set(torch.randint(1, 64 * 96, (40,), generator=rng).tolist()))
+    layouts["ragged"] = [b for lo, hi in zip([0] + cuts, cuts + [64 * 96]) for b in flat_range_to_boxes(shape, lo, hi)]
+    for name, boxes in layouts.items():
+        check_tiling(name, shape, boxes)
+        for i in (1, len(boxes) // 2, len(boxes) - 1):
+            moved = list(boxes)
+            b = moved[i]
+            d = next(d for d in range(2) if b.lengths[d] < shape[d])   # grow it onto a neighbour
+            off, ln = list(b.offsets), list(b.lengths)
+            if off[d] + ln[d] < shape[d]:
+                ln[d] += 1
+            else:
+                off[d], ln[d] = off[d] - 1, ln[d] + 1
+            moved[i] = Box(tuple(off), tuple(ln))
+            uniq = sorted(set(moved))
+            assert any(a.intersect(c) is not None for j, a in enumerate(uniq) for c in uniq[j + 1:])
+            with pytest.raises(FormatError, match="overlap"):
+                check_tiling(name, shape, moved)
+
+
 def test_box_validation():
     with pytest.raises(FormatError):
         Box((0, -1), (1, 1))

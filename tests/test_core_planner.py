@@ -109,3 +109,15 @@ def test_plan_with_two_copies_lists_both_files():
     assert len(files) == 2 and plan.stats["stored_bytes"] == 80
     writers = sorted(int(f[4:9]) for f in files)
     assert {["a", "a", "b", "b"][w] for w in writers} == {"a", "b"}
+
+
+def test_tiling_is_rechecked_when_the_structure_changes():
+    """The planner remembers structures it proved to tile (same boxes at every checkpoint), but a
+    tensor whose boxes change is checked again."""
+    def meta(box, h="a"):
+        return ShardMeta("optim/x", "optim", "float32", (4,), box, h, replicated=False)
+    good = [[meta(Box((0,), (2,)))], [meta(Box((2,), (2,)))]]
+    plan_save(good)
+    plan_save([[meta(Box((0,), (2,)), "b")], [meta(Box((2,), (2,)), "c")]])   # new hashes, same boxes
+    with pytest.raises(Exception, match="cover 3 of 4"):
+        plan_save([[meta(Box((0,), (2,)))], [meta(Box((2,), (1,)))]])
