@@ -43,7 +43,7 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     import deepspeed
 
     ckpt = resolve(src, tag)
-    r = CheckpointReader(ckpt, verify=verify, cache_bytes=256 << 20)
+    r = CheckpointReader(ckpt, verify=verify, cache_bytes=32 << 20)
     m = r.manifest
     if m.framework.get("name") != "deepspeed":
         raise StateError(f"{ckpt} was saved by {m.framework.get('name')!r}, not DeepSpeed; "
