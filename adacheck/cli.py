@@ -359,8 +359,11 @@ def _convert_deepspeed(args) -> int:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
     if not args.json:
         sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
+    if args.step is not None and direction == "from-native":
+        raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with --from deepspeed")
     out = native.convert(direction, args.src, args.out, dp=args.dp, zero_stage=args.zero_stage, tag=args.tag,
-                         ds_config=args.ds_config, optimizer=args.optimizer, verify=not args.no_verify)
+                         ds_config=args.ds_config, optimizer=args.optimizer, verify=not args.no_verify,
+                         step=args.step)
     what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
             "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
     print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
@@ -382,6 +385,9 @@ def cmd_convert(args) -> int:
                              f"{human(done)}/{human(total)}")
     if args.from_ == "deepspeed" or args.to == "deepspeed" or (args.to == "adacheck" and args.from_ == "adacheck"):
         return _convert_deepspeed(args)
+    if args.step is not None:
+        raise ConfigError("--step materialises online deltas of DeepSpeed checkpoints: use it with --to deepspeed "
+                          "or --to adacheck")
     if args.from_ == "torch-dist":
         if args.to != "adacheck":
             raise ConfigError("--from torch-dist converts into AdaCheck: use --to adacheck (or leave --to out)")
@@ -489,6 +495,9 @@ def main(argv=None) -> int:
                    help="--to deepspeed: the ZeRO stage of the native files (default: the saving one)")
     s.add_argument("--dp", type=int, default=None,
                    help="--to deepspeed: the data-parallel size of the native files (default: the saving one)")
+    s.add_argument("--step", type=int, default=None,
+                   help="--to deepspeed / adacheck: the step to materialise: a base's step or one of its "
+                   "committed online steps (default: the newest; the base is found in SRC)")
     s.add_argument("--ds-config", default=None, metavar="JSON",
                    help="DeepSpeed config to build the conversion engines with (default: the recorded one)")
     s.add_argument("--optimizer", default=None, metavar="CLASS",

@@ -73,6 +73,7 @@ class AdaCheckDeepSpeed:
         self.config = config
         self.last_manifest = None
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
+        self.replay_until = None    # load replays committed deltas up to this step (None: all)
         self.online = None
         if config.online.enabled:
             from .online import OnlineDS

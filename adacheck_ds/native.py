@@ -301,6 +301,13 @@ def run_rank(a) -> None:
                               f"on {spec.world} ranks (this is {world})")
         m = CheckpointReader(src, verify=False).manifest
         dl = deltas.summary(src, m.step, spec.world) if deltas.step_dirs(src) else {"committed": 0, "last": m.step}
+        if a.step is not None:
+            if not (dl["committed"] and m.step < a.step <= dl["last"]) and a.step != m.step:
+                raise ConfigError(f"{src} holds step {m.step} and committed online steps "
+                                  f"{dl['first']}..{dl['last']}: step {a.step} is not among them"
+                                  if dl["committed"] else f"{src} holds only step {m.step}, not {a.step}")
+            dl["last"] = a.step
+            dl["committed"] = a.step - m.step
         pending = dl["committed"]
         if pending and (world, stage) != (spec.world, spec.stage):
             raise ConfigError(f"{src} has {pending} committed online steps, which replay only in the saving "
@@ -311,6 +318,7 @@ def run_rank(a) -> None:
         torch.distributed.barrier()   # every rank checked before any writes
         engine = build_engine(spec, stage)
         ac = adacheck_ds.attach(engine, {"enabled": True, "verify_on_load": not a.no_verify})
+        ac.replay_until = dl["last"]
         # AdaCheck's load: resharded to this layout, committed deltas replayed
         _, client_state = ac.load_checkpoint(os.path.dirname(src), tag=os.path.basename(src))
         if engine.global_steps != dl["last"]:
@@ -401,11 +409,10 @@ def spawn(world: int, argv: List[str], grace: float = 60.0) -> None:
 
 def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_stage: Optional[int] = None,
             tag: Optional[str] = None, ds_config: Optional[str] = None, optimizer: Optional[str] = None,
-            verify: bool = True) -> str:
+            verify: bool = True, step: Optional[int] = None) -> str:
     """Convert on this machine (ranks started here); returns the written checkpoint directory."""
     if direction not in DIRECTIONS:
         raise ConfigError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
-    os.makedirs(out, exist_ok=True)
     opts = ["--ds-config", ds_config] if ds_config else []
     opts += ["--optimizer", optimizer] if optimizer else []
     opts += ["--no-verify"] if not verify else []
@@ -417,31 +424,64 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
         _refuse_existing(final)
         spawn(spec.world, ["from-native", src, out, *base])
         return final
+    if step is not None and tag is None and not os.path.isfile(os.path.join(src, commit.MANIFEST_NAME)):
+        tag = base_for_step(src, step)
     src_dir = resolve(src, tag)
+    base = list(opts)   # the ranks get the checkpoint directory itself
     spec = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
     dp = dp or spec.world
     stage = spec.stage if zero_stage is None else zero_stage
     m = CheckpointReader(src_dir, verify=False).manifest
     summary = deltas.summary(src_dir, m.step, spec.world) if deltas.step_dirs(src_dir) else {"committed": 0}
+    if step is not None:
+        if step == m.step:
+            summary = {"committed": 0}
+        elif summary["committed"] and m.step < step <= summary["last"]:
+            summary = {"committed": step - m.step, "last": step}
+        else:
+            raise ConfigError(f"{src_dir} (step {m.step}) cannot reach step {step}: its committed online steps "
+                              f"are {summary.get('first')}..{summary.get('last')}" if summary["committed"] else
+                              f"{src_dir} holds only step {m.step}, not {step}")
+        base += ["--step", str(step)]
     if direction == "materialise":
         final = os.path.join(out, f"global_step{summary['last']}" if summary["committed"] else m.tag)
         _refuse_existing(final)
-        spawn(spec.world, ["materialise", src, out, *base])
+        spawn(spec.world, ["materialise", src_dir, out, *base])
         return final
+    out_tag = f"global_step{summary['last']}" if summary["committed"] else m.tag
+    final = os.path.join(out, out_tag)
+    _refuse_existing(final)
+    os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".adacheck-convert-", dir=out)
     try:
         if summary["committed"] and (dp, stage) != (spec.world, spec.stage):
             # the deltas replay only in the saving layout: materialise there first
-            spawn(spec.world, ["materialise", src, os.path.join(work, "base"), *base])
-            base, src = opts, os.path.join(work, "base")
-        out_tag = f"global_step{summary['last']}" if summary["committed"] else m.tag
-        final = os.path.join(out, out_tag)
-        _refuse_existing(final)
-        spawn(dp, ["to-native", src, out, "--zero-stage", str(stage), "--tmp", os.path.join(work, "native"),
+            spawn(spec.world, ["materialise", src_dir, os.path.join(work, "base"), *base])
+            src_dir = os.path.join(work, "base", out_tag)
+            base = list(opts)
+        spawn(dp, ["to-native", src_dir, out, "--zero-stage", str(stage), "--tmp", os.path.join(work, "native"),
                    "--out-tag", out_tag, *base])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+def base_for_step(save_dir: str, step: int) -> str:
+    """The tag of the newest complete checkpoint in ``save_dir`` from which ``step`` is reachable
+    (it is that step, or its committed online deltas reach it)."""
+    found = []
+    for t, m, _ in commit.list_checkpoints(save_dir):
+        if m is None or m.step is None or m.step > step:
+            continue
+        last = m.step
+        if m.step < step and deltas.step_dirs(os.path.join(save_dir, t)):
+            last = deltas.summary(os.path.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)))["last"] or m.step
+        if last >= step:
+            found.append((m.step, t))
+    if not found:
+        raise ConfigError(f"no checkpoint in {save_dir} holds step {step} or reaches it with committed online "
+                          "deltas (adacheck inspect shows each base's steps)")
+    return max(found)[1]
 
 
 def _refuse_existing(final: str) -> None:
@@ -461,6 +501,8 @@ def main(argv=None) -> int:
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON to use instead of the recorded one")
     p.add_argument("--optimizer", default=None, help="client optimizer class, e.g. torch.optim.AdamW")
     p.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
+    p.add_argument("--step", type=int, default=None,
+                   help="materialise this step (a base's step or one of its committed online steps)")
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-tag", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -470,7 +512,7 @@ def main(argv=None) -> int:
         run_rank(a)
         return 0
     print(convert(a.direction, a.src, a.out, a.dp, a.zero_stage, a.tag, a.ds_config, a.optimizer,
-                  not a.no_verify))
+                  not a.no_verify, a.step))
     return 0
 
 

@@ -93,6 +93,7 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
             (["back", "nsrc2", "--to", "deepspeed"]),
             (["nat2", "back2", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]),   # a client optimizer
             (["on", "onm", "--to", "adacheck"]),                                      # deltas -> one base
+            (["on", "on3", "--to", "adacheck", "--step", "3"]),                       # or a chosen step
             (["on", "onn", "--to", "deepspeed", "--zero-stage", "3", "--dp", "4"])]  # via the saving layout
     for args in conv:
         assert cli(["convert", f"{d}/{args[0]}", f"{d}/{args[1]}", *args[2:]]) == 0, args
@@ -106,6 +107,8 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
     assert cli(["convert", f"{d}/nsrc", f"{d}/x", "--from", "deepspeed", "--dp", "3"]) == 2
     assert cli(["convert", f"{d}/S2.safetensors", f"{d}/x", "--from", "deepspeed"]) == 2
     assert cli(["convert", f"{d}/nat2", f"{d}/x", "--from", "deepspeed"]) == 2   # which optimizer?
+    assert cli(["convert", f"{d}/on", f"{d}/x", "--to", "adacheck", "--step", "9"]) == 2   # not recorded
+    assert not os.path.exists(f"{d}/x")
     # AdaCheck -> native -> AdaCheck: the same tensors
     from adacheck.checkpoint import CheckpointReader, resolve
     a, b = CheckpointReader(resolve(f"{d}/ck2")), CheckpointReader(resolve(f"{d}/back2"))
@@ -122,6 +125,8 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
              actions=[["load_native", f"{d}/nsrc2"], ["dump", "LN1"], ["train", 2], ["dump", "LNA1"]]),
         dict(stage=1, dtype="bf16", layers=3, seed=7, adacheck={"enabled": True},
              actions=[["load", f"{d}/onm"], ["dump", "LM"]]),
+        dict(stage=1, dtype="bf16", layers=3, seed=7, adacheck={"enabled": True},
+             actions=[["load", f"{d}/on3"], ["dump", "LM3"]]),
     ]}, f"{d}/l2"))
     check(launch(4, {"runs": [
         dict(stage=3, dtype="bf16", layers=3, frozen=["norm"], seed=7,
@@ -129,7 +134,7 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
         dict(stage=3, dtype="bf16", layers=3, seed=7, actions=[["load_native", f"{d}/onn"], ["dump", "LO"]]),
     ]}, f"{d}/l4"))
     for ref, got in (("S2", "l2/L2"), ("A2", "l2/LA2"), ("S0", "l2/L1"), ("N1", "l2/LN1"), ("NA1", "l2/LNA1"),
-                     ("S2", "l4/L34"), ("O_5", "l2/LM"), ("O_5", "l4/LO")):
+                     ("S2", "l4/L34"), ("O_5", "l2/LM"), ("O_3", "l2/LM3"), ("O_5", "l4/LO")):
         saved, loaded = load_file(f"{d}/{ref}.safetensors"), load_file(f"{d}/{got}.safetensors")
         assert set(saved) == set(loaded), (ref, got)
         for k in saved:
