@@ -107,6 +107,15 @@ class _Slot:
     keys: List[str] = field(default_factory=list)
 
 
+def _background_priority() -> None:
+    """Let the training threads win the CPU over this writer (Linux sets niceness per thread);
+    when the writer falls behind, the staging slots apply back-pressure instead."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):   # not Linux, or not permitted: keep the default
+        pass
+
+
 class DeltaLog:
     """This rank's writer of one chain (the deltas of one base checkpoint).
 
@@ -207,6 +216,7 @@ class DeltaLog:
 
     # -- writer side (background thread)
     def _run(self) -> None:
+        _background_priority()
         while True:
             job = self._jobs.get()
             if job is None:
