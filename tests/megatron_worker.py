@@ -4,7 +4,7 @@ spec = {"runs": [{"argv": [pretrain_gpt.py flags], "actions": [["train", 2], ["s
 Every run builds its own layout (parallel state, GPTModel, DDP, optimizer, scheduler) with
 scripts/pretrain_gpt.py's own functions in the same process group, then tears the parallel
 state down, so several layouts share one launch. Actions:
-  train N | online [false] | dump NAME | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
+  train N | train_to N | train_dump N PREFIX [MARKER] | online [false] | dump NAME | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json: per run, the losses (from the last pipeline stage),
 the iterations loaded and errors caught by expect_error.
 """
@@ -48,11 +48,17 @@ def run_one(run, out):
     def do(action):
         nonlocal iteration
         kind, rest = action[0], action[1:]
-        if kind == "train":
-            for _ in range(rest[0]):
+        if kind in ("train", "train_to", "train_dump"):
+            # train N | train_to N (until iteration N) | train_dump N PREFIX [MARKER]: after each
+            # iteration dump PREFIX<iteration> (and touch MARKER<iteration>-rank<r>)
+            for _ in range(rest[0] - iteration if kind == "train_to" else rest[0]):
                 iteration += 1
                 loss, _, _, _ = P.train_step(args, iteration, model, optimizer, scheduler)
                 res["losses"].append(last_stage_value(loss))
+                if kind == "train_dump":
+                    do(["dump", f"{rest[1]}{iteration}"])
+                    if len(rest) > 2:
+                        open(os.path.join(out, f"{rest[2]}{iteration}-rank{torch.distributed.get_rank()}"), "w").close()
         elif kind == "online":   # start the online mode (flags in argv), or stop it: ["online", false]
             from adacheck_megatron import online
             if rest and rest[0] is False:

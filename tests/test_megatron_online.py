@@ -2,6 +2,10 @@
 replays the committed deltas to exactly the state of the uninterrupted run."""
 import json
 import os
+import random
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -52,3 +56,39 @@ def test_recovery_replays_deltas_bit_exactly(tmp_path):
         assert b["losses"] == ref["losses"][6:8], name
         ck = f"{d}/ck-{name}"
         assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000004", "iter_0000007", "latest"], name
+
+
+def test_sigkill_at_a_random_iteration_then_recover_and_continue(tmp_path):
+    """PP=2 bf16 with online deltas (bases every 5 iterations); rank 1 is SIGKILLed after a random
+    iteration; a new job recovers the newest committed iteration with every rank's state equal to
+    the uninterrupted run's there, and finishes with the uninterrupted run's losses."""
+    d = str(tmp_path)
+    argv = LAYOUTS["pp2-bf16"]
+    on = argv + ["--adacheck", "--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "5"]
+    check(launch(2, {"runs": [{"argv": argv, "actions": [["train_dump", 16, "U"]]}]}, f"{d}/u",
+                 script="megatron_worker.py"))
+    ref = results(f"{d}/u")[0]["losses"]
+    kill_after = random.Random(os.getpid()).randint(3, 11)
+
+    def killer(procs):
+        marker = f"{d}/k/m{kill_after}-rank1"
+        deadline = time.monotonic() + 400
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(random.random() * 0.2)
+        procs[1].send_signal(signal.SIGKILL)
+
+    res = launch(2, {"runs": [{"argv": on, "actions": [["online"], ["train_dump", 16, "K", "m"]]}]}, f"{d}/k",
+                 script="megatron_worker.py", grace=30,
+                 on_started=lambda procs: threading.Thread(target=killer, args=(procs,), daemon=True).start())
+    assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
+    check(launch(2, {"runs": [{"argv": on, "actions": [["online"], ["scramble"], ["load", f"{d}/ck"],
+                                                       ["dump", "R"], ["train_to", 16], ["online", False]]}]},
+                 f"{d}/r", script="megatron_worker.py"))
+    r = results(f"{d}/r")[0]
+    t = r["loaded"][0]
+    assert kill_after - 1 <= t <= 16, (t, kill_after)
+    for rank in (0, 1):
+        same(load_file(f"{d}/u/U{t}-rank{rank}.safetensors"), load_file(f"{d}/r/R-rank{rank}.safetensors"),
+             f"iteration {t} rank {rank}")
+    assert r["losses"] == ref[t:16]
