@@ -13,6 +13,7 @@ before the new manifest is durable.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -134,19 +135,48 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata
 _META_FIELDS = ("name", "kind", "dtype", "shape", "hash", "derive", "derive_ok", "replicated")
 
 
-def _encode_payload(payload: dict) -> bytes:
-    """What a rank tells the others before a save, as compact JSON (never pickle)."""
-    d = dict(payload)
-    d["metas"] = [[getattr(m, f) for f in _META_FIELDS] + [m.box.offsets, m.box.lengths]
-                  for m in payload["metas"]]
-    return json.dumps(d, separators=(",", ":"), allow_nan=False).encode("utf-8")
+_STRUCT_FIELDS = tuple(f for f in _META_FIELDS if f != "hash")
+# What every rank of a world of N sent last time: N -> {rank: (digest, structure)}.  A training
+# job saves the same boxes at every checkpoint, so after the first save a rank whose structure
+# is unchanged sends only its digest and the hashes (see _exchange).
+_EXCHANGED: Dict[int, Dict[int, Tuple[str, list]]] = {}
 
 
-def _decode_payload(blob: bytes) -> dict:
-    d = json.loads(blob.decode("utf-8"))
-    d["metas"] = [ShardMeta(**dict(zip(_META_FIELDS, m[:-2])), box=Box(tuple(m[-2]), tuple(m[-1])))
-                  for m in d["metas"]]
-    return d
+def _json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _exchange(comm: Comm, payload: dict, how: str):
+    """Every rank's payload on every rank (compact JSON, never pickle), and the bytes received.
+
+    A rank's shard list is split into its *structure* (names, kinds, dtypes, shapes, boxes,
+    declarations) and its hashes.  Where every rank holds the same cache of the structures sent
+    last time (checked with one small all-gather of digests), a rank whose structure did not
+    change sends its digest instead of the structure."""
+    structure = [[getattr(m, f) for f in _STRUCT_FIELDS] + [m.box.offsets, m.box.lengths] for m in payload["metas"]]
+    digest = hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
+    cache = _EXCHANGED.setdefault(comm.world_size, {})
+    view = hashlib.blake2b(_json([cache.get(r, ("",))[0] for r in range(comm.world_size)]),
+                           digest_size=16).hexdigest() if len(cache) == comm.world_size else None
+    views = comm.all_gather_object((digest, view))
+    shared = views[0][1] is not None and all(v[1] == views[0][1] for v in views)
+    compact = [shared and cache[r][0] == views[r][0] for r in range(comm.world_size)]
+    d = {k: v for k, v in payload.items() if k != "metas"}
+    d.update(digest=digest, hashes=[m.hash for m in payload["metas"]],
+             structure=None if compact[comm.rank] else structure)
+    blobs = comm.all_gather_bytes(_json(d), how)
+    gathered = []
+    for r, blob in enumerate(blobs):
+        g = json.loads(blob.decode("utf-8"))
+        st = g.pop("structure")
+        st = cache[r][1] if st is None else st
+        if len(st) != len(g["hashes"]):
+            raise FormatError(f"rank {r} sent {len(g['hashes'])} hashes for {len(st)} shards")
+        cache[r] = (g["digest"], st)
+        g["metas"] = [ShardMeta(**dict(zip(_STRUCT_FIELDS, m[:-2])), hash=h, box=Box(tuple(m[-2]), tuple(m[-1])))
+                      for m, h in zip(st, g.pop("hashes"))]
+        gathered.append(g)
+    return gathered, comm.bytes_received([len(b) for b in blobs], how), sum(compact)
 
 
 def node_id() -> str:
@@ -204,12 +234,10 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
     payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
     t_hashed = time.perf_counter()
-    blob = _encode_payload(payload)
-    blobs = comm.all_gather_bytes(blob, exchange)
-    gathered = [_decode_payload(b) for b in blobs]
+    gathered, received, compact = _exchange(comm, payload, exchange)
     t_prepare = time.perf_counter()
-    exchanged = {"how": exchange, "seconds": t_prepare - t_hashed,
-                 "bytes_received": comm.bytes_received([len(b) for b in blobs], exchange)}
+    exchanged = {"how": exchange, "seconds": t_prepare - t_hashed, "bytes_received": received,
+                 "ranks_sent_digest_only": compact}
     generation = gathered[0]["generation"]
     prev_tag = gathered[0]["previous"]
 

@@ -12,9 +12,11 @@ import torch
 
 
 def rng_state() -> dict:
-    py = random.getstate()
+    version, words, gauss = random.getstate()
     npst = np.random.get_state()
-    out = {"python": py, "numpy": {"kind": npst[0], "keys": torch.from_numpy(npst[1].astype(np.int64)),
+    # python's 625 state words as a tensor (stored and hashed like any tensor, not as JSON text)
+    out = {"python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+           "numpy": {"kind": npst[0], "keys": torch.from_numpy(npst[1].astype(np.int64)),
                                     "pos": int(npst[2]), "has_gauss": int(npst[3]),
                                     "cached_gaussian": float(npst[4])},
            "torch": torch.get_rng_state()}
@@ -24,7 +26,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    random.setstate(s["python"])
+    py = s["python"]
+    if isinstance(py, dict):
+        random.setstate((py["version"], tuple(py["words"].tolist()), py["gauss"]))
+    else:   # checkpoints before the state words became a tensor: [version, [words], gauss]
+        random.setstate((py[0], tuple(py[1]), py[2]))
     n = s["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))

@@ -10,7 +10,10 @@ exchange, and prints (and writes as JSON):
   2nd/1st         bytes written by the second checkpoint / by the first (unchanged boxes are
                   referenced in the first)
   detect/save     time to hash every held box and exchange the (box, hash) lists / save time
-  ring B, gather B  bytes each rank received in that exchange: ring vs all-gather
+  1st save B      bytes each rank received in the first save's exchange (every rank's full
+                  (box, hash) list)
+  ring B, gather B  bytes each rank received in the later saves' exchange, ring vs all-gather
+                  (a rank whose boxes did not change sends a digest and its hashes only)
 
     .venv/bin/python scripts/bench_redundancy.py [--dp 2 4] [--json bench_redundancy.json]
 """
@@ -85,7 +88,8 @@ def worker(a) -> None:
         m3 = alt.last_manifest
         mine = {m["exchange"]["how"]: m["exchange"] for m in (m2.stats, m3.stats)}
         everyone = [None] * world
-        dist.all_gather_object(everyone, {h: v["bytes_received"] for h, v in mine.items()})
+        dist.all_gather_object(everyone, dict({h: v["bytes_received"] for h, v in mine.items()},
+                                              first=m1.stats["exchange"]["bytes_received"]))
         if rank == 0:
             first = du(os.path.join(ck, "first"))
             sec = m2.stats["seconds"]
@@ -97,6 +101,7 @@ def worker(a) -> None:
                 "referenced_bytes_second": m2.stats["referenced_bytes"],
                 "detect_s": sec["prepare"], "save_s": sec["total"],
                 "detect_over_save": sec["prepare"] / sec["total"],
+                "first_save_bytes_per_rank": max(e["first"] for e in everyone),   # structures sent in full
                 "ring_bytes_per_rank": max(e["ring"] for e in everyone),
                 "allgather_bytes_per_rank": max(e["allgather"] for e in everyone),
                 "ring_s": mine["ring"]["seconds"], "allgather_s": mine["allgather"]["seconds"],
@@ -110,12 +115,12 @@ def worker(a) -> None:
 
 
 def table(rows) -> str:
-    out = ["| DP | ZeRO | dtype | frozen half | stored/unique | 2nd/1st | detect/save | ring B/rank "
-           "| all-gather B/rank | ring s | all-gather s |", "|" + "---:|" * 11]
+    out = ["| DP | ZeRO | dtype | frozen half | stored/unique | 2nd/1st | detect/save | 1st save B/rank "
+           "| ring B/rank | all-gather B/rank | ring s | all-gather s |", "|" + "---:|" * 12]
     for r in rows:
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {'yes' if r['frozen_half'] else 'no'} | "
                    f"{r['stored_over_unique']:.4f}x | {r['second_over_first']:.3f} | "
-                   f"{r['detect_over_save']:.2f} | {r['ring_bytes_per_rank']:,} | "
+                   f"{r['detect_over_save']:.2f} | {r['first_save_bytes_per_rank']:,} | {r['ring_bytes_per_rank']:,} | "
                    f"{r['allgather_bytes_per_rank']:,} | {r['ring_s']:.4f} | {r['allgather_s']:.4f} |")
     return "\n".join(out)
 

@@ -160,6 +160,8 @@ def act(engine, a, rec, out_dir, rank):
         cs = {"epoch": 3, "note": "hi", "vec": torch.arange(4.0)}
         engine.save_checkpoint(a[1], tag=a[2] if len(a) > 2 else None, client_state=cs,
                                **(a[3] if len(a) > 3 else {}))
+        if getattr(engine, "adacheck", None) is not None and engine.adacheck.last_manifest is not None:
+            rec.setdefault("exchanges", []).append(engine.adacheck.last_manifest.stats["exchange"])
     elif op == "save_native":
         adacheck_ds.save_native(engine, a[1])
     elif op == "load":

@@ -349,17 +349,27 @@ def test_redundancy_factor_two_survives_a_damaged_copy(tmp_path):
 
 
 def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
+    """Both exchanges give the same manifests; after the first save, ranks whose boxes did not
+    change send only a digest and their hashes (fewer bytes, same manifests); a rank whose
+    boxes changed (another model) sends its structure again."""
     d = str(tmp_path)
     c = dict(stage=1, dtype="bf16", frozen=["inp."])
     runs = [dict(c, adacheck={"enabled": True, "exchange": how},
-                 actions=[["exchange_check"], ["train", 2], ["save", f"{d}/{how}", "t"]])
+                 actions=[["exchange_check"], ["train", 2], ["save", f"{d}/{how}", "t"], ["train", 1],
+                          ["save", f"{d}/{how}", "t2"]])
             for how in ("ring", "allgather")]
+    runs.append(dict(c, hidden=41, adacheck={"enabled": True}, actions=[["train", 1], ["save", f"{d}/other", "t"]]))
     check(launch(4, {"runs": runs}, d))
     for r in range(4):
         ex = results(d, r)[0]["exchange"]
         assert ex["ring"] == ex["allgather"] == ex["expected"]
-    ring, gather = (json.load(open(f"{d}/{how}/t/manifest.json")) for how in ("ring", "allgather"))
-    assert ring["tensors"] == gather["tensors"] and ring["files"] == gather["files"]
+    for t in ("t", "t2"):
+        ring, gather = (json.load(open(f"{d}/{how}/{t}/manifest.json")) for how in ("ring", "allgather"))
+        assert ring["tensors"] == gather["tensors"] and ring["files"] == gather["files"], t
+    ring, gather, other = (results(d)[i]["exchanges"] for i in range(3))
+    assert [e["ranks_sent_digest_only"] for e in ring + gather + other] == [0, 4, 4, 4, 0]
+    assert ring[1]["bytes_received"] < ring[0]["bytes_received"] / 2, ring
+    assert other[0]["bytes_received"] > ring[1]["bytes_received"]
 
 
 def test_diverged_replica_is_reported_and_both_copies_kept(tmp_path):
