@@ -509,8 +509,22 @@ def main(argv=None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # one rank (torchrun or spawn)
         if a.direction == "to-native" and a.tmp is None:
             a.tmp = os.path.join(a.out, f".adacheck-convert-{os.environ.get('MASTER_PORT', 'x')}")
-        run_rank(a)
-        return 0
+        code = 0
+        try:
+            run_rank(a)
+            import torch.distributed as dist
+            dist.barrier()
+            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001 - reported, then the rank exits non-zero
+            import traceback
+            traceback.print_exc()
+            code = 1
+        # Leave without running interpreter teardown: DeepSpeed's and gloo's C++ threads can
+        # abort the process there ("terminate called without an active exception") after the
+        # conversion succeeded, which would read as a failed rank.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     print(convert(a.direction, a.src, a.out, a.dp, a.zero_stage, a.tag, a.ds_config, a.optimizer,
                   not a.no_verify, a.step))
     return 0
