@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 from adacheck import commit, deltas
@@ -70,7 +70,6 @@ class ModelSpec:
     lr_scheduler: Optional[dict] = None   # state of a client LR scheduler (no "scheduler" block)
     stage: int = 0                   # the saving layout (for replay / native loads)
     world: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ the model description
