@@ -139,3 +139,21 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
         assert set(saved) == set(loaded), (ref, got)
         for k in saved:
             assert torch.equal(saved[k], loaded[k]), (ref, got, k)
+
+
+def test_shell_module_rebuilds_parameter_order_and_refuses_impossible_orders():
+    """The shell DeepSpeed is built around has the recorded parameters in module order (what
+    DeepSpeed flattens and partitions by); an order no module tree yields is refused."""
+    import pytest
+    from adacheck.errors import StateError
+    from adacheck_ds.native import ModelSpec, shell_module
+    net = Net(37, 3).to(torch.bfloat16)
+    params = [(n, tuple(p.shape), "bfloat16", not n.startswith("norm")) for n, p in net.named_parameters()]
+    buffers = [(n, tuple(b.shape), "float32") for n, b in net.named_buffers()]
+    shell = shell_module(ModelSpec(params, buffers, [[p[0] for p in params]], None, {}))
+    assert [(n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in shell.named_parameters()] == \
+        [(n, s, torch.bfloat16, t) for n, s, _, t in params]
+    assert [n for n, _ in shell.named_buffers()] == [n for n, _ in net.named_buffers()]
+    assert set(shell.state_dict()) == set(net.state_dict())
+    with pytest.raises(StateError, match="module tree"):
+        shell_module(ModelSpec([("a.w", (2,), "float32", True), ("b", (2,), "float32", True)], [], [], None, {}))
