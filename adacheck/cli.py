@@ -357,10 +357,10 @@ def _convert_deepspeed(args) -> int:
         raise ConfigError("--zero-stage / --dp choose the layout of native files: use them with --to deepspeed")
     if args.dp is not None and args.dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {args.dp}")
-    if not args.json:
-        sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
     if args.step is not None and direction == "from-native":
         raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with --from deepspeed")
+    if not args.json:
+        sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
     out = native.convert(direction, args.src, args.out, dp=args.dp, zero_stage=args.zero_stage, tag=args.tag,
                          ds_config=args.ds_config, optimizer=args.optimizer, verify=not args.no_verify,
                          step=args.step)

@@ -36,6 +36,7 @@ import glob
 import importlib
 import json
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -73,7 +74,8 @@ class ModelSpec:
 
 
 # ------------------------------------------------------------------ the model description
-def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None) -> ModelSpec:
+def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
+    """The shell of an AdaCheck DeepSpeed checkpoint, and its manifest."""
     r = CheckpointReader(ckpt_dir, verify=False)
     m = r.manifest
     if m.framework.get("name") != "deepspeed":
@@ -103,7 +105,24 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None) -> Model
                for n in ms["buffers"] if f"buffer/{n}" in m.tensors]
     return ModelSpec(params, buffers, ms["groups"], ms.get("optimizer"), cfg,
                      lr_scheduler=objects.get("lr_scheduler") if "scheduler" not in cfg else None,
-                     stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)))
+                     stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1))), m
+
+
+def reach(ckpt_dir: str, m, world: int, step: Optional[int] = None):
+    """(online steps to replay, the step a load ends at, the tag for that state) for the
+    checkpoint ``ckpt_dir`` with manifest ``m``: its committed deltas, or up to ``step``."""
+    dl = deltas.summary(ckpt_dir, m.step, world) if deltas.step_dirs(ckpt_dir) else {"committed": 0}
+    pending, last = dl["committed"], (dl["last"] if dl["committed"] else m.step)
+    if step is not None and step != last:
+        if step == m.step:
+            pending, last = 0, m.step
+        elif pending and m.step < step < last:
+            pending, last = step - m.step, step
+        else:
+            raise ConfigError(f"{ckpt_dir} holds step {m.step} and committed online steps {dl['first']}..{last}: "
+                              f"step {step} is not among them" if pending else
+                              f"{ckpt_dir} holds only step {m.step}, not {step}")
+    return pending, last, (f"global_step{last}" if pending else m.tag)
 
 
 def _native_dir(src: str, tag: Optional[str]) -> str:
@@ -121,8 +140,14 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
     """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
     import torch
     files = sorted(glob.glob(os.path.join(ckpt_dir, "*model_states.pt")))
-    # DeepSpeed's own pickles (it loads them the same way); mapped to CPU, tensors only read
-    sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    # DeepSpeed's own torch.save file, read without running code (weights_only: tensors, sizes,
+    # dicts, lists and plain values; what DeepSpeed writes there)
+    try:
+        sd = torch.load(files[0], map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise StateError(f"{files[0]} holds objects other than tensors and plain values, which AdaCheck does not "
+                         f"unpickle ({str(e).splitlines()[0]}); load it in the training job with AdaCheck enabled "
+                         "and save once instead") from None
     cfg = ds_config if ds_config is not None else sd.get("ds_config")
     if isinstance(cfg, str) and os.path.isfile(cfg):
         with open(cfg, encoding="utf-8") as f:
@@ -293,36 +318,26 @@ def run_rank(a) -> None:
             ac.save_checkpoint(a.out, tag=os.path.basename(src), client_state=client_state)
             return
         src = resolve(a.src, a.tag)
-        spec = spec_from_adacheck(src, ds_config)
+        spec, m = spec_from_adacheck(src, ds_config)
         stage = spec.stage if a.zero_stage is None else a.zero_stage
         if a.direction == "materialise" and (world, stage) != (spec.world, spec.stage):
             raise ConfigError(f"materialising replays the deltas in the saving layout: ZeRO-{spec.stage} "
                               f"on {spec.world} ranks (this is {world})")
-        m = CheckpointReader(src, verify=False).manifest
-        dl = deltas.summary(src, m.step, spec.world) if deltas.step_dirs(src) else {"committed": 0, "last": m.step}
-        if a.step is not None:
-            if not (dl["committed"] and m.step < a.step <= dl["last"]) and a.step != m.step:
-                raise ConfigError(f"{src} holds step {m.step} and committed online steps "
-                                  f"{dl['first']}..{dl['last']}: step {a.step} is not among them"
-                                  if dl["committed"] else f"{src} holds only step {m.step}, not {a.step}")
-            dl["last"] = a.step
-            dl["committed"] = a.step - m.step
-        pending = dl["committed"]
+        pending, last, out_tag = reach(src, m, spec.world, a.step)
         if pending and (world, stage) != (spec.world, spec.stage):
             raise ConfigError(f"{src} has {pending} committed online steps, which replay only in the saving "
                               f"layout (ZeRO-{spec.stage} on {spec.world} ranks): run 'materialise' there first "
                               "(adacheck convert --to deepspeed does both)")
-        out_tag = a.out_tag or (f"global_step{dl['last']}" if pending else m.tag)
+        out_tag = a.out_tag or out_tag
         _refuse_existing(os.path.join(a.out, out_tag))
         torch.distributed.barrier()   # every rank checked before any writes
         engine = build_engine(spec, stage)
         ac = adacheck_ds.attach(engine, {"enabled": True, "verify_on_load": not a.no_verify})
-        ac.replay_until = dl["last"]
+        ac.replay_until = last
         # AdaCheck's load: resharded to this layout, committed deltas replayed
         _, client_state = ac.load_checkpoint(os.path.dirname(src), tag=os.path.basename(src))
-        if engine.global_steps != dl["last"]:
-            raise StateError(f"loading {src} reached step {engine.global_steps}, not its newest committed "
-                             f"step {dl['last']}")
+        if engine.global_steps != last:
+            raise StateError(f"loading {src} reached step {engine.global_steps}, not step {last}")
         if a.direction == "materialise":
             ac.save_checkpoint(a.out, tag=out_tag, client_state=client_state or {})
             return
@@ -427,33 +442,21 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
         tag = base_for_step(src, step)
     src_dir = resolve(src, tag)
     base = list(opts)   # the ranks get the checkpoint directory itself
-    spec = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
+    spec, m = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
     dp = dp or spec.world
     stage = spec.stage if zero_stage is None else zero_stage
-    m = CheckpointReader(src_dir, verify=False).manifest
-    summary = deltas.summary(src_dir, m.step, spec.world) if deltas.step_dirs(src_dir) else {"committed": 0}
+    pending, _, out_tag = reach(src_dir, m, spec.world, step)
     if step is not None:
-        if step == m.step:
-            summary = {"committed": 0}
-        elif summary["committed"] and m.step < step <= summary["last"]:
-            summary = {"committed": step - m.step, "last": step}
-        else:
-            raise ConfigError(f"{src_dir} (step {m.step}) cannot reach step {step}: its committed online steps "
-                              f"are {summary.get('first')}..{summary.get('last')}" if summary["committed"] else
-                              f"{src_dir} holds only step {m.step}, not {step}")
         base += ["--step", str(step)]
-    if direction == "materialise":
-        final = os.path.join(out, f"global_step{summary['last']}" if summary["committed"] else m.tag)
-        _refuse_existing(final)
-        spawn(spec.world, ["materialise", src_dir, out, *base])
-        return final
-    out_tag = f"global_step{summary['last']}" if summary["committed"] else m.tag
     final = os.path.join(out, out_tag)
     _refuse_existing(final)
+    if direction == "materialise":
+        spawn(spec.world, ["materialise", src_dir, out, *base])
+        return final
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".adacheck-convert-", dir=out)
     try:
-        if summary["committed"] and (dp, stage) != (spec.world, spec.stage):
+        if pending and (dp, stage) != (spec.world, spec.stage):
             # the deltas replay only in the saving layout: materialise there first
             spawn(spec.world, ["materialise", src_dir, os.path.join(work, "base"), *base])
             src_dir = os.path.join(work, "base", out_tag)
@@ -472,9 +475,7 @@ def base_for_step(save_dir: str, step: int) -> str:
     for t, m, _ in commit.list_checkpoints(save_dir):
         if m is None or m.step is None or m.step > step:
             continue
-        last = m.step
-        if m.step < step and deltas.step_dirs(os.path.join(save_dir, t)):
-            last = deltas.summary(os.path.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)))["last"] or m.step
+        _, last, _ = reach(os.path.join(save_dir, t), m, int(m.topology.get("world_size", 1)))
         if last >= step:
             found.append((m.step, t))
     if not found:

@@ -140,7 +140,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
     comm = ac.comm()
     world = int(manifest.topology.get("world_size", 1))
     steps, why = O.committed(comm, ckpt_dir, manifest.step, world)
-    until = getattr(ac, "replay_until", None)
+    until = ac.replay_until
     if until is not None and steps and steps[-1].step > until:
         steps, why = [s for s in steps if s.step <= until], f"stopped at the requested step {until}"
     if steps:
