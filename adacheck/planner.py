@@ -160,7 +160,6 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
     referenced = 0
-    fnames: Dict[int, str] = {}
     for name, e in tensors.items():
         if e.derived is not None:
             continue
@@ -171,7 +170,7 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
                 referenced += sb.box.numel * itemsize(e.dtype)
                 continue
             for w in writer_of[sb.key]:   # one stored copy per writer
-                fname = fnames.get(w) or fnames.setdefault(w, file_name(w, generation))
+                fname = file_name(w, generation)
                 files.setdefault(fname, {"writer": w, "nbytes": 0})
                 files[fname]["nbytes"] += sb.box.numel * itemsize(e.dtype)
                 writes[w].append((name, sb.box, sb.key))
