@@ -246,8 +246,12 @@ def _positional(original, n, a, kw):
     return bound.arguments, list(bound.arguments.values())[:n]
 
 
-def adacheck_save_checkpoint(original):
-    """Megatron-LM's ``save_checkpoint``, delegating to :func:`save_checkpoint` with --adacheck."""
+_NATIVE = object()   # a delegate's answer: let Megatron-LM's own function do it
+
+
+def _delegating(original, delegate):
+    """``original`` calling ``delegate(named arguments, first six positional values, args)``
+    instead when --adacheck is on, unless the delegate answers _NATIVE."""
     if getattr(original, _INSTALLED, False):
         return original
 
@@ -256,29 +260,28 @@ def adacheck_save_checkpoint(original):
         args = _get_args()
         if getattr(args, "adacheck", False):
             named, first = _positional(original, 6, a, kw)
-            if not named.get("non_persistent_ckpt", False):
-                return save_checkpoint(*first, args=args)
+            out = delegate(named, first, args)
+            if out is not _NATIVE:
+                return out
         return original(*a, **kw)
 
     return _mark(wrapper, original)
+
+
+def adacheck_save_checkpoint(original):
+    """Megatron-LM's ``save_checkpoint``, delegating to :func:`save_checkpoint` with --adacheck
+    (non-persistent checkpoints stay Megatron-LM's)."""
+    return _delegating(original, lambda named, first, args: _NATIVE if named.get("non_persistent_ckpt", False)
+                       else save_checkpoint(*first, args=args))
 
 
 def adacheck_load_checkpoint(original):
-    """Megatron-LM's ``load_checkpoint``, delegating to :func:`load_checkpoint` with --adacheck."""
-    if getattr(original, _INSTALLED, False):
-        return original
-
-    @functools.wraps(original)
-    def wrapper(*a, **kw):
-        args = _get_args()
-        if getattr(args, "adacheck", False):
-            _, first = _positional(original, 6, a, kw)
-            loaded = load_checkpoint(*first, args=args)
-            if loaded is not None:
-                return loaded
-        return original(*a, **kw)
-
-    return _mark(wrapper, original)
+    """Megatron-LM's ``load_checkpoint``, delegating to :func:`load_checkpoint` with --adacheck
+    (a directory without an AdaCheck checkpoint is Megatron-LM's to load)."""
+    def delegate(named, first, args):
+        loaded = load_checkpoint(*first, args=args)
+        return _NATIVE if loaded is None else loaded
+    return _delegating(original, delegate)
 
 
 def adacheck_setup_model_and_optimizer(original):
