@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +65,19 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
         out.append((p.returncode, log.read()))
         log.close()
     return out
+
+
+def kill_at_marker(marker: str, victim: int = 1, jitter: float = 0.3, wait: float = 400):
+    """An ``on_started`` for launch(): SIGKILL rank ``victim`` within ``jitter`` seconds after the
+    file ``marker`` appears (or after ``wait`` seconds)."""
+    def killer(procs):
+        deadline = time.monotonic() + wait
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(random.random() * jitter)
+        procs[victim].send_signal(signal.SIGKILL)
+
+    return lambda procs: threading.Thread(target=killer, args=(procs,), daemon=True).start()
 
 
 def check(results):

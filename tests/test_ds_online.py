@@ -1,18 +1,15 @@
 """Online gradient deltas with real DeepSpeed engines (CPU, gloo, 2 processes): recovery
 replays the committed deltas to exactly the state of the uninterrupted run."""
 import json
-import logging
 import os
 import random
 import signal
-import threading
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import check, launch
+from launch import check, kill_at_marker, launch
 from test_ds_integration import LAYOUTS, assert_same, results
 
 from adacheck import deltas as D
@@ -105,20 +102,8 @@ def test_sigkill_at_a_random_step_then_recover_and_continue(tmp_path):
     ref = results(f"{d}/u")[0]["losses"]
     ac = online(ck, base_interval=5)
     kill_after = random.Random(os.getpid()).randint(4, 14)
-
-    def killer(procs):
-        marker = f"{d}/k/m{kill_after}-rank1"
-        deadline = time.monotonic() + 400
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(random.random() * 0.3)
-        procs[1].send_signal(signal.SIGKILL)
-
-    def started(procs):
-        threading.Thread(target=killer, args=(procs,), daemon=True).start()
-
     res = launch(2, {"runs": [dict(model, adacheck=ac, actions=[["train_dump", 24, "K", "m"]])]}, f"{d}/k",
-                 on_started=started, grace=30)
+                 on_started=kill_at_marker(f"{d}/k/m{kill_after}-rank1"), grace=30)
     assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
     check(launch(2, {"runs": [dict(model, seed=11, adacheck=ac,
                                    actions=[["load", ck], ["steps"], ["dump", "R"], ["train_to", 24]])]},

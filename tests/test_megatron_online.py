@@ -4,14 +4,12 @@ import json
 import os
 import random
 import signal
-import threading
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import check, launch
+from launch import check, kill_at_marker, launch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -69,18 +67,8 @@ def test_sigkill_at_a_random_iteration_then_recover_and_continue(tmp_path):
                  script="megatron_worker.py"))
     ref = results(f"{d}/u")[0]["losses"]
     kill_after = random.Random(os.getpid()).randint(3, 11)
-
-    def killer(procs):
-        marker = f"{d}/k/m{kill_after}-rank1"
-        deadline = time.monotonic() + 400
-        while not os.path.exists(marker) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(random.random() * 0.2)
-        procs[1].send_signal(signal.SIGKILL)
-
     res = launch(2, {"runs": [{"argv": on, "actions": [["online"], ["train_dump", 16, "K", "m"]]}]}, f"{d}/k",
-                 script="megatron_worker.py", grace=30,
-                 on_started=lambda procs: threading.Thread(target=killer, args=(procs,), daemon=True).start())
+                 script="megatron_worker.py", grace=30, on_started=kill_at_marker(f"{d}/k/m{kill_after}-rank1", jitter=0.2))
     assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
     check(launch(2, {"runs": [{"argv": on, "actions": [["online"], ["scramble"], ["load", f"{d}/ck"],
                                                        ["dump", "R"], ["train_to", 16], ["online", False]]}]},
