@@ -34,12 +34,75 @@ from .manifest import FORMAT_VERSION, split_file
 from .planner import plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
-from .writer import fsync_dir, write_safetensors
+from .writer import fsync_dir, write_safetensors_streaming
+
+
+class DeferredSource:
+    """Tensors read only when their bytes are needed, for saves that must not hold a whole
+    state (offline conversions).  ``load(key)`` returns the full tensor ``key``; the most
+    recent one is kept, so the pieces of one tensor (see split_chunks) cost one read."""
+
+    def __init__(self, load: Callable[[str], torch.Tensor]):
+        self._load = load
+        self._last: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+        self.reads = 0
+
+    def get(self, key: str) -> torch.Tensor:
+        if self._last[0] != key:
+            self._last = (None, None)          # drop the previous tensor before reading the next
+            self._last = (key, self._load(key))
+            self.reads += 1
+        return self._last[1]
+
+    def tensor(self, key: str, shape, dtype: torch.dtype) -> "Deferred":
+        return Deferred(self, key, tuple(shape), dtype, None)
+
+    def release(self) -> None:
+        self._last = (None, None)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Shape and dtype of a tensor whose bytes a DeferredSource reads on demand (a row range
+    ``rows`` of it, after split_chunks).  A save hashes it, then reads it again to write it."""
+    source: DeferredSource
+    key: str
+    shape: tuple
+    dtype: torch.dtype
+    rows: Optional[Tuple[int, int]]
+
+    def narrow(self, dim: int, start: int, length: int) -> "Deferred":
+        if dim != 0:
+            raise ValueError("a deferred tensor is cut along its first axis only")
+        base = self.rows[0] if self.rows else 0
+        return Deferred(self.source, self.key, (length,) + self.shape[1:], self.dtype, (base + start, length))
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> torch.Tensor:
+        t = self.source.get(self.key)
+        if self.rows is not None:
+            t = t.narrow(0, *self.rows)
+        if t.dtype != self.dtype or tuple(t.shape) != self.shape:
+            raise FormatError(f"{self.key}: read {t.dtype}{list(t.shape)}, expected {self.dtype}{list(self.shape)}")
+        return t.detach().to("cpu").contiguous()
+
+
+def _bytes_of(t) -> torch.Tensor:
+    return t.materialize() if isinstance(t, Deferred) else t
 
 
 @dataclass
 class LocalShard:
-    """A box of a logical tensor held by this rank; ``tensor`` has shape ``box.lengths``."""
+    """A box of a logical tensor held by this rank; ``tensor`` has shape ``box.lengths`` (a
+    torch tensor, or a Deferred one that is read when hashed and again when written)."""
 
     name: str
     kind: str
@@ -69,7 +132,7 @@ def _meta(s: LocalShard) -> ShardMeta:
     if tuple(s.tensor.shape) != tuple(s.box.lengths):
         raise FormatError(f"{s.name}: tensor of shape {tuple(s.tensor.shape)} given for box {s.box}")
     return ShardMeta(name=s.name, kind=s.kind, dtype=dtype_name(s.tensor.dtype), shape=tuple(s.shape),
-                     box=s.box, hash=hash_tensor(s.tensor), derive=s.derive,
+                     box=s.box, hash=hash_tensor(_bytes_of(s.tensor)), derive=s.derive,
                      derive_ok=s.derive_ok, replicated=s.replicated)
 
 
@@ -102,26 +165,28 @@ def _object_shards(tree, prefix: str, replicated: bool):
     return enc, shards
 
 
-def snapshot(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, torch.Tensor]:
-    """The boxes this rank writes as contiguous CPU tensors (key -> tensor).
+def snapshot(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, object]:
+    """The boxes this rank writes (key -> contiguous CPU tensor, or a Deferred one).
 
     Device tensors are copied to the host; contiguous CPU tensors are written in place, as
-    the save is synchronous: nothing changes them between hashing and writing.
+    the save is synchronous: nothing changes them between hashing and writing.  Deferred
+    tensors are read when the writer reaches them.
     """
     staged = {}
     for name, box, key in writes:
-        t = shards[(name, box)].tensor.detach()
-        staged[key] = t.to("cpu").contiguous()
+        t = shards[(name, box)].tensor
+        staged[key] = t if isinstance(t, Deferred) else t.detach().to("cpu").contiguous()
     return staged
 
 
-def persist(ckpt_dir: str, fname: str, staged: Dict[str, torch.Tensor], metadata: dict,
+def persist(ckpt_dir: str, fname: str, staged: Dict[str, object], metadata: dict,
             fsync: bool = True) -> int:
     """Write one shard file under a temporary name, fsync it, and rename it into place."""
     final = os.path.join(ckpt_dir, fname)
     tmp = final + commit.TMP_SUFFIX
+    specs = [(k, t.dtype, tuple(t.shape)) for k, t in staged.items()]
     try:
-        size = write_safetensors(tmp, staged, metadata, fsync=fsync)
+        size = write_safetensors_streaming(tmp, specs, lambda k: _bytes_of(staged[k]), metadata, fsync=fsync)
         commit.publish_file(tmp, final)
         if fsync:
             fsync_dir(ckpt_dir)

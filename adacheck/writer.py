@@ -53,6 +53,7 @@ def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, t
             buf = tensor_bytes(t.detach().to("cpu").contiguous())
             f.write(buf)
             size += len(buf)
+            del t, buf   # before the next produce(): one tensor at a time
         f.flush()
         if fsync:
             os.fsync(f.fileno())

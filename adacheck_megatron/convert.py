@@ -17,8 +17,13 @@ optimizer or of a DistributedOptimizer saved as ``fully_reshardable`` (the ``dp_
 layout describes internal buffers, not parameters, and is refused with a hint). Tensors are
 read one at a time with megatron-core's own loader.
 
-Peak memory: ``to_torch_dist`` holds the whole state once (dist_checkpointing.save takes one
-state dict); ``from_torch_dist`` too (the AdaCheck save hashes and writes it in one pass).
+Peak memory: ``to_torch_dist`` streams: megatron-core's ``dist_checkpointing.save`` gets a state
+dict of shape-only (meta) tensors and a save strategy that writes the same torch_dist files
+(PyTorch DCP, one file) while reading each logical tensor from the AdaCheck checkpoint only
+when its bytes are due, so at most one logical tensor is in memory. ``from_torch_dist`` too: the
+AdaCheck save gets deferred tensors, read one at a time with megatron-core's loader when they
+are hashed and again when written (two reads of the source, one tensor in memory; a weight
+and its fp32 master are compared once, two tensors).
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from adacheck import jsontree
 from adacheck.errors import ConfigError, StateError
 from adacheck.exchange import SoloComm
 
-from adacheck.types import Box
+from adacheck.types import Box, torch_dtype
 
 from .checkpointing import _json_args
 from .state import MASTER_PREFIX
@@ -78,6 +83,53 @@ def _megatron(r: core.CheckpointReader):
     return fw
 
 
+def _streaming_strategy(load: Callable[[str], torch.Tensor]):
+    """A torch_dist save strategy whose tensors are read only when written: the state dict holds
+    meta tensors (shapes and dtypes for the plan and metadata) and ``load(key)`` gives the bytes.
+    The files are PyTorch DCP's, as megatron-core's own torch_dist strategy writes them (tensors
+    under their sharded keys, sharded objects as pickled lists under their unique keys), so
+    megatron-core's loader reads them into any layout."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class Planner(DefaultSavePlanner):
+        def resolve_data(self, item):
+            if item.type == WriteItemType.BYTE_IO:     # already serialized, as megatron-core does
+                return self.lookup_object(item.index)
+            t = load(item.index.fqn)
+            want = self.lookup_object(item.index)
+            if t.dtype != want.dtype or t.shape != want.shape:
+                raise StateError(f"{item.index.fqn}: read {t.dtype}{list(t.shape)}, the manifest says "
+                                 f"{want.dtype}{list(want.shape)}")
+            return t
+
+    class Streaming(SaveShardedStrategy):
+        def can_handle_sharded_objects(self):
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            flat = {}
+            for v in nested_values(sharded_state_dict):
+                if isinstance(v, ShardedTensor):
+                    flat[v.key] = v.data
+                elif isinstance(v, ShardedObject):
+                    buf = io.BytesIO()
+                    torch.save([v.data], buf)
+                    flat[v.unique_key] = buf
+            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1,
+                                          sync_files=True)
+            dcp.save(flat, storage_writer=writer, planner=Planner(flatten_state_dict=False,
+                                                                  flatten_sharded_tensors=False))
+
+    return Streaming("torch_dist", 1)
+
+
 def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: bool = True,
                   progress: Optional[Callable[[int, int], None]] = None) -> str:
     """Convert AdaCheck checkpoint ``src`` to a torch_dist checkpoint ``<out_dir>/iter_NNNNNNN``
@@ -101,16 +153,25 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
                  num_floating_point_operations_so_far=objects.get("num_floating_point_operations_so_far", 0),
                  args=argparse.Namespace(**objects.get("args", {})), checkpoint_version=3.0)
     names = sorted(n for n, e in r.manifest.tensors.items() if e.kind in ("model", "master", "optim"))
-    tensors = {}
-    for i, n in enumerate(names):
+    tensors, sources = {}, {}
+    for n in names:
         key = n
         if distopt is not None and n.startswith(MASTER_PREFIX):
             key = _DISTOPT_PARAM + n[len(MASTER_PREFIX):]
-        t = r.read(n)
-        tensors[key] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
-        if progress:
-            progress(i + 1, len(names))
+        e = r.manifest.tensors[n]
+        shape = tuple(e.shape)
+        tensors[key] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=torch_dtype(e.dtype),
+                                                                        device="meta"), replica_id=0)
+        sources[key] = n
     state["adacheck_tensors"] = tensors
+    done = [0]
+
+    def load(key: str) -> torch.Tensor:
+        t = r.read(sources[key])
+        done[0] += 1
+        if progress:
+            progress(done[0], len(names))
+        return t
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     objs = {}
     for i in range(len(r.manifest.rank_objects)):
@@ -122,7 +183,7 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
     os.makedirs(tmp)
     store = _solo_group()
     try:
-        dist_checkpointing.save(state, tmp)
+        dist_checkpointing.save(state, tmp, sharded_strategy=_streaming_strategy(load))
     finally:
         _done(store)
     os.replace(tmp, final)
@@ -183,25 +244,33 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
         if skipped:
             warnings.warn(f"AdaCheck: {len(skipped)} sharded objects are not plain values and were not "
                           f"converted: {skipped[:8]}")
-        full = {}
-        names = sorted(meta)
-        for i, key in enumerate(names):   # one tensor at a time, with megatron-core's loader
+        def read(key: str) -> torch.Tensor:   # one tensor, with megatron-core's loader
             m = meta[key]
             want = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(m.global_shape), dtype=m.dtype),
                                                    replica_id=0)
-            name = MASTER_PREFIX + key[len(_DISTOPT_PARAM):] if key.startswith(_DISTOPT_PARAM) else key
-            full[name] = dist_checkpointing.load({"t": want}, src)["t"]
+            return dist_checkpointing.load({"t": want}, src)["t"]
+
+        source = core.DeferredSource(read)
+        key_of = {MASTER_PREFIX + k[len(_DISTOPT_PARAM):] if k.startswith(_DISTOPT_PARAM) else k: k
+                  for k in sorted(meta)}
+        shards = []
+        for i, name in enumerate(sorted(key_of)):
+            shape = tuple(meta[key_of[name]].global_shape)
+            kind = "master" if name.startswith(MASTER_PREFIX) else "optim" if name.startswith("optimizer.") else "model"
+            master = MASTER_PREFIX + name if kind == "model" and MASTER_PREFIX + name in key_of else None
+            ok = False
+            if master is not None and tuple(meta[key_of[master]].global_shape) == shape:
+                # is the weight its master cast down? (then only the master is stored)
+                t = source.get(key_of[name])
+                ok = bool(torch.equal(read(key_of[master]).to(t.dtype), t))
+            shards.append(core.LocalShard(name, kind, shape, Box.full(shape),
+                                          source.tensor(key_of[name], shape, meta[key_of[name]].dtype),
+                                          derive=master, derive_ok=ok))
             if progress:
-                progress(i + 1, len(names))
-    finally:
+                progress(i + 1, len(key_of))
+    except BaseException:
         _done(store)
-    shards = []
-    for name, t in full.items():
-        kind = "master" if name.startswith(MASTER_PREFIX) else "optim" if name.startswith("optimizer.") else "model"
-        master = full.get(MASTER_PREFIX + name) if kind == "model" else None
-        ok = master is not None and master.shape == t.shape and torch.equal(master.to(t.dtype), t)
-        shards.append(core.LocalShard(name, kind, tuple(t.shape), Box.full(t.shape), t,
-                                      derive=MASTER_PREFIX + name if master is not None else None, derive_ok=ok))
+        raise
     rest = {k: v for k, v in common.items() if k not in _TOP_LEVEL}
     if distopt is not None:
         rest.pop("optimizer", None)
@@ -218,5 +287,9 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
                  "layout": {}, "names": {"model": "", "master": MASTER_PREFIX}}
     state = core.LocalState(shards=shards, objects=objects, rank_objects={"sharded_objects": sharded_objects},
                             layout={}, framework=framework, step=iteration)
-    return core.save(SoloComm(), save_dir, f"iter_{iteration:07d}", lambda: state, fsync=fsync,
-                     reference_previous=False)
+    try:   # the save reads each tensor from src when it hashes it and again when it writes it
+        return core.save(SoloComm(), save_dir, f"iter_{iteration:07d}", lambda: state, fsync=fsync,
+                         reference_previous=False)
+    finally:
+        source.release()
+        _done(store)

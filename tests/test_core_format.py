@@ -2,14 +2,15 @@
 import json
 import os
 import shutil
+import weakref
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from adacheck.boxes import flat_range_to_boxes
-from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, load, resolve, save
-from adacheck.errors import FormatError, IntegrityError, NotFoundError
+from adacheck.checkpoint import CheckpointReader, DeferredSource, LocalShard, LocalState, load, resolve, save
+from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
 from adacheck.exchange import SoloComm
 from adacheck.types import Box
 
@@ -51,6 +52,43 @@ def test_golden_loads_and_is_standard_safetensors(tmp_path):
     assert torch.equal(r.objects()["t"], torch.arange(2))
     raw = load_file(os.path.join(GOLDEN, "rank00000-g0.safetensors"))
     assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
+
+
+def test_deferred_tensors_save_the_same_bytes_reading_one_tensor_at_a_time(tmp_path):
+    """Offline conversions hand the save tensors it reads on demand: the files are byte for byte
+    those of the same save with the tensors in memory (also when big tensors are cut into
+    pieces), each tensor is read once to hash it and once to write it, and the source never
+    holds more than one tensor (it drops the last before the next read)."""
+    g = torch.Generator().manual_seed(1)
+    full = {"a": torch.randn(40, 8, generator=g), "b": torch.randn(3, 5, generator=g).bfloat16(),
+            "c": torch.randn(64, generator=g), "d": torch.tensor(3.0)}
+    held, alive = [], []
+
+    def read(key):
+        assert not [r for r in alive if r() is not None], "an earlier tensor is still held"
+        held.append(key)
+        t = full[key]
+        arr = t.view(torch.int16).numpy().copy() if t.dtype == torch.bfloat16 else t.numpy().copy()
+        alive.append(weakref.ref(arr))      # alive while any tensor uses its memory
+        out = torch.from_numpy(arr)
+        return out.view(torch.bfloat16) if t.dtype == torch.bfloat16 else out
+
+    src = DeferredSource(read)
+    eager = [LocalShard(k, "optim", tuple(t.shape), Box.full(t.shape), t) for k, t in full.items()]
+    lazy = [LocalShard(k, "optim", tuple(t.shape), Box.full(t.shape), src.tensor(k, t.shape, t.dtype))
+            for k, t in full.items()]
+    for name, shards in (("eager", eager), ("lazy", lazy)):
+        save(SoloComm(), str(tmp_path / name), "s", lambda: LocalState(list(shards), step=1), chunk_bytes=256)
+    files = sorted(os.listdir(tmp_path / "eager" / "s"))
+    assert files == sorted(os.listdir(tmp_path / "lazy" / "s"))
+    for f in files:
+        assert (tmp_path / "eager" / "s" / f).read_bytes() == (tmp_path / "lazy" / "s" / f).read_bytes(), f
+    assert len(CheckpointReader(str(tmp_path / "lazy" / "s")).manifest.tensors["a"].boxes) == 5   # pieces
+    assert sorted(held) == sorted(list(full) * 2) and src.reads == 8
+    bad = DeferredSource(lambda key: torch.zeros(2))
+    with pytest.raises(DistributedError, match=r"x: read torch.float32\[2\], expected torch.float32\[3\]"):
+        save(SoloComm(), str(tmp_path / "bad"), "s", lambda: LocalState(
+            [LocalShard("x", "optim", (3,), Box.full((3,)), bad.tensor("x", (3,), torch.float32))]))
 
 
 @pytest.fixture
