@@ -409,8 +409,9 @@ def cmd_convert(args) -> int:
             sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
                              f"committed online steps (to step {dl['last']}); the conversion holds the "
                              "base's step. For the newest step make it a base first: DeepSpeed: adacheck "
-                             "convert SRC NEW --to adacheck (replays the deltas); Megatron: load the "
-                             "directory in the training job and save once.\n")
+                             "convert SRC NEW --to adacheck (replays the deltas); Megatron: run the "
+                             "training script with --adacheck --load SRC --adacheck-convert-save NEW "
+                             "[--ckpt-step N] (or Megatron-LM's --ckpt-convert-format torch_dist).\n")
     if args.to == "torch-dist":
         from adacheck_megatron.convert import to_torch_dist
         out = to_torch_dist(d, args.out, verify=not args.no_verify, progress=progress)

@@ -42,7 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import commit, jsontree
-from .errors import FormatError, IntegrityError
+from .errors import ConfigError, FormatError, IntegrityError
 from .hashing import hash_tensor
 from .reader import SafetensorsFile
 from .types import dtype_name, torch_dtype
@@ -427,3 +427,37 @@ def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
             "stops": why, "lossy": any(s.lossy for s in steps),
             "max_abs_error": max([s.max_abs_error() for s in steps] or [0.0]),
             "on_disk": len(step_dirs(ckpt_dir))}
+
+
+def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None) -> Tuple[int, int]:
+    """(committed online steps to replay, the step a load ends at) for the base checkpoint
+    ``ckpt_dir`` at ``base_step`` saved by ``world`` ranks: all its committed deltas, or those
+    up to ``step`` (which must be the base's step or one of them)."""
+    dl = summary(ckpt_dir, base_step, world) if step_dirs(ckpt_dir) else {"committed": 0}
+    pending, last = dl["committed"], (dl["last"] if dl["committed"] else base_step)
+    if step is not None and step != last:
+        if step == base_step:
+            pending, last = 0, base_step
+        elif pending and base_step < step < last:
+            pending, last = step - base_step, step
+        else:
+            raise ConfigError(f"{ckpt_dir} holds step {base_step} and committed online steps {dl['first']}..{last}: "
+                              f"step {step} is not among them" if pending else
+                              f"{ckpt_dir} holds only step {base_step}, not {step}")
+    return pending, last
+
+
+def base_for_step(save_dir: str, step: int) -> str:
+    """The tag of the newest complete checkpoint in ``save_dir`` from which ``step`` is reachable
+    (it is that step, or its committed online deltas reach it)."""
+    found = []
+    for t, m, _ in commit.list_checkpoints(save_dir):
+        if m is None or m.step is None or m.step > step:
+            continue
+        _, last = reach(os.path.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)))
+        if last >= step:
+            found.append((m.step, t))
+    if not found:
+        raise ConfigError(f"no checkpoint in {save_dir} holds step {step} or reaches it with committed online "
+                          "deltas (adacheck inspect shows each base's steps)")
+    return max(found)[1]

@@ -109,19 +109,8 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
 
 
 def reach(ckpt_dir: str, m, world: int, step: Optional[int] = None):
-    """(online steps to replay, the step a load ends at, the tag for that state) for the
-    checkpoint ``ckpt_dir`` with manifest ``m``: its committed deltas, or up to ``step``."""
-    dl = deltas.summary(ckpt_dir, m.step, world) if deltas.step_dirs(ckpt_dir) else {"committed": 0}
-    pending, last = dl["committed"], (dl["last"] if dl["committed"] else m.step)
-    if step is not None and step != last:
-        if step == m.step:
-            pending, last = 0, m.step
-        elif pending and m.step < step < last:
-            pending, last = step - m.step, step
-        else:
-            raise ConfigError(f"{ckpt_dir} holds step {m.step} and committed online steps {dl['first']}..{last}: "
-                              f"step {step} is not among them" if pending else
-                              f"{ckpt_dir} holds only step {m.step}, not {step}")
+    """(online steps to replay, the step a load ends at, the DeepSpeed tag for that state)."""
+    pending, last = deltas.reach(ckpt_dir, m.step, world, step)
     return pending, last, (f"global_step{last}" if pending else m.tag)
 
 
@@ -439,7 +428,7 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
         spawn(spec.world, ["from-native", src, out, *base])
         return final
     if step is not None and tag is None and not os.path.isfile(os.path.join(src, commit.MANIFEST_NAME)):
-        tag = base_for_step(src, step)
+        tag = deltas.base_for_step(src, step)
     src_dir = resolve(src, tag)
     base = list(opts)   # the ranks get the checkpoint directory itself
     spec, m = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
@@ -466,22 +455,6 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
-
-
-def base_for_step(save_dir: str, step: int) -> str:
-    """The tag of the newest complete checkpoint in ``save_dir`` from which ``step`` is reachable
-    (it is that step, or its committed online deltas reach it)."""
-    found = []
-    for t, m, _ in commit.list_checkpoints(save_dir):
-        if m is None or m.step is None or m.step > step:
-            continue
-        _, last, _ = reach(os.path.join(save_dir, t), m, int(m.topology.get("world_size", 1)))
-        if last >= step:
-            found.append((m.step, t))
-    if not found:
-        raise ConfigError(f"no checkpoint in {save_dir} holds step {step} or reaches it with committed online "
-                          "deltas (adacheck inspect shows each base's steps)")
-    return max(found)[1]
 
 
 def _refuse_existing(final: str) -> None:

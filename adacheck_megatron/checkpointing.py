@@ -34,6 +34,7 @@ from adacheck import checkpoint as core
 from adacheck import jsontree
 from adacheck.commit import list_checkpoints, read_latest
 from adacheck.config import AdaCheckConfig
+from adacheck.deltas import base_for_step
 from adacheck.errors import ConfigError, StateError
 from adacheck.exchange import SoloComm, TorchComm
 from adacheck.rng import rng_state, set_rng_state
@@ -248,8 +249,11 @@ def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
                     checkpointing_context=None, *, args: Optional[argparse.Namespace] = None,
                     config: Optional[AdaCheckConfig] = None, tag: Optional[str] = None,
-                    return_extra_state: bool = False):
+                    return_extra_state: bool = False, iteration: Optional[int] = None):
     """Load the newest complete checkpoint (or ``tag``) into this layout.
+
+    ``iteration``: load that iteration instead: the newest checkpoint that holds it, or whose
+    committed online deltas reach it (replayed up to it; same layout only).
 
     Returns ``(iteration, num_floating_point_operations_so_far)`` like Megatron-LM's
     load_checkpoint, ``(0, 0)`` when the directory holds no checkpoint yet; with
@@ -261,6 +265,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     load_dir = cfg.save_dir or getattr(args, load_arg, None)
     if not load_dir:
         raise ConfigError(f"AdaCheck load needs a directory: --adacheck-dir or --{load_arg}")
+    until = None
+    if iteration is not None:
+        if tag is not None:
+            raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
+        tag, until = base_for_step(load_dir, int(iteration)), int(iteration)
     if tag is None and read_latest(load_dir) is None and not os.path.isfile(
             os.path.join(load_dir, "manifest.json")):
         complete = [t for t, m, _ in list_checkpoints(load_dir) if m is not None] if os.path.isdir(load_dir) else []
@@ -346,9 +355,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if load_optim and opt_param_scheduler is not None:
         from . import online
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
-                                   latest=read_latest(load_dir) == manifest.tag,
+                                   latest=read_latest(load_dir) == manifest.tag and until is None,
                                    same_layout=_same_layout(manifest.layout.get("ranks", []), topology(),
-                                                            comm.world_size), iteration=iteration)
+                                                            comm.world_size), iteration=iteration, until=until)
+    elif until is not None and until != iteration:
+        raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
+                          "state (not with --no-load-optim / --finetune)")
     flops = 0 if finetune else objects.get("num_floating_point_operations_so_far", 0)
     if comm.rank == 0:
         log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects["iteration"],

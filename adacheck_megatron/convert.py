@@ -87,8 +87,8 @@ def _streaming_strategy(load: Callable[[str], torch.Tensor]):
     """A torch_dist save strategy whose tensors are read only when written: the state dict holds
     meta tensors (shapes and dtypes for the plan and metadata) and ``load(key)`` gives the bytes.
     The files are PyTorch DCP's, as megatron-core's own torch_dist strategy writes them (tensors
-    under their sharded keys, sharded objects as pickled lists under their unique keys), so
-    megatron-core's loader reads them into any layout."""
+    under their sharded keys, sharded objects as pickled lists under their unique keys; one
+    file per item), so megatron-core's loader reads them into any layout."""
     import io
 
     import torch.distributed.checkpoint as dcp
@@ -122,7 +122,9 @@ def _streaming_strategy(load: Callable[[str], torch.Tensor]):
                     buf = io.BytesIO()
                     torch.save([v.data], buf)
                     flat[v.unique_key] = buf
-            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1,
+            # one file per tensor: PyTorch's writer keeps every tensor of a file referenced until
+            # the file is closed, so one file for all would hold the whole state in memory
+            writer = dcp.FileSystemWriter(str(checkpoint_dir), single_file_per_rank=False, thread_count=1,
                                           sync_files=True)
             dcp.save(flat, storage_writer=writer, planner=Planner(flatten_state_dict=False,
                                                                   flatten_sharded_tensors=False))
@@ -137,7 +139,7 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    r = core.CheckpointReader(core.resolve(src, tag), verify=verify)
+    r = core.CheckpointReader(core.resolve(src, tag), verify=verify, cache_bytes=32 << 20)   # streams
     _megatron(r)
     objects = r.objects()
     iteration = int(objects["iteration"])

@@ -19,6 +19,13 @@
   --adacheck-online-queue-depth N
   --adacheck-online-on-error {disable,raise}
 
+and one action that is not a config key:
+
+  --adacheck-convert-save DIR     load (replaying the committed online deltas, up to
+                                  --ckpt-step if given), save that state as one AdaCheck
+                                  checkpoint into DIR, and exit: materialises the newest
+                                  recoverable (or a chosen) iteration, in the job's layout
+
 A flag left out keeps the config default.  ``config_from_args(args)`` validates the result
 with the same rules as the DeepSpeed block and names the offending flag in the error.
 """
@@ -89,6 +96,9 @@ def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         else:
             g.add_argument(flag, dest=dest, type=int, default=None, metavar="N",
                            help=f"adacheck.{key} (default {default})")
+    g.add_argument("--adacheck-convert-save", default=None, metavar="DIR",
+                   help="load (replaying online deltas, up to --ckpt-step if given), save that state as one "
+                        "AdaCheck checkpoint into DIR, and exit")
     return parser
 
 
@@ -110,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> AdaCheckConfig:
     if others and not online.get("enabled"):
         raise ConfigError(f"{', '.join(others)} given without --adacheck-online; add --adacheck-online "
                           "to record gradient deltas, or drop those flags")
+    if getattr(args, "adacheck_convert_save", None) and not block.get("enabled"):
+        raise ConfigError("--adacheck-convert-save converts an AdaCheck checkpoint: add --adacheck (and --load)")
     if online:
         block["online"] = online
     try:

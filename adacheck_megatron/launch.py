@@ -171,13 +171,15 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         _print_rank0(f"AdaCheck: {native} is a native Megatron checkpoint: loading it with "
                      "Megatron-LM's loader; the next save is AdaCheck's")
         return None
-    # Megatron-LM loads inside setup_model_and_optimizer: attach the online mode first, so
-    # that the load replays its deltas and continues its chain
-    setup_hooks(model, optimizer, opt_param_scheduler, args)
+    converting = _converting(args)
+    if not converting:
+        # Megatron-LM loads inside setup_model_and_optimizer: attach the online mode first, so
+        # that the load replays its deltas and continues its chain
+        setup_hooks(model, optimizer, opt_param_scheduler, args)
     step = getattr(args, "ckpt_step", None)
-    tag = f"iter_{int(step):07d}" if step is not None else None
     iteration, flops, extra = adacheck_load(model, optimizer, opt_param_scheduler, load_arg, strict,
-                                            checkpointing_context, args=args, config=cfg, tag=tag,
+                                            checkpointing_context, args=args, config=cfg,
+                                            iteration=None if step is None else int(step),
                                             return_extra_state=True)
     finetune = bool(getattr(args, "finetune", False))
     if iteration and not finetune:
@@ -203,7 +205,35 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
             group.setdefault("default_config", True)   # as Megatron-LM's loader
     if iteration:
         _print_rank0(f"AdaCheck: loaded iteration {iteration} from {load_dir}")
+    if getattr(args, "adacheck_convert_save", None):
+        _convert_save_and_exit(iteration, flops, model, optimizer, opt_param_scheduler, args, cfg)
     return iteration, flops
+
+
+def _converting(args) -> bool:
+    """A conversion run: Megatron-LM's --ckpt-convert-format (native output) or
+    --adacheck-convert-save (AdaCheck output); it loads, saves once and exits."""
+    return bool(getattr(args, "ckpt_convert_format", None) or getattr(args, "adacheck_convert_save", None))
+
+
+def _convert_save_and_exit(iteration, flops, model, optimizer, opt_param_scheduler, args, cfg) -> None:
+    """--adacheck-convert-save DIR: the state just loaded (online deltas replayed) as one AdaCheck
+    checkpoint in DIR, then exit, as Megatron-LM's --ckpt-convert-format does."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from .checkpointing import save_checkpoint as adacheck_save
+    if not iteration:
+        raise ConfigError(f"--adacheck-convert-save: no checkpoint was loaded from {cfg.save_dir or args.load}")
+    out = dataclasses.replace(cfg, save_dir=args.adacheck_convert_save,
+                              online=dataclasses.replace(cfg.online, enabled=False))
+    adacheck_save(iteration, model, optimizer, opt_param_scheduler, flops, None, args=args, config=out,
+                  extra_state=_extra_state(args, iteration))
+    if dist.is_initialized():
+        dist.barrier()
+    _print_rank0(f"AdaCheck: converted iteration {iteration} -> {args.adacheck_convert_save}")
+    sys.exit(0)
 
 
 # ----------------------------------------------------------------------------- wrappers
@@ -270,9 +300,11 @@ def _delegating(original, delegate):
 
 def adacheck_save_checkpoint(original):
     """Megatron-LM's ``save_checkpoint``, delegating to :func:`save_checkpoint` with --adacheck
-    (non-persistent checkpoints stay Megatron-LM's)."""
-    return _delegating(original, lambda named, first, args: _NATIVE if named.get("non_persistent_ckpt", False)
-                       else save_checkpoint(*first, args=args))
+    (non-persistent checkpoints stay Megatron-LM's, and so does the save of a
+    ``--ckpt-convert-format`` run: AdaCheck -> native, online deltas replayed by the load)."""
+    return _delegating(original, lambda named, first, args: _NATIVE if (
+        named.get("non_persistent_ckpt", False) or getattr(args, "ckpt_convert_format", None))
+        else save_checkpoint(*first, args=args))
 
 
 def adacheck_load_checkpoint(original):

@@ -158,12 +158,21 @@ def _refresh_model_params(optimizer) -> None:
 
 
 def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler, latest: bool,
-            same_layout: bool, iteration: int) -> int:
-    """Replay the committed deltas of the base just loaded (collective); returns the iteration."""
+            same_layout: bool, iteration: int, until: Optional[int] = None) -> int:
+    """Replay the committed deltas of the base just loaded (collective), all of them or those up
+    to iteration ``until``; returns the iteration."""
     on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
     world = int(manifest.topology.get("world_size", 1))
     steps, why = O.committed(comm, ckpt_dir, manifest.step, world)
+    if until is not None and steps and steps[-1].step > until:
+        steps, why = [s for s in steps if s.step <= until], f"stopped at the requested iteration {until}"
+    if until is not None and until != (steps[-1].step if steps else manifest.step):
+        raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
+                          f"committed online deltas")
     if steps and not same_layout:
+        if until is not None and until != manifest.step:
+            raise ConfigError(f"iteration {until} is reached by replaying the online deltas of {ckpt_dir}, which "
+                              "replay only in the saving layout; load it with that layout (and save to reshape)")
         log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay only in the saving "
                     "layout, so this job starts from the base's iteration %d", ckpt_dir, len(steps),
                     steps[-1].step, manifest.step)

@@ -11,8 +11,17 @@ tensor (exact equality of the values; DeepSpeed writes ZeRO-3 tensors flat).  Th
 ``--to deepspeed`` writes are compared with DeepSpeed's own native save of the same engine,
 file by file and tensor by tensor.
 
+With ``--megatron-hidden H [H ...]``, instead: for each hidden size one real megatron-core
+training (one CPU process, bf16, Adam) saves the same state with AdaCheck and natively
+(torch_dist), then ``adacheck convert --to torch-dist`` (AdaCheck -> torch_dist) and
+``--from torch-dist`` (the native one -> AdaCheck) run under the same measurement: seconds
+and peak RSS against the checkpoint's bytes and its largest tensor, next to the RSS of a
+process that only imports the converter (the floor).  Both directions stream one tensor at a
+time, so their RSS should follow the largest tensor, not the checkpoint.
+
     .venv/bin/python scripts/bench_convert.py
     .venv/bin/python scripts/bench_convert.py --stage 1 --dim 256
+    .venv/bin/python scripts/bench_convert.py --megatron-hidden 512 1536 --megatron-layers 8
 """
 from __future__ import annotations
 
@@ -78,6 +87,100 @@ def worker(a) -> None:
     torch.distributed.destroy_process_group()
 
 
+def megatron_worker(a) -> None:
+    """One megatron-core training process: two iterations, then an AdaCheck and a native save."""
+    import torch
+    import pretrain_gpt as P
+    import adacheck_megatron
+    from adacheck.config import AdaCheckConfig
+    from adacheck_megatron.cpu import enable_cpu
+
+    enable_cpu()
+    torch.distributed.init_process_group("gloo")
+    rows = []
+    for hidden in a.megatron_hidden:
+        args = P.parse_args(argv=[
+            "--num-layers", str(a.megatron_layers), "--hidden-size", str(hidden), "--num-attention-heads", "8",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--vocab-size", str(a.vocab), "--lr", "1e-3", "--train-iters", "10",
+            "--bf16"])
+        P.initialize_parallel(args)
+        model, config = P.build_model(args)
+        optimizer, scheduler = P.build_optimizer(args, model, config)
+        for it in (1, 2):
+            P.train_step(args, it, model, optimizer, scheduler)
+        work = os.path.join(a.work, f"megatron-h{hidden}")
+        args.adacheck, args.save = False, os.path.join(work, "native")
+        P.save_checkpoint(2, model, optimizer, scheduler, args)
+        adacheck_megatron.save_checkpoint(2, model, optimizer, scheduler, args=args, config=AdaCheckConfig.from_dict(
+            {"enabled": True, "reference_previous": False, "save_dir": os.path.join(work, "adacheck")}))
+        rows.append({"hidden": hidden, "params": sum(p.numel() for m in model for p in m.parameters()),
+                     "work": work})
+        del model, optimizer, scheduler
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+    with open(a.rows, "w") as f:
+        json.dump(rows, f)
+    torch.distributed.destroy_process_group()
+
+
+def megatron_main(a) -> None:
+    work = a.work or tempfile.mkdtemp(prefix="adacheck-bench-convert-")
+    rows = run_workers(os.path.abspath(__file__), [1], work, 29850,
+                       ["--vocab", str(a.vocab), "--megatron-layers", str(a.megatron_layers),
+                        "--megatron-hidden", *map(str, a.megatron_hidden)])
+    floor = measured([sys.executable, "-c", "import adacheck.cli, adacheck_megatron.convert, megatron.core"])
+    out = []
+    for r in rows:
+        w = r["work"]
+        to = measured([sys.executable, "-m", "adacheck.cli", "convert", os.path.join(w, "adacheck"),
+                       os.path.join(w, "to_torch_dist"), "--to", "torch-dist"])
+        back = measured([sys.executable, "-m", "adacheck.cli", "convert", os.path.join(w, "native"),
+                         os.path.join(w, "from_torch_dist"), "--from", "torch-dist"])
+        row = dict(r, adacheck_bytes=du(os.path.join(w, "adacheck")), native_bytes=du(os.path.join(w, "native")),
+                   largest_tensor_bytes=_largest(os.path.join(w, "adacheck")), to_torch_dist=to, from_torch_dist=back,
+                   same_tensors=_same_adacheck(os.path.join(w, "adacheck"), os.path.join(w, "from_torch_dist")))
+        out.append(row)
+    import megatron.core
+    import torch
+    with open(a.json, "w") as f:
+        json.dump({"megatron_rows": out, "import_floor": floor, "torch": torch.__version__,
+                   "megatron_core": megatron.core.__version__, "cpu_count": os.cpu_count()}, f, indent=1)
+    mib = 2 ** 20
+    print("| params | AdaCheck ckpt | torch_dist ckpt | largest logical tensor | --to torch-dist | "
+          "--from torch-dist | same tensors |\n|---:|---:|---:|---:|---:|---:|---|")
+    for r in out:
+        print(f"| {r['params']:,} | {r['adacheck_bytes'] / mib:,.0f} MiB | {r['native_bytes'] / mib:,.0f} MiB | "
+              f"{r['largest_tensor_bytes'] / mib:,.0f} MiB | {r['to_torch_dist']['seconds']:.1f} s / "
+              f"{r['to_torch_dist']['peak_rss_bytes'] / mib:,.0f} MiB | {r['from_torch_dist']['seconds']:.1f} s / "
+              f"{r['from_torch_dist']['peak_rss_bytes'] / mib:,.0f} MiB | {'yes' if r['same_tensors'] else 'NO'} |")
+    print(f"\n(time / peak RSS; a process that only imports the converter: {floor['peak_rss_bytes'] / mib:,.0f} MiB; "
+          f"JSON in {a.json})")
+    if a.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _largest(ckpt: str) -> int:
+    """Bytes of the largest logical tensor (megatron-core stacks the layers of a parameter into one)."""
+    from adacheck import checkpoint as core
+    return max(e.nbytes for e in core.CheckpointReader(core.resolve(ckpt)).manifest.tensors.values())
+
+
+def _same_adacheck(a_dir: str, b_dir: str) -> bool:
+    """Do two AdaCheck Megatron checkpoints hold the same model / master / optimizer tensors?"""
+    import torch
+    from adacheck import checkpoint as core
+    ra, rb = core.CheckpointReader(core.resolve(a_dir)), core.CheckpointReader(core.resolve(b_dir))
+    names = sorted(n for n, e in ra.manifest.tensors.items() if e.kind in ("model", "master", "optim"))
+    if names != sorted(n for n, e in rb.manifest.tensors.items() if e.kind in ("model", "master", "optim")):
+        return False
+    for n in names:
+        x, y = ra.read(n), rb.read(n)
+        if x.dtype != y.dtype or not torch.equal(x, y):
+            return False
+    return True
+
+
 def same_universal(a_dir: str, b_dir: str) -> bool:
     import torch
     za, zb = os.path.join(a_dir, "zero"), os.path.join(b_dir, "zero")
@@ -132,11 +235,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default="bench_convert.json")
+    ap.add_argument("--megatron-hidden", type=int, nargs="+", default=None,
+                    help="measure torch_dist conversions of megatron-core models of these hidden sizes instead")
+    ap.add_argument("--megatron-layers", type=int, default=4)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        return worker(a)
+        return megatron_worker(a) if a.megatron_hidden else worker(a)
+    if a.megatron_hidden:
+        return megatron_main(a)
     work = a.work or tempfile.mkdtemp(prefix="adacheck-bench-convert-")
     rows = run_workers(os.path.abspath(__file__), [a.dp], work, 29800,
                        ["--stage", str(a.stage), "--dtype", a.dtype, "--vocab", str(a.vocab), "--dim", str(a.dim),

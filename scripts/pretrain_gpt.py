@@ -129,6 +129,12 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="DistributedOptimizer state as 'fully_reshardable' (default 'dp_reshardable')")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration instead of the newest (AdaCheck: a base's, or one its committed "
+                        "online deltas reach)")
+    g.add_argument("--ckpt-convert-format", choices=["torch_dist"], default=None,
+                   help="load, save the loaded state natively in this format under --ckpt-convert-save, and exit")
+    g.add_argument("--ckpt-convert-save", default=None, metavar="DIR")
     add_adacheck_args(p)
     if extra_args_provider is not None:
         p = extra_args_provider(p) or p
@@ -137,6 +143,14 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
         args.adacheck_config = config_from_args(args)
     except ConfigError as e:
         p.error(str(e))
+    if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
+        p.error("--ckpt-convert-format and --ckpt-convert-save go together")
+    if args.ckpt_convert_format and args.adacheck_convert_save:
+        p.error("--ckpt-convert-format (native output) and --adacheck-convert-save (AdaCheck output) exclude "
+                "each other: choose one")
+    if (args.ckpt_convert_format or args.adacheck_convert_save) and not (
+            args.load or (args.adacheck and args.adacheck_config.save_dir)):
+        p.error("converting needs the checkpoint to load: --load DIR")
 
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
@@ -476,7 +490,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
     if args.adacheck and native is None:
         t0 = time.perf_counter()
         iteration, _ = adacheck_megatron.load_checkpoint(model, optimizer, opt_param_scheduler,
-                                                         args=args, config=args.adacheck_config)
+                                                         args=args, config=args.adacheck_config,
+                                                         iteration=args.ckpt_step)
         if torch.distributed.get_rank() == 0 and iteration:
             print(f"loaded AdaCheck checkpoint iteration {iteration} from "
                   f"{args.adacheck_config.save_dir or args.load} in {time.perf_counter() - t0:.2f}s",
@@ -489,7 +504,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
             print(f"no checkpoint under {load_dir}, training from scratch", flush=True)
         return 0
     with open(tracker) as f:
-        iteration = int(f.read().strip())
+        iteration = int(f.read().strip()) if args.ckpt_step is None else args.ckpt_step
     ckpt_dir = _ckpt_dir(load_dir, iteration)
     t0 = time.perf_counter()
     if args.use_distributed_optimizer and not args.no_load_optim:
@@ -540,16 +555,42 @@ def train_step(args, iteration: int, model, optimizer, opt_param_scheduler):
     return loss, grad_norm, lr, update_successful
 
 
+def convert_and_exit(iteration: int, model, optimizer, opt_param_scheduler, args) -> None:
+    """The loaded state (online deltas replayed) saved once more, as Megatron-LM's
+    --ckpt-convert-format does: natively (torch_dist) under --ckpt-convert-save/torch_dist, or
+    as one AdaCheck checkpoint into --adacheck-convert-save."""
+    import dataclasses
+    if not iteration:
+        raise SystemExit(f"nothing to convert: no checkpoint loaded from {args.load}")
+    if args.adacheck_convert_save:
+        cfg = dataclasses.replace(args.adacheck_config, save_dir=args.adacheck_convert_save,
+                                  online=dataclasses.replace(args.adacheck_config.online, enabled=False))
+        adacheck_megatron.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args=args, config=cfg)
+        out = args.adacheck_convert_save
+    else:
+        args.adacheck, args.save = False, os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+        out = args.save
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        print(f"converted checkpoint iteration {iteration} -> {out}", flush=True)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
 def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
     args = parse_args(extra_args_provider, argv)
     initialize(args)
     model, config = build_model(args)
     optimizer, opt_param_scheduler = build_optimizer(args, model, config)
-    if args.adacheck and args.adacheck_config.online.enabled:   # deltas after every iteration
+    converting = bool(args.ckpt_convert_format or args.adacheck_convert_save)
+    if args.adacheck and args.adacheck_config.online.enabled and not converting:   # deltas after every iteration
         from adacheck_megatron import online
         online.attach(model, optimizer, opt_param_scheduler, args, args.adacheck_config)
     resume = args.load or (args.adacheck and args.adacheck_config.save_dir)
     iteration = load_checkpoint(model, optimizer, opt_param_scheduler, args) if resume else 0
+    if converting:
+        return convert_and_exit(iteration, model, optimizer, opt_param_scheduler, args)
 
     is_logger = (parallel_state.is_pipeline_last_stage()
                  and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -9,6 +9,7 @@ Each rank writes result-rank<r>.json: per run, the losses (from the last pipelin
 the iterations loaded and errors caught by expect_error.
 """
 import json
+import multiprocessing
 import os
 import sys
 import traceback
@@ -122,6 +123,17 @@ def run_one(run, out):
     return res
 
 
+def _exit(code: int) -> None:
+    """os._exit (no interpreter teardown in a process that ran gloo and DeepSpeed / megatron-core
+    threads), after stopping the helper processes multiprocessing started here: megatron-core's
+    native save starts a Manager process for its write results, which would outlive this one."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
+    sys.stdout.flush()
+    os._exit(code)
+
+
 def main():
     spec_path, out = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
@@ -136,14 +148,12 @@ def main():
             results.append(run_one(run, out))
     except BaseException:
         traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(1)
+        _exit(1)
     with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    _exit(0)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ def test_defaults_and_values():
      "--adacheck-online-base-interval must be an integer >= 1"),
     (["--adacheck", "--adacheck-online-queue-depth", "3"],
      "--adacheck-online-queue-depth given without --adacheck-online"),
+    (["--adacheck-convert-save", "out"], "--adacheck-convert-save converts an AdaCheck checkpoint: add --adacheck"),
 ])
 def test_bad_values_name_the_flag(argv, match):
     with pytest.raises(ConfigError, match=match):

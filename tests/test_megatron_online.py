@@ -4,12 +4,15 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import check, kill_at_marker, launch
+from launch import ROOT, check, free_port, kill_at_marker, launch
+from megatron_worker import BASE
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -80,3 +83,46 @@ def test_sigkill_at_a_random_iteration_then_recover_and_continue(tmp_path):
         same(load_file(f"{d}/u/U{t}-rank{rank}.safetensors"), load_file(f"{d}/r/R-rank{rank}.safetensors"),
              f"iteration {t} rank {rank}")
     assert r["losses"] == ref[t:16]
+
+
+def test_training_script_materialises_deltas_offline(tmp_path):
+    """The user's route to a checkpoint that holds online deltas as one state: run the training
+    script with the conversion flags (as Megatron-LM's --ckpt-convert-format). PP=2 bf16, bases at
+    iterations 1 and 6, deltas 7-8: --adacheck-convert-save makes one AdaCheck checkpoint of the
+    newest iteration (8), --ckpt-step 7 --ckpt-convert-format torch_dist a native one of
+    iteration 7; loaded into a new job, each equals the training run's state there exactly."""
+    d = str(tmp_path)
+    flags = LAYOUTS["pp2-bf16"]
+    ck = f"{d}/ck"
+    on = flags + ["--adacheck", "--adacheck-dir", ck, "--adacheck-online", "--adacheck-online-base-interval", "5"]
+    check(launch(2, {"runs": [{"argv": on, "actions": [["online"], ["train", 7], ["dump", "A7"], ["train", 1],
+                                                        ["dump", "A8"], ["online", False]]}]}, d,
+                 script="megatron_worker.py"))
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000006", "latest"]
+    script = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+              str(free_port()), os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *BASE, *flags, "--adacheck",
+              "--load", ck]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(*extra):
+        p = subprocess.run([*script, *extra], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p.stdout
+
+    assert "converted checkpoint iteration 8" in run("--adacheck-convert-save", f"{d}/out8")
+    assert "converted checkpoint iteration 7" in run("--ckpt-step", "7", "--ckpt-convert-format", "torch_dist",
+                                                      "--ckpt-convert-save", f"{d}/nat")
+    assert sorted(os.listdir(f"{d}/out8")) == ["iter_0000008", "latest"]
+    assert not os.path.exists(f"{d}/out8/iter_0000008/deltas")        # one state, no chain
+    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000006", "latest"]   # the source is untouched
+    bad = subprocess.run([*script, "--ckpt-step", "9", "--adacheck-convert-save", f"{d}/out9"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode != 0 and "step 9" in bad.stdout + bad.stderr and not os.path.exists(f"{d}/out9")
+    check(launch(2, {"runs": [
+        {"argv": flags + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/out8"], ["dump", "C8"]]},
+        {"argv": flags, "actions": [["scramble"], ["load_native", f"{d}/nat/torch_dist"], ["dump", "C7"]]},
+    ]}, f"{d}/l2", script="megatron_worker.py"))
+    assert [r["loaded"] for r in results(f"{d}/l2")] == [[8], [7]]
+    for r in (0, 1):
+        same(load_file(f"{d}/A8-rank{r}.safetensors"), load_file(f"{d}/l2/C8-rank{r}.safetensors"), f"8 rank {r}")
+        same(load_file(f"{d}/A7-rank{r}.safetensors"), load_file(f"{d}/l2/C7-rank{r}.safetensors"), f"7 rank {r}")
