@@ -66,16 +66,34 @@ class OnlineDS:
         self.recorder = O.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
                                          fsync=ac.config.fsync, mine=mine)
         self._orig_clip = None
-        if self.lay.kind in ("zero12", "zero3") and not e.fp16_enabled():
+        if self.lay.kind in ("zero12", "zero3", "fp16unfused") and not e.fp16_enabled():
             # record gradients before ZeRO unscales/clips them in place: they are exact bf16
             # values where the clipped ones are not (a dynamic fp16 loss scale is not replayable)
             self._orig_clip = e.optimizer.unscale_and_clip_grads
-            e.optimizer.unscale_and_clip_grads = self._clip
+            e.optimizer.unscale_and_clip_grads = self._clip_unfused if self.lay.kind == "fp16unfused" else self._clip
+        self._orig_norm_grads = None
+        if self.lay.kind == "bf16opt" and all(g.dtype == torch.float32 for g in
+                                              e.optimizer.fp32_groups_gradient_flat_partition):
+            # BF16_Optimizer clips its fp32 gradient partitions in place right after asking for
+            # them with for_clipping=True: record them before that (exact bf16 sums, 2 bytes each)
+            self._orig_norm_grads = e.optimizer.get_grads_for_norm
+            e.optimizer.get_grads_for_norm = self._bf16_norm_grads
         self._orig_step = e.step
         e.step = self._engine_step
         self._orig_destroy = getattr(e, "destroy", None)
         if self._orig_destroy is not None:
             e.destroy = self._destroy
+
+    def _clip_unfused(self, total_norm, apply_scale=True):
+        """FP16_UnfusedOptimizer.unscale_and_clip_grads(total_norm): scales every fp32 gradient."""
+        if apply_scale:
+            norm = total_norm.detach().clone() if torch.is_tensor(total_norm) else total_norm
+            for group in self.engine.optimizer.fp32_groups:
+                for p in group:
+                    key = self.tap._key_of.get(id(p))
+                    if key is not None and p.grad is not None:
+                        self.recorder.note_preclip(key, p.grad, {"norm": norm, "unfused": True})
+        return self._orig_clip(total_norm, apply_scale=apply_scale)
 
     def _clip(self, first, total_norm, *rest, **kw):
         norm = total_norm.detach().clone() if torch.is_tensor(total_norm) else total_norm
@@ -91,6 +109,18 @@ class OnlineDS:
             if key is not None and flat.grad is not None:
                 self.recorder.note_preclip(key, flat.grad, {"norm": norm, "sub": int(first)})
         return self._orig_clip(first, total_norm, *rest, **kw)
+
+    def _bf16_norm_grads(self, for_clipping=False, *args, **kwargs):
+        out = self._orig_norm_grads(for_clipping, *args, **kwargs)
+        opt = self.engine.optimizer
+        if for_clipping and opt.clip_grad > 0:
+            norm = opt._global_grad_norm
+            norm = norm.detach().clone() if torch.is_tensor(norm) else norm
+            for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
+                key = self.tap._key_of.get(id(flat))
+                if key is not None:
+                    self.recorder.note_preclip(key, grad, {"norm": norm, "bf16_clip": True})
+        return out
 
     def _engine_step(self, *args, **kwargs):
         e = self.engine
@@ -119,6 +149,8 @@ class OnlineDS:
         self.engine.step = self._orig_step
         if self._orig_clip is not None:
             self.engine.optimizer.unscale_and_clip_grads = self._orig_clip
+        if self._orig_norm_grads is not None:
+            self.engine.optimizer.get_grads_for_norm = self._orig_norm_grads
         if self._orig_destroy is not None:
             self.engine.destroy = self._orig_destroy
 
@@ -183,10 +215,19 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
 def _preclip(engine, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:
     """Unscale/clip ``grad`` in place exactly as ZeRO did while recording (its own code)."""
     opt = engine.optimizer
-    clip = type(opt).unscale_and_clip_grads     # the class's, not a recording wrapper
     norm = args["norm"]
     if torch.is_tensor(norm):
         norm = norm.to(grad.device)
+    if args.get("unfused"):      # FP16_UnfusedOptimizer: its scale for that norm, applied as it does
+        combined = type(opt).unscale_and_clip_grads(opt, norm, apply_scale=False)
+        grad.mul_(1. / combined)
+        return
+    if args.get("bf16_clip"):    # BF16_Optimizer.step's clipping, with the function it calls
+        from deepspeed.runtime import bf16_optimizer
+        bf16_optimizer.clip_tensors_by_global_norm(input_tensors=[grad], max_norm=opt.clip_grad,
+                                                   global_norm=norm, mpu=opt.mpu)
+        return
+    clip = type(opt).unscale_and_clip_grads     # the class's, not a recording wrapper
     if "sub" in args:
         flat = tap.tensors[key]
         saved, flat.grad = flat.grad, grad

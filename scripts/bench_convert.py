@@ -139,7 +139,8 @@ def megatron_main(a) -> None:
                          os.path.join(w, "from_torch_dist"), "--from", "torch-dist"])
         row = dict(r, adacheck_bytes=du(os.path.join(w, "adacheck")), native_bytes=du(os.path.join(w, "native")),
                    largest_tensor_bytes=_largest(os.path.join(w, "adacheck")), to_torch_dist=to, from_torch_dist=back,
-                   same_tensors=_same_adacheck(os.path.join(w, "adacheck"), os.path.join(w, "from_torch_dist")))
+                   same_tensors=_same_adacheck(os.path.join(w, "adacheck"), os.path.join(w, "from_torch_dist")),
+                   to_same_as_native=_same_torch_dist(os.path.join(w, "to_torch_dist"), os.path.join(w, "native")))
         out.append(row)
     import megatron.core
     import torch
@@ -153,8 +154,11 @@ def megatron_main(a) -> None:
         print(f"| {r['params']:,} | {r['adacheck_bytes'] / mib:,.0f} MiB | {r['native_bytes'] / mib:,.0f} MiB | "
               f"{r['largest_tensor_bytes'] / mib:,.0f} MiB | {r['to_torch_dist']['seconds']:.1f} s / "
               f"{r['to_torch_dist']['peak_rss_bytes'] / mib:,.0f} MiB | {r['from_torch_dist']['seconds']:.1f} s / "
-              f"{r['from_torch_dist']['peak_rss_bytes'] / mib:,.0f} MiB | {'yes' if r['same_tensors'] else 'NO'} |")
-    print(f"\n(time / peak RSS; a process that only imports the converter: {floor['peak_rss_bytes'] / mib:,.0f} MiB; "
+              f"{r['from_torch_dist']['peak_rss_bytes'] / mib:,.0f} MiB | "
+              f"{'yes' if r['to_same_as_native'] else 'NO'}; {'yes' if r['same_tensors'] else 'NO'} |")
+    print("\n(same tensors: --to torch-dist wrote exactly the tensors of megatron-core's own save of the same "
+          "state; --from torch-dist exactly those of AdaCheck's own save)")
+    print(f"(time / peak RSS; a process that only imports the converter: {floor['peak_rss_bytes'] / mib:,.0f} MiB; "
           f"JSON in {a.json})")
     if a.work is None:
         shutil.rmtree(work, ignore_errors=True)
@@ -164,6 +168,33 @@ def _largest(ckpt: str) -> int:
     """Bytes of the largest logical tensor (megatron-core stacks the layers of a parameter into one)."""
     from adacheck import checkpoint as core
     return max(e.nbytes for e in core.CheckpointReader(core.resolve(ckpt)).manifest.tensors.values())
+
+
+def _same_torch_dist(a_dir: str, b_dir: str) -> bool:
+    """Do two torch_dist checkpoints hold the same tensors (keys, dtypes, values), read with
+    megatron-core's own loader one at a time?"""
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from adacheck_megatron.convert import _done, _solo_group
+
+    def only(d):
+        return os.path.join(d, next(x for x in sorted(os.listdir(d)) if x.startswith("iter_")))
+
+    a, b = only(a_dir), only(b_dir)
+    store = _solo_group()
+    try:
+        ma, mb = dist_checkpointing.load_tensors_metadata(a), dist_checkpointing.load_tensors_metadata(b)
+        if sorted(ma) != sorted(mb):
+            return False
+
+        def load(d, key, m):
+            want = torch.empty(tuple(m.global_shape), dtype=m.dtype)
+            return dist_checkpointing.load({"t": ShardedTensor.from_rank_offsets(key, want, replica_id=0)}, d)["t"]
+
+        return all(ma[k].dtype == mb[k].dtype and torch.equal(load(a, k, ma[k]), load(b, k, mb[k])) for k in sorted(ma))
+    finally:
+        _done(store)
 
 
 def _same_adacheck(a_dir: str, b_dir: str) -> bool:

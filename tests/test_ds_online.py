@@ -69,6 +69,35 @@ def test_recovery_replays_deltas_bit_exactly_for_every_stage_and_dtype(tmp_path)
                     assert meta["stored"] == "bfloat16", (stage, dtype)
 
 
+def test_bf16_gradients_stay_exact_when_clipping_scales_them(tmp_path):
+    """gradient_clipping 1e-3, so DeepSpeed scales every gradient at every step: ZeRO-0 bf16
+    (FP16_UnfusedOptimizer) and ZeRO-1 bf16 (BF16_Optimizer) still store bf16 (2 bytes; the
+    gradients as they were before the scaling, with the norm), and the replay scales them again
+    with DeepSpeed's own arithmetic: base 4 + delta 5 equals the uninterrupted run exactly."""
+    d = str(tmp_path)
+    runs = []
+    for stage in (0, 1):
+        ck = f"{d}/ck{stage}"
+        common = {"stage": stage, "dtype": "bf16", "ds_extra": {"gradient_clipping": 1e-3}}
+        runs += [dict(common, adacheck=online(ck, base_interval=3), actions=[["train_dump", 5, f"A{stage}_"]]),
+                 dict(common, seed=5, adacheck=online(ck, base_interval=3),
+                      actions=[["load", ck], ["steps"], ["dump", f"B{stage}"]])]
+    check(launch(2, {"runs": runs}, d))
+    res = results(d)
+    for i, stage in enumerate((0, 1)):
+        assert res[2 * i + 1]["steps"][0] == 5, stage
+        assert_same(dump(d, f"A{stage}_5"), dump(d, f"B{stage}"))
+        ck = f"{d}/ck{stage}"
+        steps = D.committed_steps(f"{ck}/global_step1", 1, 2)[0] + D.committed_steps(f"{ck}/global_step4", 4, 2)[0]
+        assert [s.step for s in steps] == [2, 3, 5], stage
+        for st in steps:
+            stored = {m["stored"] for r in st.records.values() for m in r["tensors"].values()}
+            assert stored == {"bfloat16"}, (stage, st.step, stored)
+            for r in (0, 1):
+                pre = D.read_extra(f"{ck}/global_step{st.step - (st.step - 1) % 3}", st, r)["preclip"]
+                assert pre and all(float(a["norm"]) > 1e-3 for a in pre.values()), (stage, st.step)   # it clipped
+
+
 def test_a_step_not_committed_on_every_rank_is_not_replayed(tmp_path):
     """Rank 1's record of step 5 is missing (its write was interrupted): recovery stops at
     step 4, removes the uncommitted steps, and training resumes exactly from step 4; the
