@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -370,6 +371,17 @@ def _convert_deepspeed(args) -> int:
     return 0
 
 
+# --to FORMAT written from one AdaCheck checkpoint: (module, function(src, out, verify, progress), what)
+_FORMATS = {
+    "torch-dist": ("adacheck_megatron.convert", "to_torch_dist",
+                   "a megatron-core torch_dist checkpoint to {out} (loadable with dist_checkpointing.load into "
+                   "any layout; load with --no-load-rng)"),
+    "deepspeed-universal": ("adacheck_ds.convert", "to_universal",
+                            'a DeepSpeed universal checkpoint to {out} (load it with "checkpoint": '
+                            '{{"load_universal": true}} in the DeepSpeed config)'),
+}
+
+
 def cmd_convert(args) -> int:
     from .convert import export_weights
     show = sys.stderr.isatty() and not args.json
@@ -412,23 +424,13 @@ def cmd_convert(args) -> int:
                              "convert SRC NEW --to adacheck (replays the deltas); Megatron: run the "
                              "training script with --adacheck --load SRC --adacheck-convert-save NEW "
                              "[--ckpt-step N] (or Megatron-LM's --ckpt-convert-format torch_dist).\n")
-    if args.to == "torch-dist":
-        from adacheck_megatron.convert import to_torch_dist
-        out = to_torch_dist(d, args.out, verify=not args.no_verify, progress=progress)
+    if args.to in _FORMATS:     # each framework's format lives with its integration
+        module, function, what = _FORMATS[args.to]
+        out = getattr(importlib.import_module(module), function)(d, args.out, verify=not args.no_verify,
+                                                                 progress=progress)
         if show:
             sys.stderr.write("\n")
-        print(json.dumps({"source": d, "out": out}) if args.json else
-              f"wrote a megatron-core torch_dist checkpoint to {out} (loadable with "
-              "dist_checkpointing.load into any layout; load with --no-load-rng)")
-        return 0
-    if args.to == "deepspeed-universal":
-        from adacheck_ds.convert import to_universal   # DeepSpeed's format lives with DeepSpeed
-        out = to_universal(d, args.out, verify=not args.no_verify, progress=progress)
-        if show:
-            sys.stderr.write("\n")
-        print(json.dumps({"source": d, "out": out}) if args.json else
-              f"wrote a DeepSpeed universal checkpoint to {out} (load it with "
-              '"checkpoint": {"load_universal": true} in the DeepSpeed config)')
+        print(json.dumps({"source": d, "out": out}) if args.json else f"wrote {what.format(out=out)}")
         return 0
     res = export_weights(d, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                          overwrite=args.overwrite, verify=not args.no_verify, progress=progress)

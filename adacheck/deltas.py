@@ -304,7 +304,7 @@ class Step:
 
     def holder_of(self, key: str, prefer: int) -> int:
         """A rank whose file holds the gradient ``key`` (``prefer`` if it has it)."""
-        if key in self.records[prefer]["tensors"]:
+        if prefer in self.records and key in self.records[prefer]["tensors"]:
             return prefer
         for r in sorted(self.records):
             if key in self.records[r]["tensors"]:

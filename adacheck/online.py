@@ -162,19 +162,22 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int):
 
 
 def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], verify: bool = True,
-           preclip: Optional[Callable[[str, object, object], None]] = None) -> dict:
+           preclip: Optional[Callable[[str, object, object], None]] = None, record_rank: Optional[int] = None) -> dict:
     """Replay ``steps`` through ``tap``'s optimizers (collective per step: read, then apply).
     ``preclip(key, grad, args)`` re-applies a recorded unscale/clip (note_preclip) in place.
+    ``record_rank``: whose record of each step this rank follows (default: its own rank; another
+    when the recording world had other ranks, for optimizers every rank runs identically).
     Returns the last step's record; the integration restores its scalars, refreshes the
     low-precision weights and sets ``rank_state`` (the RNG)."""
     files: dict = {}
     tap.reindex()
     last = None
+    me = comm.rank if record_rank is None else record_rank
     for st in steps:
         def read(st=st):
-            tree = D.read_extra(ckpt_dir, st, comm.rank, verify=verify, files=files)
+            tree = D.read_extra(ckpt_dir, st, me, verify=verify, files=files)
             keys = tap.grad_keys(tree["calls"], f"delta step {st.step}")
-            return tree, {k: D.read_grad(ckpt_dir, st, k, comm.rank, verify, files) for k in keys}
+            return tree, {k: D.read_grad(ckpt_dir, st, k, me, verify, files) for k in keys}
         tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)", read)
         for key, args in (tree.get("preclip") or {}).items():
             if preclip is None:

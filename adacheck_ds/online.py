@@ -12,8 +12,9 @@ Replay (recovery) makes the same calls again, then refreshes the low-precision w
 DeepSpeed's own code for that optimizer (cast + all-gather for ZeRO 1/2, partition copy and
 persistent-parameter gather for ZeRO-3) and sets the counters, scheduler, loss scaler,
 hyper-parameters and RNG recorded after the last step.  No forward or backward pass runs.
-Replay needs the saving layout (ZeRO stage, optimizer wrapper, data-parallel size);
-loading into another layout restores the base and says so.
+Replay needs the saving ZeRO stage and optimizer wrapper, and for a partitioned optimizer
+(ZeRO 1-3, BF16_Optimizer) the saving data-parallel size; ZeRO-0's replicated optimizer replays
+on any number of ranks. Loading into another layout restores the base and says so.
 """
 from __future__ import annotations
 
@@ -178,12 +179,17 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
     if steps:
         lay = S.describe(e)
         fw = manifest.framework
-        if (world, fw.get("zero_stage"), fw.get("optimizer")) != (comm.world_size, lay.stage, lay.kind):
+        same_optimizer = (fw.get("zero_stage"), fw.get("optimizer")) == (lay.stage, lay.kind)
+        # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients, so its
+        # deltas replay on any number of ranks; partitioned ones only on the saving ranks
+        if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED):
             log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s on %d "
-                        "ranks; they replay only in that layout, so this %d-rank ZeRO-%d/%s engine is at the "
-                        "base's step %s. Load with the saving layout and save to reshape the newest state.",
-                        ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"),
-                        world, comm.world_size, lay.stage, lay.kind, manifest.step)
+                        "ranks; they replay only in that layout%s, so this %d-rank ZeRO-%d/%s engine is at "
+                        "the base's step %s. Load with the saving layout and save to reshape the newest state "
+                        "(or: adacheck convert SRC NEW --to adacheck).",
+                        ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"), world,
+                        " (ZeRO-0: on any number of ranks)" if fw.get("optimizer") in _REPLICATED else "",
+                        comm.world_size, lay.stage, lay.kind, manifest.step)
             steps = []
     last_step = manifest.step
     if steps:
@@ -191,23 +197,26 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
         t0 = time.perf_counter()
         try:
             last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
-                            preclip=lambda key, g, a: _preclip(e, tap, key, g, a))
+                            preclip=lambda key, g, a: _preclip(e, tap, key, g, a),
+                            record_rank=comm.rank if comm.rank < world else 0)
         finally:
             if ac.online is None:
                 tap.remove()
         _refresh_low_precision(e, lay)
         ac._apply_scalars(last)
-        set_rng_state(last["rank_state"])
+        if comm.rank < world:   # (as the base load: a rank the saving job did not have keeps its RNG)
+            set_rng_state(last["rank_state"])
         last_step = steps[-1].step
         seconds = time.perf_counter() - t0
         ac.last_replay = {"steps": len(steps), "seconds": seconds, "bytes": sum(s.bytes for s in steps)}
         O.describe_replay(steps, manifest.step, seconds, why)
     if ac.online is not None:
         rec = ac.online.recorder
-        if latest and os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(ac.online.save_dir):
+        if latest and world == comm.world_size and \
+                os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(ac.online.save_dir):
             rec.start_chain(manifest.tag, int(manifest.step), resume_after=last_step)
         else:
-            rec.base_step = None     # not the newest chain: the next step takes a base
+            rec.base_step = None     # not the newest chain (or another world): the next step takes a base
         ac.online.tap.reindex()
     return last_step
 

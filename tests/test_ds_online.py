@@ -98,6 +98,36 @@ def test_bf16_gradients_stay_exact_when_clipping_scales_them(tmp_path):
                 assert pre and all(float(a["norm"]) > 1e-3 for a in pre.values()), (stage, st.step)   # it clipped
 
 
+def test_zero0_deltas_replay_on_fewer_ranks(tmp_path):
+    """ZeRO-0 applies the same full gradients on every rank, so deltas recorded at DP=2 replay
+    in a 1-rank job: base 4 + deltas 5, 6 gives exactly the DP=2 run's state at step 6 (fp32 and
+    bf16); a ZeRO-1 checkpoint's deltas do not replay on 1 rank (its partitions differ): that
+    job is at the base's step, and says so."""
+    d = str(tmp_path)
+    runs = []
+    for dtype in ("fp32", "bf16"):
+        runs.append({"stage": 0, "dtype": dtype, "adacheck": online(f"{d}/ck0{dtype}", base_interval=3),
+                     "actions": [["train_dump", 6, f"A0{dtype}_"]]})
+    runs.append({"stage": 1, "dtype": "fp32", "adacheck": online(f"{d}/ck1", base_interval=3),
+                 "actions": [["train", 6]]})
+    check(launch(2, {"runs": runs}, d))
+    one = [{"stage": 0, "dtype": dtype, "seed": 5, "adacheck": online(f"{d}/ck0{dtype}", base_interval=3),
+            "actions": [["load", f"{d}/ck0{dtype}"], ["steps"], ["dump", f"B0{dtype}"], ["train", 1]]}
+           for dtype in ("fp32", "bf16")]
+    one.append({"stage": 1, "dtype": "fp32", "seed": 5, "adacheck": {"enabled": True},
+                "actions": [["load", f"{d}/ck1"], ["steps"]]})
+    out = check(launch(1, {"runs": one}, f"{d}/one"))
+    res = results(f"{d}/one")
+    for i, dtype in enumerate(("fp32", "bf16")):
+        assert res[i]["steps"][0] == 6, dtype
+        assert_same(dump(d, f"A0{dtype}_6"), dump(f"{d}/one", f"B0{dtype}"))
+        # the 1-rank job does not continue the 2-rank chain: its next step is a new base
+        assert D.step_dirs(f"{d}/ck0{dtype}/global_step4") == [5, 6]
+        assert os.path.isdir(f"{d}/ck0{dtype}/global_step7")
+    assert res[2]["steps"][0] == 4
+    assert "they replay only in that layout" in out[0][1]
+
+
 def test_a_step_not_committed_on_every_rank_is_not_replayed(tmp_path):
     """Rank 1's record of step 5 is missing (its write was interrupted): recovery stops at
     step 4, removes the uncommitted steps, and training resumes exactly from step 4; the

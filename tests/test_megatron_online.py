@@ -118,6 +118,11 @@ def test_training_script_materialises_deltas_offline(tmp_path):
     bad = subprocess.run([*script, "--ckpt-step", "9", "--adacheck-convert-save", f"{d}/out9"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode != 0 and "step 9" in bad.stdout + bad.stderr and not os.path.exists(f"{d}/out9")
+    before = sorted(os.listdir(f"{d}/out8/iter_0000008"))
+    again = subprocess.run([*script, "--adacheck-convert-save", f"{d}/out8"], capture_output=True, text=True,
+                           timeout=300, env=env)            # never over an existing checkpoint
+    assert again.returncode != 0 and "already exists; nothing was written" in again.stdout + again.stderr
+    assert sorted(os.listdir(f"{d}/out8/iter_0000008")) == before
     check(launch(2, {"runs": [
         {"argv": flags + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/out8"], ["dump", "C8"]]},
         {"argv": flags, "actions": [["scramble"], ["load_native", f"{d}/nat/torch_dist"], ["dump", "C7"]]},
