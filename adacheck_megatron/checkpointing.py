@@ -224,6 +224,20 @@ def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
     return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
 
 
+_COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank")
+
+
+def replay_rank(saved: List[dict], topo: dict, replicated: bool) -> Optional[int]:
+    """The saving job's rank whose online deltas this rank replays when only the data-parallel
+    size changed and every data-parallel rank ran the same (not distributed) optimizer: the one
+    at the same model-parallel coordinates, same data-parallel rank if it had one, else 0."""
+    if not replicated or not saved or any(saved[0].get(k) != topo[k] for k in _SIZES if k != "dp"):
+        return None
+    same = [r for r, lay in enumerate(saved) if all(lay.get(k) == topo[k] for k in _COORDS)]
+    return next((r for r in same if saved[r].get("dp_rank") == topo["dp_rank"]),
+                next((r for r in same if saved[r].get("dp_rank") == 0), None))
+
+
 def load_scheduler(scheduler, state: dict) -> None:
     """``OptimizerParamScheduler.load_state_dict`` *adds* the saved step count to the current
     one (it expects a fresh scheduler); start from zero so loading into a scheduler that
@@ -354,10 +368,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     iteration = 0 if finetune else int(objects["iteration"])
     if load_optim and opt_param_scheduler is not None:
         from . import online
+        saved = manifest.layout.get("ranks", [])
+        replicated = objects.get("distributed_optimizer") is None and not S.distributed_optimizers(optimizer)
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
                                    latest=read_latest(load_dir) == manifest.tag and until is None,
-                                   same_layout=_same_layout(manifest.layout.get("ranks", []), topology(),
-                                                            comm.world_size), iteration=iteration, until=until)
+                                   same_layout=_same_layout(saved, topology(), comm.world_size), iteration=iteration,
+                                   until=until, record_rank=replay_rank(saved, topology(), replicated))
     elif until is not None and until != iteration:
         raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
                           "state (not with --no-load-optim / --finetune)")

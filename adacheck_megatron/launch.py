@@ -227,7 +227,10 @@ def _convert_save_and_exit(iteration, flops, model, optimizer, opt_param_schedul
     if not iteration:
         raise ConfigError(f"--adacheck-convert-save: no checkpoint was loaded from {cfg.save_dir or args.load}")
     target = os.path.join(args.adacheck_convert_save, f"iter_{int(iteration):07d}")
-    if os.path.exists(target):
+    exists = os.path.exists(target)
+    if dist.is_initialized():
+        dist.barrier()            # every rank looked before any starts writing there
+    if exists:
         raise ConfigError(f"{target} already exists; nothing was written (choose another output directory)")
     out = dataclasses.replace(cfg, save_dir=args.adacheck_convert_save,
                               online=dataclasses.replace(cfg.online, enabled=False))

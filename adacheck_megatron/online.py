@@ -158,9 +158,13 @@ def _refresh_model_params(optimizer) -> None:
 
 
 def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler, latest: bool,
-            same_layout: bool, iteration: int, until: Optional[int] = None) -> int:
+            same_layout: bool, iteration: int, until: Optional[int] = None,
+            record_rank: Optional[int] = None) -> int:
     """Replay the committed deltas of the base just loaded (collective), all of them or those up
-    to iteration ``until``; returns the iteration."""
+    to iteration ``until``; returns the iteration. ``record_rank``: the saving job's rank whose
+    records this rank follows when the layout differs only in data-parallel size and every
+    data-parallel rank ran the same optimizer (see checkpointing.replay_rank); None: replay
+    only in the saving layout."""
     on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
     world = int(manifest.topology.get("world_size", 1))
     steps, why = O.committed(comm, ckpt_dir, manifest.step, world)
@@ -169,19 +173,21 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
     if until is not None and until != (steps[-1].step if steps else manifest.step):
         raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
                           f"committed online deltas")
-    if steps and not same_layout:
+    if steps and not same_layout and record_rank is None:
         if until is not None and until != manifest.step:
             raise ConfigError(f"iteration {until} is reached by replaying the online deltas of {ckpt_dir}, which "
-                              "replay only in the saving layout; load it with that layout (and save to reshape)")
+                              "replay only in the saving layout (or on another number of data-parallel ranks "
+                              "without the distributed optimizer); load it with that layout (and save to reshape)")
         log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay only in the saving "
-                    "layout, so this job starts from the base's iteration %d", ckpt_dir, len(steps),
+                    "layout (or on another number of data-parallel ranks without the distributed optimizer), "
+                    "so this job starts from the base's iteration %d", ckpt_dir, len(steps),
                     steps[-1].step, manifest.step)
         steps = []
     if steps:
         tap = on.tap if on is not None else make_tap(optimizer)
         t0 = time.perf_counter()
         try:
-            last = O.replay(comm, tap, ckpt_dir, steps)
+            last = O.replay(comm, tap, ckpt_dir, steps, record_rank=comm.rank if same_layout else record_rank)
         finally:
             if on is None:
                 tap.remove()
@@ -190,13 +196,14 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
             load_scheduler(opt_param_scheduler, last["scheduler"])
             if last["increment"]:
                 opt_param_scheduler.step(increment=last["increment"])
-        set_rank_state(last["rank_state"])
+        if same_layout:   # (as the base load: RNG states belong to the saving layout)
+            set_rank_state(last["rank_state"])
         iteration = int(last["iteration"])
         O.describe_replay(steps, manifest.step, time.perf_counter() - t0, why)
     if on is not None:
         on.iteration = iteration
         on.tap.reindex()
-        if latest and os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(on.save_dir):
+        if latest and same_layout and os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(on.save_dir):
             on.recorder.start_chain(manifest.tag, int(manifest.step), resume_after=iteration)
         else:
             on.recorder.base_step = None

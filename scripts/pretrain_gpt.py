@@ -564,7 +564,9 @@ def convert_and_exit(iteration: int, model, optimizer, opt_param_scheduler, args
         raise SystemExit(f"nothing to convert: no checkpoint loaded from {args.load}")
     target = (os.path.join(args.adacheck_convert_save, f"iter_{iteration:07d}") if args.adacheck_convert_save
               else _ckpt_dir(os.path.join(args.ckpt_convert_save, args.ckpt_convert_format), iteration))
-    if os.path.exists(target):
+    exists = os.path.exists(target)
+    torch.distributed.barrier()   # every rank looked before any starts writing there
+    if exists:
         raise SystemExit(f"{target} already exists; nothing was written (choose another output directory)")
     if args.adacheck_convert_save:
         cfg = dataclasses.replace(args.adacheck_config, save_dir=args.adacheck_convert_save,

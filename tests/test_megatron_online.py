@@ -131,3 +131,26 @@ def test_training_script_materialises_deltas_offline(tmp_path):
     for r in (0, 1):
         same(load_file(f"{d}/A8-rank{r}.safetensors"), load_file(f"{d}/l2/C8-rank{r}.safetensors"), f"8 rank {r}")
         same(load_file(f"{d}/A7-rank{r}.safetensors"), load_file(f"{d}/l2/C7-rank{r}.safetensors"), f"7 rank {r}")
+
+
+def test_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
+    """Without the distributed optimizer every data-parallel rank steps the same optimizer, so
+    deltas recorded at DP=2 replay in a 1-rank job (bf16): base 4 + deltas 5, 6 equal the DP=2
+    run's state at iteration 6 exactly. With the distributed optimizer they do not (its shards
+    differ): that job is at the base's iteration."""
+    d = str(tmp_path)
+    dp = ["--bf16", "--global-batch-size", "4"]
+    dist = dp + ["--use-distributed-optimizer"]
+    on = ["--adacheck-online", "--adacheck-online-base-interval", "3"]
+    check(launch(2, {"runs": [
+        {"argv": dp + ["--adacheck", "--adacheck-dir", f"{d}/ck"] + on,
+         "actions": [["online"], ["train", 6], ["dump", "A"], ["online", False]]},
+        {"argv": dist + ["--adacheck", "--adacheck-dir", f"{d}/dk"] + on,
+         "actions": [["online"], ["train", 6], ["online", False]]},
+    ]}, d, script="megatron_worker.py"))
+    check(launch(1, {"runs": [
+        {"argv": dp + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/ck"], ["dump", "B"]]},
+        {"argv": dist + ["--adacheck"], "actions": [["load", f"{d}/dk"]]},
+    ]}, f"{d}/one", script="megatron_worker.py"))
+    assert [r["loaded"] for r in results(f"{d}/one")] == [[6], [4]]
+    same(load_file(f"{d}/A-rank0.safetensors"), load_file(f"{d}/one/B-rank0.safetensors"), "DP=2 -> 1")
