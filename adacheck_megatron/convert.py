@@ -246,30 +246,40 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
         if skipped:
             warnings.warn(f"AdaCheck: {len(skipped)} sharded objects are not plain values and were not "
                           f"converted: {skipped[:8]}")
+        reads = [0]
+
         def read(key: str) -> torch.Tensor:   # one tensor, with megatron-core's loader
             m = meta[key]
             want = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(m.global_shape), dtype=m.dtype),
                                                    replica_id=0)
-            return dist_checkpointing.load({"t": want}, src)["t"]
+            t = dist_checkpointing.load({"t": want}, src)["t"]
+            reads[0] += 1
+            if progress:
+                progress(min(reads[0], total[0]), total[0])
+            return t
 
         source = core.DeferredSource(read)
         key_of = {MASTER_PREFIX + k[len(_DISTOPT_PARAM):] if k.startswith(_DISTOPT_PARAM) else k: k
                   for k in sorted(meta)}
-        shards = []
-        for i, name in enumerate(sorted(key_of)):
+        plan = []   # (name, shape, kind, its master, compare them?)
+        for name in sorted(key_of):
             shape = tuple(meta[key_of[name]].global_shape)
             kind = "master" if name.startswith(MASTER_PREFIX) else "optim" if name.startswith("optimizer.") else "model"
             master = MASTER_PREFIX + name if kind == "model" and MASTER_PREFIX + name in key_of else None
+            plan.append((name, shape, kind, master,
+                         master is not None and tuple(meta[key_of[master]].global_shape) == shape))
+        # reads: each tensor to hash it and again to write it, and each compared pair once
+        total = [2 * len(plan) + 2 * sum(compare for *_, compare in plan)]
+        shards = []
+        for name, shape, kind, master, compare in plan:
             ok = False
-            if master is not None and tuple(meta[key_of[master]].global_shape) == shape:
-                # is the weight its master cast down? (then only the master is stored)
+            if compare:   # is the weight its master cast down? (then only the master is stored)
                 t = source.get(key_of[name])
                 ok = bool(torch.equal(read(key_of[master]).to(t.dtype), t))
             shards.append(core.LocalShard(name, kind, shape, Box.full(shape),
                                           source.tensor(key_of[name], shape, meta[key_of[name]].dtype),
                                           derive=master, derive_ok=ok))
-            if progress:
-                progress(i + 1, len(key_of))
+        total[0] -= sum(sh.derive_ok for sh in shards)   # a weight that is its master cast is not written
     except BaseException:
         _done(store)
         raise
