@@ -220,6 +220,29 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
 
 # ---------------------------------------------------------------------------------- load
 
+def refuse_existing_output(target: str) -> None:
+    """A conversion run never writes over a checkpoint: every rank looks at ``target`` before
+    any rank writes (one barrier), and all raise the same ConfigError if it exists."""
+    exists = os.path.exists(target)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if exists:
+        raise ConfigError(f"{target} already exists; nothing was written (choose another output directory)")
+
+
+def save_converted(iteration: int, model, optimizer, opt_param_scheduler, out_dir: str, *,
+                   args: argparse.Namespace, config: AdaCheckConfig, flops: float = 0,
+                   extra_state: Optional[dict] = None) -> core.Manifest:
+    """``--adacheck-convert-save DIR``: the state just loaded (online deltas replayed) as one
+    AdaCheck checkpoint in ``out_dir``, without online recording; refused when ``out_dir``
+    already holds that iteration."""
+    import dataclasses
+    refuse_existing_output(os.path.join(out_dir, f"iter_{int(iteration):07d}"))
+    cfg = dataclasses.replace(config, save_dir=out_dir, online=dataclasses.replace(config.online, enabled=False))
+    return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, None, args=args, config=cfg,
+                           extra_state=extra_state)
+
+
 def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
     return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
 

@@ -219,23 +219,13 @@ def _converting(args) -> bool:
 def _convert_save_and_exit(iteration, flops, model, optimizer, opt_param_scheduler, args, cfg) -> None:
     """--adacheck-convert-save DIR: the state just loaded (online deltas replayed) as one AdaCheck
     checkpoint in DIR, then exit, as Megatron-LM's --ckpt-convert-format does."""
-    import dataclasses
-
     import torch.distributed as dist
 
-    from .checkpointing import save_checkpoint as adacheck_save
+    from .checkpointing import save_converted
     if not iteration:
         raise ConfigError(f"--adacheck-convert-save: no checkpoint was loaded from {cfg.save_dir or args.load}")
-    target = os.path.join(args.adacheck_convert_save, f"iter_{int(iteration):07d}")
-    exists = os.path.exists(target)
-    if dist.is_initialized():
-        dist.barrier()            # every rank looked before any starts writing there
-    if exists:
-        raise ConfigError(f"{target} already exists; nothing was written (choose another output directory)")
-    out = dataclasses.replace(cfg, save_dir=args.adacheck_convert_save,
-                              online=dataclasses.replace(cfg.online, enabled=False))
-    adacheck_save(iteration, model, optimizer, opt_param_scheduler, flops, None, args=args, config=out,
-                  extra_state=_extra_state(args, iteration))
+    save_converted(iteration, model, optimizer, opt_param_scheduler, args.adacheck_convert_save, args=args,
+                   config=cfg, flops=flops, extra_state=_extra_state(args, iteration))
     if dist.is_initialized():
         dist.barrier()
     _print_rank0(f"AdaCheck: converted iteration {iteration} -> {args.adacheck_convert_save}")

@@ -559,24 +559,21 @@ def convert_and_exit(iteration: int, model, optimizer, opt_param_scheduler, args
     """The loaded state (online deltas replayed) saved once more, as Megatron-LM's
     --ckpt-convert-format does: natively (torch_dist) under --ckpt-convert-save/torch_dist, or
     as one AdaCheck checkpoint into --adacheck-convert-save."""
-    import dataclasses
+    from adacheck_megatron.checkpointing import refuse_existing_output, save_converted
     if not iteration:
         raise SystemExit(f"nothing to convert: no checkpoint loaded from {args.load}")
-    target = (os.path.join(args.adacheck_convert_save, f"iter_{iteration:07d}") if args.adacheck_convert_save
-              else _ckpt_dir(os.path.join(args.ckpt_convert_save, args.ckpt_convert_format), iteration))
-    exists = os.path.exists(target)
-    torch.distributed.barrier()   # every rank looked before any starts writing there
-    if exists:
-        raise SystemExit(f"{target} already exists; nothing was written (choose another output directory)")
-    if args.adacheck_convert_save:
-        cfg = dataclasses.replace(args.adacheck_config, save_dir=args.adacheck_convert_save,
-                                  online=dataclasses.replace(args.adacheck_config.online, enabled=False))
-        adacheck_megatron.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args=args, config=cfg)
-        out = args.adacheck_convert_save
-    else:
-        args.adacheck, args.save = False, os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
-        out = args.save
+    try:
+        if args.adacheck_convert_save:
+            out = args.adacheck_convert_save
+            save_converted(iteration, model, optimizer, opt_param_scheduler, out, args=args,
+                           config=args.adacheck_config)
+        else:
+            out = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+            refuse_existing_output(_ckpt_dir(out, iteration))
+            args.adacheck, args.save = False, out
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         print(f"converted checkpoint iteration {iteration} -> {out}", flush=True)
