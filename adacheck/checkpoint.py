@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -78,10 +79,7 @@ class Deferred:
         return Deferred(self.source, self.key, (length,) + self.shape[1:], self.dtype, (base + start, length))
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()

@@ -154,11 +154,15 @@ class OnlineRecorder:
                               compact=self.config.compact, on_error=self.config.on_error)
 
 
-def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int):
-    """The committed steps every rank agrees on, and why the log stops."""
+def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None):
+    """The committed steps every rank agrees on (those up to step ``until`` if given), and why
+    the log stops."""
     steps, why = D.committed_steps(ckpt_dir, base_step, world)
     n = min(comm.all_gather_object(len(steps)))
-    return steps[:n], why
+    steps = steps[:n]
+    if until is not None and steps and steps[-1].step > until:
+        steps, why = [s for s in steps if s.step <= until], f"stopped at the requested step {until}"
+    return steps, why
 
 
 def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], verify: bool = True,

@@ -47,6 +47,11 @@ def _tap(engine) -> tuple:
     return lay, OptimizerTap([lay.base_optimizer], extra=extra)
 
 
+def _kept(norm):
+    """A gradient norm as recorded with a step (a copy: DeepSpeed may reuse the tensor)."""
+    return norm.detach().clone() if torch.is_tensor(norm) else norm
+
+
 class OnlineDS:
     """The online mode of one engine (``engine.adacheck.online``)."""
 
@@ -88,7 +93,7 @@ class OnlineDS:
     def _clip_unfused(self, total_norm, apply_scale=True):
         """FP16_UnfusedOptimizer.unscale_and_clip_grads(total_norm): scales every fp32 gradient."""
         if apply_scale:
-            norm = total_norm.detach().clone() if torch.is_tensor(total_norm) else total_norm
+            norm = _kept(total_norm)
             for group in self.engine.optimizer.fp32_groups:
                 for p in group:
                     key = self.tap._key_of.get(id(p))
@@ -97,7 +102,7 @@ class OnlineDS:
         return self._orig_clip(total_norm, apply_scale=apply_scale)
 
     def _clip(self, first, total_norm, *rest, **kw):
-        norm = total_norm.detach().clone() if torch.is_tensor(total_norm) else total_norm
+        norm = _kept(total_norm)
         if self.lay.kind == "zero12":
             for g in first:
                 key = next((self.tap._key_of.get(id(f)) for f in self.engine.optimizer.single_partition_of_fp32_groups
@@ -115,8 +120,7 @@ class OnlineDS:
         out = self._orig_norm_grads(for_clipping, *args, **kwargs)
         opt = self.engine.optimizer
         if for_clipping and opt.clip_grad > 0:
-            norm = opt._global_grad_norm
-            norm = norm.detach().clone() if torch.is_tensor(norm) else norm
+            norm = _kept(opt._global_grad_norm)
             for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
                 key = self.tap._key_of.get(id(flat))
                 if key is not None:
@@ -172,10 +176,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
     e = ac.engine
     comm = ac.comm()
     world = int(manifest.topology.get("world_size", 1))
-    steps, why = O.committed(comm, ckpt_dir, manifest.step, world)
-    until = ac.replay_until
-    if until is not None and steps and steps[-1].step > until:
-        steps, why = [s for s in steps if s.step <= until], f"stopped at the requested step {until}"
+    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=ac.replay_until)
     if steps:
         lay = S.describe(e)
         fw = manifest.framework

@@ -19,8 +19,9 @@ read one at a time with megatron-core's own loader.
 
 Peak memory: ``to_torch_dist`` streams: megatron-core's ``dist_checkpointing.save`` gets a state
 dict of shape-only (meta) tensors and a save strategy that writes the same torch_dist files
-(PyTorch DCP, one file) while reading each logical tensor from the AdaCheck checkpoint only
-when its bytes are due, so at most one logical tensor is in memory. ``from_torch_dist`` too: the
+(PyTorch DCP, one file per tensor) while reading each logical tensor from the AdaCheck
+checkpoint only when its bytes are due, so about two logical tensors are in memory at once
+(PyTorch's writer still holds the previous one while the next is read). ``from_torch_dist`` too: the
 AdaCheck save gets deferred tensors, read one at a time with megatron-core's loader when they
 are hashed and again when written (two reads of the source, one tensor in memory; a weight
 and its fp32 master are compared once, two tensors).

@@ -167,9 +167,7 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
     only in the saving layout."""
     on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
     world = int(manifest.topology.get("world_size", 1))
-    steps, why = O.committed(comm, ckpt_dir, manifest.step, world)
-    if until is not None and steps and steps[-1].step > until:
-        steps, why = [s for s in steps if s.step <= until], f"stopped at the requested iteration {until}"
+    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=until)
     if until is not None and until != (steps[-1].step if steps else manifest.step):
         raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
                           f"committed online deltas")
