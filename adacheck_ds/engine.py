@@ -135,11 +135,12 @@ class AdaCheckDeepSpeed:
         dp = e.data_parallel_group if hasattr(e, "data_parallel_group") else None
         layout = {"zero_stage": lay.stage, "optimizer": lay.kind,
                   "dp_rank": torch.distributed.get_rank(dp) if torch.distributed.is_initialized() else 0,
-                  "dp_world_size": e.dp_world_size if hasattr(e, "dp_world_size") else 1}
+                  "dp_world_size": e.dp_world_size if hasattr(e, "dp_world_size") else 1,
+                  "tp_rank": lay.tp[0], "tp_world_size": lay.tp[1]}
         framework = {"name": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
                      "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,
                      "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
-                     "dp_world_size": layout["dp_world_size"]}
+                     "dp_world_size": layout["dp_world_size"], "tp_world_size": lay.tp[1]}
         return core.LocalState(shards=shards, objects=objects, rank_objects={"rng": rng_state()},
                                layout=layout, framework=framework, step=int(e.global_steps))
 
@@ -152,6 +153,7 @@ class AdaCheckDeepSpeed:
         raw = getattr(getattr(e, "_config", None), "_param_dict", None)
         cfg = {k: v for k, v in raw.items() if k != "adacheck"} if isinstance(raw, dict) else None
         return {"parameters": [[n, bool(p.requires_grad)] for n, p in e.module.named_parameters()],
+                "tensor_parallel": {"size": lay.tp[1], "partition_dims": dict(sorted(lay.split.items()))},
                 "buffers": [n for n, _ in e.module.named_buffers()],
                 "groups": lay.groups,
                 "optimizer": f"{type(base).__module__}.{type(base).__qualname__}" if base is not None else None,

@@ -44,7 +44,26 @@ def _tap(engine) -> tuple:
         raise ConfigError("adacheck.online needs an optimizer (the engine has none)")
     # ZeRO-3 puts its fp32 sub-group flats into the groups only inside step()
     extra = [list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or [])]
-    return lay, OptimizerTap([lay.base_optimizer], extra=extra)
+    # tensor-parallel ranks hold other slices under the same optimizer positions: keys carry the
+    # TP rank, so equal keys mean the same tensor
+    prefix = f"tp{lay.tp[0]}." if lay.tp[1] > 1 else ""
+    return lay, OptimizerTap([lay.base_optimizer], prefix=prefix, extra=extra)
+
+
+def _data_parallel(engine) -> tuple:
+    """(rank, size) of this rank's data-parallel group."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None:
+        return int(mpu.get_data_parallel_rank()), int(mpu.get_data_parallel_world_size())
+    import torch.distributed as dist
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _record_rank(saved: list, tp_rank: int, dp_rank: int) -> int:
+    """Whose record a rank of a replicated optimizer follows when the data-parallel size changed:
+    the saving rank at the same tensor-parallel rank, the same data-parallel rank if it had one."""
+    same = [r for r, lay in enumerate(saved) if lay.get("tp_rank", 0) == tp_rank]
+    return next((r for r in same if saved[r].get("dp_rank") == dp_rank), same[0] if same else 0)
 
 
 def _kept(norm):
@@ -63,12 +82,12 @@ class OnlineDS:
                               "step, before any save_checkpoint call names a directory")
         self.save_dir = ac.config.save_dir
         self.lay, self.tap = _tap(e)
-        comm = ac.comm()
         mine = None
-        if self.lay.kind in _REPLICATED:   # stored once, by a balanced choice of ranks
-            items = [(t.numel() * 4, k, list(range(comm.world_size))) for k, t in sorted(self.tap.tensors.items())]
-            writers, _ = place(items, comm.world_size)
-            mine = {k for k, w in writers.items() if w[0] == comm.rank}
+        if self.lay.kind in _REPLICATED:   # stored once per data-parallel group, by a balanced choice
+            me, dp = _data_parallel(e)
+            items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
+            writers, _ = place(items, dp)
+            mine = {k for k, w in writers.items() if w[0] == me}
         self.recorder = O.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
                                          fsync=ac.config.fsync, mine=mine)
         self._orig_clip = None
@@ -180,17 +199,19 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
     if steps:
         lay = S.describe(e)
         fw = manifest.framework
-        same_optimizer = (fw.get("zero_stage"), fw.get("optimizer")) == (lay.stage, lay.kind)
+        same_optimizer = (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) == \
+            (lay.stage, lay.kind, lay.tp[1])
         # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients, so its
-        # deltas replay on any number of ranks; partitioned ones only on the saving ranks
+        # deltas replay on any data-parallel size; partitioned ones only on the saving ranks
         if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED):
             log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s on %d "
-                        "ranks; they replay only in that layout%s, so this %d-rank ZeRO-%d/%s engine is at "
-                        "the base's step %s. Load with the saving layout and save to reshape the newest state "
-                        "(or: adacheck convert SRC NEW --to adacheck).",
+                        "ranks (TP=%s); they replay only in that layout%s, so this %d-rank ZeRO-%d/%s engine "
+                        "(TP=%d) is at the base's step %s. Load with the saving layout and save to reshape the "
+                        "newest state (or: adacheck convert SRC NEW --to adacheck).",
                         ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"), world,
-                        " (ZeRO-0: on any number of ranks)" if fw.get("optimizer") in _REPLICATED else "",
-                        comm.world_size, lay.stage, lay.kind, manifest.step)
+                        fw.get("tp_world_size", 1),
+                        " (ZeRO-0: on any data-parallel size)" if fw.get("optimizer") in _REPLICATED else "",
+                        comm.world_size, lay.stage, lay.kind, lay.tp[1], manifest.step)
             steps = []
     last_step = manifest.step
     if steps:
@@ -199,7 +220,8 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
         try:
             last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
                             preclip=lambda key, g, a: _preclip(e, tap, key, g, a),
-                            record_rank=comm.rank if comm.rank < world else 0)
+                            record_rank=comm.rank if world == comm.world_size else
+                            _record_rank(manifest.layout.get("ranks", []), lay.tp[0], _data_parallel(e)[0]))
         finally:
             if ac.online is None:
                 tap.remove()

@@ -7,6 +7,10 @@ Logical tensors (names are the module's parameter names, independent of the layo
   buffer/<b>       module buffers
 Every rank reports the *fragments* it holds: a flat range ``[start, start+numel)`` of a
 parameter together with views of the master weights and optimizer state for that range.
+With Megatron-DeepSpeed style tensor parallelism (an engine built with ``mpu=``), a parameter
+marked ``tensor_model_parallel`` with a ``partition_dim`` is this rank's slice of a logical
+tensor ``tp`` times as large along that dimension: the logical tensors (and so the checkpoint)
+do not depend on the TP size, and a load reads the slice of the engine it loads into.
 ZeRO flat partitions (stages 1/2, and DeepSpeed's BF16 optimizer) come from DeepSpeed's own
 ``_hp_mapping`` fragment table; stage 3 from each parameter's ``ds_tensor`` partition.
 ``model/<p>`` is declared derivable from ``master/<p>`` and proven per fragment.
@@ -14,7 +18,7 @@ ZeRO flat partitions (stages 1/2, and DeepSpeed's BF16 optimizer) come from Deep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,6 +54,48 @@ class Layout:
     trained: set = field(default_factory=set)   # names of parameters the optimizer updates (any rank)
     groups: List[List[str]] = field(default_factory=list)   # parameter names per optimizer group, in
     # the order DeepSpeed was given them (what a DeepSpeed engine of another layout is built from)
+    origin: Dict[str, Tuple[tuple, Box]] = field(default_factory=dict)   # name -> (logical shape,
+    # the box of the logical tensor this rank's parameter is: all of it without tensor parallelism)
+    tp: Tuple[int, int] = (0, 1)    # (tensor-parallel rank, size)
+    split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: partition dim
+
+
+def tensor_parallel(engine) -> Tuple[int, int]:
+    """(rank, size) of the engine's tensor-parallel group (Megatron-DeepSpeed's ``mpu``)."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None:
+        return 0, 1
+    from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_rank,
+                                     bwc_tensor_model_parallel_world_size)
+    if bwc_pipeline_parallel_world_size(mpu) > 1:
+        raise StateError("AdaCheck's DeepSpeed integration does not support pipeline parallelism (the mpu "
+                         "reports a pipeline size > 1); use Megatron with --adacheck for pipelines")
+    return int(bwc_tensor_model_parallel_rank(mpu)), int(bwc_tensor_model_parallel_world_size(mpu))
+
+
+def _place_params(engine, lay: "Layout") -> None:
+    """Each parameter's logical shape and the box of it this rank holds (``lay.origin``)."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+    lay.tp = tp_rank, tp = tensor_parallel(engine)
+    for n, p in engine.module.named_parameters():
+        local = tuple(getattr(p, "ds_shape", p.shape))
+        if tp == 1 or not is_model_parallel_parameter(p):
+            lay.origin[n] = (local, Box.full(local))
+            continue
+        dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
+        if not isinstance(dim, int) or not 0 <= dim < len(local):
+            raise StateError(f"{n} is marked tensor-model-parallel but has no valid partition_dim "
+                             f"({dim!r}); AdaCheck needs to know along which dimension it is split "
+                             "(set it as Megatron's set_tensor_model_parallel_attributes does)")
+        if stride != 1:
+            raise StateError(f"{n} is split with partition_stride={stride}; AdaCheck supports contiguous "
+                             "tensor-parallel slices (stride 1) only")
+        full = list(local)
+        full[dim] *= tp
+        offs = [0] * len(local)
+        offs[dim] = tp_rank * local[dim]
+        lay.origin[n] = (tuple(full), Box(tuple(offs), local))
+        lay.split[n] = dim
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -63,6 +109,12 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def describe(engine) -> Layout:
     """Where this rank's part of every parameter lives in the engine, for any ZeRO stage."""
+    lay = _describe(engine)
+    _place_params(engine, lay)
+    return lay
+
+
+def _describe(engine) -> Layout:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -150,12 +202,31 @@ def describe(engine) -> Layout:
     return lay
 
 
-def _boxes_of(shape, start: int, flat: torch.Tensor):
-    """Cut a 1-D run [start, start+len) of a tensor of ``shape`` into (box, tensor) pieces."""
+def _in(origin: Box, b: Box) -> Box:
+    """Box ``b`` of this rank's parameter as a box of the logical tensor."""
+    return Box(tuple(o + x for o, x in zip(origin.offsets, b.offsets)), b.lengths)
+
+
+def _boxes_of(origin: Box, start: int, flat: torch.Tensor):
+    """Cut a 1-D run [start, start+len) of this rank's parameter (the ``origin`` box of the
+    logical tensor) into (logical box, tensor) pieces."""
     pos = 0
-    for b in flat_range_to_boxes(shape, start, start + flat.numel()):
-        yield b, flat.narrow(0, pos, b.numel).view(b.lengths)
+    for b in flat_range_to_boxes(origin.lengths, start, start + flat.numel()):
+        yield _in(origin, b), flat.narrow(0, pos, b.numel).view(b.lengths)
         pos += b.numel
+
+
+def _read_flat(r: CheckpointReader, name: str, origin: Box, start: int, stop: int,
+               dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Elements [start, stop) of this rank's flattened parameter (the ``origin`` box of logical
+    tensor ``name``), from the checkpoint."""
+    if out is None:
+        out = torch.empty(stop - start, dtype=dtype or torch_dtype(r.entry(name).dtype))
+    pos = 0
+    for b in flat_range_to_boxes(origin.lengths, start, stop):
+        r.read(name, _in(origin, b), out=out.narrow(0, pos, b.numel).view(b.lengths))
+        pos += b.numel
+    return out
 
 
 def _state_tensor(v) -> Optional[torch.Tensor]:
@@ -172,14 +243,17 @@ def _state_tensor(v) -> Optional[torch.Tensor]:
 
 def collect_shards(engine, lay: Layout) -> List[LocalShard]:
     shards: List[LocalShard] = []
-    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
     has_master = lay.kind != "plain"
     proven = {n: True for n in lay.trained}   # this rank found no counter-example (yet)
+    # declared replicas: a plain optimizer's state on every data-parallel rank, and what is not
+    # split by tensor parallelism on every tensor-parallel rank
+    tp_copy = {n for n in lay.origin if lay.tp[1] > 1 and n not in lay.split}
     for f in lay.frags:
-        shape = shapes[f.name]
+        shape, origin = lay.origin[f.name]
         if has_master:
-            for b, t in _boxes_of(shape, f.start, f.master):
-                shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t, replicated=False))
+            for b, t in _boxes_of(origin, f.start, f.master):
+                shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t,
+                                         replicated=f.name in tp_copy))
             lstart, lview = lay.lp_views[f.name]
             lo = f.start - lstart
             lp = lview.narrow(0, lo, f.numel)
@@ -188,9 +262,9 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel() == f.base_param.numel() and v.dim() >= 1:
                 view = v.detach().view(-1).narrow(0, f.offset, f.numel)
-                for b, t in _boxes_of(shape, f.start, view):
+                for b, t in _boxes_of(origin, f.start, view):
                     shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", shape, b, t,
-                                             replicated=lay.kind == "plain"))
+                                             replicated=lay.kind == "plain" or f.name in tp_copy))
             else:
                 t = _state_tensor(v)
                 if t is None or t.dim() != 0:
@@ -199,14 +273,14 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
                                      "shaped like the parameter, and scalars")
                 shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", (), Box.full(()), t))
     for n, (start, view) in lay.lp_views.items():
-        shape = shapes[n]
+        shape, origin = lay.origin[n]
         derive = f"master/{n}" if (has_master and n in lay.trained) else None
         ok = proven[n] if derive else False
         if not has_master and n in lay.trained and view.dtype != torch.float32:
             raise StateError(f"{n} is {view.dtype} without fp32 master weights; unsupported layout")
-        for b, t in _boxes_of(shape, start, view):
+        for b, t in _boxes_of(origin, start, view):
             shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
-                                     replicated=lay.kind != "zero3"))
+                                     replicated=lay.kind != "zero3" or n in tp_copy))
     for n, buf in engine.module.named_buffers():
         if buf is not None:
             shards.append(LocalShard(f"buffer/{n}", "buffer", tuple(buf.shape), Box.full(buf.shape),
@@ -269,20 +343,21 @@ def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: 
                param_groups_saved, strict: bool = True) -> Staged:
     st = Staged()
     keep = _check_names(engine, r, strict)
-    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()
-              if n in keep}
-    for n, shape in shapes.items():
+    for n in keep:
         src = r.entry(_master_source(r, n))
+        shape = lay.origin[n][0]
         if tuple(src.shape) != shape:
+            tp = f" (as {lay.tp[1]} tensor-parallel slices)" if n in lay.split else ""
             raise StateError(f"parameter {n}: checkpoint shape {list(src.shape)} != model shape "
-                             f"{list(shape)}; the checkpoint belongs to another model configuration")
+                             f"{list(shape)}{tp}; the checkpoint belongs to another model configuration")
     for f in lay.frags:
         if f.name in keep:
-            st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start,
-                                                           f.start + f.numel, dtype=f.master.dtype)
+            st.master[f"{f.name}@{f.start}"] = _read_flat(r, _master_source(r, f.name), lay.origin[f.name][1],
+                                                          f.start, f.start + f.numel, dtype=f.master.dtype)
     for n, (start, view) in lay.lp_views.items():
         if n in keep:
-            st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype)
+            st.lp[n] = _read_flat(r, _lp_source(r, n, view.dtype), lay.origin[n][1], start,
+                                  start + view.numel(), dtype=view.dtype)
     for n, buf in engine.module.named_buffers():
         if buf is not None and r.has(f"buffer/{n}"):
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
@@ -343,8 +418,8 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
                     covered = 0
                     for f in sorted(frs, key=lambda f: f.offset):
                         flat.narrow(0, covered, f.offset - covered).zero_()   # alignment padding
-                        r.read_flat(f"optim/{key}/{f.name}", f.start, f.start + f.numel,
-                                    out=flat.narrow(0, f.offset, f.numel))
+                        _read_flat(r, f"optim/{key}/{f.name}", lay.origin[f.name][1], f.start,
+                                   f.start + f.numel, out=flat.narrow(0, f.offset, f.numel))
                         covered = f.offset + f.numel
                     flat.narrow(0, covered, p.numel() - covered).zero_()
                     entry[key] = flat.view(p.shape)

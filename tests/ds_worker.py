@@ -41,6 +41,79 @@ class Net(torch.nn.Module):
         return self.out(h) * self.scale.to(h.dtype)
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's copy to the tensor-parallel region: identity, gradients summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        torch.distributed.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's reduce from the tensor-parallel region: outputs summed, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class TPNet(torch.nn.Module):
+    """A Megatron-DeepSpeed style MLP: a column-parallel ``inp`` and a row-parallel ``out``
+    (each rank holds 1/tp of them, marked as Megatron marks them), the LayerNorm and the
+    output bias replicated.  The full weights do not depend on the TP size."""
+
+    def __init__(self, hidden, mpu):
+        super().__init__()
+        tp, r = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+        self.group, self.tp = mpu.get_tensor_model_parallel_group(), tp
+        self.norm = torch.nn.LayerNorm(12)
+        inp, out = torch.nn.Linear(12, hidden), torch.nn.Linear(hidden, 5)
+        h = hidden // tp
+        self.inp, self.out = torch.nn.Linear(12, h), torch.nn.Linear(h, 5)
+        with torch.no_grad():
+            self.inp.weight.copy_(inp.weight[r * h:(r + 1) * h])
+            self.inp.bias.copy_(inp.bias[r * h:(r + 1) * h])
+            self.out.weight.copy_(out.weight[:, r * h:(r + 1) * h])
+            self.out.bias.copy_(out.bias)
+        for p, dim in ((self.inp.weight, 0), (self.inp.bias, 0), (self.out.weight, 1)):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x):
+        x = self.norm(x)
+        if self.tp > 1:
+            x = _CopyToTP.apply(x, self.group)
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(x, self.inp.weight, self.inp.bias))
+        y = torch.nn.functional.linear(h, self.out.weight)
+        if self.tp > 1:
+            y = _ReduceFromTP.apply(y, self.group)
+        return (y + self.out.bias) * self.scale.to(y.dtype)
+
+
+_MPU = {}
+
+
+def mpu_of(tp):
+    """One TensorParallel (its process groups) per TP size and process."""
+    if tp not in _MPU:
+        from adacheck_ds.mpu import TensorParallel
+        _MPU[tp] = TensorParallel(tp)
+    return _MPU[tp]
+
+
 def ds_config(run):
     cfg = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
@@ -66,7 +139,8 @@ def batch(step, rank, dtype):
 
 def make_engine(run):
     torch.manual_seed(run.get("seed", 0))
-    model = Net(run.get("hidden", 37), run.get("layers", 1))
+    mpu = mpu_of(run["tp"]) if run.get("tp") else None
+    model = TPNet(run.get("hidden", 40), mpu) if mpu else Net(run.get("hidden", 37), run.get("layers", 1))
     for n, p in model.named_parameters():
         if n.startswith(tuple(run.get("frozen", ()))):
             p.requires_grad_(False)
@@ -76,15 +150,17 @@ def make_engine(run):
                                             lr=0.01, weight_decay=0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
                                                                           if p.requires_grad],
-                                           config=ds_config(run), **kw)
+                                           config=ds_config(run), mpu=mpu, **kw)
     return engine
 
 
 def train(engine, n, losses):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "", torch.float32)
+    # the ranks of one tensor-parallel group see the same batch
+    rank = engine.mpu.get_data_parallel_rank() if engine.mpu is not None else engine.global_rank
     for _ in range(n):
-        x, y = batch(engine.global_steps, engine.global_rank, dtype)
+        x, y = batch(engine.global_steps, rank, dtype)
         loss = ((engine(x).float() - y) ** 2).mean()
         engine.backward(loss)
         engine.step()
@@ -139,6 +215,16 @@ def full_state(engine):
         out["meta/lr"] = torch.tensor([g["lr"] for g in engine.optimizer.param_groups])
     for n, b in engine.module.named_buffers():
         out[f"buffer/{n}"] = b.detach().clone()
+    if engine.mpu is not None and engine.mpu.get_tensor_model_parallel_world_size() > 1:
+        # tensor-parallel parameters: the logical tensor is the TP slices side by side
+        params = dict(engine.module.named_parameters())
+        group, tp = engine.mpu.get_tensor_model_parallel_group(), engine.mpu.get_tensor_model_parallel_world_size()
+        for k in sorted(out):
+            p = params.get(k.rsplit("/", 1)[-1])
+            if k.startswith(("model/", "master/", "optim/")) and getattr(p, "tensor_model_parallel", False):
+                parts = [torch.empty_like(out[k]) for _ in range(tp)]
+                torch.distributed.all_gather(parts, out[k].contiguous(), group=group)
+                out[k] = torch.cat(parts, dim=p.partition_dim)
     return {k: v.contiguous() for k, v in out.items()}
 
 
