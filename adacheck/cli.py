@@ -354,17 +354,18 @@ def _convert_deepspeed(args) -> int:
         raise ConfigError("--to deepspeed converts an AdaCheck checkpoint (leave --from out)")
     else:
         direction = "to-native" if args.to == "deepspeed" else "materialise"
-    if (args.zero_stage is not None or args.dp is not None) and direction != "to-native":
-        raise ConfigError("--zero-stage / --dp choose the layout of native files: use them with --to deepspeed")
-    if args.dp is not None and args.dp < 1:
-        raise ConfigError(f"--dp must be at least 1, got {args.dp}")
+    if (args.zero_stage is not None or args.dp is not None or args.tp is not None) and direction != "to-native":
+        raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with --to deepspeed")
+    for flag in ("dp", "tp"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.step is not None and direction == "from-native":
         raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with --from deepspeed")
     if not args.json:
         sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
     out = native.convert(direction, args.src, args.out, dp=args.dp, zero_stage=args.zero_stage, tag=args.tag,
                          ds_config=args.ds_config, optimizer=args.optimizer, verify=not args.no_verify,
-                         step=args.step)
+                         step=args.step, tp=args.tp)
     what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
             "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
     print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
@@ -400,6 +401,9 @@ def cmd_convert(args) -> int:
     if args.step is not None:
         raise ConfigError("--step materialises online deltas of DeepSpeed checkpoints: use it with --to deepspeed "
                           "or --to adacheck")
+    if args.zero_stage is not None or args.dp is not None or args.tp is not None:
+        raise ConfigError("--zero-stage / --dp / --tp choose the layout of native DeepSpeed files: use them with "
+                          "--to deepspeed")
     if args.from_ == "torch-dist":
         if args.to != "adacheck":
             raise ConfigError("--from torch-dist converts into AdaCheck: use --to adacheck (or leave --to out)")
@@ -484,8 +488,8 @@ def main(argv=None) -> int:
     s.add_argument("--to", choices=["weights", "deepspeed", "deepspeed-universal", "torch-dist", "adacheck"],
                    default=None,
                    help="weights (default): model.safetensors for inference / Hugging Face tools; "
-                   "deepspeed: native DeepSpeed files for a ZeRO stage and DP size (--zero-stage, --dp; "
-                   "written by DeepSpeed itself in as many local ranks); "
+                   "deepspeed: native DeepSpeed files for a ZeRO stage, DP size and Megatron-DeepSpeed TP size "
+                   "(--zero-stage, --dp, --tp; written by DeepSpeed itself in DP x TP local ranks); "
                    "deepspeed-universal: DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size); "
                    "torch-dist: megatron-core dist_checkpointing (any TP/PP/EP/DP layout); "
                    "adacheck: from --from torch-dist / deepspeed, or, from a DeepSpeed AdaCheck checkpoint "
@@ -498,6 +502,9 @@ def main(argv=None) -> int:
                    help="--to deepspeed: the ZeRO stage of the native files (default: the saving one)")
     s.add_argument("--dp", type=int, default=None,
                    help="--to deepspeed: the data-parallel size of the native files (default: the saving one)")
+    s.add_argument("--tp", type=int, default=None,
+                   help="--to deepspeed: the tensor-parallel size (mp_rank_XX files, Megatron-DeepSpeed style) of "
+                   "the native files (default: the saving one)")
     s.add_argument("--step", type=int, default=None,
                    help="--to deepspeed / adacheck: the step to materialise: a base's step or one of its "
                    "committed online steps (default: the newest; the base is found in SRC)")

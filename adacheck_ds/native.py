@@ -22,6 +22,13 @@ native checkpoints, by DeepSpeed's own ``param_shapes`` / module state / config.
 bit-exact when the conversion runs the optimizer on the same kind of device as training did
 (the device is DeepSpeed's accelerator of this environment; DS_ACCELERATOR chooses).
 
+Megatron-DeepSpeed style tensor parallelism: AdaCheck's logical tensors are whole, so any TP size
+can be written (``--tp``: ``mp_rank_XX`` files, an ``mpu`` of :mod:`adacheck_ds.mpu` in each
+engine, the parameters' split dimensions as AdaCheck recorded them).  Native files do not record
+along which dimension a parameter is split; they are read with the model's own
+``universal_checkpoint_info`` patterns (DeepSpeed's universal-checkpoint convention: TP-replicated
+parameters, row-parallel ones split along dimension 1, every other one along dimension 0).
+
 Run it with ``adacheck convert ... --to deepspeed|adacheck`` (which starts the ranks on this
 machine), or under torchrun for large layouts:
 ``torchrun --nproc_per_node 8 -m adacheck_ds.native to-native SRC OUT --zero-stage 2``.
@@ -37,14 +44,15 @@ import importlib
 import json
 import os
 import pickle
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 from adacheck import commit, deltas
 from adacheck.checkpoint import CheckpointReader, resolve
@@ -70,7 +78,13 @@ class ModelSpec:
     ds_config: dict
     lr_scheduler: Optional[dict] = None   # state of a client LR scheduler (no "scheduler" block)
     stage: int = 0                   # the saving layout (for replay / native loads)
-    world: int = 1
+    world: int = 1                   # all its ranks (data-parallel x tensor-parallel)
+    tp: int = 1                      # its tensor-parallel size
+    split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: split dim
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
 
 
 # ------------------------------------------------------------------ the model description
@@ -103,9 +117,40 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
                          "(saved with exclude_frozen_parameters?); a native checkpoint needs every parameter")
     buffers = [(n, tuple(m.tensors[f"buffer/{n}"].shape), m.tensors[f"buffer/{n}"].dtype)
                for n in ms["buffers"] if f"buffer/{n}" in m.tensors]
+    tp = ms.get("tensor_parallel") or {}
     return ModelSpec(params, buffers, ms["groups"], ms.get("optimizer"), cfg,
                      lr_scheduler=objects.get("lr_scheduler") if "scheduler" not in cfg else None,
-                     stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1))), m
+                     stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)),
+                     tp=int(tp.get("size", 1)),
+                     split={n: int(d) for n, d in (tp.get("partition_dims") or {}).items()}), m
+
+
+_UNSUPPORTED_SPLITS = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
+                       "parameter_to_average_patterns")
+
+
+def split_from_patterns(names: List[str], info: Optional[dict], where: str) -> Dict[str, int]:
+    """Which parameters of a native tensor-parallel checkpoint are split, and along which
+    dimension, from the model's ``universal_checkpoint_info`` (DeepSpeed's convention)."""
+    if not info or not any(k in info for k in ("tp_replicated_parameter_patterns",
+                                               "parameter_with_row_parallelism_patterns")):
+        raise StateError(f"{where} is a tensor-parallel checkpoint without universal_checkpoint_info, so "
+                         "which parameters are split (and along which dimension) is not recorded; load it in "
+                         "the training job with AdaCheck enabled and save once (AdaCheck records it)")
+
+    def matches(key, name):
+        pats = info.get(key) or []
+        return any(re.match(p if isinstance(p, str) else str(p), name) for p in pats)
+
+    for key in _UNSUPPORTED_SPLITS:
+        odd = [n for n in names if info.get(key) and (not isinstance(info[key], list) or
+                                                       all(isinstance(p, str) for p in info[key])) and matches(key, n)]
+        if odd or (info.get(key) and key == "parameter_with_sub_params"):
+            raise StateError(f"{where}: {key} ({(odd or ['...'])[:3]}) are split in pieces AdaCheck does not "
+                             "convert offline; load the checkpoint in the training job with AdaCheck enabled "
+                             "and save once")
+    return {n: (1 if matches("parameter_with_row_parallelism_patterns", n) else 0)
+            for n in names if not matches("tp_replicated_parameter_patterns", n)}
 
 
 def reach(ckpt_dir: str, m, world: int, step: Optional[int] = None):
@@ -155,6 +200,11 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
         full_shape.update({n: tuple(s) for n, s in g.items()})
     full_shape.update({n: tuple(s) for n, s in (sd.get("frozen_param_shapes") or {}).items()})
     param_names = [n for n in module if n not in buffer_names]
+    tp = int(sd.get("mp_world_size") or 1)
+    split = split_from_patterns(param_names, sd.get("universal_checkpoint_info"), files[0]) if tp > 1 else {}
+    if tp > 1 and len([f for f in files if os.path.basename(f).startswith("mp_rank_")]) != tp:
+        raise StateError(f"{ckpt_dir} was saved by {tp} tensor-parallel ranks but holds "
+                         f"{len(files)} model-states files; the checkpoint is incomplete")
     if shapes is not None:
         groups = [list(g) for g in shapes]
     else:   # no ZeRO: the optimizer's groups number its parameters in order
@@ -171,7 +221,10 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
     params = []
     for n in param_names:
         t = module[n]
-        shape = full_shape.get(n, tuple(t.shape))
+        shape = list(full_shape.get(n, tuple(t.shape)))
+        if n in split:   # the logical tensor: the tensor-parallel slices side by side
+            shape[split[n]] *= tp
+        shape = tuple(shape)
         dtype = t.dtype if t.is_floating_point() else lp
         params.append((n, shape, str(dtype).replace("torch.", ""), n in trained and n not in frozen))
     buffers = [(n, tuple(module[n].shape), str(module[n].dtype).replace("torch.", ""))
@@ -181,7 +234,7 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                           "name its class with --optimizer (e.g. torch.optim.AdamW)")
     return ModelSpec(params, buffers, groups, optimizer, cfg,
                      lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
-                     stage=stage, world=int(sd.get("dp_world_size", 1)))
+                     stage=stage, world=int(sd.get("dp_world_size", 1)) * tp, tp=tp, split=split)
 
 
 # ------------------------------------------------------------------ the shell engine
@@ -205,12 +258,19 @@ class SavedScheduler:
         return list((self.state or {}).get("_last_lr", []))
 
 
-def shell_module(spec: ModelSpec):
+def shell_module(spec: ModelSpec, tp: int = 1):
     """An nn.Module with the checkpoint's parameters and buffers under their dotted names, in
-    module order (so DeepSpeed groups, flattens and partitions them as in the training job)."""
+    module order (so DeepSpeed groups, flattens and partitions them as in the training job);
+    with ``tp`` > 1 each split parameter is this rank's slice, marked as Megatron marks it."""
     import torch
 
     root = torch.nn.Module()
+    if tp > 1:
+        check_tp(spec, tp)
+        # DeepSpeed's universal-checkpoint patterns, so the native files say how they are split
+        root.universal_checkpoint_info = {
+            "tp_replicated_parameter_patterns": [re.escape(n) + "$" for n, *_ in spec.params if n not in spec.split],
+            "parameter_with_row_parallelism_patterns": [re.escape(n) + "$" for n, d in spec.split.items() if d == 1]}
 
     def owner(name):
         *path, leaf = name.split(".")
@@ -223,8 +283,13 @@ def shell_module(spec: ModelSpec):
 
     for name, shape, dtype, trainable in spec.params:
         m, leaf = owner(name)
-        m.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=torch_dtype(dtype)),
-                                                      requires_grad=trainable))
+        dim = spec.split.get(name) if tp > 1 else None
+        if dim is not None:
+            shape = tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=torch_dtype(dtype)), requires_grad=trainable)
+        if dim is not None:
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        m.register_parameter(leaf, p)
     for name, shape, dtype in spec.buffers:
         m, leaf = owner(name)
         m.register_buffer(leaf, torch.zeros(shape, dtype=torch_dtype(dtype)))
@@ -233,6 +298,13 @@ def shell_module(spec: ModelSpec):
         raise StateError("the parameter names do not form a module tree in their recorded order; "
                          "this model cannot be rebuilt offline")
     return root
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    bad = [f"{n} {list(shape)}" for n, shape, _, _ in spec.params if n in spec.split and shape[spec.split[n]] % tp]
+    if bad:
+        raise ConfigError(f"tensor-parallel size {tp} does not divide the split dimension of "
+                          f"{', '.join(bad[:3])}; choose a --tp that divides them")
 
 
 def _import(path: str):
@@ -244,10 +316,14 @@ def _import(path: str):
                           "--optimizer or a DeepSpeed config with an \"optimizer\" block via --ds-config") from None
 
 
-def build_engine(spec: ModelSpec, stage: int):
+def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     import deepspeed
 
-    module = shell_module(spec)
+    mpu = None
+    if tp > 1:
+        from .mpu import TensorParallel
+        mpu = TensorParallel(tp)
+    module = shell_module(spec, tp)
     named = dict(module.named_parameters())
     cfg = copy.deepcopy(spec.ds_config)
     cfg.pop("adacheck", None)
@@ -267,7 +343,7 @@ def build_engine(spec: ModelSpec, stage: int):
         kw["optimizer"] = _import(spec.optimizer)(groups)
     if "scheduler" not in cfg and spec.lr_scheduler is not None:
         kw["lr_scheduler"] = SavedScheduler(spec.lr_scheduler)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=cfg, **kw)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=groups, config=cfg, mpu=mpu, **kw)
     return engine
 
 
@@ -295,11 +371,11 @@ def run_rank(a) -> None:
             src = _native_dir(a.src, a.tag)
             spec = spec_from_native(src, ds_config, a.optimizer)
             if world != spec.world:
-                raise ConfigError(f"{src} was saved by {spec.world} data-parallel ranks; DeepSpeed "
-                                  f"loads it only into as many, not {world} (run with --dp {spec.world})")
+                raise ConfigError(f"{src} was saved by {spec.dp} data-parallel x {spec.tp} tensor-parallel ranks; "
+                                  f"DeepSpeed loads it only into as many, not {world} (run {spec.world} ranks)")
             _refuse_existing(os.path.join(a.out, os.path.basename(src)))
             torch.distributed.barrier()   # every rank checked before any writes
-            engine = build_engine(spec, spec.stage)
+            engine = build_engine(spec, spec.stage, spec.tp)
             _, client_state = adacheck_ds.load_native(engine, os.path.dirname(src), tag=os.path.basename(src))
             # DeepSpeed returns some of its own metadata among the client state; it is not the user's
             client_state = {k: v for k, v in (client_state or {}).items() if k not in _DS_METADATA}
@@ -309,18 +385,22 @@ def run_rank(a) -> None:
         src = resolve(a.src, a.tag)
         spec, m = spec_from_adacheck(src, ds_config)
         stage = spec.stage if a.zero_stage is None else a.zero_stage
-        if a.direction == "materialise" and (world, stage) != (spec.world, spec.stage):
-            raise ConfigError(f"materialising replays the deltas in the saving layout: ZeRO-{spec.stage} "
-                              f"on {spec.world} ranks (this is {world})")
+        tp = spec.tp if a.tp is None else a.tp
+        if world % tp:
+            raise ConfigError(f"tensor-parallel size {tp} does not divide the {world} ranks")
+        saving = f"ZeRO-{spec.stage} on {spec.world} ranks, TP={spec.tp}"
+        if a.direction == "materialise" and (world, stage, tp) != (spec.world, spec.stage, spec.tp):
+            raise ConfigError(f"materialising replays the deltas in the saving layout: {saving} (this is "
+                              f"ZeRO-{stage} on {world} ranks, TP={tp})")
         pending, last, out_tag = reach(src, m, spec.world, a.step)
-        if pending and (world, stage) != (spec.world, spec.stage):
+        if pending and (world, stage, tp) != (spec.world, spec.stage, spec.tp):
             raise ConfigError(f"{src} has {pending} committed online steps, which replay only in the saving "
-                              f"layout (ZeRO-{spec.stage} on {spec.world} ranks): run 'materialise' there first "
+                              f"layout ({saving}): run 'materialise' there first "
                               "(adacheck convert --to deepspeed does both)")
         out_tag = a.out_tag or out_tag
         _refuse_existing(os.path.join(a.out, out_tag))
         torch.distributed.barrier()   # every rank checked before any writes
-        engine = build_engine(spec, stage)
+        engine = build_engine(spec, stage, tp)
         ac = adacheck_ds.attach(engine, {"enabled": True, "verify_on_load": not a.no_verify})
         ac.replay_until = last
         # AdaCheck's load: resharded to this layout, committed deltas replayed
@@ -412,7 +492,7 @@ def spawn(world: int, argv: List[str], grace: float = 60.0) -> None:
 
 def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_stage: Optional[int] = None,
             tag: Optional[str] = None, ds_config: Optional[str] = None, optimizer: Optional[str] = None,
-            verify: bool = True, step: Optional[int] = None) -> str:
+            verify: bool = True, step: Optional[int] = None, tp: Optional[int] = None) -> str:
     """Convert on this machine (ranks started here); returns the written checkpoint directory."""
     if direction not in DIRECTIONS:
         raise ConfigError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
@@ -432,7 +512,9 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     src_dir = resolve(src, tag)
     base = list(opts)   # the ranks get the checkpoint directory itself
     spec, m = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
-    dp = dp or spec.world
+    tp = tp or spec.tp
+    dp = dp or spec.dp
+    check_tp(spec, tp)
     stage = spec.stage if zero_stage is None else zero_stage
     pending, _, out_tag = reach(src_dir, m, spec.world, step)
     if step is not None:
@@ -445,13 +527,13 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".adacheck-convert-", dir=out)
     try:
-        if pending and (dp, stage) != (spec.world, spec.stage):
+        if pending and (dp, stage, tp) != (spec.dp, spec.stage, spec.tp):
             # the deltas replay only in the saving layout: materialise there first
             spawn(spec.world, ["materialise", src_dir, os.path.join(work, "base"), *base])
             src_dir = os.path.join(work, "base", out_tag)
             base = list(opts)
-        spawn(dp, ["to-native", src_dir, out, "--zero-stage", str(stage), "--tmp", os.path.join(work, "native"),
-                   "--out-tag", out_tag, *base])
+        spawn(dp * tp, ["to-native", src_dir, out, "--zero-stage", str(stage), "--tp", str(tp),
+                        "--tmp", os.path.join(work, "native"), "--out-tag", out_tag, *base])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
@@ -471,6 +553,9 @@ def main(argv=None) -> int:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="target ZeRO stage (default: the saving one)")
     p.add_argument("--dp", type=int, default=None, help="target data-parallel size (default: the saving one)")
+    p.add_argument("--tp", type=int, default=None,
+                   help="target tensor-parallel size, Megatron-DeepSpeed style mp ranks (default: the saving one); "
+                        "under torchrun the world is DP x TP")
     p.add_argument("--ds-config", default=None, help="DeepSpeed JSON to use instead of the recorded one")
     p.add_argument("--optimizer", default=None, help="client optimizer class, e.g. torch.optim.AdamW")
     p.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
@@ -499,7 +584,7 @@ def main(argv=None) -> int:
         sys.stderr.flush()
         os._exit(code)
     print(convert(a.direction, a.src, a.out, a.dp, a.zero_stage, a.tag, a.ds_config, a.optimizer,
-                  not a.no_verify, a.step))
+                  not a.no_verify, a.step, a.tp))
     return 0
 
 

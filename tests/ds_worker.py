@@ -75,6 +75,10 @@ class TPNet(torch.nn.Module):
     (each rank holds 1/tp of them, marked as Megatron marks them), the LayerNorm and the
     output bias replicated.  The full weights do not depend on the TP size."""
 
+    # how Megatron-DeepSpeed models tell DeepSpeed's universal checkpoint which parameters are split
+    universal_checkpoint_info = {"tp_replicated_parameter_patterns": [r"norm\.", r"out\.bias$"],
+                                 "parameter_with_row_parallelism_patterns": [r"out\.weight$"]}
+
     def __init__(self, hidden, mpu):
         super().__init__()
         tp, r = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()

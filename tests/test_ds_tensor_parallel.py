@@ -109,3 +109,62 @@ def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
     check(launch(2, {"runs": runs}, d2))
     assert results(d2)[0]["steps"][0] == 6
     assert_same(load_file(f"{d}/A0fp32_6.safetensors"), load_file(f"{d2}/C.safetensors"))
+
+
+def test_tensor_parallel_native_conversion_both_ways(tmp_path):
+    """adacheck convert --to deepspeed --tp N writes mp_rank files that stock DeepSpeed engines of
+    that TP size load (same layout: training continues bit-identically; TP=2 x DP=1 and TP=1:
+    every logical tensor equal); --from deepspeed reads DeepSpeed's own TP=2 save (split
+    dimensions from the model's universal_checkpoint_info) into the same tensors as AdaCheck's."""
+    from adacheck.checkpoint import CheckpointReader, resolve
+    from adacheck.cli import main as cli
+    d = str(tmp_path)
+    check(launch(4, {"runs": [
+        {"tp": 2, "stage": 1, "dtype": "bf16", "adacheck": {"enabled": True},
+         "actions": [["train", 3], ["save", f"{d}/ck"], ["dump", "S"], ["train", 2], ["dump", "A"]]},
+        {"tp": 2, "stage": 1, "dtype": "bf16",
+         "actions": [["train", 3], ["save_native", f"{d}/nsrc"], ["dump", "N"]]}]}, d))
+    for args in (["ck", "n22", "--to", "deepspeed"],
+                 ["ck", "n21", "--to", "deepspeed", "--tp", "2", "--dp", "1", "--zero-stage", "2"],
+                 ["ck", "n12", "--to", "deepspeed", "--tp", "1", "--dp", "2"],
+                 ["nsrc", "back", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]):
+        assert cli(["convert", f"{d}/{args[0]}", f"{d}/{args[1]}", *args[2:]]) == 0, args
+    assert sorted(f for f in os.listdir(f"{d}/n22/global_step3") if f.startswith("mp_rank")) == [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+    assert cli(["convert", f"{d}/ck", f"{d}/x", "--to", "deepspeed", "--tp", "3"]) == 2   # 40 % 3 != 0
+    assert not os.path.exists(f"{d}/x")
+    check(launch(4, {"runs": [
+        {"tp": 2, "stage": 1, "dtype": "bf16", "seed": 7,
+         "actions": [["load_native", f"{d}/n22"], ["train", 2], ["dump", "B"]]}]}, f"{d}/l4"))
+    check(launch(2, {"runs": [
+        {"tp": 2, "stage": 2, "dtype": "bf16", "seed": 7, "actions": [["load_native", f"{d}/n21"], ["dump", "L21"]]},
+        {"tp": 1, "stage": 1, "dtype": "bf16", "seed": 7, "actions": [["load_native", f"{d}/n12"], ["dump", "L12"]]},
+    ]}, f"{d}/l2"))
+    assert results(d)[0]["losses"][3:] == results(f"{d}/l4")[0]["losses"]
+    assert_same(load_file(f"{d}/A.safetensors"), load_file(f"{d}/l4/B.safetensors"))
+    s = load_file(f"{d}/S.safetensors")
+    for got in ("l2/L21", "l2/L12"):
+        assert_same(s, load_file(f"{d}/{got}.safetensors"), [k for k in s if k != "meta/global_steps"])
+    # DeepSpeed's own TP=2 files -> AdaCheck: the tensors AdaCheck's own save of that state holds
+    a, b = CheckpointReader(resolve(f"{d}/ck")), CheckpointReader(resolve(f"{d}/back"))
+    assert b.manifest.framework["tp_world_size"] == 2
+    state = {n for n in a.manifest.tensors if not n.startswith("object/client_state/")}   # the save's own
+    assert state == set(b.manifest.tensors)
+    for n in state:
+        if "/rng/" not in n:
+            assert torch.equal(a.read(n), b.read(n)), n
+
+
+def test_split_dimensions_of_native_files_come_from_the_models_patterns():
+    """Native files do not say how parameters are split: DeepSpeed's universal-checkpoint
+    patterns do, and anything they cannot express is refused with what to do instead."""
+    from adacheck.errors import StateError
+    from adacheck_ds.native import split_from_patterns
+    names = ["emb.weight", "l0.qkv.weight", "l0.proj.weight", "l0.proj.bias", "l0.norm.weight"]
+    info = {"tp_replicated_parameter_patterns": [r".*\.proj\.bias$", r".*norm\."],
+            "parameter_with_row_parallelism_patterns": [r".*\.proj\.weight$"]}
+    assert split_from_patterns(names, info, "x") == {"emb.weight": 0, "l0.qkv.weight": 0, "l0.proj.weight": 1}
+    with pytest.raises(StateError, match="without universal_checkpoint_info.*save once"):
+        split_from_patterns(names, None, "x")
+    with pytest.raises(StateError, match="parameter_with_2_sub_params_cat_dim_0.*qkv"):
+        split_from_patterns(names, dict(info, parameter_with_2_sub_params_cat_dim_0=[r".*qkv"]), "x")
