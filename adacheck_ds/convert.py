@@ -58,6 +58,8 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     os.makedirs(os.path.join(tmp, "zero"))
     names = _params(r)
     keys = sorted({n.split("/")[1] for n in m.tensors if n.startswith("optim/")})
+    # tensor-parallel parameters: a TP engine's load_universal cuts its slice along cat_dim
+    split = ((objects.get("model_spec") or {}).get("tensor_parallel") or {}).get("partition_dims") or {}
     done, total = 0, len(names)
     try:
         steps = set()
@@ -69,7 +71,8 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                 done += 1
                 continue   # frozen: no optimizer state; the module weights carry it
             os.makedirs(folder)
-            torch.save({"param": r.read(master, dtype=torch.float32)}, os.path.join(folder, "fp32.pt"))
+            tp = {"cat_dim": int(split[name])} if name in split else {}
+            torch.save({"param": r.read(master, dtype=torch.float32), **tp}, os.path.join(folder, "fp32.pt"))
             for key in keys:
                 t = f"optim/{key}/{name}"
                 if not r.has(t):
@@ -79,7 +82,7 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                     steps.add(float(v))
                     torch.save(v.item() if v.dtype == torch.int64 else v, os.path.join(folder, "step.pt"))
                 else:
-                    torch.save({"param": v}, os.path.join(folder, f"{key}.pt"))
+                    torch.save({"param": v, **tp}, os.path.join(folder, f"{key}.pt"))
             done += 1
             if progress is not None:
                 progress(done, total)

@@ -114,7 +114,8 @@ def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
 def test_tensor_parallel_native_conversion_both_ways(tmp_path):
     """adacheck convert --to deepspeed --tp N writes mp_rank files that stock DeepSpeed engines of
     that TP size load (same layout: training continues bit-identically; TP=2 x DP=1 and TP=1:
-    every logical tensor equal); --from deepspeed reads DeepSpeed's own TP=2 save (split
+    every logical tensor equal), and --to deepspeed-universal files a TP=2 engine's
+    load_universal slices correctly (row-parallel along dimension 1); --from deepspeed reads DeepSpeed's own TP=2 save (split
     dimensions from the model's universal_checkpoint_info) into the same tensors as AdaCheck's."""
     from adacheck.checkpoint import CheckpointReader, resolve
     from adacheck.cli import main as cli
@@ -127,7 +128,8 @@ def test_tensor_parallel_native_conversion_both_ways(tmp_path):
     for args in (["ck", "n22", "--to", "deepspeed"],
                  ["ck", "n21", "--to", "deepspeed", "--tp", "2", "--dp", "1", "--zero-stage", "2"],
                  ["ck", "n12", "--to", "deepspeed", "--tp", "1", "--dp", "2"],
-                 ["nsrc", "back", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]):
+                 ["nsrc", "back", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"],
+                 ["ck", "uc", "--to", "deepspeed-universal"]):
         assert cli(["convert", f"{d}/{args[0]}", f"{d}/{args[1]}", *args[2:]]) == 0, args
     assert sorted(f for f in os.listdir(f"{d}/n22/global_step3") if f.startswith("mp_rank")) == [
         "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
@@ -135,7 +137,9 @@ def test_tensor_parallel_native_conversion_both_ways(tmp_path):
     assert not os.path.exists(f"{d}/x")
     check(launch(4, {"runs": [
         {"tp": 2, "stage": 1, "dtype": "bf16", "seed": 7,
-         "actions": [["load_native", f"{d}/n22"], ["train", 2], ["dump", "B"]]}]}, f"{d}/l4"))
+         "actions": [["load_native", f"{d}/n22"], ["train", 2], ["dump", "B"]]},
+        {"tp": 2, "stage": 1, "dtype": "bf16", "seed": 7, "ds_extra": {"checkpoint": {"load_universal": True}},
+         "actions": [["load_native", f"{d}/uc"], ["dump", "U"]]}]}, f"{d}/l4"))
     check(launch(2, {"runs": [
         {"tp": 2, "stage": 2, "dtype": "bf16", "seed": 7, "actions": [["load_native", f"{d}/n21"], ["dump", "L21"]]},
         {"tp": 1, "stage": 1, "dtype": "bf16", "seed": 7, "actions": [["load_native", f"{d}/n12"], ["dump", "L12"]]},
@@ -143,7 +147,7 @@ def test_tensor_parallel_native_conversion_both_ways(tmp_path):
     assert results(d)[0]["losses"][3:] == results(f"{d}/l4")[0]["losses"]
     assert_same(load_file(f"{d}/A.safetensors"), load_file(f"{d}/l4/B.safetensors"))
     s = load_file(f"{d}/S.safetensors")
-    for got in ("l2/L21", "l2/L12"):
+    for got in ("l2/L21", "l2/L12", "l4/U"):
         assert_same(s, load_file(f"{d}/{got}.safetensors"), [k for k in s if k != "meta/global_steps"])
     # DeepSpeed's own TP=2 files -> AdaCheck: the tensors AdaCheck's own save of that state holds
     a, b = CheckpointReader(resolve(f"{d}/ck")), CheckpointReader(resolve(f"{d}/back"))
