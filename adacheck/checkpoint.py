@@ -32,7 +32,7 @@ from .errors import FormatError, IntegrityError, NotFoundError
 from .exchange import Comm, agree
 from .hashing import hash_tensor
 from .manifest import FORMAT_VERSION, split_file
-from .planner import plan_save, previous_index
+from .planner import gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
 from .writer import fsync_dir, write_safetensors_streaming
@@ -297,7 +297,8 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
     payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
     t_hashed = time.perf_counter()
-    gathered, received, compact = _exchange(comm, payload, exchange)
+    with gc_paused():
+        gathered, received, compact = _exchange(comm, payload, exchange)
     t_prepare = time.perf_counter()
     exchanged = {"how": exchange, "seconds": t_prepare - t_hashed, "bytes_received": received,
                  "ranks_sent_digest_only": compact}

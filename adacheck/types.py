@@ -7,6 +7,7 @@ conversion) is arithmetic on boxes.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -64,6 +65,14 @@ def _int_tuple(values, what: str) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1 << 20)
+def _box_key(offsets: tuple, lengths: tuple) -> str:
+    # a job saves the same boxes at every checkpoint: their keys are made once
+    if not lengths:
+        return "scalar"
+    return "_".join(f"{o}+{n}" for o, n in zip(offsets, lengths))
+
+
 @dataclass(frozen=True, order=True)
 class Box:
     """A hyper-rectangle of a tensor: ``offsets[d] <= i[d] < offsets[d] + lengths[d]``."""
@@ -111,9 +120,7 @@ class Box:
 
     def key(self) -> str:
         """Stable text form, used in shard-file keys."""
-        if not self.lengths:
-            return "scalar"
-        return "_".join(f"{o}+{n}" for o, n in zip(self.offsets, self.lengths))
+        return _box_key(self.offsets, self.lengths)
 
 
 @dataclass(frozen=True)
