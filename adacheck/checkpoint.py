@@ -199,6 +199,7 @@ _META_FIELDS = ("name", "kind", "dtype", "shape", "hash", "derive", "derive_ok",
 
 
 _STRUCT_FIELDS = tuple(f for f in _META_FIELDS if f != "hash")
+_STATIC = ("layout", "framework", "node")   # parts of a rank's save payload that stay the same
 # What every rank of a world of N sent last time: N -> {rank: (digest, structure)}.  A training
 # job saves the same boxes at every checkpoint, so after the first save a rank whose structure
 # is unchanged sends only its digest and the hashes (see _exchange).
@@ -213,10 +214,13 @@ def _exchange(comm: Comm, payload: dict, how: str):
     """Every rank's payload on every rank (compact JSON, never pickle), and the bytes received.
 
     A rank's shard list is split into its *structure* (names, kinds, dtypes, shapes, boxes,
-    declarations) and its hashes.  Where every rank holds the same cache of the structures sent
-    last time (checked with one small all-gather of digests), a rank whose structure did not
-    change sends its digest instead of the structure."""
-    structure = [[getattr(m, f) for f in _STRUCT_FIELDS] + [m.box.offsets, m.box.lengths] for m in payload["metas"]]
+    declarations; with its layout, framework and node, which do not change either) and its
+    hashes.  Where every rank holds the same cache of the structures sent last time (checked
+    with one small all-gather of digests), a rank whose structure did not change sends its
+    digest instead of the structure."""
+    structure = {"metas": [[getattr(m, f) for f in _STRUCT_FIELDS] + [m.box.offsets, m.box.lengths]
+                           for m in payload["metas"]],
+                 **{k: payload[k] for k in _STATIC}}
     digest = hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
     cache = _EXCHANGED.setdefault(comm.world_size, {})
     view = hashlib.blake2b(_json([cache.get(r, ("",))[0] for r in range(comm.world_size)]),
@@ -224,7 +228,7 @@ def _exchange(comm: Comm, payload: dict, how: str):
     views = comm.all_gather_object((digest, view))
     shared = views[0][1] is not None and all(v[1] == views[0][1] for v in views)
     compact = [shared and cache[r][0] == views[r][0] for r in range(comm.world_size)]
-    d = {k: v for k, v in payload.items() if k != "metas"}
+    d = {k: v for k, v in payload.items() if k != "metas" and k not in _STATIC}
     d.update(digest=digest, hashes=[m.hash for m in payload["metas"]],
              structure=None if compact[comm.rank] else structure)
     blobs = comm.all_gather_bytes(_json(d), how)
@@ -233,11 +237,12 @@ def _exchange(comm: Comm, payload: dict, how: str):
         g = json.loads(blob.decode("utf-8"))
         st = g.pop("structure")
         st = cache[r][1] if st is None else st
-        if len(st) != len(g["hashes"]):
-            raise FormatError(f"rank {r} sent {len(g['hashes'])} hashes for {len(st)} shards")
+        if len(st["metas"]) != len(g["hashes"]):
+            raise FormatError(f"rank {r} sent {len(g['hashes'])} hashes for {len(st['metas'])} shards")
         cache[r] = (g["digest"], st)
+        g.update({k: st[k] for k in _STATIC})
         g["metas"] = [ShardMeta(**dict(zip(_STRUCT_FIELDS, m[:-2])), hash=h, box=Box(tuple(m[-2]), tuple(m[-1])))
-                      for m, h in zip(st, g.pop("hashes"))]
+                      for m, h in zip(st["metas"], g.pop("hashes"))]
         gathered.append(g)
     return gathered, comm.bytes_received([len(b) for b in blobs], how), sum(compact)
 

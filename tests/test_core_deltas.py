@@ -156,3 +156,29 @@ def test_auto_base_rule(base_bytes, base_s, delta_bytes, replay_s, want):
     if want < 100000:    # n deltas stay within a base's bytes and time, n + 1 would not (unless n = 1)
         assert n == 1 or (n * delta_bytes <= base_bytes and n * replay_s <= base_s)
         assert n == 1 or ((n + 1) * delta_bytes > base_bytes or (n + 1) * replay_s > base_s)
+
+
+def test_bf16_exactness_is_proved_bit_for_bit():
+    """A gradient is stored as bf16 only when widening it back gives every fp32 bit: exact
+    values (also -0, inf and NaN payloads) are, a single inexact element anywhere is not."""
+    from adacheck.deltas import bf16_exact
+
+    def bits(t):
+        return t.contiguous().view(torch.int32)
+
+    exact = torch.randn(300_001).to(torch.bfloat16).float()
+    specials = torch.tensor([0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F810000, 0xFFC10000],
+                            dtype=torch.int64).to(torch.int32).view(torch.float32)   # -0, +-inf, NaNs
+    exact[:6] = specials
+    ok, b = bf16_exact(exact.view(1, -1))
+    assert ok and b.dtype == torch.bfloat16 and b.shape == (1, 300_001)
+    assert torch.equal(bits(b.float().view(-1)), bits(exact))          # every bit, NaN payloads too
+    assert torch.equal(b.view(-1)[6:], exact[6:].to(torch.bfloat16))    # what a cast gives
+    for pos in (7, 150_000, 300_000):   # one element off a bf16 value, in or out of the sample
+        t = exact.clone()
+        t[pos] = torch.nextafter(t[pos], torch.tensor(float("inf")))
+        assert bf16_exact(t) == (False, None), pos
+    strided = exact.view(-1)[6::2]      # not contiguous: the cast-and-compare path, same answer
+    ok, b = bf16_exact(strided)
+    assert ok and torch.equal(b, strided.to(torch.bfloat16))
+    assert bf16_exact(torch.empty(0))[0]
