@@ -106,6 +106,20 @@ def gc_paused():
             gc.enable()
 
 
+# The last placement: it depends on sizes, keys and holders only, not on the hashes, so a job
+# whose boxes and replicas did not change since its last checkpoint gets the same assignment.
+_PLACED: list = []
+
+
+def _placed(items, n_ranks: int, copies: int, nodes):
+    args = (items, n_ranks, copies, tuple(nodes) if nodes is not None else None)
+    if _PLACED and _PLACED[0] == args:
+        return _PLACED[1]
+    out = place(items, n_ranks, copies, nodes)
+    _PLACED[:] = [args, out]
+    return out
+
+
 # name -> (shape, boxes) already proven to tile: a training job saves the same structure at every
 # checkpoint, so the tiling check (the planner's costliest part) runs once per process.
 _TILED: Dict[str, tuple] = {}
@@ -177,8 +191,8 @@ def _plan(per_rank, generation, previous, copies, nodes) -> WritePlan:
                 stored.append(StoredBox(box, "", key, digest, holders))
         tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, boxes=tuple(stored))
     # Balanced, deterministic assignment (of what is not referenced from ``previous``).
-    writer_of, load = place([(nbytes, key, holders) for nbytes, _, _, _, holders, key in items],
-                            len(per_rank), copies, nodes)
+    writer_of, load = _placed([(nbytes, key, holders) for nbytes, _, _, _, holders, key in items],
+                              len(per_rank), copies, nodes)
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
     names: Dict[int, str] = {}   # writer -> its file

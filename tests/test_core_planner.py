@@ -121,3 +121,15 @@ def test_tiling_is_rechecked_when_the_structure_changes():
     plan_save([[meta(Box((0,), (2,)), "b")], [meta(Box((2,), (2,)), "c")]])   # new hashes, same boxes
     with pytest.raises(Exception, match="cover 3 of 4"):
         plan_save([[meta(Box((0,), (2,)))], [meta(Box((2,), (1,)))]])
+
+
+def test_placement_is_reused_only_while_sizes_and_holders_stay_the_same():
+    """The last assignment is kept for the next checkpoint when only hashes changed; a box
+    whose holders changed is placed again (never on a rank that no longer holds it)."""
+    a = [[meta("w", Box.full((8,)), (8,))], [meta("w", Box.full((8,)), (8,))], []]
+    first = plan_save(a)
+    again = plan_save([[meta("w", Box.full((8,)), (8,), h=H2)], [meta("w", Box.full((8,)), (8,), h=H2)], []])
+    assert {r: [k for *_, k in w] for r, w in again.writes.items()} == \
+        {r: [k for *_, k in w] for r, w in first.writes.items()}
+    moved = plan_save([[], [meta("w", Box.full((8,)), (8,))], [meta("w", Box.full((8,)), (8,))]])
+    assert set(moved.writes) <= {1, 2} and len([k for w in moved.writes.values() for k in w]) == 1
