@@ -139,14 +139,14 @@ def split_from_patterns(names: List[str], info: Optional[dict], where: str) -> D
                          "the training job with AdaCheck enabled and save once (AdaCheck records it)")
 
     def matches(key, name):
-        pats = info.get(key) or []
-        return any(re.match(p if isinstance(p, str) else str(p), name) for p in pats)
+        return any(isinstance(p, str) and re.match(p, name) for p in info.get(key) or [])
 
     for key in _UNSUPPORTED_SPLITS:
-        odd = [n for n in names if info.get(key) and (not isinstance(info[key], list) or
-                                                       all(isinstance(p, str) for p in info[key])) and matches(key, n)]
-        if odd or (info.get(key) and key == "parameter_with_sub_params"):
-            raise StateError(f"{where}: {key} ({(odd or ['...'])[:3]}) are split in pieces AdaCheck does not "
+        # pattern lists; parameter_with_sub_params describes its pieces in structured entries
+        odd = [n for n in names if matches(key, n)] or \
+            (["..."] if key == "parameter_with_sub_params" and info.get(key) else [])
+        if odd:
+            raise StateError(f"{where}: {key} ({odd[:3]}) are split in pieces AdaCheck does not "
                              "convert offline; load the checkpoint in the training job with AdaCheck enabled "
                              "and save once")
     return {n: (1 if matches("parameter_with_row_parallelism_patterns", n) else 0)
@@ -202,9 +202,10 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
     param_names = [n for n in module if n not in buffer_names]
     tp = int(sd.get("mp_world_size") or 1)
     split = split_from_patterns(param_names, sd.get("universal_checkpoint_info"), files[0]) if tp > 1 else {}
-    if tp > 1 and len([f for f in files if os.path.basename(f).startswith("mp_rank_")]) != tp:
-        raise StateError(f"{ckpt_dir} was saved by {tp} tensor-parallel ranks but holds "
-                         f"{len(files)} model-states files; the checkpoint is incomplete")
+    mp_files = [f for f in files if os.path.basename(f).startswith("mp_rank_")]
+    if tp > 1 and len(mp_files) != tp:
+        raise StateError(f"{ckpt_dir} was saved by {tp} tensor-parallel ranks but holds {len(mp_files)} "
+                         "mp_rank_XX_model_states.pt files; the checkpoint is incomplete")
     if shapes is not None:
         groups = [list(g) for g in shapes]
     else:   # no ZeRO: the optimizer's groups number its parameters in order
