@@ -79,10 +79,12 @@ def _place_params(engine, lay: "Layout") -> None:
     lay.tp = tp_rank, tp = tensor_parallel(engine)
     for n, p in engine.module.named_parameters():
         local = tuple(getattr(p, "ds_shape", p.shape))
+        dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
         if tp == 1 or not is_model_parallel_parameter(p):
             lay.origin[n] = (local, Box.full(local))
+            if is_model_parallel_parameter(p) and isinstance(dim, int) and 0 <= dim < len(local) and stride == 1:
+                lay.split[n] = dim   # (Megatron marks its layers at TP=1 too): a conversion may split it
             continue
-        dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
         if not isinstance(dim, int) or not 0 <= dim < len(local):
             raise StateError(f"{n} is marked tensor-model-parallel but has no valid partition_dim "
                              f"({dim!r}); AdaCheck needs to know along which dimension it is split "

@@ -61,7 +61,7 @@ def test_tensor_parallel_save_resume_and_reshard(tmp_path):
     # the same checkpoints on 2 processes: TP=1 x DP=2, TP=2 x DP=1
     d2 = str(tmp_path / "two")
     runs = [{"tp": 1, "stage": 1, "dtype": "bf16", "seed": 3, "adacheck": {"enabled": True},
-             "actions": [["load", f"{d}/ck1bf16"], ["dump", "T1"]]},
+             "actions": [["load", f"{d}/ck1bf16"], ["dump", "T1"], ["save", f"{d2}/one"]]},
             {"tp": 2, "stage": 0, "dtype": "fp32", "seed": 3, "adacheck": {"enabled": True},
              "actions": [["load", f"{d}/ck2fp32"], ["dump", "T2"]]}]
     check(launch(2, {"runs": runs}, d2))
@@ -71,6 +71,16 @@ def test_tensor_parallel_save_resume_and_reshard(tmp_path):
     t2 = load_file(f"{d2}/T2.safetensors")
     assert_same(s2, t2, [k for k in s2 if not k.startswith("meta/")])
     assert res[-1]["errors"] == []
+    # a TP=1 save of a model whose layers are marked (as Megatron marks them at any TP size)
+    # records how they split, so it converts into TP=2 native files
+    from adacheck.cli import main as cli
+    man, _ = _stored(f"{d2}/one/global_step3")
+    assert man["framework"]["tp_world_size"] == 1
+    assert cli(["convert", f"{d2}/one", f"{d2}/n21", "--to", "deepspeed", "--tp", "2", "--dp", "1"]) == 0
+    check(launch(2, {"runs": [{"tp": 2, "stage": 1, "dtype": "bf16", "seed": 4,
+                               "actions": [["load_native", f"{d2}/n21"], ["dump", "T21"]]}]}, f"{d2}/l"))
+    t21 = load_file(f"{d2}/l/T21.safetensors")
+    assert_same(s, t21, [k for k in s if not k.startswith("meta/")])
 
 
 def _online(ck, **kw):
