@@ -547,16 +547,18 @@ class CheckpointReader:
         return out
 
     def read_flat(self, name: str, start: int, stop: int, dtype: Optional[torch.dtype] = None,
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the row-major flattened tensor (into 1-D ``out`` if given)."""
+                  out: Optional[torch.Tensor] = None, within: Optional[Box] = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the row-major flattened tensor, or of its box ``within``
+        (e.g. one tensor-parallel rank's slice) flattened on its own (into 1-D ``out`` if given)."""
         e = self.entry(name)
         if out is None:
             out = torch.empty(stop - start, dtype=dtype or torch_dtype(e.dtype))
         elif out.numel() != stop - start or out.dim() != 1:
             raise ValueError(f"{name}: out must be 1-D with {stop - start} elements")
+        region = within if within is not None else Box.full(e.shape)
         pos = 0
-        for b in flat_range_to_boxes(e.shape, start, stop):
-            self.read(name, b, out=out.narrow(0, pos, b.numel).view(b.lengths))
+        for b in flat_range_to_boxes(region.lengths, start, stop):
+            self.read(name, b.shifted(region.offsets), out=out.narrow(0, pos, b.numel).view(b.lengths))
             pos += b.numel
         return out
 

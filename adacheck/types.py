@@ -118,6 +118,11 @@ class Box:
             lens.append(hi - lo)
         return Box(tuple(offs), tuple(lens))
 
+    def shifted(self, by) -> "Box":
+        """This box moved by the offsets ``by``: a box of a sub-box ``Box(by, ...)`` of a tensor
+        (say one rank's slice) as a box of the whole tensor."""
+        return Box(tuple(o + b for o, b in zip(self.offsets, by)), self.lengths)
+
     def key(self) -> str:
         """Stable text form, used in shard-file keys."""
         return _box_key(self.offsets, self.lengths)

@@ -204,31 +204,13 @@ def _describe(engine) -> Layout:
     return lay
 
 
-def _in(origin: Box, b: Box) -> Box:
-    """Box ``b`` of this rank's parameter as a box of the logical tensor."""
-    return Box(tuple(o + x for o, x in zip(origin.offsets, b.offsets)), b.lengths)
-
-
 def _boxes_of(origin: Box, start: int, flat: torch.Tensor):
     """Cut a 1-D run [start, start+len) of this rank's parameter (the ``origin`` box of the
     logical tensor) into (logical box, tensor) pieces."""
     pos = 0
     for b in flat_range_to_boxes(origin.lengths, start, start + flat.numel()):
-        yield _in(origin, b), flat.narrow(0, pos, b.numel).view(b.lengths)
+        yield b.shifted(origin.offsets), flat.narrow(0, pos, b.numel).view(b.lengths)
         pos += b.numel
-
-
-def _read_flat(r: CheckpointReader, name: str, origin: Box, start: int, stop: int,
-               dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Elements [start, stop) of this rank's flattened parameter (the ``origin`` box of logical
-    tensor ``name``), from the checkpoint."""
-    if out is None:
-        out = torch.empty(stop - start, dtype=dtype or torch_dtype(r.entry(name).dtype))
-    pos = 0
-    for b in flat_range_to_boxes(origin.lengths, start, stop):
-        r.read(name, _in(origin, b), out=out.narrow(0, pos, b.numel).view(b.lengths))
-        pos += b.numel
-    return out
 
 
 def _state_tensor(v) -> Optional[torch.Tensor]:
@@ -354,12 +336,12 @@ def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: 
                              f"{list(shape)}{tp}; the checkpoint belongs to another model configuration")
     for f in lay.frags:
         if f.name in keep:
-            st.master[f"{f.name}@{f.start}"] = _read_flat(r, _master_source(r, f.name), lay.origin[f.name][1],
-                                                          f.start, f.start + f.numel, dtype=f.master.dtype)
+            st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start, f.start + f.numel,
+                                                           dtype=f.master.dtype, within=lay.origin[f.name][1])
     for n, (start, view) in lay.lp_views.items():
         if n in keep:
-            st.lp[n] = _read_flat(r, _lp_source(r, n, view.dtype), lay.origin[n][1], start,
-                                  start + view.numel(), dtype=view.dtype)
+            st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype,
+                                   within=lay.origin[n][1])
     for n, buf in engine.module.named_buffers():
         if buf is not None and r.has(f"buffer/{n}"):
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
@@ -420,8 +402,8 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
                     covered = 0
                     for f in sorted(frs, key=lambda f: f.offset):
                         flat.narrow(0, covered, f.offset - covered).zero_()   # alignment padding
-                        _read_flat(r, f"optim/{key}/{f.name}", lay.origin[f.name][1], f.start,
-                                   f.start + f.numel, out=flat.narrow(0, f.offset, f.numel))
+                        r.read_flat(f"optim/{key}/{f.name}", f.start, f.start + f.numel,
+                                    out=flat.narrow(0, f.offset, f.numel), within=lay.origin[f.name][1])
                         covered = f.offset + f.numel
                     flat.narrow(0, covered, p.numel() - covered).zero_()
                     entry[key] = flat.view(p.shape)
