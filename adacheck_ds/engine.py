@@ -132,10 +132,8 @@ class AdaCheckDeepSpeed:
             "model_spec": self._model_spec(lay),
         }
         import deepspeed
-        dp = e.data_parallel_group if hasattr(e, "data_parallel_group") else None
-        layout = {"zero_stage": lay.stage, "optimizer": lay.kind,
-                  "dp_rank": torch.distributed.get_rank(dp) if torch.distributed.is_initialized() else 0,
-                  "dp_world_size": e.dp_world_size if hasattr(e, "dp_world_size") else 1,
+        dp_rank, dp_size = S.data_parallel(e)
+        layout = {"zero_stage": lay.stage, "optimizer": lay.kind, "dp_rank": dp_rank, "dp_world_size": dp_size,
                   "tp_rank": lay.tp[0], "tp_world_size": lay.tp[1]}
         framework = {"name": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
                      "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,

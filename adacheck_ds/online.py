@@ -50,15 +50,6 @@ def _tap(engine) -> tuple:
     return lay, OptimizerTap([lay.base_optimizer], prefix=prefix, extra=extra)
 
 
-def _data_parallel(engine) -> tuple:
-    """(rank, size) of this rank's data-parallel group."""
-    mpu = getattr(engine, "mpu", None)
-    if mpu is not None:
-        return int(mpu.get_data_parallel_rank()), int(mpu.get_data_parallel_world_size())
-    import torch.distributed as dist
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _record_rank(saved: list, tp_rank: int, dp_rank: int) -> int:
     """Whose record a rank of a replicated optimizer follows when the data-parallel size changed:
     the saving rank at the same tensor-parallel rank, the same data-parallel rank if it had one."""
@@ -84,7 +75,7 @@ class OnlineDS:
         self.lay, self.tap = _tap(e)
         mine = None
         if self.lay.kind in _REPLICATED:   # stored once per data-parallel group, by a balanced choice
-            me, dp = _data_parallel(e)
+            me, dp = S.data_parallel(e)
             items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
             writers, _ = place(items, dp)
             mine = {k for k, w in writers.items() if w[0] == me}
@@ -221,7 +212,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
             last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
                             preclip=lambda key, g, a: _preclip(e, tap, key, g, a),
                             record_rank=comm.rank if world == comm.world_size else
-                            _record_rank(manifest.layout.get("ranks", []), lay.tp[0], _data_parallel(e)[0]))
+                            _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]))
         finally:
             if ac.online is None:
                 tap.remove()

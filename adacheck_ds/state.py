@@ -73,6 +73,14 @@ def tensor_parallel(engine) -> Tuple[int, int]:
     return int(bwc_tensor_model_parallel_rank(mpu)), int(bwc_tensor_model_parallel_world_size(mpu))
 
 
+def data_parallel(engine) -> Tuple[int, int]:
+    """(rank, size) of the engine's data-parallel group (the mpu's, when it has one)."""
+    if not torch.distributed.is_initialized():
+        return 0, 1
+    group = getattr(engine, "data_parallel_group", None)
+    return torch.distributed.get_rank(group), int(getattr(engine, "dp_world_size", 1))
+
+
 def _place_params(engine, lay: "Layout") -> None:
     """Each parameter's logical shape and the box of it this rank holds (``lay.origin``)."""
     from deepspeed.runtime.utils import is_model_parallel_parameter
