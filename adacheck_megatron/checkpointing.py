@@ -189,6 +189,8 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             "args": _json_args(args),
             "extra_state": extra_state or {},
             "distributed_optimizer": distopt,   # per sub-optimizer: param groups, step, scaler
+            # per torch optimizer: no update applied yet (its state is empty, not zeros)
+            "optimizer_never_stepped": S.never_stepped(optimizer) if optimizer is not None else [],
         }
         import megatron.core
         framework = {"name": "megatron", "megatron_core": megatron.core.__version__,
@@ -353,7 +355,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 "laid out differently (not supported yet): match --use-distributed-optimizer, or "
                 "load the weights only with --no-load-optim")
         dstaged = S.distopt_stage_load(optimizer, sd, r, objects["distributed_optimizer"]) if dist else None
-        state, missing = S.stage_load(sd, r, objects["common"], sharded_objects, strict=strict)
+        # an optimizer that had applied no update when saved has no moments in the checkpoint;
+        # the state Megatron creates for loading is dropped again in apply()
+        fresh = load_optim and not dist and any(objects.get("optimizer_never_stepped") or [])
+        state, missing = S.stage_load(sd, r, objects["common"], sharded_objects, strict=strict,
+                                      absent=("optimizer.state.",) if fresh else ())
         rng = None
         if load_rng:
             if _same_layout(saved_layout, topology(), comm.world_size):
@@ -375,8 +381,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
             optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM
         if load_optim and optimizer is not None:
             if dstaged is not None:
-                S.distopt_apply(optimizer, dstaged, objects["distributed_optimizer"])
+                S.distopt_apply(optimizer, dstaged, objects["distributed_optimizer"],
+                                objects.get("optimizer_never_stepped"))
             else:
+                never = objects.get("optimizer_never_stepped") or []
+                if any(never):     # exactly as saved: the first update creates the state
+                    S.drop_fresh_state(state["optimizer"], never)
                 optimizer.load_state_dict(state["optimizer"])
             if opt_param_scheduler is not None and objects.get("opt_param_scheduler") is not None:
                 load_scheduler(opt_param_scheduler, objects["opt_param_scheduler"])

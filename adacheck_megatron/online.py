@@ -104,7 +104,8 @@ class OnlineMegatron:
         self._ok = update_successful
         scalars = {"iteration": self.iteration, "update_successful": bool(update_successful),
                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                   "increment": self.increment if update_successful else 0}
+                   "increment": self.increment if update_successful else 0,
+                   "grad_scalers": grad_scalers(optimizer)}
         self.recorder.after_step(self.iteration, scalars)
 
     def _take_base(self) -> None:
@@ -140,6 +141,19 @@ def saved(save_dir: str, manifest, iteration: int, seconds: float) -> None:
     if on is not None and os.path.abspath(save_dir) == os.path.abspath(on.save_dir):
         on.iteration = iteration
         on.recorder.start_chain(manifest.tag, iteration, int(manifest.stats.get("file_bytes", 0)), seconds)
+
+
+def grad_scalers(optimizer) -> list:
+    """fp16: each part's loss scale and its growth / hysteresis trackers after the step (a skipped
+    step changes only these), to be set again after replay."""
+    return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) is not None else None
+            for o in _parts(optimizer)]
+
+
+def set_grad_scalers(optimizer, saved) -> None:
+    for o, sd in zip(_parts(optimizer), saved or []):
+        if sd is not None and getattr(o, "grad_scaler", None) is not None:
+            o.grad_scaler.load_state_dict(sd)
 
 
 @torch.no_grad()
@@ -190,6 +204,7 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
             if on is None:
                 tap.remove()
         _refresh_model_params(optimizer)
+        set_grad_scalers(optimizer, last.get("grad_scalers"))
         if opt_param_scheduler is not None and last.get("scheduler") is not None:
             load_scheduler(opt_param_scheduler, last["scheduler"])
             if last["increment"]:

@@ -205,12 +205,33 @@ def reconcile_common(saved: dict, target: dict) -> dict:
     return out
 
 
+def never_stepped(optimizer) -> List[bool]:
+    """Per torch optimizer inside a Megatron optimizer: it has no state yet (no update was ever
+    applied, e.g. every step so far skipped by the fp16 loss scaler)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [not any(st for st in o.optimizer.state.values()) for o in parts
+            if getattr(o, "optimizer", None) is not None]
+
+
+def drop_fresh_state(state_dict, never: List[bool]) -> None:
+    """Empty the torch optimizer state inside the loadable ``state_dict`` (a Megatron optimizer's,
+    or a ChainedOptimizer's by position) of each part saved with ``never`` stepped: it was
+    saved without moments, and an Adam state without its step cannot even be loaded."""
+    parts = [state_dict] if len(never) == 1 else [v for _, v in sorted(state_dict.items())]
+    for part, fresh in zip(parts, never):
+        inner = part.get("optimizer", part) if isinstance(part, dict) else None
+        if fresh and isinstance(inner, dict) and "state" in inner:
+            inner["state"] = {}
+
+
 def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
-               sharded_objects: Dict[str, object], strict: bool = True):
+               sharded_objects: Dict[str, object], strict: bool = True, absent: Tuple[str, ...] = ()):
     """The plain state dict for ``sharded_state_dict`` (built with ``is_loading=True``),
     read from ``reader``; ``common`` is the saved common state, ``sharded_objects`` the saved
     ShardedObjects of all ranks by unique key. Missing tensors are an error unless not
-    ``strict``, when they keep the value the target already has and are returned by name."""
+    ``strict``, when they keep the value the target already has and are returned by name.
+    Tensors whose key contains one of ``absent`` may be missing silently (they keep the
+    target's value): state the saving job did not have yet."""
     sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
     sharded, target_common = extract_sharded_base(sharded)
     common = reconcile_common(common, target_common)
@@ -225,6 +246,8 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
         if not isinstance(v, ShardedTensor):
             return v
         if not reader.has(v.key):
+            if any(a in v.key for a in absent):
+                return v.data
             if strict:
                 raise FormatError(f"{reader.dir}: the checkpoint has no tensor {v.key!r}; is it a "
                                   "checkpoint of this model? (load with strict=False to keep the "
@@ -341,20 +364,30 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
     shards: List[LocalShard] = []
     commons = []
     for opt in distributed_optimizers(optimizer):
-        commons.append(opt.state_dict())
-        for model_param, start, stop in _local_ranges(opt):
-            meta = _model_meta(by_param, model_param)
-            for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
-                if k == "step":
-                    continue   # shared by all parameters; in the param groups
-                name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
-                flat = t.detach().reshape(-1)
-                if flat.numel() != stop - start:
-                    raise StateError(f"{name}: optimizer holds {flat.numel()} elements for the range "
-                                     f"[{start}, {stop})")
-                for box, rng in _flat_pieces(meta, start, stop):
-                    shards.append(LocalShard(name, kind_of(name), tuple(meta.global_shape), box,
-                                             flat[rng].view(box.lengths), replicated=True))
+        # never stepped (e.g. every step so far skipped by the fp16 loss scaler): Megatron's
+        # state_dict needs the step its Adam creates at the first update, so the save describes
+        # that initial state (the optimizer itself is left without state; the load drops it again)
+        fresh = not any(st for st in opt.optimizer.state.values())
+        if fresh:
+            init_empty_state([opt])
+        try:
+            commons.append(opt.state_dict())
+            for model_param, start, stop in _local_ranges(opt):
+                meta = _model_meta(by_param, model_param)
+                for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
+                    if k == "step":
+                        continue   # shared by all parameters; in the param groups
+                    name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
+                    flat = t.detach().reshape(-1)
+                    if flat.numel() != stop - start:
+                        raise StateError(f"{name}: optimizer holds {flat.numel()} elements for the range "
+                                         f"[{start}, {stop})")
+                    for box, rng in _flat_pieces(meta, start, stop):
+                        shards.append(LocalShard(name, kind_of(name), tuple(meta.global_shape), box,
+                                                 flat[rng].view(box.lengths), replicated=True))
+        finally:
+            if fresh:
+                opt.optimizer.state.clear()
     return shards, commons
 
 
@@ -419,9 +452,12 @@ def _distopt_commons(subs, saved: list) -> list:
     return out
 
 
-def distopt_apply(optimizer, staged, commons) -> None:
+def distopt_apply(optimizer, staged, commons, never: Optional[List[bool]] = None) -> None:
+    """Set the staged state; ``never``: per sub-optimizer, saved before any update was applied
+    (its state is left empty, as the saving job's was)."""
     subs = distributed_optimizers(optimizer)
-    for opt, part, common in zip(subs, staged, _distopt_commons(subs, commons)):
+    never = list(never or []) + [False] * len(subs)
+    for opt, part, common, fresh in zip(subs, staged, _distopt_commons(subs, commons), never):
         opt.load_state_dict(common)   # param groups, shared step, grad scaler; allocates state
         # DistributedOptimizer.load_state_dict gives every parameter the same step tensor and
         # torch's Adam increments each parameter's step in place: a shared tensor would
@@ -435,3 +471,5 @@ def distopt_apply(optimizer, staged, commons) -> None:
                 raise StateError(f"optimizer state keys {sorted(live)} differ from the loaded "
                                  f"{sorted(tensors)}")
             opt._set_main_param_and_optimizer_states(model_param, dict(tensors, step=live.get("step")))
+        if fresh:
+            opt.optimizer.state.clear()

@@ -99,6 +99,13 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--use-cpu-initialization", action="store_true")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 weights, fp32 main weights, loss scaling (dynamic unless --loss-scale)")
+    g.add_argument("--loss-scale", type=float, default=None, help="a constant loss scale (fp16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -143,6 +150,8 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
         args.adacheck_config = config_from_args(args)
     except ConfigError as e:
         p.error(str(e))
+    if args.fp16 and args.bf16:
+        p.error("--fp16 and --bf16 exclude each other: choose one")
     if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
         p.error("--ckpt-convert-format and --ckpt-convert-save go together")
     if args.ckpt_convert_format and args.adacheck_convert_save:
@@ -212,8 +221,12 @@ def initialize_parallel(args) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def params_dtype(args) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_config(args) -> TransformerConfig:
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -235,6 +248,7 @@ def transformer_config(args) -> TransformerConfig:
         init_method_std=args.init_method_std,
         use_cpu_initialization=args.use_cpu_initialization,
         bf16=args.bf16,
+        fp16=args.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         # GPU kernel fusions (torch.compile / apex / TE); the plain PyTorch paths are used.
@@ -294,7 +308,7 @@ def build_model(args):
     model = model_provider(args, config,
                            pre_process=parallel_state.is_pipeline_first_stage(),
                            post_process=parallel_state.is_pipeline_last_stage())
-    if args.bf16:
+    if args.bf16 or args.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16,  # Megatron-LM's default for bf16
@@ -309,7 +323,7 @@ def build_model(args):
 
 
 def build_optimizer(args, model, config):
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = params_dtype(args)
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -320,6 +334,12 @@ def build_optimizer(args, model, config):
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
         bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         params_dtype=dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
@@ -602,7 +622,7 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
         print(f"world {args.world_size}: TP {args.tensor_model_parallel_size} PP "
               f"{args.pipeline_model_parallel_size} DP {args.data_parallel_size} EP "
               f"{args.expert_model_parallel_size}, {args.num_microbatches} micro-batches, "
-              f"{'bf16' if args.bf16 else 'fp32'}"
+              f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}"
               f"{', distributed optimizer' if args.use_distributed_optimizer else ''}", flush=True)
     t_start, first = time.perf_counter(), iteration
     saving = args.save or (args.adacheck and args.adacheck_config.save_dir)

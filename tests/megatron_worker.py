@@ -54,8 +54,10 @@ def run_one(run, out):
             # iteration dump PREFIX<iteration> (and touch MARKER<iteration>-rank<r>)
             for _ in range(rest[0] - iteration if kind == "train_to" else rest[0]):
                 iteration += 1
-                loss, _, _, _ = P.train_step(args, iteration, model, optimizer, scheduler)
+                loss, _, _, ok = P.train_step(args, iteration, model, optimizer, scheduler)
                 res["losses"].append(last_stage_value(loss))
+                if not ok:
+                    res.setdefault("skipped", []).append(iteration)
                 if kind == "train_dump":
                     do(["dump", f"{rest[1]}{iteration}"])
                     if len(rest) > 2:
@@ -80,6 +82,12 @@ def run_one(run, out):
                             if torch.is_tensor(v):
                                 t[f"state{oi}.{gi}.{j}.{k}"] = v.detach().clone().reshape(-1)
             t["scheduler"] = torch.tensor([scheduler.num_steps], dtype=torch.int64)
+            for oi, o in enumerate(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+                gs = getattr(o, "grad_scaler", None)
+                if gs is not None:     # fp16: the loss scale and its trackers
+                    t[f"grad_scaler{oi}"] = torch.tensor(
+                        [float(gs.scale.item()), getattr(gs, "_growth_tracker", 0),
+                         getattr(gs, "_hysteresis_tracker", 0)], dtype=torch.float64)
             from safetensors.torch import save_file
             save_file({k: v.contiguous() for k, v in t.items()},
                       os.path.join(out, f"{rest[0]}-rank{torch.distributed.get_rank()}.safetensors"))

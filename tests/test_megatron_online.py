@@ -154,3 +154,44 @@ def test_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
     ]}, f"{d}/one", script="megatron_worker.py"))
     assert [r["loaded"] for r in results(f"{d}/one")] == [[6], [4]]
     same(load_file(f"{d}/A-rank0.safetensors"), load_file(f"{d}/one/B-rank0.safetensors"), "DP=2 -> 1")
+
+
+FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
+
+
+def test_fp16_steps_the_loss_scaler_skipped_replay_exactly(tmp_path):
+    """fp16 with dynamic loss scaling (TP=2, and DP=2 with the distributed optimizer): the first
+    iterations overflow and are skipped, so the base of iteration 1 holds an optimizer that never
+    applied an update (no moments yet), and later skips fall inside the delta chains. Recovery
+    of the newest state (base 4 + deltas 5, 6) and of iteration 3 (base 1 + skipped deltas 2, 3)
+    equals the uninterrupted run there exactly, loss scale and its trackers included, and
+    training goes on with the uninterrupted run's losses and skips."""
+    d = str(tmp_path)
+    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"] + FP16,
+               "distopt": ["--use-distributed-optimizer", "--global-batch-size", "4"] + FP16}
+    runs = []
+    for name, argv in layouts.items():
+        on = argv + ["--adacheck", "--adacheck-dir", f"{d}/ck-{name}", "--adacheck-online",
+                     "--adacheck-online-base-interval", "3"]
+        runs += [{"argv": argv, "actions": [["train", 8]]},
+                 {"argv": on, "actions": [["online"], ["train_dump", 6, f"A-{name}-"], ["online", False]]},
+                 {"argv": on, "actions": [["scramble"], ["load", f"{d}/ck-{name}"], ["dump", f"B-{name}"],
+                                          ["train", 2]]},
+                 {"argv": on + ["--ckpt-step", "3"], "actions": [["scramble"], ["load", f"{d}/ck-{name}"],
+                                                                ["dump", f"C-{name}"], ["train", 1]]}]
+    check(launch(2, {"runs": runs}, d, script="megatron_worker.py"))
+    res = results(d)
+    for i, name in enumerate(layouts):
+        ref, a, b, c = res[4 * i: 4 * i + 4]
+        skipped = ref.get("skipped", [])
+        assert 1 in skipped and set(skipped) & {5, 6} and 4 not in skipped, (name, skipped)
+        assert a["losses"] == ref["losses"][:6] and a.get("skipped") == [s for s in skipped if s <= 6], name
+        assert b["loaded"] == [6] and c["loaded"] == [3], name
+        for r in (0, 1):
+            for got, it in (("B", 6), ("C", 3)):
+                want = load_file(f"{d}/A-{name}-{it}-rank{r}.safetensors")
+                assert any(k.startswith("grad_scaler") for k in want), name
+                same(want, load_file(f"{d}/{got}-{name}-rank{r}.safetensors"), f"{name} iteration {it} rank {r}")
+        assert b["losses"] == ref["losses"][6:8] and c["losses"] == ref["losses"][3:4], name
+        assert b.get("skipped", []) == [s for s in skipped if s > 6], name
+
