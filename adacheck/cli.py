@@ -90,6 +90,13 @@ def cmd_inspect(args) -> int:
         if dl["lossy"]:
             print(f"            APPROXIMATE: compact (lossy bf16) gradients, largest rounding error "
                   f"{dl['max_abs_error']:.3g}")
+            dev, top = dl["deviation"].get(dl["last"]), dl["max_deviation"]
+            if dev is None:
+                print("            the deviation of a recovery was not measured when these deltas were written")
+            else:
+                print(f"            measured deviation of a load from the recording run at step {dl['last']}: "
+                      f"weights {dev['weights']:.3g}, optimizer state {dev['state']:.3g} (largest at any "
+                      f"step of the chain: {top['weights']:.3g}, {top['state']:.3g})")
     print(f"bytes       held by all ranks {human(st.get('held_bytes', 0))}, logical {human(logical)}, "
           f"derived (not stored) {human(st.get('derived_bytes', 0))}, on disk {human(stored)}")
     if s["references"]:

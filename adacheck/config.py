@@ -45,7 +45,8 @@ base_interval       50        steps between base (full) checkpoints, or "auto": 
                               when the deltas since the last one cost more bytes, or more
                               estimated replay time, than a base (adacheck.deltas.auto_interval)
 compact             false     store gradients in bf16 even when that is lossy (recovery is
-                              then approximate, and says so)
+                              then approximate, and says by how much: a shadow copy of the
+                              optimizer state, stepped with the stored gradients, measures it)
 queue_depth         2         steps whose gradients may wait for the background writer; a
                               step waits when all are in use (bounded memory)
 on_error            "disable" an I/O error while writing a delta: "disable" the online mode

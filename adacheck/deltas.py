@@ -18,8 +18,9 @@ at the first gap.
 
 Gradients are stored in the narrowest dtype that reproduces them bit-exactly: an fp32
 gradient whose values are all exact bf16 values is stored as bf16 (proved per tensor by
-casting back and comparing bytes); ``compact`` stores bf16 regardless and records the
-largest rounding error.  The hook only copies gradients into preallocated staging
+reading the low halves of their bits); ``compact`` stores bf16 regardless and records the
+largest rounding error, and with each step (``deviation``) how far a recovery to it is from
+the recording run's state, measured by the recorder on a shadow of the optimizer state.  The hook only copies gradients into preallocated staging
 buffers; a background thread proves, casts, hashes and writes them.  At most
 ``queue_depth`` steps wait for the writer: the next step blocks until one is free.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -93,6 +95,11 @@ def bf16_exact(t: torch.Tensor) -> Tuple[bool, Optional[torch.Tensor]]:
     back = b.to(t.dtype)
     ints = {4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()]
     return bool(torch.equal(back.view(ints), t.view(ints))), b
+
+
+def compact_form(g: torch.Tensor) -> torch.Tensor:
+    """A copy of ``g`` as ``compact`` stores it: fp32 as bf16 (rounded), other dtypes as they are."""
+    return g.to(torch.bfloat16) if g.dtype == torch.float32 else g.clone()
 
 
 # ----------------------------------------------------------------------------- the base rule
@@ -193,8 +200,11 @@ class DeltaLog:
             self._free.put(self._slot)
             self._slot = None
 
-    def submit(self, step: int, record: dict, rank_tensors: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        """Queue step ``step`` (``record``: JSON; ``rank_tensors``: small extra tensors)."""
+    def submit(self, step: int, record: dict, rank_tensors: Optional[Dict[str, torch.Tensor]] = None,
+               deviation: Optional[Dict[str, float]] = None) -> None:
+        """Queue step ``step`` (``record``: JSON; ``rank_tensors``: small extra tensors;
+        ``deviation``: compact mode's measured distance of a recovery to this step from the
+        live state, by kind)."""
         if self.disabled:
             self._slot = None
             return
@@ -204,7 +214,7 @@ class DeltaLog:
             raise RuntimeError(f"staged gradients of step {self._slot_step} submitted as step {step}")
         if slot is not None and any(b.is_cuda for b in slot.buffers.values()):
             torch.cuda.current_stream().synchronize()
-        self._jobs.put((step, slot, record, dict(rank_tensors or {})))
+        self._jobs.put((step, slot, record, dict(rank_tensors or {}), deviation))
 
     def flush(self) -> None:
         self._jobs.join()
@@ -237,11 +247,11 @@ class DeltaLog:
             if job is None:
                 self._jobs.task_done()
                 return
-            step, slot, record, extra = job
+            step, slot, record, extra, deviation = job
             try:
                 if self.error is None:
                     t0 = time.perf_counter()
-                    self._write(step, slot, record, extra)
+                    self._write(step, slot, record, extra, deviation)
                     self.write_seconds += time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self.error = e
@@ -250,7 +260,8 @@ class DeltaLog:
                     self._free.put(slot)
                 self._jobs.task_done()
 
-    def _write(self, step: int, slot: Optional[_Slot], record: dict, extra: Dict[str, torch.Tensor]) -> None:
+    def _write(self, step: int, slot: Optional[_Slot], record: dict, extra: Dict[str, torch.Tensor],
+               deviation: Optional[Dict[str, float]] = None) -> None:
         d = step_dir(self.ckpt_dir, step)
         os.makedirs(d, exist_ok=True)
         tensors, meta, extra_meta = {}, {}, {}
@@ -262,7 +273,7 @@ class DeltaLog:
                 if exact:
                     stored = b
                 elif self.compact:
-                    stored = b if b is not None else g.to(torch.bfloat16)
+                    stored = b if b is not None else compact_form(g)
                     err = float((stored.float() - g).abs().max()) if g.numel() else 0.0
             stored = stored.contiguous()
             tensors[_GRAD + key] = stored
@@ -286,6 +297,8 @@ class DeltaLog:
                "file": fname, "file_bytes": size, "tensors": meta, "extra": extra_meta,
                "lossy": any("max_abs_error" in v for v in meta.values()),
                "record": record}
+        if deviation is not None:     # JSON has no inf: a distance that is not finite is "inf"
+            rec["deviation"] = {k: v if math.isfinite(v) else "inf" for k, v in deviation.items()}
         path = os.path.join(d, f"rank{self.rank}.json")
         text = json.dumps(rec, sort_keys=True, separators=(",", ":"), allow_nan=False)
         commit.atomic_write_text(path, text, fsync=self.fsync)
@@ -337,6 +350,15 @@ class Step:
     def max_abs_error(self) -> float:
         return max([v.get("max_abs_error", 0.0) for r in self.records.values() for v in r["tensors"].values()]
                    or [0.0])
+
+    def deviation(self) -> Optional[Dict[str, float]]:
+        """compact: how far a recovery to this step is from the recording run's state there
+        (largest absolute difference over every rank's weights / optimizer state, measured while
+        recording); None when no rank measured it."""
+        got = [r["deviation"] for r in self.records.values() if isinstance(r.get("deviation"), dict)]
+        if not got:
+            return None
+        return {k: max(float(d.get(k, "inf")) for d in got) for k in ("weights", "state")}
 
 
 def _read_record(path: str) -> Optional[dict]:
@@ -441,7 +463,15 @@ def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
             "last": steps[-1].step if steps else None, "bytes": sum(s.bytes for s in steps),
             "stops": why, "lossy": any(s.lossy for s in steps),
             "max_abs_error": max([s.max_abs_error() for s in steps] or [0.0]),
+            # per committed step, compact only: a recovery to it deviates by this much
+            "deviation": {s.step: s.deviation() for s in steps if s.deviation() is not None},
+            "max_deviation": _max_deviation(steps),
             "on_disk": len(step_dirs(ckpt_dir))}
+
+
+def _max_deviation(steps: List[Step]) -> Optional[Dict[str, float]]:
+    devs = [d for d in (s.deviation() for s in steps) if d is not None]
+    return {k: max(d[k] for d in devs) for k in ("weights", "state")} if devs else None
 
 
 def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None) -> Tuple[int, int]:

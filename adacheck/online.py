@@ -20,7 +20,7 @@ from . import jsontree
 from .config import OnlineConfig
 from .errors import StateError
 from .exchange import Comm, agree
-from .optimtap import OptimizerTap
+from .optimtap import OptimizerTap, Shadow
 from .rng import rng_state
 
 log = logging.getLogger("adacheck")
@@ -29,10 +29,14 @@ log = logging.getLogger("adacheck")
 class OnlineRecorder:
     def __init__(self, tap: OptimizerTap, config: OnlineConfig, save_dir: str, comm: Callable[[], Comm],
                  take_base: Callable[[], None], fsync: bool = True, mine: Optional[set] = None,
-                 rank_state: Callable[[], dict] = rng_state):
+                 rank_state: Callable[[], dict] = rng_state,
+                 preclip: Optional[Callable[[str, object, object], None]] = None):
         self.tap, self.config, self.save_dir = tap, config, save_dir
         self.comm, self.take_base, self.fsync, self.mine = comm, take_base, fsync, mine
-        self.rank_state = rank_state
+        self.rank_state, self.preclip = rank_state, preclip
+        # compact: the state a recovery reaches, stepped along with the gradients as stored
+        self.shadow: Optional[Shadow] = None
+        self._stored: dict = {}
         self.log: Optional[D.DeltaLog] = None
         self.base_step: Optional[int] = None
         self.base_tag: Optional[str] = None
@@ -51,8 +55,14 @@ class OnlineRecorder:
     def _grad(self, key, grad) -> None:
         if key in self._pre:
             return       # its gradient before the framework's unscale/clip is staged already
+        self._keep(key, grad)
         if self.log is not None and (self.mine is None or key in self.mine):
             self.log.add(key, grad)
+
+    def _keep(self, key, grad) -> None:
+        """compact: the gradient as the log stores it (every rank's own: replay applies them all)."""
+        if self.shadow is not None and self.log is not None and not self.log.disabled:
+            self._stored[key] = (D.compact_form(grad.detach()), grad.dtype)
 
     def note_preclip(self, key: str, grad, args) -> None:
         """The framework is about to unscale / clip ``grad`` (of tensor ``key``) in place with
@@ -62,6 +72,7 @@ class OnlineRecorder:
             return
         self._begin()
         self._pre[key] = args
+        self._keep(key, grad)
         if self.log is not None and (self.mine is None or key in self.mine):
             self.log.add(key, grad)
 
@@ -74,6 +85,7 @@ class OnlineRecorder:
         every rank makes the same decision from the same step number)."""
         calls = self.tap.take_calls()
         pre, self._pre = self._pre, {}
+        stored, self._stored = self._stored, {}
         self._next = step + 1
         if self.base_step is None or (self.interval is not None and step - self.base_step >= self.interval):
             if self.log is not None:
@@ -83,8 +95,9 @@ class OnlineRecorder:
         tree = dict(scalars, calls=calls, preclip=pre, param_groups=self.tap.group_state(),
                     rank_state=self.rank_state())
         enc, tensors = jsontree.encode(tree, "rank/")
+        deviation = self._shadow_step(calls, pre, stored) if self.shadow is not None else None
         if self.log is not None:
-            self.log.submit(step, enc, dict(tensors))
+            self.log.submit(step, enc, dict(tensors), deviation=deviation)
         if self.interval is None and step == self.base_step + 2:
             self._decide_interval()
         if self.log is not None and not self._warned_slow and step - self.base_step >= 10:
@@ -97,6 +110,20 @@ class OnlineRecorder:
                             "step at this speed; use faster storage or a larger queue_depth for bursts",
                             100 * lg.stall_seconds / wall, wall, lg.steps_written, lg.bytes_written / 1e6,
                             lg.bytes_written / max(lg.write_seconds, 1e-9) / 1e9)
+
+    def _shadow_step(self, calls, pre: dict, stored: dict) -> Optional[dict]:
+        """compact: replay this step on the shadow with the gradients as stored; its distance
+        to the live state is what a recovery to this step deviates by (measured, not bounded)."""
+        if self.log is None or self.log.disabled:
+            return None
+        grads = {k: g.to(dtype) for k, (g, dtype) in stored.items()}
+        for key, args in pre.items():
+            if self.preclip is None:
+                raise StateError("compact online deltas with the framework's gradient clipping need the "
+                                 "integration's preclip function")
+            self.preclip(key, grads[key], args)
+        self.tap.replay(calls, grads, shadow=self.shadow)
+        return self.shadow.deviation(self.tap)
 
     def _decide_interval(self) -> None:
         """``base_interval: "auto"``: one collective after the first delta of a chain."""
@@ -152,6 +179,8 @@ class OnlineRecorder:
             self.interval = None
         self.log = D.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
                               compact=self.config.compact, on_error=self.config.on_error)
+        self._stored = {}
+        self.shadow = Shadow(self.tap) if self.config.compact else None
 
 
 def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None):
@@ -200,6 +229,11 @@ def describe_replay(steps: List[D.Step], base_step, seconds: float, why: str) ->
                 "" if why == "end of the log" else f"; the log stops there: {why}")
     lossy = [s for s in steps if s.lossy]
     if lossy:
+        dev = steps[-1].deviation()
         log.warning("AdaCheck: APPROXIMATE recovery: %d of these deltas were stored in compact (lossy bf16) "
-                    "form; largest gradient rounding error %.3g", len(lossy), max(s.max_abs_error() for s in lossy))
+                    "form; largest gradient rounding error %.3g; %s", len(lossy), max(s.max_abs_error() for s in lossy),
+                    "this state deviates from the recording run's at step %d by at most %.3g in the weights and "
+                    "%.3g in the optimizer state (measured while recording)" % (steps[-1].step, dev["weights"],
+                                                                                   dev["state"])
+                    if dev is not None else "its deviation from the recording run was not measured")
 

@@ -14,7 +14,10 @@ into a group only while stepping (DeepSpeed ZeRO-3's fp32 sub-group flats).
 """
 from __future__ import annotations
 
+import copy
+import math
 import time
+from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -119,35 +122,88 @@ class OptimizerTap:
                 out += with_grad
         return out
 
-    def replay(self, calls, grads: Dict[str, torch.Tensor]) -> None:
-        """Make the recorded ``calls`` again with ``grads`` (key -> gradient)."""
+    def replay(self, calls, grads: Dict[str, torch.Tensor], shadow: Optional["Shadow"] = None) -> None:
+        """Make the recorded ``calls`` again with ``grads`` (key -> gradient); on ``shadow``'s
+        copies of the tensors and their optimizer state instead of the real ones if given."""
         self.replaying = True
         try:
             for oi, groups in calls:
-                self._replay_call(self.optimizers[oi], self._groups[oi], groups, grads)
+                self._replay_call(oi, groups, grads, shadow)
         finally:
             self.replaying = False
 
-    def _replay_call(self, opt, all_groups, groups, grads) -> None:
-        saved_groups = opt.param_groups
+    def _replay_call(self, oi, groups, grads, shadow) -> None:
+        opt, all_groups = self.optimizers[oi], self._groups[oi]
+        tensors = self.tensors if shadow is None else shadow.tensors
+        saved_groups, saved_state = opt.param_groups, opt.state
+        saved_hyper = [{k: v for k, v in g.items() if k != "params"} for g in all_groups] if shadow else None
         saved_params = [(g, g["params"]) for g in all_groups]
+        given = []
         try:
             active = []
             for gi, hyper, keys, with_grad in groups:
                 g = all_groups[gi]
                 g.update(hyper)
-                g["params"] = [self.tensors[k] for k in keys]
+                g["params"] = [tensors[k] for k in keys]
                 for k in with_grad:
-                    t = self.tensors[k]
+                    t = tensors[k]
                     if grads[k].numel() != t.numel():
                         raise StateError(f"gradient {k} has {grads[k].numel()} elements, the tensor {t.numel()}")
                     t.grad = grads[k].to(device=t.device).view(t.shape)
+                    given.append(t)
                 active.append(g)
             opt.param_groups = active
+            if shadow is not None:
+                opt.state = shadow.state[oi]
             opt.step()
         finally:
-            opt.param_groups = saved_groups
+            opt.param_groups, opt.state = saved_groups, saved_state
+            for t in given:
+                t.grad = None
             for g, params in saved_params:
-                for p in g["params"]:
-                    p.grad = None
                 g["params"] = params
+            for g, hyper in zip(all_groups, saved_hyper or []):
+                g.update(hyper)     # (a shadow step leaves the live hyper-parameters as they are)
+
+
+class Shadow:
+    """A copy of the tensors an :class:`OptimizerTap` steps and of their optimizer state, taken
+    when a chain of lossy (compact) deltas starts and stepped by :meth:`OptimizerTap.replay`
+    with exactly the gradients the log stores: it is bit for bit the state a recovery will
+    reach, so its distance to the live state is the recovery's deviation, measured."""
+
+    def __init__(self, tap: OptimizerTap):
+        self.tensors = {k: t.detach().clone() for k, t in tap.tensors.items()}
+        self.state = []
+        for opt in tap.optimizers:
+            st = defaultdict(dict)
+            for k, t in tap.tensors.items():
+                if t in opt.state and opt.state[t]:
+                    st[self.tensors[k]] = {n: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                                           for n, v in opt.state[t].items()}
+            self.state.append(st)
+
+    def deviation(self, tap: OptimizerTap) -> Dict[str, float]:
+        """Largest absolute difference from the live tensors ("weights") and from their
+        optimizer state ("state"); inf where one side is not finite and the other differs."""
+        out = {"weights": 0.0, "state": 0.0}
+        for k, t in tap.tensors.items():
+            out["weights"] = max(out["weights"], _maxdiff(self.tensors[k], t))
+            for oi, opt in enumerate(tap.optimizers):
+                live = opt.state.get(t) if t in opt.state else None
+                mine = self.state[oi].get(self.tensors[k]) if self.tensors[k] in self.state[oi] else None
+                for n in set(live or {}) | set(mine or {}):
+                    a, b = (live or {}).get(n), (mine or {}).get(n)
+                    if torch.is_tensor(a) and torch.is_tensor(b) and a.numel() == b.numel():
+                        out["state"] = max(out["state"], _maxdiff(a, b))
+                    elif torch.is_tensor(a) or torch.is_tensor(b) or a != b:
+                        out["state"] = math.inf
+        return out
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().reshape(-1).double(), b.detach().reshape(-1).to(a.device).double()
+    d = (a - b).abs()
+    d = torch.where((a == b) | (a.isnan() & b.isnan()), torch.zeros_like(d), d)
+    m = float(d.max()) if d.numel() else 0.0
+    return m if math.isfinite(m) else math.inf

@@ -80,7 +80,8 @@ class OnlineDS:
             writers, _ = place(items, dp)
             mine = {k for k, w in writers.items() if w[0] == me}
         self.recorder = O.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
-                                         fsync=ac.config.fsync, mine=mine)
+                                         fsync=ac.config.fsync, mine=mine,
+                                         preclip=lambda key, g, a: _preclip(e, self.tap, key, g, a))
         self._orig_clip = None
         if self.lay.kind in ("zero12", "zero3", "fp16unfused") and not e.fp16_enabled():
             # record gradients before ZeRO unscales/clips them in place: they are exact bf16

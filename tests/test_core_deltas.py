@@ -182,3 +182,58 @@ def test_bf16_exactness_is_proved_bit_for_bit():
     ok, b = bf16_exact(strided)
     assert ok and torch.equal(b, strided.to(torch.bfloat16))
     assert bf16_exact(torch.empty(0))[0]
+
+
+def test_the_shadow_of_a_compact_chain_is_the_state_replay_reaches():
+    """compact mode measures its deviation on a Shadow: stepped with the gradients as stored, it
+    is bit for bit what a recovery replaying them from the base reaches, and stepping it leaves
+    the live tensors, moments and hyper-parameters alone; its distance to the live state is
+    then exactly the recovery's."""
+    from adacheck.optimtap import OptimizerTap, Shadow
+    torch.manual_seed(0)
+
+    def make():
+        ps = [torch.nn.Parameter(torch.randn(64, 8)), torch.nn.Parameter(torch.randn(8))]
+        return ps, torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)
+    live, opt = make()
+    tap = OptimizerTap([opt])
+    base = [p.detach().clone() for p in live]
+    shadow = Shadow(tap)
+    log = []
+    for step in range(4):
+        grads = {k: torch.randn(t.shape) * 1e-3 for k, t in sorted(tap.tensors.items())}
+        for k, g in grads.items():
+            tap.tensors[k].grad = g.clone()
+        opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
+        opt.step()
+        calls = tap.take_calls()
+        stored = {k: D.compact_form(g).float() for k, g in grads.items()}
+        before = ([t.clone() for t in tap.tensors.values()],
+                  {id(p): {n: v.clone() for n, v in s.items()} for p, s in opt.state.items()},
+                  dict(opt.param_groups[0], params=None))
+        tap.replay(calls, {k: g.clone() for k, g in stored.items()}, shadow=shadow)
+        assert all(torch.equal(a, b) for a, b in zip(before[0], tap.tensors.values()))
+        assert all(torch.equal(v, before[1][id(p)][n]) for p, s in opt.state.items() for n, v in s.items())
+        assert dict(opt.param_groups[0], params=None) == before[2]
+        assert all(torch.equal(tap.tensors[k].grad, g) for k, g in grads.items())    # live gradients kept
+        assert all(t.grad is None for t in shadow.tensors.values())
+        log.append((calls, stored))
+    dev = shadow.deviation(tap)
+    assert dev["weights"] > 0 and dev["state"] > 0
+    # a recovery: the base, then the stored gradients replayed through a tap of a new optimizer
+    rec, opt2 = make()
+    with torch.no_grad():
+        for p, b in zip(rec, base):
+            p.copy_(b)
+    tap2 = OptimizerTap([opt2])
+    for calls, stored in log:
+        tap2.replay(calls, {k: g.clone() for k, g in stored.items()})
+    for k in tap.tensors:
+        assert torch.equal(tap2.tensors[k], shadow.tensors[k])
+    far = max((tap2.tensors[k].double() - tap.tensors[k].double()).abs().max().item() for k in tap.tensors)
+    assert far == dev["weights"]
+    moments = max((opt2.state[tap2.tensors[k]][n].double() - opt.state[tap.tensors[k]][n].double()).abs().max().item()
+                  for k in tap.tensors for n in ("exp_avg", "exp_avg_sq"))
+    assert moments == dev["state"]
+    exact = Shadow(tap)          # a shadow of the live state itself is at distance 0
+    assert exact.deviation(tap) == {"weights": 0.0, "state": 0.0}
