@@ -201,9 +201,28 @@ class Shadow:
         return out
 
 
+_CHUNK = 1 << 18      # elements per piece of a CPU difference (stays in cache: ~4x faster than whole)
+
+
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().reshape(-1).double(), b.detach().reshape(-1).to(a.device).double()
+    """max |a - b| in fp32 arithmetic; equal non-finite values count as equal."""
+    a, b = a.detach().reshape(-1), b.detach().reshape(-1).to(a.device)
+    if not a.numel():
+        return 0.0
+    if a.dtype != torch.float32 or b.dtype != torch.float32:
+        a, b = a.float(), b.float()
+    if a.is_cuda:
+        m = float(torch.sub(a, b).abs_().max())
+    else:
+        buf, tops = torch.empty(min(_CHUNK, a.numel())), []
+        for i in range(0, a.numel(), _CHUNK):
+            piece = buf[:min(_CHUNK, a.numel() - i)]
+            torch.sub(a[i:i + _CHUNK], b[i:i + _CHUNK], out=piece)
+            tops.append(piece.abs_().max())
+        m = float(torch.stack(tops).max())
+    if math.isfinite(m):
+        return m
     d = (a - b).abs()
     d = torch.where((a == b) | (a.isnan() & b.isnan()), torch.zeros_like(d), d)
-    m = float(d.max()) if d.numel() else 0.0
+    m = float(d.max())
     return m if math.isfinite(m) else math.inf

@@ -14,10 +14,14 @@ Printed (and written as JSON to ``--json``):
   step overhead      (time per step with online deltas) / (time per step without) - 1
   replay/step        replay time per delta / training time per step
   exact              the recovered engine equals the online engine bit for bit (every
-                     module weight, master weight and optimizer tensor)
+                     module weight, master weight and optimizer tensor); with --compact
+                     (lossy bf16 gradients): the recovered engine's largest distance from
+                     the online engine, and whether it equals the deviation the online
+                     engine measured while recording (its shadow of the optimizer state)
 
     .venv/bin/python scripts/bench_online.py
     .venv/bin/python scripts/bench_online.py --stages 2 --dtypes bf16 --steps 6
+    .venv/bin/python scripts/bench_online.py --stages 1 --dtypes fp32 --compact
 """
 from __future__ import annotations
 
@@ -86,7 +90,8 @@ def worker(a) -> None:
             ck = os.path.join(work, "online")
             plain = engine_for(stage, dtype, {"enabled": True})
             on = engine_for(stage, dtype, {"enabled": True, "save_dir": ck,
-                                           "online": {"enabled": True, "base_interval": 10 ** 6}})
+                                           "online": {"enabled": True, "base_interval": 10 ** 6,
+                                                      "compact": a.compact}})
             train(plain, 2)
             train(on, 2)            # the base (step 1) and the first delta
             t_plain, t_on = [], []
@@ -124,6 +129,10 @@ def worker(a) -> None:
                 print("differs:", len(sa), len(sb), diff[:20], flush=True)
             flag = torch.tensor(int(exact))
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            far = torch.tensor(max([(x.double() - y.double()).abs().max().item() for x, y in zip(sa, sb)
+                                    if x.numel()] or [0.0]), dtype=torch.float64)
+            dist.all_reduce(far, op=dist.ReduceOp.MAX)
+            measured = steps[-1].deviation()
             if rank == 0:
                 full = manifest.stats["file_bytes"]
                 nb = du(os.path.join(native, "n"))
@@ -137,7 +146,9 @@ def worker(a) -> None:
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "replay_s_per_step": replay["seconds"] / replay["steps"],
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
-                             "exact": bool(flag.item()), "differs": diff[:8]})
+                             "exact": bool(flag.item()), "differs": diff[:8], "compact": a.compact,
+                             "distance": far.item(),
+                             "measured": max(measured.values()) if measured else None})
                 print(json.dumps(rows[-1]), flush=True)
             for eng in (plain, on, rec_engine):
                 eng.destroy()
@@ -154,7 +165,8 @@ def table(rows) -> str:
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['delta_bytes']:,.0f} | {r['full_bytes']:,} | "
                    f"{r['full_over_delta']:.2f}x | {r['native_over_delta']:.2f}x | {r['bf16_share']:.0%} | "
                    f"{r['step_s']:.3f} | {r['overhead']:+.1%} | {r['replay_over_step']:.2f} | "
-                   f"{'yes' if r['exact'] else 'NO'} |")
+                   + (f"{'yes' if r['exact'] else 'NO'} |" if not r.get("compact") else
+                      f"compact: {r['distance']:.3g} (measured {r['measured']:.3g}) |"))
     return "\n".join(out)
 
 
@@ -170,6 +182,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=4, help="alternating timed blocks per engine")
     ap.add_argument("--work", default=None, help="where checkpoints go (default: a temp dir)")
+    ap.add_argument("--compact", action="store_true", help="online.compact: gradients in bf16 even when lossy")
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
@@ -179,13 +192,13 @@ def main() -> None:
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700,
                        ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
                         "--clip", str(a.clip), "--steps", str(a.steps), "--blocks", str(a.blocks),
-                        "--stages", *map(str, a.stages), "--dtypes", *a.dtypes])
+                        "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else []))
     import deepspeed
     import torch
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
-                   "clip": a.clip, "steps": a.steps, "blocks": a.blocks}, f, indent=1)
+                   "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact}, f, indent=1)
     print(table(rows))
     print(f"\nJSON in {a.json}")
 

@@ -218,6 +218,6 @@ def test_compact_deltas_recover_within_the_measured_deviation(tmp_path):
         for k in a:
             kind = k.split(".")[0].rstrip("0123456789")
             if kind in far:
-                far[kind] = max(far[kind], (a[k].double() - b[k].double()).abs().max().item())
+                far[kind] = max(far[kind], (a[k].float() - b[k].float()).abs().max().item())
     measured = info["deviation"]["5"]
     assert far["main"] == measured["weights"] > 0 and far["state"] == measured["state"] > 0, (far, measured)
