@@ -20,8 +20,9 @@ Gradients are stored in the narrowest dtype that reproduces them bit-exactly: an
 gradient whose values are all exact bf16 values is stored as bf16 (proved per tensor by
 reading the low halves of their bits); ``compact`` stores bf16 regardless and records the
 largest rounding error, and with each step (``deviation``) how far a recovery to it is from
-the recording run's state, measured by the recorder on a shadow of the optimizer state.  The hook only copies gradients into preallocated staging
-buffers; a background thread proves, casts, hashes and writes them.  At most
+the recording run's state, measured by the recorder on a shadow of the optimizer state.
+The hook only copies gradients into preallocated staging buffers; a background thread
+proves, casts, hashes and writes them.  At most
 ``queue_depth`` steps wait for the writer: the next step blocks until one is free.
 
 Nothing here calls torch.distributed: the integration agrees on the nonce and the plan.
