@@ -460,19 +460,15 @@ def remove_steps_after(ckpt_dir: str, step: int) -> List[int]:
 def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
     """What ``adacheck inspect`` shows about a base's delta log."""
     steps, why = committed_steps(ckpt_dir, base_step, world)
+    devs = {s.step: d for s, d in ((s, s.deviation()) for s in steps) if d is not None}
     return {"committed": len(steps), "first": steps[0].step if steps else None,
             "last": steps[-1].step if steps else None, "bytes": sum(s.bytes for s in steps),
             "stops": why, "lossy": any(s.lossy for s in steps),
             "max_abs_error": max([s.max_abs_error() for s in steps] or [0.0]),
             # per committed step, compact only: a recovery to it deviates by this much
-            "deviation": {s.step: s.deviation() for s in steps if s.deviation() is not None},
-            "max_deviation": _max_deviation(steps),
+            "deviation": devs,
+            "max_deviation": {k: max(d[k] for d in devs.values()) for k in ("weights", "state")} if devs else None,
             "on_disk": len(step_dirs(ckpt_dir))}
-
-
-def _max_deviation(steps: List[Step]) -> Optional[Dict[str, float]]:
-    devs = [d for d in (s.deviation() for s in steps) if d is not None]
-    return {k: max(d[k] for d in devs) for k in ("weights", "state")} if devs else None
 
 
 def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None) -> Tuple[int, int]:

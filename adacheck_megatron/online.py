@@ -34,6 +34,7 @@ from adacheck.optimtap import OptimizerTap
 from adacheck.planner import place
 
 from . import hooks
+from . import state as S
 from .checkpointing import load_scheduler, rank_state, set_rank_state
 
 log = logging.getLogger("adacheck")
@@ -45,13 +46,9 @@ def active() -> Optional["OnlineMegatron"]:
     return _ACTIVE
 
 
-def _parts(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
 def _distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return any(isinstance(o, DistributedOptimizer) for o in _parts(optimizer))
+    return any(isinstance(o, DistributedOptimizer) for o in S.parts(optimizer))
 
 
 def make_tap(optimizer) -> OptimizerTap:
@@ -60,7 +57,7 @@ def make_tap(optimizer) -> OptimizerTap:
               f"ep{ps.get_expert_model_parallel_rank()}.")
     if _distributed(optimizer):
         prefix += f"dp{ps.get_data_parallel_rank()}."
-    return OptimizerTap([o.optimizer for o in _parts(optimizer)], prefix=prefix)
+    return OptimizerTap([o.optimizer for o in S.parts(optimizer)], prefix=prefix)
 
 
 class OnlineMegatron:
@@ -78,7 +75,7 @@ class OnlineMegatron:
         self.iteration = 0
         self.tap = make_tap(optimizer)
         mine = None
-        if len(_parts(optimizer)) == 1 and not _distributed(optimizer):
+        if len(S.parts(optimizer)) == 1 and not _distributed(optimizer):
             dp, me = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
             writers, _ = place(items, dp)
@@ -147,11 +144,11 @@ def grad_scalers(optimizer) -> list:
     """fp16: each part's loss scale and its growth / hysteresis trackers after the step (a skipped
     step changes only these), to be set again after replay."""
     return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) is not None else None
-            for o in _parts(optimizer)]
+            for o in S.parts(optimizer)]
 
 
 def set_grad_scalers(optimizer, saved) -> None:
-    for o, sd in zip(_parts(optimizer), saved or []):
+    for o, sd in zip(S.parts(optimizer), saved or []):
         if sd is not None and getattr(o, "grad_scaler", None) is not None:
             o.grad_scaler.load_state_dict(sd)
 
@@ -162,7 +159,7 @@ def _refresh_model_params(optimizer) -> None:
     distributed optimizer's parameter all-gather)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import FP32Optimizer
-    for o in _parts(optimizer):
+    for o in S.parts(optimizer):
         if isinstance(o, FP32Optimizer):
             continue
         o._copy_main_params_to_model_params()

@@ -205,12 +205,19 @@ def reconcile_common(saved: dict, target: dict) -> dict:
     return out
 
 
+def parts(optimizer) -> list:
+    """The Megatron optimizers a (possibly chained) Megatron optimizer steps, in order."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _fresh(torch_optimizer) -> bool:
+    """No update was ever applied (e.g. every step so far skipped by the fp16 loss scaler)."""
+    return not any(st for st in torch_optimizer.state.values())
+
+
 def never_stepped(optimizer) -> List[bool]:
-    """Per torch optimizer inside a Megatron optimizer: it has no state yet (no update was ever
-    applied, e.g. every step so far skipped by the fp16 loss scaler)."""
-    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [not any(st for st in o.optimizer.state.values()) for o in parts
-            if getattr(o, "optimizer", None) is not None]
+    """Per torch optimizer inside a Megatron optimizer: it has no state yet."""
+    return [_fresh(o.optimizer) for o in parts(optimizer) if getattr(o, "optimizer", None) is not None]
 
 
 def drop_fresh_state(state_dict, never: List[bool]) -> None:
@@ -367,7 +374,7 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
         # never stepped (e.g. every step so far skipped by the fp16 loss scaler): Megatron's
         # state_dict needs the step its Adam creates at the first update, so the save describes
         # that initial state (the optimizer itself is left without state; the load drops it again)
-        fresh = not any(st for st in opt.optimizer.state.values())
+        fresh = _fresh(opt.optimizer)
         if fresh:
             init_empty_state([opt])
         try:
