@@ -21,8 +21,10 @@ from . import state as S
 
 log = logging.getLogger("adacheck")
 
+# ZeRO's loss scaler (DynamicLossScaler / LossScaler) and the fp16 optimizers' LossScaleConfig
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
-                  "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic")
+                  "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic",
+                  "dynamic_loss_scale", "min_loss_scale")
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
@@ -157,8 +159,15 @@ class AdaCheckDeepSpeed:
                 "optimizer": f"{type(base).__module__}.{type(base).__qualname__}" if base is not None else None,
                 "ds_config": _json_or_skip(cfg, "ds_config", False) if cfg is not None else None}
 
+    def _scaler(self):
+        """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;
+        the ZeRO-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) a ``loss_scale_config``."""
+        opt = self.engine.optimizer
+        sc = getattr(opt, "loss_scaler", None)
+        return sc if sc is not None else getattr(opt, "loss_scale_config", None)
+
     def _scaler_state(self):
-        sc = getattr(self.engine.optimizer, "loss_scaler", None)
+        sc = self._scaler()
         if sc is None:
             return None
         out = {}
@@ -238,7 +247,7 @@ class AdaCheckDeepSpeed:
             setattr(e, k, v)
         if with_scheduler and e.lr_scheduler is not None and obj.get("lr_scheduler"):
             e.lr_scheduler.load_state_dict(obj["lr_scheduler"])
-        sc = getattr(e.optimizer, "loss_scaler", None)
+        sc = self._scaler()
         if sc is not None and obj.get("loss_scaler"):
             for k, v in obj["loss_scaler"].items():
                 cur = getattr(sc, k, None)

@@ -141,7 +141,19 @@ def batch(step, rank, dtype):
     return torch.randn(2, 12, generator=g).to(dtype), torch.randn(2, 5, generator=g)
 
 
+def allow_fp16_on_cpu():
+    """DeepSpeed's CPU accelerator refuses fp16 unless the CPU has native fp16 arithmetic
+    (oneDNN's check); torch computes fp16 on any CPU, only slower.  Lift that one refusal so the
+    real fp16 optimizers and loss scalers of DeepSpeed run here; nothing else is replaced."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        type(acc).is_fp16_supported = lambda self: True
+
+
 def make_engine(run):
+    if run["dtype"] == "fp16":
+        allow_fp16_on_cpu()
     torch.manual_seed(run.get("seed", 0))
     mpu = mpu_of(run["tp"]) if run.get("tp") else None
     model = TPNet(run.get("hidden", 40), mpu) if mpu else Net(run.get("hidden", 37), run.get("layers", 1))
@@ -188,6 +200,8 @@ def full_state(engine):
         # are linked at the first step; a native load replaces the state, so link them again
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
+    # no moments yet when every step so far was skipped (fp16 overflow); the same on every rank
+    never_stepped = engine.global_steps == engine.skipped_steps
     for n, p in engine.module.named_parameters():
         if stage3:
             with deepspeed.zero.GatheredParameters([p]):
@@ -203,7 +217,7 @@ def full_state(engine):
                     out[f"optim/{k}/{n}"] = st[k].detach().clone()
         elif p.requires_grad:   # frozen parameters have no master weights or optimizer state
             out[f"master/{n}"] = safe_get_full_fp32_param(p).detach().clone()
-            for k in ("exp_avg", "exp_avg_sq"):
+            for k in ("exp_avg", "exp_avg_sq") if not never_stepped else ():
                 v = safe_get_full_optimizer_state(p, k)
                 if v is not None:
                     out[f"optim/{k}/{n}"] = v.detach().clone()
@@ -215,6 +229,12 @@ def full_state(engine):
     out["meta/optim_step"] = torch.tensor(sorted(steps) or [-1.0])
     out["meta/optim_step_is_int"] = torch.tensor([types == {"int"}])
     out["meta/global_steps"] = torch.tensor([engine.global_steps, engine.global_samples, engine.skipped_steps])
+    sc = getattr(opt, "loss_scaler", None)
+    sc = sc if sc is not None else getattr(opt, "loss_scale_config", None)   # ZeRO-0 fp16 optimizers
+    if engine.fp16_enabled() and sc is not None:   # the loss scale and what decides its next change
+        out["meta/loss_scale"] = torch.tensor([float(getattr(sc, k)) for k in
+                                               ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+                                               if getattr(sc, k, None) is not None], dtype=torch.float64)
     if engine.lr_scheduler is not None:
         out["meta/lr"] = torch.tensor([g["lr"] for g in engine.optimizer.param_groups])
     for n, b in engine.module.named_buffers():

@@ -98,6 +98,45 @@ def test_bf16_gradients_stay_exact_when_clipping_scales_them(tmp_path):
                 assert pre and all(float(a["norm"]) > 1e-3 for a in pre.values()), (stage, st.step)   # it clipped
 
 
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1, "loss_scale_window": 2}}
+
+
+def test_fp16_loss_scaler_skips_replay_exactly(tmp_path):
+    """DeepSpeed fp16 with dynamic loss scaling (DeepSpeed's real fp16 optimizers on CPU, see
+    ds_worker.allow_fp16_on_cpu).  ZeRO 1-3: steps 1-4 overflow and are skipped, so both bases
+    (steps 1 and 4) hold an optimizer that never stepped; ZeRO-0 (FP16_UnfusedOptimizer) grows
+    its scale every two steps.  Recovery of step 6 (base 4 + deltas 5, 6) and, for ZeRO 1-3, of
+    step 3 (base 1 + the skipped deltas 2, 3) equals the uninterrupted run: weights, masters,
+    moments, counters, the loss scale and what decides its next change; training goes on with
+    the uninterrupted run's losses and skips."""
+    d = str(tmp_path)
+    runs = []
+    for stage in (0, 1, 2, 3):
+        ck = f"{d}/ck{stage}"
+        c = {"stage": stage, "dtype": "fp16", "ds_extra": FP16}
+        runs += [dict(c, actions=[["train", 8], ["steps"]]),
+                 dict(c, adacheck=online(ck, base_interval=3), actions=[["train_dump", 6, f"A{stage}_"]]),
+                 dict(c, seed=5, adacheck=online(ck, base_interval=3),
+                      actions=[["load", ck], ["dump", f"B{stage}"], ["train", 2], ["steps"]])]
+        if stage:
+            runs.append(dict(c, seed=6, adacheck=online(ck, base_interval=3),
+                             actions=[["load", ck, {"tag": "global_step1"}], ["dump", f"C{stage}"]]))
+    check(launch(2, {"runs": runs}, d))
+    res = results(d)
+    i = 0
+    for stage in (0, 1, 2, 3):
+        ref, rec, rcv = res[i:i + 3]
+        assert rec["losses"] == ref["losses"][:6], stage
+        assert_same(dump(d, f"A{stage}_6"), dump(d, f"B{stage}"))    # counters and loss scale too
+        assert rcv["losses"] == ref["losses"][6:], stage
+        assert rcv["steps"] == ref["steps"], stage        # the same skips after recovery
+        assert dump(d, f"B{stage}")["meta/global_steps"].tolist() == [6, 24, 4 if stage else 0], stage
+        if stage:
+            assert dump(d, f"C{stage}")["meta/optim_step"].tolist() == [-1.0], stage   # never stepped
+            assert_same(dump(d, f"A{stage}_3"), dump(d, f"C{stage}"))
+        i += 4 if stage else 3
+
+
 def test_zero0_deltas_replay_on_fewer_ranks(tmp_path):
     """ZeRO-0 applies the same full gradients on every rank, so deltas recorded at DP=2 replay
     in a 1-rank job: base 4 + deltas 5, 6 gives exactly the DP=2 run's state at step 6 (fp32 and
