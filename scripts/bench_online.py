@@ -11,7 +11,9 @@ Printed (and written as JSON to ``--json``):
   full/delta         AdaCheck base checkpoint bytes / delta bytes per step
   native/delta       DeepSpeed's own checkpoint bytes / delta bytes per step
   bf16 share         share of gradient elements stored as bf16 (exactly representable)
-  step overhead      (time per step with online deltas) / (time per step without) - 1
+  step overhead      (time per step with online deltas) / (time per step without) - 1, from
+                     the medians over the timed blocks; in brackets the lowest and highest
+                     overhead of one pair of neighbouring blocks (how much it varies here)
   replay/step        replay time per delta / training time per step
   exact              the recovered engine equals the online engine bit for bit (every
                      module weight, master weight and optimizer tensor); with --compact
@@ -143,6 +145,9 @@ def worker(a) -> None:
                              "full_over_delta": full / delta_bytes, "native_over_delta": nb / delta_bytes,
                              "bf16_share": elems.get("bfloat16", 0) / max(1, sum(elems.values())),
                              "step_s": tp, "step_online_s": to, "overhead": to / tp - 1,
+                             # each block against the other engine's block next to it in time: how
+                             # much the overhead of one pair of blocks varies on this machine
+                             "overhead_pairs": [b / p - 1 for p, b in zip(t_plain, t_on)],
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "replay_s_per_step": replay["seconds"] / replay["steps"],
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
@@ -162,9 +167,12 @@ def table(rows) -> str:
     out = ["| DP | ZeRO | dtype | delta B/step | full B | full/delta | native/delta | bf16 share "
            "| step s | step overhead | replay/step | exact |", "|" + "---:|" * 12]
     for r in rows:
+        pairs = r.get("overhead_pairs")
+        spread = f" ({min(pairs):+.1%}..{max(pairs):+.1%})" if pairs else ""
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['delta_bytes']:,.0f} | {r['full_bytes']:,} | "
                    f"{r['full_over_delta']:.2f}x | {r['native_over_delta']:.2f}x | {r['bf16_share']:.0%} | "
-                   f"{r['step_s']:.3f} | {r['overhead']:+.1%} | {r['replay_over_step']:.2f} | "
+                   f"{r['step_s']:.3f} | {r['overhead']:+.1%}{spread} | "
+                   f"{r['replay_over_step']:.2f} | "
                    + (f"{'yes' if r['exact'] else 'NO'} |" if not r.get("compact") else
                       f"compact: {r['distance']:.3g} (measured {r['measured']:.3g}) |"))
     return "\n".join(out)
