@@ -415,10 +415,14 @@ def read_grad(ckpt_dir: str, step: Step, key: str, prefer_rank: int, verify: boo
         raise FormatError(f"{path}: {key} is {dtype_name(t.dtype)}{list(t.shape)}, its record says "
                           f"{meta['stored']}{meta['shape']}")
     if verify and hash_tensor(t) != meta["hash"]:
-        raise IntegrityError(f"{path}: gradient {key} of delta step {step.step} does not match its "
-                             "recorded hash (corrupted); recover from the base alone by removing "
-                             f"{step_dir(ckpt_dir, step.step)} and the steps after it")
+        raise _damaged(ckpt_dir, step, path, f"gradient {key}")
     return t.to(torch_dtype(meta["dtype"]))
+
+
+def _damaged(ckpt_dir: str, step: Step, path: str, what: str) -> IntegrityError:
+    return IntegrityError(f"{path}: {what} of delta step {step.step} does not match its recorded hash "
+                          f"(corrupted); to recover step {step.step - 1} instead, remove "
+                          f"{step_dir(ckpt_dir, step.step)} and the step directories after it")
 
 
 def _open(path: str, files: Optional[dict]) -> SafetensorsFile:
@@ -440,7 +444,7 @@ def read_extra(ckpt_dir: str, step: Step, rank: int, verify: bool = True, files:
         for name, meta in rec["extra"].items():
             t = f.read(name)
             if verify and hash_tensor(t) != meta["hash"]:
-                raise IntegrityError(f"{path}: {name} of delta step {step.step} does not match its hash")
+                raise _damaged(ckpt_dir, step, path, name)
             tensors[name] = t
     return jsontree.decode(rec["record"], tensors.__getitem__)
 

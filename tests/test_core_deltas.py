@@ -87,7 +87,9 @@ def test_a_corrupted_gradient_is_refused(tmp_path):
     data[-3] ^= 0x10
     open(path, "wb").write(bytes(data))
     (st,), _ = D.committed_steps(ck, 0, 1)
-    with pytest.raises(IntegrityError, match="does not match its recorded hash"):
+    # the error says what can still be recovered, and how
+    with pytest.raises(IntegrityError, match=r"does not match its recorded hash \(corrupted\); to recover "
+                                             r"step 0 instead, remove .*0000000001 and the step directories"):
         D.read_grad(ck, st, "g", 0)
 
 
