@@ -250,6 +250,8 @@ class AdaCheckDeepSpeed:
         sc = self._scaler()
         if sc is not None and obj.get("loss_scaler"):
             for k, v in obj["loss_scaler"].items():
-                cur = getattr(sc, k, None)
+                if not hasattr(sc, k):   # saved by the other kind of scaler (another ZeRO stage)
+                    continue
+                cur = getattr(sc, k)
                 setattr(sc, k, torch.tensor(v, dtype=cur.dtype, device=cur.device)
                         if isinstance(cur, torch.Tensor) else v)
