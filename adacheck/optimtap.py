@@ -138,7 +138,7 @@ class OptimizerTap:
         saved_groups, saved_state = opt.param_groups, opt.state
         saved_hyper = [{k: v for k, v in g.items() if k != "params"} for g in all_groups] if shadow else None
         saved_params = [(g, g["params"]) for g in all_groups]
-        given = []
+        given = []      # (tensor, the .grad it had): ZeRO-Offload keeps a persistent gradient buffer there
         try:
             active = []
             for gi, hyper, keys, with_grad in groups:
@@ -149,8 +149,8 @@ class OptimizerTap:
                     t = tensors[k]
                     if grads[k].numel() != t.numel():
                         raise StateError(f"gradient {k} has {grads[k].numel()} elements, the tensor {t.numel()}")
+                    given.append((t, t.grad))
                     t.grad = grads[k].to(device=t.device).view(t.shape)
-                    given.append(t)
                 active.append(g)
             opt.param_groups = active
             if shadow is not None:
@@ -158,8 +158,8 @@ class OptimizerTap:
             opt.step()
         finally:
             opt.param_groups, opt.state = saved_groups, saved_state
-            for t in given:
-                t.grad = None
+            for t, before in reversed(given):
+                t.grad = before
             for g, params in saved_params:
                 g["params"] = params
             for g, hyper in zip(all_groups, saved_hyper or []):

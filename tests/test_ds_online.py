@@ -137,6 +137,35 @@ def test_fp16_loss_scaler_skips_replay_exactly(tmp_path):
         i += 4 if stage else 3
 
 
+def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
+    """Gradient accumulation over 2 micro-batches at every stage, and ZeRO-Offload at ZeRO 1-3
+    (fp32 masters, moments and gradients on the CPU, stepped by DeepSpeedCPUAdam, whose
+    gradient buffers DeepSpeed keeps between steps; at ZeRO-3 the parameters too): base 4 +
+    deltas 5, 6 equal the uninterrupted run at step 6 and training goes on with its losses."""
+    d = str(tmp_path)
+    runs = []
+    for stage, dtype in LAYOUTS:
+        ck = f"{d}/ck{stage}{dtype}"
+        common = {"stage": stage, "dtype": dtype, "ds_extra": {"gradient_accumulation_steps": 2}}
+        if stage > 0:
+            offload = {"offload_optimizer": {"device": "cpu"}}
+            if stage == 3:
+                offload["offload_param"] = {"device": "cpu"}
+            common.update(optimizer="ds_adam", zero=offload)
+        runs += [dict(common, actions=[["train", 16]]),
+                 dict(common, adacheck=online(ck, base_interval=3), actions=[["train", 12], ["dump", f"A{stage}{dtype}"]]),
+                 dict(common, seed=5, adacheck=online(ck, base_interval=3),
+                      actions=[["load", ck], ["steps"], ["dump", f"B{stage}{dtype}"], ["train", 4]])]
+    check(launch(2, {"runs": runs}, d))
+    res = results(d)
+    for i, (stage, dtype) in enumerate(LAYOUTS):
+        ref, a, b = res[3 * i: 3 * i + 3]
+        assert a["losses"] == ref["losses"][:12], (stage, dtype)
+        assert b["steps"][0] == 6, (stage, dtype)
+        assert_same(dump(d, f"A{stage}{dtype}"), dump(d, f"B{stage}{dtype}"))
+        assert b["losses"] == ref["losses"][12:16], (stage, dtype)
+
+
 def test_zero0_deltas_replay_on_fewer_ranks(tmp_path):
     """ZeRO-0 applies the same full gradients on every rank, so deltas recorded at DP=2 replay
     in a 1-rank job: base 4 + deltas 5, 6 gives exactly the DP=2 run's state at step 6 (fp32 and
