@@ -156,7 +156,7 @@ class AdaCheckDeepSpeed:
                 "tensor_parallel": {"size": lay.tp[1], "partition_dims": dict(sorted(lay.split.items()))},
                 "buffers": [n for n, _ in e.module.named_buffers()],
                 "groups": lay.groups,
-                "optimizer": f"{type(base).__module__}.{type(base).__qualname__}" if base is not None else None,
+                "optimizer": S.class_path(base) if base is not None else None,
                 "ds_config": _json_or_skip(cfg, "ds_config", False) if cfg is not None else None}
 
     def _scaler(self):
@@ -212,6 +212,8 @@ class AdaCheckDeepSpeed:
             st.rank_objects = r.objects(comm.rank) if comm.rank < ranks else None
             return lay, st
 
+        loaded = {}
+
         def apply(staged):
             lay, st = staged
             if hasattr(opt, "checkpoint_event_prologue"):
@@ -219,7 +221,7 @@ class AdaCheckDeepSpeed:
             S.apply_load(e, lay, st)
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()
-            obj = st.objects
+            obj = loaded["objects"] = st.objects
             if not load_module_only:
                 self._apply_scalars(obj, load_lr_scheduler_states)
                 if st.rank_objects is not None:
@@ -231,7 +233,8 @@ class AdaCheckDeepSpeed:
         last = manifest.step
         if want_optim and load_lr_scheduler_states:
             from .online import recover
-            last = recover(self, ckpt_dir, manifest, latest=read_latest(load_dir) == manifest.tag)
+            last = recover(self, ckpt_dir, manifest, latest=read_latest(load_dir) == manifest.tag,
+                           saved_optimizer=(loaded["objects"].get("model_spec") or {}).get("optimizer"))
         else:
             from adacheck.deltas import step_dirs
             if step_dirs(ckpt_dir):

@@ -181,30 +181,36 @@ def scalars(ac) -> dict:
             "skipped": not getattr(e, "_step_applied", True)}
 
 
-def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
+def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional[str] = None) -> Optional[int]:
     """Replay the committed deltas of the base just loaded from ``ckpt_dir`` (collective).
+    ``saved_optimizer``: the class of the base optimizer that recorded them (None: not known).
     Returns the step the engine is at afterwards."""
     e = ac.engine
     comm = ac.comm()
     world = int(manifest.topology.get("world_size", 1))
     steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=ac.replay_until)
+    refused = False
     if steps:
         lay = S.describe(e)
         fw = manifest.framework
+        mine = S.class_path(lay.base_optimizer)
+        # the same optimizer code makes the same arithmetic: a ZeRO-Offload run (DeepSpeedCPUAdam)
+        # resumed without offload (torch's or DeepSpeed's fused Adam) would not replay bit-exactly
         same_optimizer = (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) == \
-            (lay.stage, lay.kind, lay.tp[1])
+            (lay.stage, lay.kind, lay.tp[1]) and saved_optimizer in (None, mine)
         # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients, so its
         # deltas replay on any data-parallel size; partitioned ones only on the saving ranks
         if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED):
-            log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s on %d "
-                        "ranks (TP=%s); they replay only in that layout%s, so this %d-rank ZeRO-%d/%s engine "
-                        "(TP=%d) is at the base's step %s. Load with the saving layout and save to reshape the "
-                        "newest state (or: adacheck convert SRC NEW --to adacheck).",
-                        ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"), world,
-                        fw.get("tp_world_size", 1),
+            log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s with %s "
+                        "on %d ranks (TP=%s); they replay only with that layout and optimizer%s, so this %d-rank "
+                        "ZeRO-%d/%s engine with %s (TP=%d) is at the base's step %s. The deltas are kept: load "
+                        "with the saving configuration and save to reshape the newest state (or: adacheck "
+                        "convert SRC NEW --to adacheck).",
+                        ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"),
+                        saved_optimizer or "its optimizer", world, fw.get("tp_world_size", 1),
                         " (ZeRO-0: on any data-parallel size)" if fw.get("optimizer") in _REPLICATED else "",
-                        comm.world_size, lay.stage, lay.kind, lay.tp[1], manifest.step)
-            steps = []
+                        comm.world_size, lay.stage, lay.kind, mine, lay.tp[1], manifest.step)
+            steps, refused = [], True
     last_step = manifest.step
     if steps:
         lay, tap = (ac.online.lay, ac.online.tap) if ac.online is not None else _tap(e)
@@ -227,7 +233,9 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool) -> Optional[int]:
         O.describe_replay(steps, manifest.step, seconds, why)
     if ac.online is not None:
         rec = ac.online.recorder
-        if latest and world == comm.world_size and \
+        # continue that chain only where this job replayed it: going on after the base would
+        # replace the committed deltas it could not replay (the next step takes a base instead)
+        if latest and not refused and world == comm.world_size and \
                 os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(ac.online.save_dir):
             rec.start_chain(manifest.tag, int(manifest.step), resume_after=last_step)
         else:

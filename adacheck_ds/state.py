@@ -117,6 +117,11 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
+def class_path(obj) -> str:
+    """``module.Class`` of an object (the base optimizer a checkpoint was saved with)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def describe(engine) -> Layout:
     """Where this rank's part of every parameter lives in the engine, for any ZeRO stage."""
     lay = _describe(engine)

@@ -141,7 +141,10 @@ def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
     """Gradient accumulation over 2 micro-batches at every stage, and ZeRO-Offload at ZeRO 1-3
     (fp32 masters, moments and gradients on the CPU, stepped by DeepSpeedCPUAdam, whose
     gradient buffers DeepSpeed keeps between steps; at ZeRO-3 the parameters too): base 4 +
-    deltas 5, 6 equal the uninterrupted run at step 6 and training goes on with its losses."""
+    deltas 5, 6 equal the uninterrupted run at step 6 and training goes on with its losses.
+    A ZeRO-2 offload chain (the newest) loaded by an engine without offload (torch AdamW: other
+    arithmetic) is not replayed: that job is at step 4 (the base's state, exactly), says which
+    optimizers differ, and the deltas stay on disk after it trains on."""
     d = str(tmp_path)
     runs = []
     for stage, dtype in LAYOUTS:
@@ -156,7 +159,11 @@ def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
                  dict(common, adacheck=online(ck, base_interval=3), actions=[["train", 12], ["dump", f"A{stage}{dtype}"]]),
                  dict(common, seed=5, adacheck=online(ck, base_interval=3),
                       actions=[["load", ck], ["steps"], ["dump", f"B{stage}{dtype}"], ["train", 4]])]
-    check(launch(2, {"runs": runs}, d))
+    other = {"stage": 2, "dtype": "fp32", "adacheck": online(f"{d}/other", base_interval=3)}
+    runs += [dict(other, optimizer="ds_adam", zero={"offload_optimizer": {"device": "cpu"}},
+                  actions=[["train_dump", 6, "O"]]),
+             dict(other, seed=5, actions=[["load", f"{d}/other"], ["steps"], ["dump", "N"], ["train", 1]])]
+    out = check(launch(2, {"runs": runs}, d))
     res = results(d)
     for i, (stage, dtype) in enumerate(LAYOUTS):
         ref, a, b = res[3 * i: 3 * i + 3]
@@ -164,6 +171,13 @@ def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
         assert b["steps"][0] == 6, (stage, dtype)
         assert_same(dump(d, f"A{stage}{dtype}"), dump(d, f"B{stage}{dtype}"))
         assert b["losses"] == ref["losses"][12:16], (stage, dtype)
+    assert res[-1]["steps"][0] == 4
+    o4 = dump(d, "O4")   # the base itself loads into the other optimizer (DeepSpeedCPUAdam counts steps in ints)
+    assert_same(o4, dump(d, "N"), [k for k in o4 if k.startswith(("model/", "master/", "optim/"))])
+    assert "recorded by ZeRO-2/zero12 with deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam" in out[0][1]
+    assert "engine with torch.optim.adamw.AdamW" in out[0][1] and "The deltas are kept" in out[0][1]
+    assert D.step_dirs(f"{d}/other/global_step4") == [5, 6]
+    assert os.path.isdir(f"{d}/other/global_step5")     # its next step took a base instead
 
 
 def test_zero0_deltas_replay_on_fewer_ranks(tmp_path):
@@ -193,7 +207,7 @@ def test_zero0_deltas_replay_on_fewer_ranks(tmp_path):
         assert D.step_dirs(f"{d}/ck0{dtype}/global_step4") == [5, 6]
         assert os.path.isdir(f"{d}/ck0{dtype}/global_step7")
     assert res[2]["steps"][0] == 4
-    assert "they replay only in that layout" in out[0][1]
+    assert "they replay only with that layout and optimizer" in out[0][1]
 
 
 def test_a_step_not_committed_on_every_rank_is_not_replayed(tmp_path):
