@@ -99,6 +99,10 @@ def check_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentParse
     for dest, flag in UNSUPPORTED:
         if getattr(args, dest, None):
             _fail(parser, f"{flag} is not supported with --adacheck")
+    if cfg.online.enabled and getattr(args, "use_precision_aware_optimizer", False):
+        # (Transformer Engine's FusedAdam reads param.decoupled_grad, which the deltas do not record)
+        _fail(parser, "--use-precision-aware-optimizer (and --optimizer-cpu-offload, which needs it) is not "
+                      "supported with --adacheck-online")
     if cfg.save_dir:
         for dest in ("save", "load"):
             if getattr(args, dest, None) is None:

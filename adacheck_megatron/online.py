@@ -68,6 +68,13 @@ class OnlineMegatron:
             from adacheck.errors import ConfigError
             raise ConfigError("--adacheck-online needs --adacheck-dir or --save: deltas are written after "
                               "every iteration")
+        for o in S.parts(optimizer):
+            if getattr(getattr(o, "config", None), "use_precision_aware_optimizer", False):
+                from adacheck.errors import ConfigError
+                raise ConfigError("--adacheck-online does not support --use-precision-aware-optimizer (nor "
+                                  "--optimizer-cpu-offload, which needs it): that optimizer takes its gradients "
+                                  "from param.decoupled_grad, which the online deltas do not record; drop "
+                                  "--adacheck-online or that flag")
         self.model, self.optimizer, self.scheduler = model, optimizer, opt_param_scheduler
         self.args, self.config = args, config
         self.save_dir = config.save_dir or args.save

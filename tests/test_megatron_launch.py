@@ -71,6 +71,7 @@ def megatron_like_parser():
     p.add_argument("--load")
     for dest, flag in UNSUPPORTED:
         p.add_argument(flag, dest=dest, nargs="?", const=True, default=None)
+    p.add_argument("--use-precision-aware-optimizer", action="store_true")
     return p
 
 
@@ -92,6 +93,9 @@ def test_check_args():
     assert (a.save, a.load) == ("/ck", "/ck")     # Megatron-LM saves and loads only when they are set
     a = parse("--adacheck", "--adacheck-dir", "/ck", "--save", "/s", "--load", "/l")
     assert (a.save, a.load, a.adacheck_config.save_dir) == ("/s", "/l", "/ck")
+    # only the online deltas refuse it (they record param.grad)
+    a = parse("--adacheck", "--adacheck-dir", "/ck", "--use-precision-aware-optimizer")
+    assert a.adacheck_config.enabled and not a.adacheck_config.online.enabled
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -99,6 +103,9 @@ def test_check_args():
     (["--adacheck", "--adacheck-redundancy-factor", "0"], "--adacheck-redundancy-factor must be >= 1"),
     (["--adacheck", "--non-persistent-save-interval", "5"],
      "--non-persistent-save-interval is not supported with --adacheck"),
+    (["--adacheck", "--adacheck-dir", "/ck", "--adacheck-online", "--use-precision-aware-optimizer"],
+     "--use-precision-aware-optimizer (and --optimizer-cpu-offload, which needs it) is not supported with "
+     "--adacheck-online"),
 ])
 def test_check_args_errors_are_parser_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
