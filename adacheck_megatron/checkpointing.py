@@ -151,6 +151,17 @@ def _json_args(args) -> dict:
 
 # ---------------------------------------------------------------------------------- save
 
+def sync_params(model) -> None:
+    """With the distributed optimizer and ``overlap_param_gather``, a step updates only each
+    rank's own shard of the weights; the rest arrive in the next forward pass.  All-gather
+    them now (as Megatron-LM does before its saves), or a save right after a step (an online
+    base, taken in the post-step hook) holds the previous step's weights outside each shard."""
+    for chunk in model:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
                     *, args: Optional[argparse.Namespace] = None, config: Optional[AdaCheckConfig] = None,
@@ -170,6 +181,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     from . import online
     if online.active() is not None:
         online.active().recorder.flush()   # the current chain stays complete up to here
+    sync_params(model)
 
     def collect():
         topo = topology()

@@ -80,6 +80,11 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
                    help="default: --tensor-model-parallel-size")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients in the background of the backward pass (DDP buckets)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather updated parameters in the next forward pass instead of in the "
+                        "optimizer step (needs --use-distributed-optimizer and --overlap-grad-reduce)")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
@@ -152,6 +157,8 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
         p.error(str(e))
     if args.fp16 and args.bf16:
         p.error("--fp16 and --bf16 exclude each other: choose one")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        p.error("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
         p.error("--ckpt-convert-format and --ckpt-convert-save go together")
     if args.ckpt_convert_format and args.adacheck_convert_save:
@@ -312,7 +319,8 @@ def build_model(args):
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16,  # Megatron-LM's default for bf16
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -444,6 +452,9 @@ def _sharded_state_dict(model, optimizer, args, is_loading: bool, with_optim: bo
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, args) -> None:
     """AdaCheck with --adacheck; else the native baseline: megatron-core dist_checkpointing,
     torch_dist format, fully parallel."""
+    if args.overlap_param_gather:   # as Megatron-LM before a save: the last step's weights everywhere
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
     if args.adacheck:
         t0 = time.perf_counter()
         m = adacheck_megatron.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
@@ -626,10 +637,20 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
               f"{', distributed optimizer' if args.use_distributed_optimizer else ''}", flush=True)
     t_start, first = time.perf_counter(), iteration
     saving = args.save or (args.adacheck and args.adacheck_config.save_dir)
+    hooked = not args.overlap_param_gather
+    if not hooked:
+        # as Megatron-LM: the first iteration runs on the weights every rank loaded (or initialised),
+        # the forward pre-hooks that all-gather parameters come back after its step succeeded
+        for chunk in model:
+            chunk.disable_forward_pre_hook(param_sync=False)
     while iteration < args.train_iters:
         iteration += 1
         t0 = time.perf_counter()
         loss, grad_norm, lr, ok = train_step(args, iteration, model, optimizer, opt_param_scheduler)
+        if not hooked and ok:
+            for chunk in model:
+                chunk.enable_forward_pre_hook()
+            hooked = True
         if is_logger and iteration % args.log_interval == 0:
             print(f"iteration {iteration} loss {loss:.6f} lr {lr:.4e} grad-norm {grad_norm:.6f} "
                   f"time {time.perf_counter() - t0:.3f}s exact-loss {loss!r}"
