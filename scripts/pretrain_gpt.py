@@ -79,6 +79,9 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="default: --tensor-model-parallel-size")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline schedule: each pipeline rank holds several model chunks "
+                        "of this many layers")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="reduce gradients in the background of the backward pass (DDP buckets)")
@@ -185,6 +188,18 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
         p.error(f"--global-batch-size {args.global_batch_size} is not divisible by "
                 f"micro batch x data parallel = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+    args.virtual_pipeline_model_parallel_size = None
+    per_vp = args.num_layers_per_virtual_pipeline_stage
+    if per_vp is not None:
+        pp = args.pipeline_model_parallel_size
+        if pp == 1 or args.num_layers % (pp * per_vp):
+            p.error(f"--num-layers-per-virtual-pipeline-stage {per_vp} needs a pipeline (size > 1) whose "
+                    f"stages' {args.num_layers} layers split into chunks of that many layers")
+        if args.num_microbatches < pp:
+            p.error(f"the interleaved pipeline schedule needs at least as many micro-batches per step as "
+                    f"pipeline stages ({pp}): raise --global-batch-size")
+        v = args.num_layers // (pp * per_vp)
+        args.virtual_pipeline_model_parallel_size = v if v > 1 else None
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.seq_length > args.max_position_embeddings:
@@ -219,6 +234,7 @@ def initialize_parallel(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     # As Megatron-LM: a different seed per pipeline stage; TP/EP offsets come from the tracker.
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -241,6 +257,7 @@ def transformer_config(args) -> TransformerConfig:
         num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel,
@@ -285,49 +302,57 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def layer_spec(args, config):
+def layer_spec(args, config, vp_stage: Optional[int] = None):
     """megatron-core's local (no TE) GPT layer spec; with SP, its norms are swapped (above)."""
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, normalization=args.normalization)
     if not args.sequence_parallel:
         return spec
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
 
 
-def model_provider(args, config, pre_process: bool, post_process: bool) -> GPTModel:
+def model_provider(args, config, pre_process: bool, post_process: bool,
+                   vp_stage: Optional[int] = None) -> GPTModel:
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args, config),
+        transformer_layer_spec=layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
     )
 
 
 def build_model(args):
-    """[DDP(Float16Module?(GPTModel))] for this pipeline stage (a list: one model chunk)."""
+    """[DDP(Float16Module?(GPTModel))] for this pipeline stage: one model chunk, or one per
+    virtual stage with --num-layers-per-virtual-pipeline-stage (as Megatron-LM builds them)."""
     config = transformer_config(args)
-    model = model_provider(args, config,
-                           pre_process=parallel_state.is_pipeline_first_stage(),
-                           post_process=parallel_state.is_pipeline_last_stage())
-    if args.bf16 or args.fp16:
-        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16,  # Megatron-LM's default for bf16
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    vp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for i in range(vp or 1):
+        stage = i if vp else None
+        chunk = model_provider(args, config, vp_stage=stage,
+                               pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                               post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
+        if args.bf16 or args.fp16:
+            chunk = Float16Module(config, chunk)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                              disable_bucketing=i > 0))
     # Hooks the schedules call (as Megatron-LM's training loop sets them).
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
-    return [model], config
+    config.no_sync_func = [c.no_sync for c in chunks] if vp else chunks[0].no_sync
+    return chunks, config
 
 
 def build_optimizer(args, model, config):
@@ -436,8 +461,14 @@ def _sharded_state_dict(model, optimizer, args, is_loading: bool, with_optim: bo
                         with_rng: bool = True) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model_sd = unwrap_model(model[0]).sharded_state_dict()
-    state = {"model": model_sd}
+    state = {}
+    for i, chunk in enumerate(model):   # Megatron-LM's keys: "model", or "model<i>" per virtual stage
+        if len(model) > 1:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+        state["model" if len(model) == 1 else f"model{i}"] = unwrap_model(chunk).sharded_state_dict()
+    if len(model) > 1:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    model_sd = state["model"] if len(model) == 1 else dict(state)
     if with_optim:
         metadata = {"distrib_optim_sharding_type":
                     "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"}
@@ -543,7 +574,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
     state = _sharded_state_dict(model, optimizer, args, is_loading=True,
                                 with_optim=not args.no_load_optim, with_rng=not args.no_load_rng)
     state = dist_checkpointing.load(state, ckpt_dir)
-    unwrap_model(model[0]).load_state_dict(state["model"])
+    for i, chunk in enumerate(model):
+        unwrap_model(chunk).load_state_dict(state["model" if len(model) == 1 else f"model{i}"])
     if not args.no_load_optim:
         optimizer.load_state_dict(state["optimizer"])
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
@@ -563,10 +595,11 @@ def train_step(args, iteration: int, model, optimizer, opt_param_scheduler):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    batches = iter([synthetic_batch(args, iteration, m) for m in range(args.num_microbatches)])
+    batches = [synthetic_batch(args, iteration, m) for m in range(args.num_microbatches)]
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=batches,
+        # one iterator per model chunk: the interleaved schedule feeds each chunk separately
+        data_iterator=[iter(batches) for _ in model] if len(model) > 1 else iter(batches),
         model=model,
         num_microbatches=args.num_microbatches,
         seq_length=args.seq_length,
@@ -631,7 +664,9 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
                  and parallel_state.get_data_parallel_rank() == 0)
     if torch.distributed.get_rank() == 0:
         print(f"world {args.world_size}: TP {args.tensor_model_parallel_size} PP "
-              f"{args.pipeline_model_parallel_size} DP {args.data_parallel_size} EP "
+              f"{args.pipeline_model_parallel_size}"
+              f"{f' x {args.virtual_pipeline_model_parallel_size} virtual' if args.virtual_pipeline_model_parallel_size else ''}"
+              f" DP {args.data_parallel_size} EP "
               f"{args.expert_model_parallel_size}, {args.num_microbatches} micro-batches, "
               f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}"
               f"{', distributed optimizer' if args.use_distributed_optimizer else ''}", flush=True)

@@ -53,6 +53,8 @@ RESUME_2 = {   # layouts on 2 ranks
     "tp2_fp32": ["--tensor-model-parallel-size", "2"],
     "pp2_bf16": ["--pipeline-model-parallel-size", "2", "--bf16"],
     "dp2_distopt_bf16": ["--bf16", "--use-distributed-optimizer"],
+    "pp2_vpp2_bf16": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                      "--num-layers-per-virtual-pipeline-stage", "1", "--bf16"],   # two chunks per rank
     "ep2_moe": ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
                 "--moe-token-dispatcher-type", "alltoall"],
 }
@@ -78,9 +80,10 @@ def check_resumed(tmp_path, layouts, res):
 
 
 def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
-    """TP=2, PP=2, DP=2 with the distributed optimizer, MoE EP=2: train 3, save, train 2 ==
-    scramble the weights, load, train 2 (losses and every tensor equal). Then reshaping:
-    TP=2 -> PP=2 and EP=2 -> EP=1, exact equality of every logical tensor after the load."""
+    """TP=2, PP=2, DP=2 with the distributed optimizer, PP=2 with 2 virtual stages (interleaved
+    schedule), MoE EP=2: train 3, save, train 2 == scramble the weights, load, train 2 (losses
+    and every tensor equal). Then reshaping: TP=2 -> PP=2, EP=2 -> EP=1 and the interleaved
+    PP=2 x 2 virtual -> PP=2, exact equality of every logical tensor after the load."""
     runs = resume_runs(tmp_path, RESUME_2, gbs=4)
     tp2 = str(tmp_path / "tp2_fp32-ck")
     moe = str(tmp_path / "ep2_moe-ck")
@@ -89,6 +92,9 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     runs.append({"argv": ["--num-experts", "4", "--disable-bias-linear", "--moe-token-dispatcher-type",
                           "alltoall", "--global-batch-size", "4"],
                  "actions": [["scramble"], ["load", moe], ["save", str(tmp_path / "ep2-to-ep1")], ["train", 1]]})
+    vpp = str(tmp_path / "pp2_vpp2_bf16-ck")
+    runs.append({"argv": ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--bf16", "--global-batch-size", "4"],
+                 "actions": [["scramble"], ["load", vpp], ["save", str(tmp_path / "vpp2-to-pp2")], ["train", 1]]})
     # an existing run switches to AdaCheck: its torch_dist checkpoint loads natively, training
     # goes on exactly, the next save is AdaCheck's
     nat = str(tmp_path / "native")
@@ -108,6 +114,7 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
         assert len(err) == 1 and "holds shape" in err[0] and "needs" in err[0], err
     assert_same_state(tp2, str(tmp_path / "tp2-to-pp2"))
     assert_same_state(moe, str(tmp_path / "ep2-to-ep1"))
+    assert_same_state(vpp, str(tmp_path / "vpp2-to-pp2"))
     # the bf16 model weights are proven casts of the fp32 masters: stored once
     man = json.load(open(os.path.join(resolve(str(tmp_path / "pp2_bf16-ck")), "manifest.json")))
     model = {n: t for n, t in man["tensors"].items() if t["kind"] == "model"}

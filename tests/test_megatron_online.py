@@ -19,7 +19,10 @@ pytestmark = pytest.mark.timeout(900)
 
 LAYOUTS = {"tp2-fp32": ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"],
            "pp2-bf16": ["--pipeline-model-parallel-size", "2", "--bf16", "--global-batch-size", "4"],
-           "dp2-distopt-bf16": ["--use-distributed-optimizer", "--bf16", "--global-batch-size", "4"]}
+           "dp2-distopt-bf16": ["--use-distributed-optimizer", "--bf16", "--global-batch-size", "4"],
+           # the interleaved schedule: two model chunks of one layer per rank
+           "pp2-vpp2-bf16": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                             "--num-layers-per-virtual-pipeline-stage", "1", "--bf16", "--global-batch-size", "4"]}
 
 
 def results(d, rank=0):
