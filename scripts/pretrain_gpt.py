@@ -342,9 +342,9 @@ def build_model(args):
     chunks = []
     for i in range(vp or 1):
         stage = i if vp else None
-        chunk = model_provider(args, config, vp_stage=stage,
-                               pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                               post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage))
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunk = model_provider(args, config, pre_process=first, post_process=last, vp_stage=stage)
         if args.bf16 or args.fp16:
             chunk = Float16Module(config, chunk)
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
@@ -663,10 +663,9 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
                  and parallel_state.get_tensor_model_parallel_rank() == 0
                  and parallel_state.get_data_parallel_rank() == 0)
     if torch.distributed.get_rank() == 0:
+        vp = args.virtual_pipeline_model_parallel_size
         print(f"world {args.world_size}: TP {args.tensor_model_parallel_size} PP "
-              f"{args.pipeline_model_parallel_size}"
-              f"{f' x {args.virtual_pipeline_model_parallel_size} virtual' if args.virtual_pipeline_model_parallel_size else ''}"
-              f" DP {args.data_parallel_size} EP "
+              f"{args.pipeline_model_parallel_size}{f' x {vp} virtual' if vp else ''} DP {args.data_parallel_size} EP "
               f"{args.expert_model_parallel_size}, {args.num_microbatches} micro-batches, "
               f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}"
               f"{', distributed optimizer' if args.use_distributed_optimizer else ''}", flush=True)
