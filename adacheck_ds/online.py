@@ -104,38 +104,38 @@ class OnlineDS:
     def _clip_unfused(self, total_norm, apply_scale=True):
         """FP16_UnfusedOptimizer.unscale_and_clip_grads(total_norm): scales every fp32 gradient."""
         if apply_scale:
-            norm = _kept(total_norm)
+            norm, clip = _kept(total_norm), float(self.engine.optimizer.clip_grad)
             for group in self.engine.optimizer.fp32_groups:
                 for p in group:
                     key = self.tap._key_of.get(id(p))
                     if key is not None and p.grad is not None:
-                        self.recorder.note_preclip(key, p.grad, {"norm": norm, "unfused": True})
+                        self.recorder.note_preclip(key, p.grad, {"norm": norm, "clip": clip, "unfused": True})
         return self._orig_clip(total_norm, apply_scale=apply_scale)
 
     def _clip(self, first, total_norm, *rest, **kw):
-        norm = _kept(total_norm)
+        norm, clip = _kept(total_norm), float(self.engine.optimizer.clip_grad)
         if self.lay.kind == "zero12":
             for g in first:
                 key = next((self.tap._key_of.get(id(f)) for f in self.engine.optimizer.single_partition_of_fp32_groups
                             if f.grad is g), None) if torch.is_tensor(g) else None
                 if key is not None:
-                    self.recorder.note_preclip(key, g, {"norm": norm})
+                    self.recorder.note_preclip(key, g, {"norm": norm, "clip": clip})
         else:
             flat = self.engine.optimizer.fp32_partitioned_groups_flat[first]
             key = self.tap._key_of.get(id(flat))
             if key is not None and flat.grad is not None:
-                self.recorder.note_preclip(key, flat.grad, {"norm": norm, "sub": int(first)})
+                self.recorder.note_preclip(key, flat.grad, {"norm": norm, "clip": clip, "sub": int(first)})
         return self._orig_clip(first, total_norm, *rest, **kw)
 
     def _bf16_norm_grads(self, for_clipping=False, *args, **kwargs):
         out = self._orig_norm_grads(for_clipping, *args, **kwargs)
         opt = self.engine.optimizer
         if for_clipping and opt.clip_grad > 0:
-            norm = _kept(opt._global_grad_norm)
+            norm, clip = _kept(opt._global_grad_norm), float(opt.clip_grad)
             for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
                 key = self.tap._key_of.get(id(flat))
                 if key is not None:
-                    self.recorder.note_preclip(key, grad, {"norm": norm, "bf16_clip": True})
+                    self.recorder.note_preclip(key, grad, {"norm": norm, "clip": clip, "bf16_clip": True})
         return out
 
     def _engine_step(self, *args, **kwargs):
@@ -245,8 +245,18 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
 
 
 def _preclip(engine, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:
-    """Unscale/clip ``grad`` in place exactly as ZeRO did while recording (its own code)."""
+    """Unscale/clip ``grad`` in place exactly as ZeRO did while recording (its own code, with the
+    recorded ``gradient_clipping``: a job resumed with another value replays the recorded steps)."""
     opt = engine.optimizer
+    current = opt.clip_grad
+    opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
+    try:
+        _clip_as_recorded(opt, tap, key, grad, args)
+    finally:
+        opt.clip_grad = current
+
+
+def _clip_as_recorded(opt, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:
     norm = args["norm"]
     if torch.is_tensor(norm):
         norm = norm.to(grad.device)

@@ -71,20 +71,23 @@ def test_recovery_replays_deltas_bit_exactly_for_every_stage_and_dtype(tmp_path)
 
 def test_bf16_gradients_stay_exact_when_clipping_scales_them(tmp_path):
     """gradient_clipping 1e-3, so DeepSpeed scales every gradient at every step: ZeRO-0 bf16
-    (FP16_UnfusedOptimizer) and ZeRO-1 bf16 (BF16_Optimizer) still store bf16 (2 bytes; the
-    gradients as they were before the scaling, with the norm), and the replay scales them again
-    with DeepSpeed's own arithmetic: base 4 + delta 5 equals the uninterrupted run exactly."""
+    (FP16_UnfusedOptimizer), ZeRO-1 bf16 (BF16_Optimizer), ZeRO-2 and ZeRO-3 bf16 still store
+    bf16 (2 bytes; the gradients as they were before the scaling, with the norm and the clipping
+    value), and the replay scales them again with DeepSpeed's own arithmetic and the recorded
+    value, also in a job resumed with gradient_clipping 1.0: base 4 + delta 5 equals the
+    uninterrupted run exactly."""
     d = str(tmp_path)
     runs = []
-    for stage in (0, 1):
+    stages = (0, 1, 2, 3)
+    for stage in stages:
         ck = f"{d}/ck{stage}"
         common = {"stage": stage, "dtype": "bf16", "ds_extra": {"gradient_clipping": 1e-3}}
         runs += [dict(common, adacheck=online(ck, base_interval=3), actions=[["train_dump", 5, f"A{stage}_"]]),
-                 dict(common, seed=5, adacheck=online(ck, base_interval=3),
+                 dict(common, seed=5, adacheck=online(ck, base_interval=3), ds_extra={"gradient_clipping": 1.0},
                       actions=[["load", ck], ["steps"], ["dump", f"B{stage}"]])]
     check(launch(2, {"runs": runs}, d))
     res = results(d)
-    for i, stage in enumerate((0, 1)):
+    for i, stage in enumerate(stages):
         assert res[2 * i + 1]["steps"][0] == 5, stage
         assert_same(dump(d, f"A{stage}_5"), dump(d, f"B{stage}"))
         ck = f"{d}/ck{stage}"
@@ -95,7 +98,8 @@ def test_bf16_gradients_stay_exact_when_clipping_scales_them(tmp_path):
             assert stored == {"bfloat16"}, (stage, st.step, stored)
             for r in (0, 1):
                 pre = D.read_extra(f"{ck}/global_step{st.step - (st.step - 1) % 3}", st, r)["preclip"]
-                assert pre and all(float(a["norm"]) > 1e-3 for a in pre.values()), (stage, st.step)   # it clipped
+                assert pre and all(float(a["norm"]) > 1e-3 and a["clip"] == 1e-3 for a in pre.values()), \
+                    (stage, st.step)   # it clipped
 
 
 FP16 = {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1, "loss_scale_window": 2}}
