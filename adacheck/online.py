@@ -207,20 +207,43 @@ def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], ve
     last = None
     me = comm.rank if record_rank is None else record_rank
     for st in steps:
-        def read(st=st):
-            tree = D.read_extra(ckpt_dir, st, me, verify=verify, files=files)
-            keys = tap.grad_keys(tree["calls"], f"delta step {st.step}")
-            return tree, {k: D.read_grad(ckpt_dir, st, k, me, verify, files) for k in keys}
-        tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)", read)
-        for key, args in (tree.get("preclip") or {}).items():
-            if preclip is None:
-                raise StateError(f"delta step {st.step} needs the framework's gradient clipping to be "
-                                 "replayed, and this integration did not provide it")
-            preclip(key, grads[key], args)    # in place, with the framework's own code
-        tap.replay(tree["calls"], grads)
+        tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)",
+                            lambda st=st: _read_step(tap, ckpt_dir, st, me, verify, files))
+        _apply_step(tap, st, tree, grads, preclip)
         last = tree
     tap.set_group_state(last["param_groups"])
     return last
+
+
+def replay_rank(tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], rank: int, shadow: Shadow,
+                verify: bool = True, preclip: Optional[Callable[[str, object, object], None]] = None) -> dict:
+    """Replay saving rank ``rank``'s record of ``steps`` on ``shadow`` (that rank's tensors and
+    optimizer state, rebuilt by the integration) with this job's optimizer objects: the same
+    calls on the same inputs.  Local (no collective).  Returns the last step's record."""
+    files: dict = {}
+    tap.reindex()
+    last = None
+    for st in steps:
+        tree, grads = _read_step(tap, ckpt_dir, st, rank, verify, files, shadow)
+        _apply_step(tap, st, tree, grads, preclip, shadow)
+        last = tree
+    return last
+
+
+def _read_step(tap: OptimizerTap, ckpt_dir: str, st: D.Step, rank: int, verify: bool, files: dict,
+               shadow: Optional[Shadow] = None):
+    tree = D.read_extra(ckpt_dir, st, rank, verify=verify, files=files)
+    keys = tap.grad_keys(tree["calls"], f"delta step {st.step}", shadow)
+    return tree, {k: D.read_grad(ckpt_dir, st, k, rank, verify, files) for k in keys}
+
+
+def _apply_step(tap: OptimizerTap, st: D.Step, tree: dict, grads: dict, preclip, shadow: Optional[Shadow] = None):
+    for key, args in (tree.get("preclip") or {}).items():
+        if preclip is None:
+            raise StateError(f"delta step {st.step} needs the framework's gradient clipping to be "
+                             "replayed, and this integration did not provide it")
+        preclip(key, grads[key], args)    # in place, with the framework's own code
+    tap.replay(tree["calls"], grads, shadow=shadow)
 
 
 def describe_replay(steps: List[D.Step], base_step, seconds: float, why: str) -> None:

@@ -111,12 +111,14 @@ class OptimizerTap:
                 g.update(s)
 
     # ------------------------------------------------------------------ replay
-    def grad_keys(self, calls, what: str) -> List[str]:
-        """Keys of the gradients ``calls`` need (checked against this optimizer set)."""
+    def grad_keys(self, calls, what: str, shadow: Optional["Shadow"] = None) -> List[str]:
+        """Keys of the gradients ``calls`` need (checked against this optimizer set, or against
+        the tensors of ``shadow`` that they will step instead)."""
+        tensors = self.tensors if shadow is None else shadow.tensors
         out = []
         for oi, groups in calls:
             for gi, _, keys, with_grad in groups:
-                if oi >= len(self._groups) or gi >= len(self._groups[oi]) or any(k not in self.tensors for k in keys):
+                if oi >= len(self._groups) or gi >= len(self._groups[oi]) or any(k not in tensors for k in keys):
                     raise StateError(f"{what} names optimizer tensors this job does not have; it was "
                                      "recorded by a different model or optimizer")
                 out += with_grad
@@ -172,9 +174,12 @@ class Shadow:
     with exactly the gradients the log stores: it is bit for bit the state a recovery will
     reach, so its distance to the live state is the recovery's deviation, measured."""
 
-    def __init__(self, tap: OptimizerTap):
+    def __init__(self, tap: Optional[OptimizerTap]):
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self.state: List[dict] = []
+        if tap is None:
+            return
         self.tensors = {k: t.detach().clone() for k, t in tap.tensors.items()}
-        self.state = []
         for opt in tap.optimizers:
             st = defaultdict(dict)
             for k, t in tap.tensors.items():
@@ -182,6 +187,14 @@ class Shadow:
                     st[self.tensors[k]] = {n: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
                                            for n, v in opt.state[t].items()}
             self.state.append(st)
+
+    @classmethod
+    def given(cls, tensors: Dict[str, torch.Tensor], state: List[dict]) -> "Shadow":
+        """Tensors (key -> tensor) and, per optimizer, their state (tensor -> dict) built by the
+        caller: e.g. another rank's partitions, stepped here with that rank's recorded calls."""
+        sh = cls(None)
+        sh.tensors, sh.state = tensors, state
+        return sh
 
     def deviation(self, tap: OptimizerTap) -> Dict[str, float]:
         """Largest absolute difference from the live tensors ("weights") and from their

@@ -141,7 +141,11 @@ class AdaCheckDeepSpeed:
                      "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,
                      "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
                      "dp_world_size": layout["dp_world_size"], "tp_world_size": lay.tp[1]}
-        return core.LocalState(shards=shards, objects=objects, rank_objects={"rng": rng_state()},
+        rank_objects = {"rng": rng_state()}
+        if self.online is not None and lay.kind in S.FLAT_PARTITIONS:
+            # what this rank's partitions are made of: its deltas replay on another DP size too
+            rank_objects["partitions"] = S.partition_map(lay, self.online.tap._key_of)
+        return core.LocalState(shards=shards, objects=objects, rank_objects=rank_objects,
                                layout=layout, framework=framework, step=int(e.global_steps))
 
     def _model_spec(self, lay) -> dict:

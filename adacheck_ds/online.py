@@ -12,22 +12,29 @@ Replay (recovery) makes the same calls again, then refreshes the low-precision w
 DeepSpeed's own code for that optimizer (cast + all-gather for ZeRO 1/2, partition copy and
 persistent-parameter gather for ZeRO-3) and sets the counters, scheduler, loss scaler,
 hyper-parameters and RNG recorded after the last step.  No forward or backward pass runs.
-Replay needs the saving ZeRO stage and optimizer wrapper, and for a partitioned optimizer
-(ZeRO 1-3, BF16_Optimizer) the saving data-parallel size; ZeRO-0's replicated optimizer replays
-on any number of ranks. Loading into another layout restores the base and says so.
+Replay needs the saving ZeRO stage, optimizer wrapper and optimizer class.  ZeRO-0's
+replicated optimizer replays on any number of data-parallel ranks; so do flat partitions
+(ZeRO 1/2, BF16_Optimizer): each base of an online chain records what every rank's partitions
+are made of, and a job on another data-parallel size rebuilds the saving ranks' partitions from
+the base and steps them with their own records (``_replay_partitions``).  ZeRO-3's deltas replay
+only on the saving ranks.  Loading into another layout restores the base and says so.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections import defaultdict
 from typing import Optional
 
 import torch
 
+from adacheck import deltas as D
 from adacheck import online as O
-from adacheck.errors import ConfigError
-from adacheck.optimtap import OptimizerTap
+from adacheck.checkpoint import CheckpointReader
+from adacheck.errors import ConfigError, StateError
+from adacheck.exchange import agree
+from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.planner import place
 from adacheck.rng import set_rng_state
 
@@ -199,8 +206,10 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
         same_optimizer = (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) == \
             (lay.stage, lay.kind, lay.tp[1]) and saved_optimizer in (None, mine)
         # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients, so its
-        # deltas replay on any data-parallel size; partitioned ones only on the saving ranks
-        if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED):
+        # deltas replay on any data-parallel size; those of flat partitions (ZeRO 1/2, the BF16
+        # optimizer) on the saving ranks' partitions rebuilt here; ZeRO-3's only on the saving ranks
+        maps = _partition_maps(manifest) if lay.kind in S.FLAT_PARTITIONS else None
+        if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED and maps is None):
             log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s with %s "
                         "on %d ranks (TP=%s); they replay only with that layout and optimizer%s, so this %d-rank "
                         "ZeRO-%d/%s engine with %s (TP=%d) is at the base's step %s. The deltas are kept: load "
@@ -208,7 +217,9 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
                         "convert SRC NEW --to adacheck).",
                         ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"),
                         saved_optimizer or "its optimizer", world, fw.get("tp_world_size", 1),
-                        " (ZeRO-0: on any data-parallel size)" if fw.get("optimizer") in _REPLICATED else "",
+                        " (ZeRO-0: on any data-parallel size)" if fw.get("optimizer") in _REPLICATED else
+                        " (ZeRO 1/2: on any data-parallel size when saved by this version)"
+                        if fw.get("optimizer") in S.FLAT_PARTITIONS else "",
                         comm.world_size, lay.stage, lay.kind, mine, lay.tp[1], manifest.step)
             steps, refused = [], True
     last_step = manifest.step
@@ -216,10 +227,13 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
         lay, tap = (ac.online.lay, ac.online.tap) if ac.online is not None else _tap(e)
         t0 = time.perf_counter()
         try:
-            last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
-                            preclip=lambda key, g, a: _preclip(e, tap, key, g, a),
-                            record_rank=comm.rank if world == comm.world_size else
-                            _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]))
+            if world != comm.world_size and lay.kind not in _REPLICATED:
+                last = _replay_partitions(ac, tap, lay, ckpt_dir, manifest, steps, maps)
+            else:
+                last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
+                                preclip=lambda key, g, a: _preclip(e, tap, key, g, a),
+                                record_rank=comm.rank if world == comm.world_size else
+                                _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]))
         finally:
             if ac.online is None:
                 tap.remove()
@@ -242,6 +256,94 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
             rec.base_step = None     # not the newest chain (or another world): the next step takes a base
         ac.online.tap.reindex()
     return last_step
+
+
+def _partition_maps(manifest) -> Optional[list]:
+    """Every saving rank's partition map (``S.partition_map``), or None when the base has none."""
+    maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
+    return maps if maps and all(m is not None for m in maps) else None
+
+
+def _replay_partitions(ac, tap: OptimizerTap, lay: S.Layout, ckpt_dir: str, manifest, steps, maps) -> dict:
+    """Replay deltas of flat-partitioned optimizers recorded on another number of data-parallel
+    ranks.  Each rank rebuilds, from the base checkpoint, every saving rank's partition that
+    overlaps its own (same tensor-parallel rank), steps it with that rank's recorded calls and
+    gradients (the same arithmetic on the same tensors: bit-exact), and copies the part it
+    holds now into its own partition: master weights and optimizer state.  Returns the record
+    of the last step this rank follows (its own saving rank's, else the first of its TP rank)."""
+    e = ac.engine
+    comm = ac.comm()
+    saved = manifest.layout.get("ranks", [])
+    me = _record_rank(saved, lay.tp[0], S.data_parallel(e)[0])
+    mine: dict = {}
+    for f in lay.frags:
+        mine.setdefault(f.name, []).append(f)
+    opt = lay.base_optimizer
+
+    dev = lay.frags[0].base_param.device if lay.frags else torch.device("cpu")
+
+    def run():
+        reader = CheckpointReader(ckpt_dir, manifest, verify=ac.config.verify_on_load)
+        covered, done, state_of = 0, 0, {}
+        for r, pm in enumerate(maps):
+            if saved[r].get("tp_rank", 0) != lay.tp[0]:
+                continue
+            pieces = {k: [S.Piece(*p) for p in v["pieces"]] for k, v in pm.items()}
+            if not any(f.start < p.start + p.numel and p.start < f.start + f.numel
+                       for ps in pieces.values() for p in ps for f in mine.get(p.name, [])):
+                continue
+            tensors, state = {}, defaultdict(dict)
+            for k, v in pm.items():
+                master, st = S.read_partition(reader, lay, int(v["numel"]), pieces[k])
+                tensors[k] = master.to(dev)
+                state[tensors[k]] = {n: x.to(dev) if torch.is_tensor(x) and x.dim() else _as_live(opt, n, x)
+                                     for n, x in st.items()}
+            shadow = Shadow.given(tensors, [state])
+            O.replay_rank(tap, ckpt_dir, steps, r, shadow, verify=ac.config.verify_on_load,
+                          preclip=lambda key, g, a: _preclip(e, tap, key, g, a))
+            done += 1
+            for k, ps in pieces.items():
+                t, st = tensors[k], state[tensors[k]]
+                for p in ps:
+                    for f in mine.get(p.name, []):
+                        a, b = max(p.start, f.start), min(p.start + p.numel, f.start + f.numel)
+                        if a >= b:
+                            continue
+                        src, dst = p.offset + a - p.start, f.offset + a - f.start
+                        with torch.no_grad():
+                            f.master.narrow(0, a - f.start, b - a).copy_(t.narrow(0, src, b - a))
+                            live = opt.state[f.base_param]
+                            for name, v in st.items():
+                                if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == t.numel():
+                                    if name not in live:    # the base had not stepped yet
+                                        live[name] = torch.zeros_like(f.base_param)
+                                    live[name].view(-1).narrow(0, dst, b - a).copy_(v.view(-1).narrow(0, src, b - a))
+                                else:
+                                    state_of.setdefault(id(f.base_param), (f.base_param, {}))[1][name] = v
+                        covered += b - a
+        for p, scalars in state_of.values():
+            for name, v in scalars.items():
+                opt.state[p][name] = v.clone() if torch.is_tensor(v) else v
+        need = sum(f.numel for f in lay.frags)
+        if covered != need:
+            raise StateError(f"the saving ranks' partitions cover {covered} of the {need} elements this "
+                             f"rank holds; {ckpt_dir} does not describe this model's optimizer")
+        last = D.read_extra(ckpt_dir, steps[-1], me, verify=ac.config.verify_on_load)
+        return done, last
+
+    done, last = agree(comm, f"AdaCheck replay of {len(steps)} delta steps of {len(maps)} saving ranks "
+                             f"from {ckpt_dir} on {comm.world_size} ranks", run)
+    tap.set_group_state(last["param_groups"])
+    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' partitions", comm.rank, done)
+    return last
+
+
+def _as_live(opt, name: str, v):
+    """A scalar of the optimizer state (e.g. Adam's step tensor) where the live state keeps it."""
+    ref = next((s[name] for s in opt.state.values() if name in s), None)
+    if torch.is_tensor(v) and torch.is_tensor(ref):
+        return v.to(device=ref.device, dtype=ref.dtype)
+    return v
 
 
 def _preclip(engine, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:

@@ -44,6 +44,11 @@ class Frag:
         return self.master.numel()
 
 
+# optimizer wrappers whose base optimizer steps one flat partition per param group on each
+# data-parallel rank: contiguous runs of the group's parameters (+ zero padding)
+FLAT_PARTITIONS = ("zero12", "bf16opt")
+
+
 @dataclass
 class Layout:
     stage: int
@@ -386,7 +391,7 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
     if saved_groups is not None and len(saved_groups) != len(groups):
         raise StateError(f"the checkpoint has {len(saved_groups)} optimizer param groups but the "
                          f"engine has {len(groups)}; param groups must match to restore the optimizer")
-    keys = sorted({name.split("/")[1] for name in r.manifest.tensors if name.startswith("optim/")})
+    keys = state_keys(r)
     frags_of: Dict[int, List[Frag]] = {}
     for f in lay.frags:
         frags_of.setdefault(id(f.base_param), []).append(f)
@@ -396,30 +401,7 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
         ids = []
         for p in g["params"]:
             ids.append(index)
-            entry = {}
-            for key in keys:
-                frs = [f for f in frags_of.get(id(p), []) if r.has(f"optim/{key}/{f.name}")]
-                if not frs:
-                    continue
-                e0 = r.entry(f"optim/{key}/{frs[0].name}")
-                if e0.shape == ():
-                    vals = {r.read(f"optim/{key}/{f.name}").item() for f in frs}
-                    if len(vals) != 1:
-                        raise StateError(f"optimizer state {key!r} differs between parameters that now "
-                                         f"share one partition ({sorted(vals)}); cannot merge them")
-                    t = r.read(f"optim/{key}/{frs[0].name}")
-                    # a Python int (DeepSpeed's Adam counts steps that way) was saved as int64
-                    entry[key] = t.item() if t.dtype == torch.int64 else t
-                else:
-                    flat = torch.empty(p.numel(), dtype=torch_dtype(e0.dtype))
-                    covered = 0
-                    for f in sorted(frs, key=lambda f: f.offset):
-                        flat.narrow(0, covered, f.offset - covered).zero_()   # alignment padding
-                        r.read_flat(f"optim/{key}/{f.name}", f.start, f.start + f.numel,
-                                    out=flat.narrow(0, f.offset, f.numel), within=lay.origin[f.name][1])
-                        covered = f.offset + f.numel
-                    flat.narrow(0, covered, p.numel() - covered).zero_()
-                    entry[key] = flat.view(p.shape)
+            entry = state_entry(r, lay, keys, frags_of.get(id(p), []), p.numel(), p.shape)
             if entry:
                 state[index] = entry
             index += 1
@@ -427,6 +409,78 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
         hyper["params"] = ids
         out_groups.append(hyper)
     return {"state": state, "param_groups": out_groups}
+
+
+def state_keys(r: CheckpointReader) -> List[str]:
+    """The optimizer state names (exp_avg, step, ...) a checkpoint holds."""
+    return sorted({name.split("/")[1] for name in r.manifest.tensors if name.startswith("optim/")})
+
+
+def state_entry(r: CheckpointReader, lay: Layout, keys, frags, numel: int, shape) -> dict:
+    """The base optimizer's state of one tensor it steps (``numel`` elements, ``shape``) made of
+    ``frags`` (anything with name / start / numel / offset), read from the checkpoint; elements
+    no fragment covers (alignment padding) are zero."""
+    entry = {}
+    for key in keys:
+        frs = [f for f in frags if r.has(f"optim/{key}/{f.name}")]
+        if not frs:
+            continue
+        e0 = r.entry(f"optim/{key}/{frs[0].name}")
+        if e0.shape == ():
+            vals = {r.read(f"optim/{key}/{f.name}").item() for f in frs}
+            if len(vals) != 1:
+                raise StateError(f"optimizer state {key!r} differs between parameters that now "
+                                 f"share one partition ({sorted(vals)}); cannot merge them")
+            t = r.read(f"optim/{key}/{frs[0].name}")
+            # a Python int (DeepSpeed's Adam counts steps that way) was saved as int64
+            entry[key] = t.item() if t.dtype == torch.int64 else t
+        else:
+            entry[key] = _flat_of(r, lay, f"optim/{key}/", frs, numel, torch_dtype(e0.dtype)).view(shape)
+    return entry
+
+
+def _flat_of(r: CheckpointReader, lay: Layout, prefix: str, frags, numel: int, dtype) -> torch.Tensor:
+    flat = torch.empty(numel, dtype=dtype)
+    covered = 0
+    for f in sorted(frags, key=lambda f: f.offset):
+        flat.narrow(0, covered, f.offset - covered).zero_()   # alignment padding
+        name = prefix + f.name if prefix else _master_source(r, f.name)
+        r.read_flat(name, f.start, f.start + f.numel, out=flat.narrow(0, f.offset, f.numel),
+                    within=lay.origin[f.name][1])
+        covered = f.offset + f.numel
+    flat.narrow(0, covered, numel - covered).zero_()
+    return flat
+
+
+# ----------------------------------------------------------------------------- partitions
+@dataclass(frozen=True)
+class Piece:
+    """A parameter range inside a flat tensor the base optimizer steps (a saved rank's Frag)."""
+    name: str
+    start: int
+    numel: int
+    offset: int
+
+
+def partition_map(lay: Layout, key_of: Dict[int, str]) -> Dict[str, dict]:
+    """What each tensor this rank's base optimizer steps is made of (key -> its element count
+    and pieces): saved with an online base of a partitioned optimizer, so that a job on another
+    number of data-parallel ranks can rebuild this rank's partitions and replay its deltas."""
+    out: Dict[str, dict] = {}
+    for f in lay.frags:
+        key = key_of.get(id(f.base_param))
+        if key is None:
+            raise StateError(f"AdaCheck online: the optimizer tensor holding {f.name} has no key")
+        d = out.setdefault(key, {"numel": f.base_param.numel(), "pieces": []})
+        d["pieces"].append([f.name, f.start, f.numel, f.offset])
+    return out
+
+
+def read_partition(r: CheckpointReader, lay: Layout, numel: int, pieces: List[Piece]) -> Tuple[torch.Tensor, dict]:
+    """A saved rank's flat partition (``numel`` elements made of ``pieces``) from the checkpoint:
+    its fp32 master weights and its base-optimizer state, padding zero as DeepSpeed makes it."""
+    master = _flat_of(r, lay, "", pieces, numel, torch.float32)
+    return master, state_entry(r, lay, state_keys(r), pieces, numel, (numel,))
 
 
 def apply_load(engine, lay: Layout, st: Staged) -> None:

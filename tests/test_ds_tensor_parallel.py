@@ -90,7 +90,8 @@ def _online(ck, **kw):
 def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
     """TP=2 x DP=2 with online deltas (ZeRO-1 bf16, ZeRO-0 fp32): a new job replays base 4 +
     deltas 5, 6 to exactly the uninterrupted run's state; ZeRO-0's replicated gradients are
-    written once per data-parallel group, and replay on TP=2 x DP=1."""
+    written once per data-parallel group; both replay on TP=2 x DP=1 (ZeRO-1: each rank rebuilds
+    the partitions its TP rank had on the two DP ranks and steps them with their records)."""
     from adacheck import deltas as D
     d = str(tmp_path)
     layouts = [(1, "bf16"), (0, "fp32")]
@@ -114,11 +115,13 @@ def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
         assert a and b and not a & b, (a, b)
         assert all(k.startswith(f"tp{tp}.") for k in a | b)
     d2 = str(tmp_path / "two")
-    runs = [{"tp": 2, "stage": 0, "dtype": "fp32", "seed": 5, "adacheck": {"enabled": True},
-             "actions": [["load", f"{d}/ck0fp32"], ["steps"], ["dump", "C"]]}]
+    runs = [{"tp": 2, "stage": stage, "dtype": dt, "seed": 5, "adacheck": {"enabled": True},
+             "actions": [["load", f"{d}/ck{stage}{dt}"], ["steps"], ["dump", f"C{stage}{dt}"]]}
+            for stage, dt in layouts]
     check(launch(2, {"runs": runs}, d2))
-    assert results(d2)[0]["steps"][0] == 6
-    assert_same(load_file(f"{d}/A0fp32_6.safetensors"), load_file(f"{d2}/C.safetensors"))
+    for i, (stage, dt) in enumerate(layouts):
+        assert results(d2)[i]["steps"][0] == 6, (stage, dt)
+        assert_same(load_file(f"{d}/A{stage}{dt}_6.safetensors"), load_file(f"{d2}/C{stage}{dt}.safetensors"))
 
 
 def test_tensor_parallel_native_conversion_both_ways(tmp_path):
