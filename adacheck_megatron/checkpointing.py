@@ -213,10 +213,13 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                      "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
                      "model_chunks": len(list(model)),
                      "names": {"model": "", "master": S.MASTER_PREFIX}}
+        rank_objects = {"rng": rank_state(), "sharded_objects": sharded_objects}
+        if distopt is not None and online.active() is not None:
+            # what this rank's shards are: its deltas replay on another data-parallel size too
+            rank_objects["partitions"] = S.distopt_partition_map(optimizer, sd, online.active().tap._key_of)
         return core.LocalState(
             shards=shards, objects=objects,
-            rank_objects={"rng": rank_state(),
-                          "sharded_objects": sharded_objects},
+            rank_objects=rank_objects,
             layout=topo, framework=framework, step=int(iteration))
 
     manifest = core.save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
@@ -264,11 +267,15 @@ def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
 _COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank")
 
 
+def _only_dp_differs(saved: List[dict], topo: dict) -> bool:
+    return bool(saved) and all(saved[0].get(k) == topo[k] for k in _SIZES if k != "dp")
+
+
 def replay_rank(saved: List[dict], topo: dict, replicated: bool) -> Optional[int]:
     """The saving job's rank whose online deltas this rank replays when only the data-parallel
     size changed and every data-parallel rank ran the same (not distributed) optimizer: the one
     at the same model-parallel coordinates, same data-parallel rank if it had one, else 0."""
-    if not replicated or not saved or any(saved[0].get(k) != topo[k] for k in _SIZES if k != "dp"):
+    if not replicated or not _only_dp_differs(saved, topo):
         return None
     same = [r for r, lay in enumerate(saved) if all(lay.get(k) == topo[k] for k in _COORDS)]
     return next((r for r in same if saved[r].get("dp_rank") == topo["dp_rank"]),
@@ -415,10 +422,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         from . import online
         saved = manifest.layout.get("ranks", [])
         replicated = objects.get("distributed_optimizer") is None and not S.distributed_optimizers(optimizer)
+        same = _same_layout(saved, topology(), comm.world_size)
+        # distributed optimizer on another data-parallel size: shards rebuilt from the base
+        # (without expert parallelism: expert-parallel ranks hold other experts under the same names)
+        shards = (not replicated and not same and _only_dp_differs(saved, topology())
+                  and topology()["ep"] == 1 and all("partitions" in (ro or {}) for ro in manifest.rank_objects))
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
                                    latest=read_latest(load_dir) == manifest.tag and until is None,
-                                   same_layout=_same_layout(saved, topology(), comm.world_size), iteration=iteration,
-                                   until=until, record_rank=replay_rank(saved, topology(), replicated))
+                                   same_layout=same, iteration=iteration, until=until,
+                                   record_rank=replay_rank(saved, topology(), replicated), shards=shards,
+                                   verify=cfg.verify_on_load)
     elif until is not None and until != iteration:
         raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
                           "state (not with --no-load-optim / --finetune)")

@@ -17,20 +17,28 @@ coordinates, so equal keys mean the same tensor.
 Bases: every ``--adacheck-online-base-interval`` iterations (taken inside the hook: the
 scheduler is advanced for the save and put back, so the base holds exactly the state the
 loop will have after this iteration), and every explicit ``save_checkpoint``.  Recovery:
-``adacheck_megatron.load_checkpoint`` replays the committed deltas of the base it loaded
-(same layout only) and returns the iteration reached.
+``adacheck_megatron.load_checkpoint`` replays the committed deltas of the base it loaded and
+returns the iteration reached: in the saving layout, or with another data-parallel size (every
+rank follows a saving rank's record; with the distributed optimizer each rank rebuilds the
+saving ranks' shards that overlap its own and steps them: ``_replay_shards``).
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
+from collections import defaultdict
+
+from adacheck import deltas as D
 from adacheck import online as O
-from adacheck.optimtap import OptimizerTap
+from adacheck.checkpoint import CheckpointReader
+from adacheck.errors import ConfigError, StateError
+from adacheck.exchange import agree
+from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.planner import place
 
 from . import hooks
@@ -65,12 +73,10 @@ class OnlineMegatron:
         from megatron.core import parallel_state as ps
         from .checkpointing import _comm
         if not (config.save_dir or getattr(args, "save", None)):
-            from adacheck.errors import ConfigError
             raise ConfigError("--adacheck-online needs --adacheck-dir or --save: deltas are written after "
                               "every iteration")
         for o in S.parts(optimizer):
             if getattr(getattr(o, "config", None), "use_precision_aware_optimizer", False):
-                from adacheck.errors import ConfigError
                 raise ConfigError("--adacheck-online does not support --use-precision-aware-optimizer (nor "
                                   "--optimizer-cpu-offload, which needs it): that optimizer takes its gradients "
                                   "from param.decoupled_grad, which the online deltas do not record; drop "
@@ -160,6 +166,96 @@ def set_grad_scalers(optimizer, saved) -> None:
             o.grad_scaler.load_state_dict(sd)
 
 
+def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, model, optimizer, verify: bool) -> dict:
+    """Replay deltas of the distributed optimizer recorded on another number of data-parallel
+    ranks.  Each rank rebuilds, from the base, every saving rank's main-parameter shards (same
+    model-parallel coordinates) that overlap its own, steps them with that rank's recorded
+    calls and gradients (the same arithmetic on the same tensors: bit-exact) and copies the
+    ranges it holds now into its main weights and optimizer state.  Returns the last record."""
+    from .checkpointing import _COORDS, sharded_state_dict, topology
+    topo = topology()
+    saved = manifest.layout.get("ranks", [])
+    subs = S.distributed_optimizers(optimizer)
+    by_param = S._param_to_sharded(sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=False))
+    metas = {S.param_ident(m): m for m in by_param.values()}
+    mine = {}
+    for oi, opt in enumerate(subs):
+        for model_param, a, b in S._local_ranges(opt):
+            meta = S._model_meta(by_param, model_param)
+            mine.setdefault((oi, S.param_ident(meta)), []).append((opt._get_main_param_and_optimizer_states(model_param), a, b))
+
+    # per optimizer: its state names and the step count every shard shares (after the base load)
+    names, steps_of = [], []
+    for opt in subs:
+        st = next((v for v in opt.optimizer.state.values() if v), {})
+        names.append(sorted(x for x in st if x != "step"))
+        steps_of.append(st.get("step"))
+    device = next(iter(mine.values()))[0][0]["param"].device
+
+    def run():
+        reader = CheckpointReader(ckpt_dir, manifest, verify=verify)
+        never = reader.objects().get("optimizer_never_stepped") or []
+        covered, done, stepped = 0, 0, {}
+        for r, ro in enumerate(manifest.rank_objects):
+            if any(saved[r].get(k) != topo[k] for k in _COORDS):
+                continue
+            pm = ro["partitions"]
+            ranges = {k: (int(v["optimizer"]), *v["pieces"][0][:3]) for k, v in pm.items()}
+            if not any(s < b and a < s + n for oi, name, s, n in ranges.values() for _, a, b in mine.get((oi, name), [])):
+                continue
+            tensors, state = {}, [defaultdict(dict) for _ in subs]
+            for k, (oi, name, s, n) in ranges.items():
+                if name not in metas:
+                    raise StateError(f"saving rank {r}'s optimizer shard of {name} is not a parameter of this model")
+                fresh = never[oi] if oi < len(never) else False
+                got = S.distopt_read_shard(reader, metas[name], s, s + n, ["param"] + ([] if fresh else names[oi]))
+                tensors[k] = got.pop("param").to(device)
+                if got:
+                    state[oi][tensors[k]] = dict({x: v.to(device) for x, v in got.items()}, step=steps_of[oi].clone())
+            O.replay_rank(tap, ckpt_dir, steps, r, Shadow.given(tensors, state), verify=verify)
+            done += 1
+            with torch.no_grad():
+                for k, (oi, name, s, n) in ranges.items():
+                    t, st = tensors[k], state[oi].get(tensors[k], {})
+                    for live, a, b in mine.get((oi, name), []):
+                        lo, hi = max(s, a), min(s + n, b)
+                        if lo >= hi:
+                            continue
+                        if st and "exp_avg" not in live:      # the base had applied no update yet
+                            S.init_empty_state([subs[oi]])
+                            live.update(subs[oi]._get_main_param_and_optimizer_states(_param_of(subs[oi], live)))
+                        for x in live:
+                            src = t if x == "param" else st.get(x)
+                            if x == "step" or src is None:
+                                continue
+                            live[x].view(-1)[lo - a:hi - a].copy_(src.view(-1)[lo - s:hi - s])
+                        if "step" in st:
+                            stepped[id(live["param"])] = (subs[oi], live["param"], st["step"])
+                        covered += hi - lo
+        for opt, main, step in stepped.values():
+            opt.optimizer.state[main]["step"] = step.clone()
+        need = sum(b - a for ranges in mine.values() for _, a, b in ranges)
+        if covered != need:
+            raise StateError(f"the saving ranks' shards cover {covered} of the {need} elements this rank "
+                             f"holds; {ckpt_dir} does not describe this model's optimizer")
+        me = next(r for r, lay in enumerate(saved) if all(lay.get(k) == topo[k] for k in _COORDS))
+        return done, D.read_extra(ckpt_dir, steps[-1], me, verify=verify)
+
+    done, last = agree(comm, f"AdaCheck replay of {len(steps)} delta iterations of {len(saved)} saving ranks "
+                             f"from {ckpt_dir} on {comm.world_size} ranks", run)
+    tap.set_group_state(last["param_groups"])
+    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' shards", comm.rank, done)
+    return last
+
+
+def _param_of(opt, live: dict):
+    """The model parameter whose main-parameter shard is ``live["param"]``."""
+    for model_param in opt.model_param_group_index_map:
+        if opt._get_main_param_and_optimizer_states(model_param)["param"] is live["param"]:
+            return model_param
+    raise StateError("a main-parameter shard of the DistributedOptimizer has no model parameter")
+
+
 @torch.no_grad()
 def _refresh_model_params(optimizer) -> None:
     """Model weights from the main weights, with megatron-core's own code (and the
@@ -177,33 +273,40 @@ def _refresh_model_params(optimizer) -> None:
 
 def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler, latest: bool,
             same_layout: bool, iteration: int, until: Optional[int] = None,
-            record_rank: Optional[int] = None) -> int:
+            record_rank: Optional[int] = None, shards: bool = False, verify: bool = True) -> int:
     """Replay the committed deltas of the base just loaded (collective), all of them or those up
     to iteration ``until``; returns the iteration. ``record_rank``: the saving job's rank whose
     records this rank follows when the layout differs only in data-parallel size and every
-    data-parallel rank ran the same optimizer (see checkpointing.replay_rank); None: replay
-    only in the saving layout."""
+    data-parallel rank ran the same optimizer (see checkpointing.replay_rank); ``shards``: the
+    layout differs only in data-parallel size and the distributed optimizer's shards are
+    rebuilt (``_replay_shards``); neither: replay only in the saving layout."""
     on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
     world = int(manifest.topology.get("world_size", 1))
     steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=until)
     if until is not None and until != (steps[-1].step if steps else manifest.step):
         raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
                           f"committed online deltas")
-    if steps and not same_layout and record_rank is None:
+    if steps and not same_layout and record_rank is None and not shards:
         if until is not None and until != manifest.step:
             raise ConfigError(f"iteration {until} is reached by replaying the online deltas of {ckpt_dir}, which "
-                              "replay only in the saving layout (or on another number of data-parallel ranks "
-                              "without the distributed optimizer); load it with that layout (and save to reshape)")
+                              "replay only in the saving layout or on another number of data-parallel ranks (with the "
+                              "distributed optimizer: from a base saved by this version, without expert parallelism); "
+                              "load it with that layout (and save to reshape)")
         log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay only in the saving "
-                    "layout (or on another number of data-parallel ranks without the distributed optimizer), "
-                    "so this job starts from the base's iteration %d", ckpt_dir, len(steps),
+                    "layout or on another number of data-parallel ranks (with the distributed optimizer: from a "
+                    "base saved by this version, without expert parallelism), so this job starts from the "
+                    "base's iteration %d", ckpt_dir, len(steps),
                     steps[-1].step, manifest.step)
         steps = []
     if steps:
         tap = on.tap if on is not None else make_tap(optimizer)
         t0 = time.perf_counter()
         try:
-            last = O.replay(comm, tap, ckpt_dir, steps, record_rank=comm.rank if same_layout else record_rank)
+            if shards:
+                last = _replay_shards(comm, tap, ckpt_dir, manifest, steps, model, optimizer, verify)
+            else:
+                last = O.replay(comm, tap, ckpt_dir, steps, verify=verify,
+                                record_rank=comm.rank if same_layout else record_rank)
         finally:
             if on is None:
                 tap.remove()

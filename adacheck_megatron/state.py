@@ -398,6 +398,44 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
     return shards, commons
 
 
+def distopt_partition_map(optimizer, model_sd: dict, key_of: Dict[int, str]) -> Dict[str, dict]:
+    """What each main-parameter shard this rank's DistributedOptimizers step is (tap key -> the
+    torch optimizer's index, its element count and its one piece: the logical parameter and
+    the flat range): saved with an online base, so that a job on another number of
+    data-parallel ranks can rebuild this rank's shards and replay its deltas."""
+    by_param = _param_to_sharded(model_sd)
+    out: Dict[str, dict] = {}
+    for oi, opt in enumerate(distributed_optimizers(optimizer)):
+        for model_param, start, stop in _local_ranges(opt):
+            main = opt._get_main_param_and_optimizer_states(model_param)["param"]
+            key = key_of.get(id(main))
+            if key is None:
+                raise StateError("AdaCheck online: a main-parameter shard of the DistributedOptimizer has no key")
+            out[key] = {"optimizer": oi, "numel": stop - start,
+                        "pieces": [[param_ident(_model_meta(by_param, model_param)), start, stop - start, 0]]}
+    return out
+
+
+def param_ident(meta: ShardedTensor) -> str:
+    """A parameter's name in a partition map: its logical tensor and where it lies in it
+    (megatron-core stacks the layers' parameters, and experts, under one key)."""
+    return f"{meta.key}@{','.join(str(o) for o in _global_box(meta).offsets)}"
+
+
+def distopt_read_shard(reader: CheckpointReader, meta: ShardedTensor, start: int, stop: int,
+                       names) -> Dict[str, torch.Tensor]:
+    """Elements [start, stop) of a flattened parameter's main weights ("param") and optimizer
+    state (``names``) from the checkpoint: a DistributedOptimizer shard of any rank."""
+    out = {}
+    for k in names:
+        name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
+        t = torch.empty(stop - start, dtype=torch.float32)
+        for box, rng in _flat_pieces(meta, start, stop):
+            reader.read(name, box, out=t[rng].view(box.lengths))
+        out[k] = t
+    return out
+
+
 def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, commons: list):
     """Read this rank's ranges of every DistributedOptimizer state (nothing is changed yet)."""
     subs = distributed_optimizers(optimizer)

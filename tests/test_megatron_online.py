@@ -165,11 +165,29 @@ def test_overlapped_param_gather_bases_hold_the_step_s_weights(tmp_path):
     assert run(*ada, "--ckpt-step", "5") == {i: ref[i] for i in range(6, 9)}
 
 
-def test_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
-    """Without the distributed optimizer every data-parallel rank steps the same optimizer, so
-    deltas recorded at DP=2 replay in a 1-rank job (bf16): base 4 + deltas 5, 6 equal the DP=2
-    run's state at iteration 6 exactly. With the distributed optimizer they do not (its shards
-    differ): that job is at the base's iteration."""
+def same_checkpoint(a, b, what):
+    """Every logical tensor (per-rank RNG states aside), the iteration and the scheduler of two
+    AdaCheck checkpoints are equal."""
+    from adacheck.checkpoint import CheckpointReader, resolve
+    ra, rb = CheckpointReader(resolve(a)), CheckpointReader(resolve(b))
+    names = sorted(n for n in ra.manifest.tensors if not n.startswith("rank"))
+    assert names == sorted(n for n in rb.manifest.tensors if not n.startswith("rank")), what
+    assert any(n.startswith("optimizer.state.exp_avg_sq.") for n in names), what
+    for name in names:
+        x, y = ra.read(name), rb.read(name)
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {name} differs"
+    oa, ob = ra.objects(), rb.objects()
+    for k in ("iteration", "opt_param_scheduler"):
+        assert oa[k] == ob[k], (what, k)
+
+
+def test_deltas_replay_on_another_number_of_data_parallel_ranks(tmp_path):
+    """Deltas recorded at DP=2 replay in a 1-rank job (bf16): base 4 + deltas 5, 6 equal the DP=2
+    run's state at iteration 6 exactly. Without the distributed optimizer every data-parallel
+    rank steps the same optimizer; with it, each recovering rank rebuilds the saving ranks'
+    shards that overlap its own from the base and steps them with their records: also exact,
+    from DP=2 to 1 and from 1 to 2 (compared as checkpoints saved after the recovery and by an
+    uninterrupted run)."""
     d = str(tmp_path)
     dp = ["--bf16", "--global-batch-size", "4"]
     dist = dp + ["--use-distributed-optimizer"]
@@ -179,13 +197,23 @@ def test_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
          "actions": [["online"], ["train", 6], ["dump", "A"], ["online", False]]},
         {"argv": dist + ["--adacheck", "--adacheck-dir", f"{d}/dk"] + on,
          "actions": [["online"], ["train", 6], ["online", False]]},
+        {"argv": dist + ["--adacheck"], "actions": [["train", 6], ["save", f"{d}/ref"]]},
     ]}, d, script="megatron_worker.py"))
     check(launch(1, {"runs": [
         {"argv": dp + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/ck"], ["dump", "B"]]},
-        {"argv": dist + ["--adacheck"], "actions": [["load", f"{d}/dk"]]},
+        {"argv": dist + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/dk"], ["save", f"{d}/one/out"]]},
+        {"argv": dist + ["--adacheck", "--adacheck-dir", f"{d}/one/dk"] + on,
+         "actions": [["online"], ["train", 6], ["online", False]]},
+        {"argv": dist + ["--adacheck"], "actions": [["train", 6], ["save", f"{d}/one/ref"]]},
     ]}, f"{d}/one", script="megatron_worker.py"))
-    assert [r["loaded"] for r in results(f"{d}/one")] == [[6], [4]]
+    assert [r["loaded"] for r in results(f"{d}/one")][:2] == [[6], [6]]
     same(load_file(f"{d}/A-rank0.safetensors"), load_file(f"{d}/one/B-rank0.safetensors"), "DP=2 -> 1")
+    same_checkpoint(f"{d}/ref", f"{d}/one/out", "distributed optimizer, DP=2 -> 1")
+    check(launch(2, {"runs": [
+        {"argv": dist + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/one/dk"], ["save", f"{d}/two/out"]]},
+    ]}, f"{d}/two", script="megatron_worker.py"))
+    assert results(f"{d}/two")[0]["loaded"] == [6]
+    same_checkpoint(f"{d}/one/ref", f"{d}/two/out", "distributed optimizer, DP=1 -> 2")
 
 
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
