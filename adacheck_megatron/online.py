@@ -27,11 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import defaultdict
 from typing import Optional
 
 import torch
-
-from collections import defaultdict
 
 from adacheck import deltas as D
 from adacheck import online as O
@@ -182,7 +181,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
     for oi, opt in enumerate(subs):
         for model_param, a, b in S._local_ranges(opt):
             meta = S._model_meta(by_param, model_param)
-            mine.setdefault((oi, S.param_ident(meta)), []).append((opt._get_main_param_and_optimizer_states(model_param), a, b))
+            mine.setdefault((oi, S.param_ident(meta)), []).append((model_param, a, b))
 
     # per optimizer: its state names and the step count every shard shares (after the base load)
     names, steps_of = [], []
@@ -190,7 +189,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
         st = next((v for v in opt.optimizer.state.values() if v), {})
         names.append(sorted(x for x in st if x != "step"))
         steps_of.append(st.get("step"))
-    device = next(iter(mine.values()))[0][0]["param"].device
+    device = next(p for g in optimizer.param_groups for p in g["params"]).device
 
     def run():
         reader = CheckpointReader(ckpt_dir, manifest, verify=verify)
@@ -217,13 +216,14 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
             with torch.no_grad():
                 for k, (oi, name, s, n) in ranges.items():
                     t, st = tensors[k], state[oi].get(tensors[k], {})
-                    for live, a, b in mine.get((oi, name), []):
+                    for model_param, a, b in mine.get((oi, name), []):
                         lo, hi = max(s, a), min(s + n, b)
                         if lo >= hi:
                             continue
+                        live = subs[oi]._get_main_param_and_optimizer_states(model_param)
                         if st and "exp_avg" not in live:      # the base had applied no update yet
                             S.init_empty_state([subs[oi]])
-                            live.update(subs[oi]._get_main_param_and_optimizer_states(_param_of(subs[oi], live)))
+                            live = subs[oi]._get_main_param_and_optimizer_states(model_param)
                         for x in live:
                             src = t if x == "param" else st.get(x)
                             if x == "step" or src is None:
@@ -246,14 +246,6 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
     tap.set_group_state(last["param_groups"])
     log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' shards", comm.rank, done)
     return last
-
-
-def _param_of(opt, live: dict):
-    """The model parameter whose main-parameter shard is ``live["param"]``."""
-    for model_param in opt.model_param_group_index_map:
-        if opt._get_main_param_and_optimizer_states(model_param)["param"] is live["param"]:
-            return model_param
-    raise StateError("a main-parameter shard of the DistributedOptimizer has no model parameter")
 
 
 @torch.no_grad()
