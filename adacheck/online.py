@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import deltas as D
 from . import jsontree
@@ -227,6 +228,65 @@ def replay_rank(tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], rank: int
         tree, grads = _read_step(tap, ckpt_dir, st, rank, verify, files, shadow)
         _apply_step(tap, st, tree, grads, preclip, shadow)
         last = tree
+    return last
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements [start, start + numel) of the parameter ``name`` (any hashable name the
+    integration gives it), lying at ``offset`` of a flat tensor an optimizer steps."""
+    name: object
+    start: int
+    numel: int
+    offset: int
+
+
+def replay_partitions(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step],
+                      saving: Dict[int, Dict[str, List[Span]]], held: List[Tuple[Span, object]],
+                      rebuild: Callable[[int], Shadow], put: Callable[[object, Shadow, str, int, int, int], None],
+                      record_rank: int, verify: bool = True,
+                      preclip: Optional[Callable[[str, object, object], None]] = None) -> dict:
+    """Replay deltas of a partitioned optimizer (each data-parallel rank steps its own slice of
+    the parameters) recorded on another number of data-parallel ranks (collective).
+
+    ``saving``: per saving rank this rank can learn from (the same model-parallel coordinates),
+    what each tensor its optimizer stepped is made of (key -> spans).  ``held``: the spans this
+    rank's optimizer holds now, each with an integration object (``sink``).  Every saving rank
+    whose spans overlap this rank's is rebuilt from the base (``rebuild(rank)``: its tensors and
+    optimizer state as a Shadow), stepped with that rank's recorded calls and gradients (the
+    same arithmetic on the same tensors: bit-exact), and ``put(sink, shadow, key, src, at, n)``
+    copies the ``n`` elements at ``src`` of the shadow tensor ``key`` (and of its state) to
+    element ``at`` of the held span.  Every held element must be covered.  Returns the record
+    of ``record_rank`` for the last step (the scalars this rank restores)."""
+    by_name: Dict[object, list] = {}
+    for h, sink in held:
+        by_name.setdefault(h.name, []).append((h, sink))
+
+    def run():
+        covered = done = 0
+        for r in sorted(saving):
+            pairs = [(key, p, h, sink) for key, ps in saving[r].items() for p in ps
+                     for h, sink in by_name.get(p.name, ())
+                     if p.start < h.start + h.numel and h.start < p.start + p.numel]
+            if not pairs:
+                continue
+            shadow = rebuild(r)
+            replay_rank(tap, ckpt_dir, steps, r, shadow, verify=verify, preclip=preclip)
+            done += 1
+            for key, p, h, sink in pairs:
+                lo, hi = max(p.start, h.start), min(p.start + p.numel, h.start + h.numel)
+                put(sink, shadow, key, p.offset + lo - p.start, lo - h.start, hi - lo)
+                covered += hi - lo
+        need = sum(h.numel for h, _ in held)
+        if covered != need:
+            raise StateError(f"the saving ranks' partitions cover {covered} of the {need} optimizer elements "
+                             f"this rank holds; {ckpt_dir} does not describe this model's optimizer")
+        return done, D.read_extra(ckpt_dir, steps[-1], record_rank, verify=verify)
+
+    done, last = agree(comm, f"AdaCheck replay of {len(steps)} delta steps of {len(saving)} saving ranks' "
+                             f"partitions from {ckpt_dir} on {comm.world_size} ranks", run)
+    tap.set_group_state(last["param_groups"])
+    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' partitions", comm.rank, done)
     return last
 
 

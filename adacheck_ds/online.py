@@ -14,10 +14,10 @@ persistent-parameter gather for ZeRO-3) and sets the counters, scheduler, loss s
 hyper-parameters and RNG recorded after the last step.  No forward or backward pass runs.
 Replay needs the saving ZeRO stage, optimizer wrapper and optimizer class.  ZeRO-0's
 replicated optimizer replays on any number of data-parallel ranks; so do flat partitions
-(ZeRO 1/2, BF16_Optimizer): each base of an online chain records what every rank's partitions
+(ZeRO 1-3, BF16_Optimizer): each base of an online chain records what every rank's partitions
 are made of, and a job on another data-parallel size rebuilds the saving ranks' partitions from
-the base and steps them with their own records (``_replay_partitions``).  ZeRO-3's deltas replay
-only on the saving ranks.  Loading into another layout restores the base and says so.
+the base and steps them with their own records (``_replay_partitions``).  Loading into another
+layout (tensor parallelism, stage, optimizer) restores the base and says so.
 """
 from __future__ import annotations
 
@@ -29,11 +29,9 @@ from typing import Optional
 
 import torch
 
-from adacheck import deltas as D
 from adacheck import online as O
 from adacheck.checkpoint import CheckpointReader
-from adacheck.errors import ConfigError, StateError
-from adacheck.exchange import agree
+from adacheck.errors import ConfigError
 from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.planner import place
 from adacheck.rng import set_rng_state
@@ -88,7 +86,7 @@ class OnlineDS:
             mine = {k for k, w in writers.items() if w[0] == me}
         self.recorder = O.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
                                          fsync=ac.config.fsync, mine=mine,
-                                         preclip=lambda key, g, a: _preclip(e, self.tap, key, g, a))
+                                         preclip=lambda key, g, a: _preclip(e, g, a))
         self._orig_clip = None
         if self.lay.kind in ("zero12", "zero3", "fp16unfused") and not e.fp16_enabled():
             # record gradients before ZeRO unscales/clips them in place: they are exact bf16
@@ -206,8 +204,8 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
         same_optimizer = (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) == \
             (lay.stage, lay.kind, lay.tp[1]) and saved_optimizer in (None, mine)
         # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients, so its
-        # deltas replay on any data-parallel size; those of flat partitions (ZeRO 1/2, the BF16
-        # optimizer) on the saving ranks' partitions rebuilt here; ZeRO-3's only on the saving ranks
+        # deltas replay on any data-parallel size; those of flat partitions (ZeRO 1-3, the BF16
+        # optimizer) on the saving ranks' partitions rebuilt here
         maps = _partition_maps(manifest) if lay.kind in S.FLAT_PARTITIONS else None
         if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED and maps is None):
             log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s with %s "
@@ -218,7 +216,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
                         ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"),
                         saved_optimizer or "its optimizer", world, fw.get("tp_world_size", 1),
                         " (ZeRO-0: on any data-parallel size)" if fw.get("optimizer") in _REPLICATED else
-                        " (ZeRO 1/2: on any data-parallel size when saved by this version)"
+                        " (ZeRO 1-3: on any data-parallel size when saved by this version)"
                         if fw.get("optimizer") in S.FLAT_PARTITIONS else "",
                         comm.world_size, lay.stage, lay.kind, mine, lay.tp[1], manifest.step)
             steps, refused = [], True
@@ -231,7 +229,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
                 last = _replay_partitions(ac, tap, lay, ckpt_dir, manifest, steps, maps)
             else:
                 last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
-                                preclip=lambda key, g, a: _preclip(e, tap, key, g, a),
+                                preclip=lambda key, g, a: _preclip(e, g, a),
                                 record_rank=comm.rank if world == comm.world_size else
                                 _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]))
         finally:
@@ -265,77 +263,49 @@ def _partition_maps(manifest) -> Optional[list]:
 
 
 def _replay_partitions(ac, tap: OptimizerTap, lay: S.Layout, ckpt_dir: str, manifest, steps, maps) -> dict:
-    """Replay deltas of flat-partitioned optimizers recorded on another number of data-parallel
-    ranks.  Each rank rebuilds, from the base checkpoint, every saving rank's partition that
-    overlaps its own (same tensor-parallel rank), steps it with that rank's recorded calls and
-    gradients (the same arithmetic on the same tensors: bit-exact), and copies the part it
-    holds now into its own partition: master weights and optimizer state.  Returns the record
-    of the last step this rank follows (its own saving rank's, else the first of its TP rank)."""
+    """Replay deltas of flat-partitioned optimizers (ZeRO 1-3, the BF16 optimizer) recorded on
+    another number of data-parallel ranks (``O.replay_partitions``): the saving ranks'
+    partitions that overlap this rank's (same tensor-parallel rank) are rebuilt from the base,
+    stepped with their records, and the part this rank holds now is copied into its own
+    partition: master weights and optimizer state.  Returns the record of the last step this
+    rank follows (its own saving rank's, else the first of its TP rank)."""
     e = ac.engine
-    comm = ac.comm()
+    verify = ac.config.verify_on_load
     saved = manifest.layout.get("ranks", [])
-    me = _record_rank(saved, lay.tp[0], S.data_parallel(e)[0])
-    mine: dict = {}
-    for f in lay.frags:
-        mine.setdefault(f.name, []).append(f)
     opt = lay.base_optimizer
-
     dev = lay.frags[0].base_param.device if lay.frags else torch.device("cpu")
+    saving = {r: {k: [O.Span(*p) for p in v["pieces"]] for k, v in pm.items()}
+              for r, pm in enumerate(maps) if saved[r].get("tp_rank", 0) == lay.tp[0]}
+    readers = []
 
-    def run():
-        reader = CheckpointReader(ckpt_dir, manifest, verify=ac.config.verify_on_load)
-        covered, done, state_of = 0, 0, {}
-        for r, pm in enumerate(maps):
-            if saved[r].get("tp_rank", 0) != lay.tp[0]:
-                continue
-            pieces = {k: [S.Piece(*p) for p in v["pieces"]] for k, v in pm.items()}
-            if not any(f.start < p.start + p.numel and p.start < f.start + f.numel
-                       for ps in pieces.values() for p in ps for f in mine.get(p.name, [])):
-                continue
-            tensors, state = {}, defaultdict(dict)
-            for k, v in pm.items():
-                master, st = S.read_partition(reader, lay, int(v["numel"]), pieces[k])
-                tensors[k] = master.to(dev)
-                state[tensors[k]] = {n: x.to(dev) if torch.is_tensor(x) and x.dim() else _as_live(opt, n, x)
-                                     for n, x in st.items()}
-            shadow = Shadow.given(tensors, [state])
-            O.replay_rank(tap, ckpt_dir, steps, r, shadow, verify=ac.config.verify_on_load,
-                          preclip=lambda key, g, a: _preclip(e, tap, key, g, a))
-            done += 1
-            for k, ps in pieces.items():
-                t, st = tensors[k], state[tensors[k]]
-                for p in ps:
-                    for f in mine.get(p.name, []):
-                        a, b = max(p.start, f.start), min(p.start + p.numel, f.start + f.numel)
-                        if a >= b:
-                            continue
-                        src, dst = p.offset + a - p.start, f.offset + a - f.start
-                        with torch.no_grad():
-                            f.master.narrow(0, a - f.start, b - a).copy_(t.narrow(0, src, b - a))
-                            live = opt.state[f.base_param]
-                            for name, v in st.items():
-                                if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == t.numel():
-                                    if name not in live:    # the base had not stepped yet
-                                        live[name] = torch.zeros_like(f.base_param)
-                                    live[name].view(-1).narrow(0, dst, b - a).copy_(v.view(-1).narrow(0, src, b - a))
-                                else:
-                                    state_of.setdefault(id(f.base_param), (f.base_param, {}))[1][name] = v
-                        covered += b - a
-        for p, scalars in state_of.values():
-            for name, v in scalars.items():
-                opt.state[p][name] = v.clone() if torch.is_tensor(v) else v
-        need = sum(f.numel for f in lay.frags)
-        if covered != need:
-            raise StateError(f"the saving ranks' partitions cover {covered} of the {need} elements this "
-                             f"rank holds; {ckpt_dir} does not describe this model's optimizer")
-        last = D.read_extra(ckpt_dir, steps[-1], me, verify=ac.config.verify_on_load)
-        return done, last
+    def rebuild(r: int) -> Shadow:
+        if not readers:
+            readers.append(CheckpointReader(ckpt_dir, manifest, verify=verify))
+        tensors, state = {}, defaultdict(dict)
+        for k, v in maps[r].items():
+            master, st = S.read_partition(readers[0], lay, int(v["numel"]), saving[r][k])
+            tensors[k] = master.to(dev)
+            state[tensors[k]] = {n: x.to(dev) if torch.is_tensor(x) and x.dim() else _as_live(opt, n, x)
+                                 for n, x in st.items()}
+        return Shadow.given(tensors, [state])
 
-    done, last = agree(comm, f"AdaCheck replay of {len(steps)} delta steps of {len(maps)} saving ranks "
-                             f"from {ckpt_dir} on {comm.world_size} ranks", run)
-    tap.set_group_state(last["param_groups"])
-    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' partitions", comm.rank, done)
-    return last
+    @torch.no_grad()
+    def put(f: S.Frag, shadow: Shadow, key: str, src: int, at: int, n: int) -> None:
+        t = shadow.tensors[key]
+        f.master.narrow(0, at, n).copy_(t.narrow(0, src, n))
+        live = opt.state[f.base_param]
+        for name, v in shadow.state[0][t].items():
+            if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == t.numel():
+                if name not in live:    # the base had not stepped yet
+                    live[name] = torch.zeros_like(f.base_param)
+                live[name].view(-1).narrow(0, f.offset + at, n).copy_(v.view(-1).narrow(0, src, n))
+            else:                       # (every saving rank has the same step count)
+                live[name] = v.clone() if torch.is_tensor(v) else v
+
+    held = [(O.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
+    return O.replay_partitions(ac.comm(), tap, ckpt_dir, steps, saving, held, rebuild, put,
+                               _record_rank(saved, lay.tp[0], S.data_parallel(e)[0]), verify=verify,
+                               preclip=lambda key, g, a: _preclip(e, g, a))
 
 
 def _as_live(opt, name: str, v):
@@ -346,19 +316,19 @@ def _as_live(opt, name: str, v):
     return v
 
 
-def _preclip(engine, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:
+def _preclip(engine, grad: torch.Tensor, args: dict) -> None:
     """Unscale/clip ``grad`` in place exactly as ZeRO did while recording (its own code, with the
     recorded ``gradient_clipping``: a job resumed with another value replays the recorded steps)."""
     opt = engine.optimizer
     current = opt.clip_grad
     opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
     try:
-        _clip_as_recorded(opt, tap, key, grad, args)
+        _clip_as_recorded(opt, grad, args)
     finally:
         opt.clip_grad = current
 
 
-def _clip_as_recorded(opt, tap: OptimizerTap, key: str, grad: torch.Tensor, args: dict) -> None:
+def _clip_as_recorded(opt, grad: torch.Tensor, args: dict) -> None:
     norm = args["norm"]
     if torch.is_tensor(norm):
         norm = norm.to(grad.device)
@@ -373,12 +343,17 @@ def _clip_as_recorded(opt, tap: OptimizerTap, key: str, grad: torch.Tensor, args
         return
     clip = type(opt).unscale_and_clip_grads     # the class's, not a recording wrapper
     if "sub" in args:
-        flat = tap.tensors[key]
-        saved, flat.grad = flat.grad, grad
+        # ZeRO-3 scales the .grad of its fp32 sub-group flat number ``sub``: let that be a
+        # stand-in holding ``grad`` (a saving rank's partition may have another size than ours)
+        sub, flats = args["sub"], opt.fp32_partitioned_groups_flat
+        holder = grad.view(grad.shape)
+        holder.grad = grad
+        opt.fp32_partitioned_groups_flat = list(flats) + [None] * (sub + 1 - len(flats))
+        opt.fp32_partitioned_groups_flat[sub] = holder
         try:
-            clip(opt, args["sub"], norm)
+            clip(opt, sub, norm)
         finally:
-            flat.grad = saved
+            opt.fp32_partitioned_groups_flat = flats
     else:
         clip(opt, [grad], norm)
 

@@ -25,6 +25,7 @@ import torch
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
+from adacheck.online import Span
 from adacheck.types import Box, torch_dtype
 
 
@@ -44,9 +45,10 @@ class Frag:
         return self.master.numel()
 
 
-# optimizer wrappers whose base optimizer steps one flat partition per param group on each
-# data-parallel rank: contiguous runs of the group's parameters (+ zero padding)
-FLAT_PARTITIONS = ("zero12", "bf16opt")
+# optimizer wrappers whose base optimizer steps flat partitions on each data-parallel rank:
+# contiguous runs of parameters (+ zero padding), one per param group (ZeRO 1/2, BF16) or per
+# sub-group of each parameter's own slice (ZeRO-3)
+FLAT_PARTITIONS = ("zero12", "bf16opt", "zero3")
 
 
 @dataclass
@@ -453,15 +455,6 @@ def _flat_of(r: CheckpointReader, lay: Layout, prefix: str, frags, numel: int, d
 
 
 # ----------------------------------------------------------------------------- partitions
-@dataclass(frozen=True)
-class Piece:
-    """A parameter range inside a flat tensor the base optimizer steps (a saved rank's Frag)."""
-    name: str
-    start: int
-    numel: int
-    offset: int
-
-
 def partition_map(lay: Layout, key_of: Dict[int, str]) -> Dict[str, dict]:
     """What each tensor this rank's base optimizer steps is made of (key -> its element count
     and pieces): saved with an online base of a partitioned optimizer, so that a job on another
@@ -476,8 +469,8 @@ def partition_map(lay: Layout, key_of: Dict[int, str]) -> Dict[str, dict]:
     return out
 
 
-def read_partition(r: CheckpointReader, lay: Layout, numel: int, pieces: List[Piece]) -> Tuple[torch.Tensor, dict]:
-    """A saved rank's flat partition (``numel`` elements made of ``pieces``) from the checkpoint:
+def read_partition(r: CheckpointReader, lay: Layout, numel: int, pieces: List[Span]) -> Tuple[torch.Tensor, dict]:
+    """A saved rank's flat partition (``numel`` elements made of ``pieces``: partition_map's) from the checkpoint:
     its fp32 master weights and its base-optimizer state, padding zero as DeepSpeed makes it."""
     master = _flat_of(r, lay, "", pieces, numel, torch.float32)
     return master, state_entry(r, lay, state_keys(r), pieces, numel, (numel,))

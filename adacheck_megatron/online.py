@@ -32,11 +32,9 @@ from typing import Optional
 
 import torch
 
-from adacheck import deltas as D
 from adacheck import online as O
 from adacheck.checkpoint import CheckpointReader
 from adacheck.errors import ConfigError, StateError
-from adacheck.exchange import agree
 from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.planner import place
 
@@ -167,21 +165,20 @@ def set_grad_scalers(optimizer, saved) -> None:
 
 def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, model, optimizer, verify: bool) -> dict:
     """Replay deltas of the distributed optimizer recorded on another number of data-parallel
-    ranks.  Each rank rebuilds, from the base, every saving rank's main-parameter shards (same
-    model-parallel coordinates) that overlap its own, steps them with that rank's recorded
-    calls and gradients (the same arithmetic on the same tensors: bit-exact) and copies the
-    ranges it holds now into its main weights and optimizer state.  Returns the last record."""
+    ranks (``O.replay_partitions``): the saving ranks' main-parameter shards (same
+    model-parallel coordinates) that overlap this rank's are rebuilt from the base, stepped
+    with their records, and the ranges this rank holds now are copied into its main weights
+    and optimizer state.  Returns the last record."""
     from .checkpointing import _COORDS, sharded_state_dict, topology
     topo = topology()
     saved = manifest.layout.get("ranks", [])
     subs = S.distributed_optimizers(optimizer)
     by_param = S._param_to_sharded(sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=False))
     metas = {S.param_ident(m): m for m in by_param.values()}
-    mine = {}
-    for oi, opt in enumerate(subs):
-        for model_param, a, b in S._local_ranges(opt):
-            meta = S._model_meta(by_param, model_param)
-            mine.setdefault((oi, S.param_ident(meta)), []).append((model_param, a, b))
+    held = [(O.Span((oi, S.param_ident(S._model_meta(by_param, model_param))), a, b - a, 0), (oi, model_param))
+            for oi, opt in enumerate(subs) for model_param, a, b in S._local_ranges(opt)]
+    saving = {r: {k: [_shard_span(v)] for k, v in ro["partitions"].items()}
+              for r, ro in enumerate(manifest.rank_objects) if all(saved[r].get(k) == topo[k] for k in _COORDS)}
 
     # per optimizer: its state names and the step count every shard shares (after the base load)
     names, steps_of = [], []
@@ -190,62 +187,50 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
         names.append(sorted(x for x in st if x != "step"))
         steps_of.append(st.get("step"))
     device = next(p for g in optimizer.param_groups for p in g["params"]).device
+    readers = []
 
-    def run():
-        reader = CheckpointReader(ckpt_dir, manifest, verify=verify)
-        never = reader.objects().get("optimizer_never_stepped") or []
-        covered, done, stepped = 0, 0, {}
-        for r, ro in enumerate(manifest.rank_objects):
-            if any(saved[r].get(k) != topo[k] for k in _COORDS):
-                continue
-            pm = ro["partitions"]
-            ranges = {k: (int(v["optimizer"]), *v["pieces"][0][:3]) for k, v in pm.items()}
-            if not any(s < b and a < s + n for oi, name, s, n in ranges.values() for _, a, b in mine.get((oi, name), [])):
-                continue
-            tensors, state = {}, [defaultdict(dict) for _ in subs]
-            for k, (oi, name, s, n) in ranges.items():
-                if name not in metas:
-                    raise StateError(f"saving rank {r}'s optimizer shard of {name} is not a parameter of this model")
-                fresh = never[oi] if oi < len(never) else False
-                got = S.distopt_read_shard(reader, metas[name], s, s + n, ["param"] + ([] if fresh else names[oi]))
-                tensors[k] = got.pop("param").to(device)
-                if got:
-                    state[oi][tensors[k]] = dict({x: v.to(device) for x, v in got.items()}, step=steps_of[oi].clone())
-            O.replay_rank(tap, ckpt_dir, steps, r, Shadow.given(tensors, state), verify=verify)
-            done += 1
-            with torch.no_grad():
-                for k, (oi, name, s, n) in ranges.items():
-                    t, st = tensors[k], state[oi].get(tensors[k], {})
-                    for model_param, a, b in mine.get((oi, name), []):
-                        lo, hi = max(s, a), min(s + n, b)
-                        if lo >= hi:
-                            continue
-                        live = subs[oi]._get_main_param_and_optimizer_states(model_param)
-                        if st and "exp_avg" not in live:      # the base had applied no update yet
-                            S.init_empty_state([subs[oi]])
-                            live = subs[oi]._get_main_param_and_optimizer_states(model_param)
-                        for x in live:
-                            src = t if x == "param" else st.get(x)
-                            if x == "step" or src is None:
-                                continue
-                            live[x].view(-1)[lo - a:hi - a].copy_(src.view(-1)[lo - s:hi - s])
-                        if "step" in st:
-                            stepped[id(live["param"])] = (subs[oi], live["param"], st["step"])
-                        covered += hi - lo
-        for opt, main, step in stepped.values():
-            opt.optimizer.state[main]["step"] = step.clone()
-        need = sum(b - a for ranges in mine.values() for _, a, b in ranges)
-        if covered != need:
-            raise StateError(f"the saving ranks' shards cover {covered} of the {need} elements this rank "
-                             f"holds; {ckpt_dir} does not describe this model's optimizer")
-        me = next(r for r, lay in enumerate(saved) if all(lay.get(k) == topo[k] for k in _COORDS))
-        return done, D.read_extra(ckpt_dir, steps[-1], me, verify=verify)
+    def rebuild(r: int) -> Shadow:
+        if not readers:
+            readers.append(CheckpointReader(ckpt_dir, manifest, verify=verify))
+        never = readers[0].objects().get("optimizer_never_stepped") or []
+        tensors, state = {}, [defaultdict(dict) for _ in subs]
+        for k, (sp,) in saving[r].items():
+            oi, name = sp.name
+            if name not in metas:
+                raise StateError(f"saving rank {r}'s optimizer shard of {name} is not a parameter of this model")
+            fresh = never[oi] if oi < len(never) else False
+            got = S.distopt_read_shard(readers[0], metas[name], sp.start, sp.start + sp.numel,
+                                       ["param"] + ([] if fresh else names[oi]))
+            tensors[k] = got.pop("param").to(device)
+            if got:
+                state[oi][tensors[k]] = dict({x: v.to(device) for x, v in got.items()}, step=steps_of[oi].clone())
+        return Shadow.given(tensors, state)
 
-    done, last = agree(comm, f"AdaCheck replay of {len(steps)} delta iterations of {len(saved)} saving ranks "
-                             f"from {ckpt_dir} on {comm.world_size} ranks", run)
-    tap.set_group_state(last["param_groups"])
-    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' shards", comm.rank, done)
-    return last
+    @torch.no_grad()
+    def put(sink, shadow: Shadow, key: str, src: int, at: int, n: int) -> None:
+        oi, model_param = sink
+        t = shadow.tensors[key]
+        st = shadow.state[oi].get(t, {})
+        live = subs[oi]._get_main_param_and_optimizer_states(model_param)
+        if st and "exp_avg" not in live:      # the base had applied no update yet
+            S.init_empty_state([subs[oi]])
+            live = subs[oi]._get_main_param_and_optimizer_states(model_param)
+        for x in live:
+            value = t if x == "param" else st.get(x)
+            if x != "step" and value is not None:
+                live[x].view(-1)[at:at + n].copy_(value.view(-1)[src:src + n])
+        if "step" in st:
+            subs[oi].optimizer.state[live["param"]]["step"] = st["step"].clone()
+
+    return O.replay_partitions(comm, tap, ckpt_dir, steps, saving, held, rebuild, put,
+                               min(saving, default=0), verify=verify)
+
+
+def _shard_span(v: dict) -> O.Span:
+    """A saved shard (``S.distopt_partition_map``: one range of one parameter), named by its
+    optimizer and parameter."""
+    (name, start, numel, offset), = v["pieces"]
+    return O.Span((int(v["optimizer"]), name), start, numel, offset)
 
 
 @torch.no_grad()

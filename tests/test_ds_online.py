@@ -6,7 +6,6 @@ import random
 import signal
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from launch import check, kill_at_marker, launch
@@ -187,40 +186,37 @@ def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
 def test_deltas_replay_on_another_number_of_ranks(tmp_path):
     """Deltas recorded at DP=2 replay in a 1-rank job, and deltas recorded on 1 rank in a DP=2
     job: base 4 + deltas 5, 6 gives exactly the recording run's state at step 6. ZeRO-0 applies
-    the same full gradients on every rank; ZeRO 1/2 and the BF16 optimizer (ZeRO-1 bf16) step
-    flat partitions, which the recovering ranks rebuild from the base and step with the saving
-    ranks' own records. ZeRO-3's deltas do not replay on 1 rank: that job is at the base's
-    step, and says so."""
+    the same full gradients on every rank; ZeRO 1/2, the BF16 optimizer (ZeRO-1 bf16) and
+    ZeRO-3 step flat partitions, which the recovering ranks rebuild from the base and step with
+    the saving ranks' own records (ZeRO-3 bf16 with gradient_clipping 1e-3: the recorded
+    clipping applies to another rank's partition)."""
     d = str(tmp_path)
-    two = [(0, "fp32"), (0, "bf16"), (1, "fp32"), (1, "bf16"), (2, "bf16")]
-    one = [(1, "bf16"), (2, "fp32")]
-    runs = [{"stage": s, "dtype": t, "adacheck": online(f"{d}/ck{s}{t}", base_interval=3),
-             "actions": [["train_dump", 6, f"A{s}{t}_"]]} for s, t in two]
-    runs.append({"stage": 3, "dtype": "fp32", "adacheck": online(f"{d}/ck3", base_interval=3),
-                 "actions": [["train", 6]]})
-    check(launch(2, {"runs": runs}, d))
+    clip = {"gradient_clipping": 1e-3}
+    two = [(0, "fp32", {}), (0, "bf16", {}), (1, "fp32", {}), (1, "bf16", {}), (2, "bf16", {}), (3, "fp32", {}),
+           (3, "bf16", clip)]
+    one = [(1, "bf16", {}), (2, "fp32", {}), (3, "bf16", clip)]
 
-    def recover(s, t, ck, name):
-        return {"stage": s, "dtype": t, "seed": 5, "adacheck": online(ck, base_interval=3),
+    def record(s, t, extra, ck):
+        return {"stage": s, "dtype": t, "ds_extra": extra, "adacheck": online(ck, base_interval=3),
+                "actions": [["train_dump", 6, f"A{s}{t}_"]]}
+
+    def recover(s, t, extra, ck, name):
+        return {"stage": s, "dtype": t, "seed": 5, "ds_extra": extra, "adacheck": online(ck, base_interval=3),
                 "actions": [["load", ck], ["steps"], ["dump", name], ["train", 1]]}
-    runs = [recover(s, t, f"{d}/ck{s}{t}", f"B{s}{t}") for s, t in two]
-    runs.append({"stage": 3, "dtype": "fp32", "seed": 5, "adacheck": {"enabled": True},
-                 "actions": [["load", f"{d}/ck3"], ["steps"]]})
-    runs += [{"stage": s, "dtype": t, "adacheck": online(f"{d}/one/ck{s}{t}", base_interval=3),
-              "actions": [["train_dump", 6, f"A{s}{t}_"]]} for s, t in one]
-    out = check(launch(1, {"runs": runs}, f"{d}/one"))
+    check(launch(2, {"runs": [record(s, t, x, f"{d}/ck{s}{t}") for s, t, x in two]}, d))
+    runs = [recover(s, t, x, f"{d}/ck{s}{t}", f"B{s}{t}") for s, t, x in two]
+    runs += [record(s, t, x, f"{d}/one/ck{s}{t}") for s, t, x in one]
+    check(launch(1, {"runs": runs}, f"{d}/one"))
     res = results(f"{d}/one")
-    for i, (s, t) in enumerate(two):
+    for i, (s, t, _) in enumerate(two):
         assert res[i]["steps"][0] == 6, (s, t)
         assert_same(dump(d, f"A{s}{t}_6"), dump(f"{d}/one", f"B{s}{t}"))
         # the 1-rank job does not continue the 2-rank chain: its next step is a new base
         assert D.step_dirs(f"{d}/ck{s}{t}/global_step4") == [5, 6]
         assert os.path.isdir(f"{d}/ck{s}{t}/global_step7")
-    assert res[len(two)]["steps"][0] == 4
-    assert "they replay only with that layout and optimizer" in out[0][1]
-    check(launch(2, {"runs": [recover(s, t, f"{d}/one/ck{s}{t}", f"C{s}{t}") for s, t in one]}, f"{d}/two"))
+    check(launch(2, {"runs": [recover(s, t, x, f"{d}/one/ck{s}{t}", f"C{s}{t}") for s, t, x in one]}, f"{d}/two"))
     res = results(f"{d}/two")
-    for i, (s, t) in enumerate(one):
+    for i, (s, t, _) in enumerate(one):
         assert res[i]["steps"][0] == 6, (s, t)
         assert_same(dump(f"{d}/one", f"A{s}{t}_6"), dump(f"{d}/two", f"C{s}{t}"))
 
