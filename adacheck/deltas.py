@@ -50,7 +50,7 @@ from .errors import ConfigError, FormatError, IntegrityError
 from .hashing import hash_tensor
 from .reader import SafetensorsFile
 from .types import dtype_name, torch_dtype
-from .writer import fsync_dir, write_safetensors
+from .writer import DirectFileWriter, fsync_dir
 
 log = logging.getLogger("adacheck")
 
@@ -165,6 +165,7 @@ class DeltaLog:
         self._jobs: "queue.Queue" = queue.Queue()
         self._slot: Optional[_Slot] = None
         self._slot_step: Optional[int] = None
+        self._file_writer = DirectFileWriter()     # (the background thread's)
         self._thread = threading.Thread(target=self._run, name=f"adacheck-deltas-r{rank}", daemon=True)
         self._thread.start()
 
@@ -292,7 +293,7 @@ class DeltaLog:
             fname = f"rank{self.rank}.safetensors"
             final = os.path.join(d, fname)
             tmp = final + commit.TMP_SUFFIX
-            size = write_safetensors(tmp, tensors, {"format": "adacheck-delta"}, fsync=self.fsync)
+            size = self._file_writer.write(tmp, tensors, {"format": "adacheck-delta"}, fsync=self.fsync)
             commit.publish_file(tmp, final)
         rec = {"version": RECORD_VERSION, "step": step, "rank": self.rank, "nonce": self.nonce,
                "file": fname, "file_bytes": size, "tensors": meta, "extra": extra_meta,
