@@ -25,7 +25,7 @@ import logging
 import os
 import time
 import warnings
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
@@ -423,10 +423,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         saved = manifest.layout.get("ranks", [])
         replicated = objects.get("distributed_optimizer") is None and not S.distributed_optimizers(optimizer)
         same = _same_layout(saved, topology(), comm.world_size)
-        # distributed optimizer on another data-parallel size: shards rebuilt from the base
-        # (without expert parallelism: expert-parallel ranks hold other experts under the same names)
-        shards = (not replicated and not same and _only_dp_differs(saved, topology())
-                  and topology()["ep"] == 1 and all("partitions" in (ro or {}) for ro in manifest.rank_objects))
+        # distributed optimizer on another data-parallel size: shards rebuilt from the base (with
+        # expert parallelism: from bases that say which shards are experts', expert TP 1)
+        maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
+        shards = (not replicated and not same and _only_dp_differs(saved, topology()) and all(m is not None for m in maps)
+                  and (topology()["ep"] == 1 or (topology()["etp"] == 1 and
+                                                 all("expert" in v for m in maps for v in m.values()))))
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
                                    latest=read_latest(load_dir) == manifest.tag and until is None,
                                    same_layout=same, iteration=iteration, until=until,

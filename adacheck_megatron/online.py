@@ -169,7 +169,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
     model-parallel coordinates) that overlap this rank's are rebuilt from the base, stepped
     with their records, and the ranges this rank holds now are copied into its main weights
     and optimizer state.  Returns the last record."""
-    from .checkpointing import _COORDS, sharded_state_dict, topology
+    from .checkpointing import sharded_state_dict, topology
     topo = topology()
     saved = manifest.layout.get("ranks", [])
     subs = S.distributed_optimizers(optimizer)
@@ -177,8 +177,16 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
     metas = {S.param_ident(m): m for m in by_param.values()}
     held = [(O.Span((oi, S.param_ident(S._model_meta(by_param, model_param))), a, b - a, 0), (oi, model_param))
             for oi, opt in enumerate(subs) for model_param, a, b in S._local_ranges(opt)]
-    saving = {r: {k: [_shard_span(v)] for k, v in ro["partitions"].items()}
-              for r, ro in enumerate(manifest.rank_objects) if all(saved[r].get(k) == topo[k] for k in _COORDS)}
+    # the saving ranks that held the same replicas: for dense parameters those at this rank's
+    # tensor / pipeline / context-parallel ranks (over every expert-parallel rank: the dense
+    # data-parallel group spans them), for expert-parallel ones those at its pipeline and
+    # expert-parallel ranks (expert tensor parallelism 1)
+    saving = {}
+    for r, ro in enumerate(manifest.rank_objects):
+        got = {k: [_shard_span(v)] for k, v in ro["partitions"].items()
+               if all(saved[r].get(c) == topo[c] for c in (_EXPERT_COORDS if v.get("expert") else _DENSE_COORDS))}
+        if got:
+            saving[r] = got
 
     # per optimizer: its state names and the step count every shard shares (after the base load)
     names, steps_of = [], []
@@ -226,6 +234,10 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
                                min(saving, default=0), verify=verify)
 
 
+_DENSE_COORDS = ("tp_rank", "pp_rank", "cp_rank")
+_EXPERT_COORDS = ("pp_rank", "ep_rank")
+
+
 def _shard_span(v: dict) -> O.Span:
     """A saved shard (``S.distopt_partition_map``: one range of one parameter), named by its
     optimizer and parameter."""
@@ -264,16 +276,14 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
         raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
                           f"committed online deltas")
     if steps and not same_layout and record_rank is None and not shards:
+        where = ("only in the saving layout or on another number of data-parallel ranks (with the distributed "
+                 "optimizer: from a base saved by this version, and with expert parallelism only at expert tensor "
+                 "parallelism 1)")
         if until is not None and until != manifest.step:
             raise ConfigError(f"iteration {until} is reached by replaying the online deltas of {ckpt_dir}, which "
-                              "replay only in the saving layout or on another number of data-parallel ranks (with the "
-                              "distributed optimizer: from a base saved by this version, without expert parallelism); "
-                              "load it with that layout (and save to reshape)")
-        log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay only in the saving "
-                    "layout or on another number of data-parallel ranks (with the distributed optimizer: from a "
-                    "base saved by this version, without expert parallelism), so this job starts from the "
-                    "base's iteration %d", ckpt_dir, len(steps),
-                    steps[-1].step, manifest.step)
+                              f"replay {where}; load it with that layout (and save to reshape)")
+        log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay %s, so this job starts "
+                    "from the base's iteration %d", ckpt_dir, len(steps), steps[-1].step, where, manifest.step)
         steps = []
     if steps:
         tap = on.tap if on is not None else make_tap(optimizer)

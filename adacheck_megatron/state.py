@@ -400,8 +400,8 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
 
 def distopt_partition_map(optimizer, model_sd: dict, key_of: Dict[int, str]) -> Dict[str, dict]:
     """What each main-parameter shard this rank's DistributedOptimizers step is (tap key -> the
-    torch optimizer's index, its element count and its one piece: the logical parameter and
-    the flat range): saved with an online base, so that a job on another number of
+    torch optimizer's index, its element count, whether it is an expert-parallel parameter and
+    its one piece: the logical parameter and the flat range): saved with an online base, so that a job on another number of
     data-parallel ranks can rebuild this rank's shards and replay its deltas."""
     by_param = _param_to_sharded(model_sd)
     out: Dict[str, dict] = {}
@@ -411,7 +411,9 @@ def distopt_partition_map(optimizer, model_sd: dict, key_of: Dict[int, str]) -> 
             key = key_of.get(id(main))
             if key is None:
                 raise StateError("AdaCheck online: a main-parameter shard of the DistributedOptimizer has no key")
-            out[key] = {"optimizer": oi, "numel": stop - start,
+            # expert-parallel parameters (megatron's mark: not all-reduced over the data-parallel
+            # group) are replicated over the expert data-parallel group, not the dense one
+            out[key] = {"optimizer": oi, "numel": stop - start, "expert": not getattr(model_param, "allreduce", True),
                         "pieces": [[param_ident(_model_meta(by_param, model_param)), start, stop - start, 0]]}
     return out
 

@@ -216,6 +216,27 @@ def test_deltas_replay_on_another_number_of_data_parallel_ranks(tmp_path):
     same_checkpoint(f"{d}/one/ref", f"{d}/two/out", "distributed optimizer, DP=1 -> 2")
 
 
+def test_expert_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
+    """MoE with 4 experts at expert parallelism 2 and the distributed optimizer (bf16): recorded
+    on 4 ranks (dense data parallelism 4, expert data parallelism 2), the deltas replay on 2
+    (2 and 1). The dense shards come from the saving ranks of every expert-parallel rank, the
+    expert shards from those of the same expert-parallel rank: the checkpoint saved after the
+    recovery equals the one of an uninterrupted 4-rank run at iteration 6."""
+    d = str(tmp_path)
+    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
+           "--moe-token-dispatcher-type", "alltoall", "--bf16", "--global-batch-size", "8",
+           "--use-distributed-optimizer", "--adacheck"]
+    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
+    check(launch(4, {"runs": [
+        {"argv": moe + on, "actions": [["online"], ["train", 6], ["online", False]]},
+        {"argv": moe, "actions": [["train", 6], ["save", f"{d}/ref"]]},
+    ]}, d, script="megatron_worker.py"))
+    check(launch(2, {"runs": [{"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/two/out"]]}]},
+                 f"{d}/two", script="megatron_worker.py"))
+    assert results(f"{d}/two")[0]["loaded"] == [6]
+    same_checkpoint(f"{d}/ref", f"{d}/two/out", "MoE EP=2, distributed optimizer, DP=4 -> 2")
+
+
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
 
 
