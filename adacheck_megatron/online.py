@@ -165,8 +165,8 @@ def set_grad_scalers(optimizer, saved) -> None:
 
 def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, model, optimizer, verify: bool) -> dict:
     """Replay deltas of the distributed optimizer recorded on another number of data-parallel
-    ranks (``O.replay_partitions``): the saving ranks' main-parameter shards (same
-    model-parallel coordinates) that overlap this rank's are rebuilt from the base, stepped
+    ranks (``O.replay_partitions``): the saving ranks' main-parameter shards of the same
+    replicas (below) that overlap this rank's are rebuilt from the base, stepped
     with their records, and the ranges this rank holds now are copied into its main weights
     and optimizer state.  Returns the last record."""
     from .checkpointing import sharded_state_dict, topology
