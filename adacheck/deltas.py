@@ -50,7 +50,7 @@ from .errors import ConfigError, FormatError, IntegrityError
 from .hashing import hash_tensor
 from .reader import SafetensorsFile
 from .types import dtype_name, torch_dtype
-from .writer import DirectFileWriter, fsync_dir
+from .writer import BLOCK, DirectFileWriter, fsync_dir
 
 log = logging.getLogger("adacheck")
 
@@ -128,6 +128,33 @@ def auto_interval(base_bytes: int, base_seconds: float, delta_bytes: int, replay
 class _Slot:
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
     keys: List[str] = field(default_factory=list)
+    layout: tuple = ()      # what :func:`_arrange` laid out last
+
+
+def _arrange(slot: _Slot) -> None:
+    """Lay the slot's staging buffers of the step just written out back to back, in file order
+    (sorted keys), in one block-aligned allocation: the next step staged into them goes to the
+    device without another copy (:class:`~adacheck.writer.DirectFileWriter` writes the run
+    straight from memory when it is stored as staged, e.g. inexact fp32 gradients).  Done again
+    only when the staged keys, dtypes or shapes change.  Dtypes whose sizes would misalign a
+    view are left in separate buffers."""
+    keys = sorted(slot.keys)
+    layout = tuple((k, slot.buffers[k].dtype, tuple(slot.buffers[k].shape)) for k in keys)
+    if layout == slot.layout or not keys:
+        return
+    spans, n = [], 0
+    for _, dt, shape in layout:
+        if n % dt.itemsize:
+            return
+        spans.append((n, n + math.prod(shape) * dt.itemsize))
+        n = spans[-1][1]
+    pinned = slot.buffers[keys[0]].is_pinned()
+    slot.buffers = {}                     # (written: free them before the new block)
+    raw = torch.empty(n + BLOCK, dtype=torch.uint8, pin_memory=pinned)
+    skip = -raw.data_ptr() % BLOCK
+    for (k, dt, shape), (a, b) in zip(layout, spans):
+        slot.buffers[k] = raw[skip + a:skip + b].view(dt).view(shape)
+    slot.layout = layout
 
 
 def _background_priority() -> None:
@@ -156,6 +183,8 @@ class DeltaLog:
         self.bytes_written = 0
         self.steps_written = 0
         self.write_seconds = 0.0
+        self.write_cpu_seconds = 0.0     # CPU time of the writer thread (proving, hashing, writing)
+        self.stage_seconds = 0.0         # training time spent copying gradients into staging
         self.stall_seconds = 0.0         # training time spent waiting for a free staging slot
         self.started = time.perf_counter()
         self.last_written: Optional[int] = None
@@ -187,6 +216,7 @@ class DeltaLog:
         s = self._slot
         if s is None:
             raise RuntimeError("DeltaLog.add before begin")
+        t0 = time.perf_counter()
         buf = s.buffers.get(key)
         g = grad.detach()
         if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
@@ -195,6 +225,7 @@ class DeltaLog:
             s.buffers[key] = buf
         buf.copy_(g, non_blocking=g.is_cuda)
         s.keys.append(key)
+        self.stage_seconds += time.perf_counter() - t0
 
     def discard(self) -> None:
         """Drop what ``begin`` staged (the step is covered by a base checkpoint instead)."""
@@ -252,9 +283,12 @@ class DeltaLog:
             step, slot, record, extra, deviation = job
             try:
                 if self.error is None:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     self._write(step, slot, record, extra, deviation)
+                    if slot is not None:
+                        _arrange(slot)
                     self.write_seconds += time.perf_counter() - t0
+                    self.write_cpu_seconds += time.thread_time() - c0
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 self.error = e
             finally:

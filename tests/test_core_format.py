@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from adacheck import deltas as D
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, DeferredSource, LocalShard, LocalState, load, resolve, save
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
@@ -226,10 +227,11 @@ def test_next_commit_removes_torn_saves_of_a_killed_job(tmp_path):
 def test_direct_writer_writes_the_bytes_of_the_buffered_writer(tmp_path, where):
     """Delta files go to the device with O_DIRECT from a 16 MiB aligned buffer: a file larger
     than the buffer, odd tensor sizes (the last block padded, then cut), an empty tensor and
-    several dtypes give exactly the bytes of write_safetensors, on a disk filesystem and on
-    /dev/shm (tmpfs: O_DIRECT is refused or taken, depending on the kernel; the writer keeps
+    several dtypes give exactly the bytes of write_safetensors (with the data aligned as the
+    direct writer aligns it: on a 4 KiB block from 1 MiB of tensors on), on a disk filesystem and
+    on /dev/shm (tmpfs: O_DIRECT is refused or taken, depending on the kernel; the writer keeps
     working either way), with fsync on and off, and the buffer is reused."""
-    from adacheck.writer import DirectFileWriter, write_safetensors
+    from adacheck.writer import DirectFileWriter, data_alignment, write_safetensors
     d = tmp_path if where == "tmp" else "/dev/shm"
     if not os.path.isdir(d):
         pytest.skip("no /dev/shm")
@@ -245,7 +247,8 @@ def test_direct_writer_writes_the_bytes_of_the_buffered_writer(tmp_path, where):
             for fsync in (True, False):
                 ref, got = os.path.join(d, f"ref{i}{fsync}"), os.path.join(d, f"dir{i}{fsync}")
                 paths += [ref, got]
-                n = write_safetensors(ref, tensors, {"format": "x"}, fsync=fsync)
+                n = write_safetensors(ref, tensors, {"format": "x"}, fsync=fsync,
+                                      data_align=data_alignment(tensors))
                 assert w.write(got, tensors, {"format": "x"}, fsync=fsync) == n == os.path.getsize(got)
                 with open(ref, "rb") as a, open(got, "rb") as b:
                     assert a.read() == b.read(), (i, fsync, w.direct)
@@ -261,6 +264,54 @@ def test_direct_writer_writes_the_bytes_of_the_buffered_writer(tmp_path, where):
         for p in paths:
             if os.path.exists(p):
                 os.remove(p)
+
+
+def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
+    """The delta log lays each staging slot out as the file will be (sorted keys, back to back, one
+    block-aligned allocation) after a step is written, so the next step's inexact fp32 gradients
+    are written straight from it: only the header, the run's last partial block and the small
+    extra tensor pass through the writer's buffer; the file is the buffered writer's bytes, with
+    the data on a 4 KiB block, and reads back.  A change of shape lays the slot out again; element
+    sizes that would misalign a view keep separate buffers."""
+    from adacheck.writer import data_alignment, write_safetensors
+    g = torch.Generator().manual_seed(1)
+    lg = D.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=1)
+    shapes = {"w1": (300, 1000), "b1": (1000,), "w0": (1000, 300), "s": ()}
+    try:
+        for step in (1, 2, 3, 4):
+            if step == 3:
+                shapes["b1"] = (999,)
+            grads = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+            lg.begin(step)
+            for k, v in grads.items():
+                lg.add(k, v)
+            copied = lg._file_writer.copied
+            lg.submit(step, {"step": step}, {"rng": torch.arange(5)})
+            lg.flush()
+            copied = lg._file_writer.copied - copied
+            path = os.path.join(D.step_dir(str(tmp_path), step), "rank0.safetensors")
+            stored = {f"grad/{k}": v for k, v in grads.items()}
+            stored["rng"] = torch.arange(5)
+            ref = str(tmp_path / f"ref{step}")
+            assert data_alignment(stored) == 4096
+            write_safetensors(ref, stored, {"format": "adacheck-delta"}, fsync=False, data_align=4096)
+            with open(path, "rb") as a, open(ref, "rb") as b:
+                assert a.read() == b.read(), step
+            back = load_file(path)
+            assert all(torch.equal(back[k], v) for k, v in stored.items())
+            if lg._file_writer.direct and step in (2, 4):   # staged into the block laid out before
+                assert copied < 2 * 4096 + 64, (step, copied)
+        assert lg.write_cpu_seconds > 0 and lg.stage_seconds > 0
+    finally:
+        lg.close()
+    slot = lg._free.get()
+    assert [k for k, _, _ in slot.layout] == ["b1", "s", "w0", "w1"] and slot.layout[0][2] == (999,)
+    start = slot.buffers["b1"].data_ptr()
+    assert start % 4096 == 0 and slot.buffers["w1"].data_ptr() == start + 4 * (999 + 1 + 300_000)
+    mixed = D._Slot(buffers={"a": torch.zeros(1, dtype=torch.int8), "b": torch.zeros(3)}, keys=["a", "b"])
+    before = dict(mixed.buffers)
+    D._arrange(mixed)                   # b would start at byte 1
+    assert mixed.layout == () and all(mixed.buffers[k] is v for k, v in before.items())
 
 
 def _fs_type(path) -> str:
