@@ -14,6 +14,11 @@ Printed (and written as JSON to ``--json``):
   step overhead      (time per step with online deltas) / (time per step without) - 1, from
                      the medians over the timed blocks; in brackets the lowest and highest
                      overhead of one pair of neighbouring blocks (how much it varies here)
+  hook ms            training time per step spent copying gradients into staging buffers
+                     (+ waiting for a free one, when the writer fell behind), slowest rank
+  writer CPU         CPU time of the background writer per step (proving, hashing, writing),
+                     slowest rank, in ms and as a share of the step without online deltas: what
+                     the writer takes from training when no core is idle (as here)
   replay/step        replay time per delta / training time per step
   exact              the recovered engine equals the online engine bit for bit (every
                      module weight, master weight and optimizer tensor); with --compact
@@ -105,6 +110,10 @@ def worker(a) -> None:
             on.adacheck.online.flush()
             dist.barrier()
             drain = time.perf_counter() - t0
+            lg = on.adacheck.online.recorder.log        # the slowest rank's costs per written step
+            costs = torch.tensor([x / max(1, lg.steps_written) for x in
+                                  (lg.stage_seconds, lg.stall_seconds, lg.write_cpu_seconds)], dtype=torch.float64)
+            dist.all_reduce(costs, op=dist.ReduceOp.MAX)
             native = os.path.join(work, "native")
             adacheck_ds.save_native(on, native, tag="n")
             base_dir = os.path.join(ck, "global_step1")
@@ -149,6 +158,8 @@ def worker(a) -> None:
                              # much the overhead of one pair of blocks varies on this machine
                              "overhead_pairs": [b / p - 1 for p, b in zip(t_plain, t_on)],
                              "drain_s": drain, "replay_steps": replay["steps"],
+                             "stage_ms": 1e3 * costs[0].item(), "stall_ms": 1e3 * costs[1].item(),
+                             "writer_cpu_ms": 1e3 * costs[2].item(),
                              "replay_s_per_step": replay["seconds"] / replay["steps"],
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
                              "exact": bool(flag.item()), "differs": diff[:8], "compact": a.compact,
@@ -165,16 +176,18 @@ def worker(a) -> None:
 
 def table(rows) -> str:
     out = ["| DP | ZeRO | dtype | delta B/step | full B | full/delta | native/delta | bf16 share "
-           "| step s | step overhead | replay/step | exact |", "|" + "---:|" * 12]
+           "| step s | step overhead | hook ms | writer CPU | replay/step | exact |", "|" + "---:|" * 14]
     for r in rows:
         pairs = r.get("overhead_pairs")
         spread = f" ({min(pairs):+.1%}..{max(pairs):+.1%})" if pairs else ""
+        hook = f"{r['stage_ms']:.1f}" + (f" + {r['stall_ms']:.1f}" if r["stall_ms"] >= 0.05 else "")
+        writer = f"{r['writer_cpu_ms']:.1f} ms ({r['writer_cpu_ms'] / 1e3 / r['step_s']:.1%})"
+        exact = ("yes" if r["exact"] else "NO") if not r.get("compact") else \
+            f"compact: {r['distance']:.3g} (measured {r['measured']:.3g})"
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['delta_bytes']:,.0f} | {r['full_bytes']:,} | "
                    f"{r['full_over_delta']:.2f}x | {r['native_over_delta']:.2f}x | {r['bf16_share']:.0%} | "
-                   f"{r['step_s']:.3f} | {r['overhead']:+.1%}{spread} | "
-                   f"{r['replay_over_step']:.2f} | "
-                   + (f"{'yes' if r['exact'] else 'NO'} |" if not r.get("compact") else
-                      f"compact: {r['distance']:.3g} (measured {r['measured']:.3g}) |"))
+                   f"{r['step_s']:.3f} | {r['overhead']:+.1%}{spread} | {hook} | {writer} | "
+                   f"{r['replay_over_step']:.2f} | {exact} |")
     return "\n".join(out)
 
 
