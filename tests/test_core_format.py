@@ -301,7 +301,6 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
             assert all(torch.equal(back[k], v) for k, v in stored.items())
             if lg._file_writer.direct and step in (2, 4):   # staged into the block laid out before
                 assert copied < 2 * 4096 + 64, (step, copied)
-        assert lg.write_cpu_seconds > 0 and lg.stage_seconds > 0
     finally:
         lg.close()
     slot = lg._free.get()
