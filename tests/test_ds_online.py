@@ -111,7 +111,9 @@ def test_fp16_loss_scaler_skips_replay_exactly(tmp_path):
     its scale every two steps.  Recovery of step 6 (base 4 + deltas 5, 6) and, for ZeRO 1-3, of
     step 3 (base 1 + the skipped deltas 2, 3) equals the uninterrupted run: weights, masters,
     moments, counters, the loss scale and what decides its next change; training goes on with
-    the uninterrupted run's losses and skips."""
+    the uninterrupted run's losses and skips.  A 1-rank job recovers step 6 of ZeRO 1-3 too (base
+    4 + deltas 5, 6): it rebuilds the saving ranks' partitions from a base whose optimizer never
+    stepped (no moments yet) and replays the deltas that step it."""
     d = str(tmp_path)
     runs = []
     for stage in (0, 1, 2, 3):
@@ -138,6 +140,13 @@ def test_fp16_loss_scaler_skips_replay_exactly(tmp_path):
             assert dump(d, f"C{stage}")["meta/optim_step"].tolist() == [-1.0], stage   # never stepped
             assert_same(dump(d, f"A{stage}_3"), dump(d, f"C{stage}"))
         i += 4 if stage else 3
+    check(launch(1, {"runs": [{"stage": stage, "dtype": "fp16", "ds_extra": FP16, "seed": 5,
+                               "adacheck": online(f"{d}/ck{stage}", base_interval=3),
+                               "actions": [["load", f"{d}/ck{stage}", {"tag": "global_step4"}],
+                                           ["dump", f"D{stage}"]]}
+                              for stage in (1, 2, 3)]}, f"{d}/one"))
+    for stage in (1, 2, 3):
+        assert_same(dump(d, f"A{stage}_6"), dump(f"{d}/one", f"D{stage}"))
 
 
 def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
