@@ -79,7 +79,7 @@ def topology() -> dict:
         "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
         "cp": ps.get_context_parallel_world_size(), "cp_rank": ps.get_context_parallel_rank(),
         "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
-        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(), "etp_rank": ps.get_expert_tensor_parallel_rank(),
         "edp": ps.get_expert_data_parallel_world_size(),
         "vp": vp or 1,
     }
@@ -264,7 +264,13 @@ def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
     return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
 
 
-_COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank")
+_COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank", "etp_rank")
+
+
+def same_coords(lay: dict, topo: dict, coords) -> bool:
+    """``lay`` (a saving rank's topology) is at ``topo``'s ranks ``coords``; a coordinate the
+    saving job did not record (bases of earlier versions have no etp_rank) is not compared."""
+    return all(lay.get(c) == topo[c] for c in coords if c in lay)
 
 
 def _only_dp_differs(saved: List[dict], topo: dict) -> bool:
@@ -277,7 +283,7 @@ def replay_rank(saved: List[dict], topo: dict, replicated: bool) -> Optional[int
     at the same model-parallel coordinates, same data-parallel rank if it had one, else 0."""
     if not replicated or not _only_dp_differs(saved, topo):
         return None
-    same = [r for r, lay in enumerate(saved) if all(lay.get(k) == topo[k] for k in _COORDS)]
+    same = [r for r, lay in enumerate(saved) if same_coords(lay, topo, _COORDS)]
     return next((r for r in same if saved[r].get("dp_rank") == topo["dp_rank"]),
                 next((r for r in same if saved[r].get("dp_rank") == 0), None))
 
@@ -424,11 +430,13 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         replicated = objects.get("distributed_optimizer") is None and not S.distributed_optimizers(optimizer)
         same = _same_layout(saved, topology(), comm.world_size)
         # distributed optimizer on another data-parallel size: shards rebuilt from the base (with
-        # expert parallelism: from bases that say which shards are experts', expert TP 1)
+        # expert parallelism: from bases that say which shards are experts' and, with expert
+        # tensor parallelism, each saving rank's expert-TP rank)
         maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
-        shards = (not replicated and not same and _only_dp_differs(saved, topology()) and all(m is not None for m in maps)
-                  and (topology()["ep"] == 1 or (topology()["etp"] == 1 and
-                                                 all("expert" in v for m in maps for v in m.values()))))
+        topo = topology()
+        shards = (not replicated and not same and _only_dp_differs(saved, topo) and all(m is not None for m in maps)
+                  and (topo["ep"] == 1 or (all("expert" in v for m in maps for v in m.values())
+                                           and (topo["etp"] == 1 or all("etp_rank" in s for s in saved)))))
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
                                    latest=read_latest(load_dir) == manifest.tag and until is None,
                                    same_layout=same, iteration=iteration, until=until,

@@ -169,7 +169,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
     replicas (below) that overlap this rank's are rebuilt from the base, stepped
     with their records, and the ranges this rank holds now are copied into its main weights
     and optimizer state.  Returns the last record."""
-    from .checkpointing import sharded_state_dict, topology
+    from .checkpointing import same_coords, sharded_state_dict, topology
     topo = topology()
     saved = manifest.layout.get("ranks", [])
     subs = S.distributed_optimizers(optimizer)
@@ -179,12 +179,13 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
             for oi, opt in enumerate(subs) for model_param, a, b in S._local_ranges(opt)]
     # the saving ranks that held the same replicas: for dense parameters those at this rank's
     # tensor / pipeline / context-parallel ranks (over every expert-parallel rank: the dense
-    # data-parallel group spans them), for expert-parallel ones those at its pipeline and
-    # expert-parallel ranks (expert tensor parallelism 1)
+    # data-parallel group spans them), for expert-parallel ones those at its pipeline,
+    # expert-parallel and expert-tensor-parallel ranks (the expert grid is laid out apart from
+    # the dense one: a rank's tensor- and expert-tensor-parallel ranks may differ)
     saving = {}
     for r, ro in enumerate(manifest.rank_objects):
         got = {k: [_shard_span(v)] for k, v in ro["partitions"].items()
-               if all(saved[r].get(c) == topo[c] for c in (_EXPERT_COORDS if v.get("expert") else _DENSE_COORDS))}
+               if same_coords(saved[r], topo, _EXPERT_COORDS if v.get("expert") else _DENSE_COORDS)}
         if got:
             saving[r] = got
 
@@ -235,7 +236,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
 
 
 _DENSE_COORDS = ("tp_rank", "pp_rank", "cp_rank")
-_EXPERT_COORDS = ("pp_rank", "ep_rank")
+_EXPERT_COORDS = ("pp_rank", "ep_rank", "etp_rank")
 
 
 def _shard_span(v: dict) -> O.Span:
@@ -277,8 +278,8 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
                           f"committed online deltas")
     if steps and not same_layout and record_rank is None and not shards:
         where = ("only in the saving layout or on another number of data-parallel ranks (with the distributed "
-                 "optimizer: from a base saved by this version, and with expert parallelism only at expert tensor "
-                 "parallelism 1)")
+                 "optimizer: from a base saved by this version; with expert parallelism and expert tensor "
+                 "parallelism > 1, from a base that recorded each rank's expert-tensor-parallel rank)")
         if until is not None and until != manifest.step:
             raise ConfigError(f"iteration {until} is reached by replaying the online deltas of {ckpt_dir}, which "
                               f"replay {where}; load it with that layout (and save to reshape)")
