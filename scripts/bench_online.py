@@ -20,6 +20,12 @@ Printed (and written as JSON to ``--json``):
                      slowest rank, in ms and as a share of the step without online deltas: what
                      the writer takes from training when no core is idle (as here)
   replay/step        replay time per delta / training time per step
+
+and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
+added up (the ranks wait for each other at each collective, so one rank's writer delays all),
+and how much more CPU time per step the host spent in each /proc/stat category during online
+blocks than during plain ones (system: kernel work of the ranks' threads; irq+softirq: e.g.
+I/O completions; steal: the hypervisor's; idle+iowait: cores waiting)
   exact              the recovered engine equals the online engine bit for bit (every
                      module weight, master weight and optimizer tensor); with --compact
                      (lossy bf16 gradients): the recovered engine's largest distance from
@@ -67,8 +73,9 @@ def worker(a) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
 
-    def train(engine, n):
+    def train(engine, n, host=None):
         dist.barrier()
+        c0 = host_cpu() if host is not None and rank == 0 else None
         t0 = time.perf_counter()
         for _ in range(n):
             g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
@@ -78,7 +85,11 @@ def worker(a) -> None:
             engine.backward(loss)
             engine.step()
         dist.barrier()
-        return (time.perf_counter() - t0) / n
+        t = (time.perf_counter() - t0) / n
+        if c0 is not None:
+            c1 = host_cpu()
+            host.append({k: (c1[k] - c0[k]) / n for k in c0})
+        return t
 
     def state(engine):
         out = [p.detach() for p in engine.module.parameters()]
@@ -101,11 +112,11 @@ def worker(a) -> None:
                                                       "compact": a.compact}})
             train(plain, 2)
             train(on, 2)            # the base (step 1) and the first delta
-            t_plain, t_on = [], []
+            t_plain, t_on, h_plain, h_on = [], [], [], []
             for block in range(a.blocks):
-                pair = [(t_plain, plain), (t_on, on)]
-                for times, eng in (pair if block % 2 == 0 else pair[::-1]):
-                    times.append(train(eng, a.steps))
+                pair = [(t_plain, h_plain, plain), (t_on, h_on, on)]
+                for times, host, eng in (pair if block % 2 == 0 else pair[::-1]):
+                    times.append(train(eng, a.steps, host))
             t0 = time.perf_counter()
             on.adacheck.online.flush()
             dist.barrier()
@@ -113,7 +124,9 @@ def worker(a) -> None:
             lg = on.adacheck.online.recorder.log        # the slowest rank's costs per written step
             costs = torch.tensor([x / max(1, lg.steps_written) for x in
                                   (lg.stage_seconds, lg.stall_seconds, lg.write_cpu_seconds)], dtype=torch.float64)
+            writers = costs[2].clone()                  # every rank's writer, added up
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+            dist.all_reduce(writers)
             native = os.path.join(work, "native")
             adacheck_ds.save_native(on, native, tag="n")
             base_dir = os.path.join(ck, "global_step1")
@@ -160,6 +173,12 @@ def worker(a) -> None:
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "stage_ms": 1e3 * costs[0].item(), "stall_ms": 1e3 * costs[1].item(),
                              "writer_cpu_ms": 1e3 * costs[2].item(),
+                             "writers_cpu_ms": 1e3 * writers.item(),
+                             # host-wide CPU time per step by /proc/stat category, online block
+                             # minus plain block (ms, all cores together); empty off Linux
+                             "host_extra_ms": {k: statistics.median(x[k] for x in h_on)
+                                               - statistics.median(x[k] for x in h_plain)
+                                               for k in (h_on[0] if h_on and h_on[0] else {})},
                              "replay_s_per_step": replay["seconds"] / replay["steps"],
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
                              "exact": bool(flag.item()), "differs": diff[:8], "compact": a.compact,
@@ -172,6 +191,38 @@ def worker(a) -> None:
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
     finish_worker(rows, a.rows)
+
+
+STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu() -> dict:
+    """Host-wide CPU time so far by /proc/stat category, in ms (all cores); {} off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = f.readline().split()[1:1 + len(STAT_FIELDS)]
+    except OSError:
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    return {k: 1e3 * int(v) / hz for k, v in zip(STAT_FIELDS, ticks)}
+
+
+def attribution(rows) -> str:
+    """Where an online step's extra time goes: the hook and every rank's writer (the ranks
+    wait for each other at every collective, so one rank's writer delays them all), and what
+    the host's CPUs did more (or less) per step than in a plain step."""
+    rows = [r for r in rows if r.get("host_extra_ms")]
+    if not rows:
+        return ""
+    out = ["| ZeRO | dtype | extra ms/step | hook ms | writers CPU ms (all ranks) | host CPU +ms/step: "
+           "user | system | irq+softirq | steal | idle+iowait |", "|" + "---:|" * 10]
+    for r in rows:
+        h = r["host_extra_ms"]
+        out.append(f"| {r['stage']} | {r['dtype']} | {1e3 * (r['step_online_s'] - r['step_s']):+.1f} | "
+                   f"{r['stage_ms']:.1f} | {r['writers_cpu_ms']:.1f} | {h['user'] + h['nice']:+.1f} | "
+                   f"{h['system']:+.1f} | {h['irq'] + h['softirq']:+.1f} | {h['steal']:+.1f} | "
+                   f"{h['idle'] + h['iowait']:+.1f} |")
+    return "\n".join(out)
 
 
 def table(rows) -> str:
@@ -221,6 +272,10 @@ def main() -> None:
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact}, f, indent=1)
     print(table(rows))
+    extra = attribution(rows)
+    if extra:
+        print("\nOnline step's extra time against what the host's CPUs did more per step "
+              "(online block minus plain block, medians; ms, all cores together):\n" + extra)
     print(f"\nJSON in {a.json}")
 
 
