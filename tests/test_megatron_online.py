@@ -216,47 +216,36 @@ def test_deltas_replay_on_another_number_of_data_parallel_ranks(tmp_path):
     same_checkpoint(f"{d}/one/ref", f"{d}/two/out", "distributed optimizer, DP=1 -> 2")
 
 
-def test_expert_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
+       "--moe-token-dispatcher-type", "alltoall", "--bf16", "--global-batch-size", "8",
+       "--use-distributed-optimizer", "--adacheck"]
+
+
+@pytest.mark.parametrize("world,extra", [
+    (4, []),
+    # expert tensor parallelism 2 (Megatron-LM's default: = TP), which MoE runs only with
+    # sequence parallelism; a rank's TP and expert-TP ranks come from two separate grids
+    (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+], ids=["ep2", "tp2-ep2-etp2"])
+def test_expert_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path, world, extra):
     """MoE with 4 experts at expert parallelism 2 and the distributed optimizer (bf16): recorded
-    on 4 ranks (dense data parallelism 4, expert data parallelism 2), the deltas replay on 2
-    (2 and 1). The dense shards come from the saving ranks of every expert-parallel rank, the
-    expert shards from those of the same expert-parallel rank: the checkpoint saved after the
-    recovery equals the one of an uninterrupted 4-rank run at iteration 6."""
+    on ``world`` ranks (dense data parallelism 4, expert data parallelism 2), the deltas replay
+    on half as many (2 and 1). The dense shards come from the saving ranks of every
+    expert-parallel rank at this rank's TP rank, the expert shards from those at its expert
+    and expert-TP ranks: the checkpoint saved after the recovery equals the one of an
+    uninterrupted run at iteration 6."""
     d = str(tmp_path)
-    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--disable-bias-linear",
-           "--moe-token-dispatcher-type", "alltoall", "--bf16", "--global-batch-size", "8",
-           "--use-distributed-optimizer", "--adacheck"]
+    moe = MOE + extra
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
-    check(launch(4, {"runs": [
+    check(launch(world, {"runs": [
         {"argv": moe + on, "actions": [["online"], ["train", 6], ["online", False]]},
         {"argv": moe, "actions": [["train", 6], ["save", f"{d}/ref"]]},
     ]}, d, script="megatron_worker.py"))
-    check(launch(2, {"runs": [{"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/two/out"]]}]},
-                 f"{d}/two", script="megatron_worker.py"))
-    assert results(f"{d}/two")[0]["loaded"] == [6]
-    same_checkpoint(f"{d}/ref", f"{d}/two/out", "MoE EP=2, distributed optimizer, DP=4 -> 2")
-
-
-def test_expert_tensor_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path):
-    """MoE at tensor parallelism 2 and expert parallelism 2 (expert tensor parallelism 2, as
-    Megatron-LM defaults it) with the distributed optimizer (bf16): recorded on 8 ranks (dense
-    data parallelism 4, expert 2), replayed on 4 (2 and 1). The expert grid is laid out apart
-    from the dense one, so the expert shards come from the saving ranks at this rank's expert
-    and expert-tensor-parallel ranks: the checkpoint saved after the recovery equals an
-    uninterrupted 8-rank run's at iteration 6."""
-    d = str(tmp_path)
-    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-           "--disable-bias-linear", "--moe-token-dispatcher-type", "alltoall", "--sequence-parallel", "--bf16",
-           "--global-batch-size", "8", "--use-distributed-optimizer", "--adacheck"]
-    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
-    check(launch(8, {"runs": [
-        {"argv": moe + on, "actions": [["online"], ["train", 6], ["online", False]]},
-        {"argv": moe, "actions": [["train", 6], ["save", f"{d}/ref"]]},
-    ]}, d, script="megatron_worker.py"))
-    check(launch(4, {"runs": [{"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/four/out"]]}]},
-                 f"{d}/four", script="megatron_worker.py"))
-    assert results(f"{d}/four")[0]["loaded"] == [6]
-    same_checkpoint(f"{d}/ref", f"{d}/four/out", "MoE TP=2 EP=2 ETP=2, distributed optimizer, DP=4 -> 2")
+    check(launch(world // 2, {"runs": [{"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"],
+                                                                ["save", f"{d}/half/out"]]}]},
+                 f"{d}/half", script="megatron_worker.py"))
+    assert results(f"{d}/half")[0]["loaded"] == [6]
+    same_checkpoint(f"{d}/ref", f"{d}/half/out", f"MoE {' '.join(extra)} EP=2, distributed optimizer, DP=4 -> 2")
 
 
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
