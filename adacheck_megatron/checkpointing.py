@@ -427,20 +427,20 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if load_optim and opt_param_scheduler is not None:
         from . import online
         saved = manifest.layout.get("ranks", [])
+        topo = topology()
         replicated = objects.get("distributed_optimizer") is None and not S.distributed_optimizers(optimizer)
-        same = _same_layout(saved, topology(), comm.world_size)
+        same = _same_layout(saved, topo, comm.world_size)
         # distributed optimizer on another data-parallel size: shards rebuilt from the base (with
         # expert parallelism: from bases that say which shards are experts' and, with expert
         # tensor parallelism, each saving rank's expert-TP rank)
         maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
-        topo = topology()
         shards = (not replicated and not same and _only_dp_differs(saved, topo) and all(m is not None for m in maps)
                   and (topo["ep"] == 1 or (all("expert" in v for m in maps for v in m.values())
                                            and (topo["etp"] == 1 or all("etp_rank" in s for s in saved)))))
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
                                    latest=read_latest(load_dir) == manifest.tag and until is None,
                                    same_layout=same, iteration=iteration, until=until,
-                                   record_rank=replay_rank(saved, topology(), replicated), shards=shards,
+                                   record_rank=replay_rank(saved, topo, replicated), shards=shards,
                                    verify=cfg.verify_on_load)
     elif until is not None and until != iteration:
         raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
