@@ -20,17 +20,17 @@ Printed (and written as JSON to ``--json``):
                      slowest rank, in ms and as a share of the step without online deltas: what
                      the writer takes from training when no core is idle (as here)
   replay/step        replay time per delta / training time per step
+  exact              the recovered engine equals the online engine bit for bit (every
+                     module weight, master weight and optimizer tensor); with --compact
+                     (lossy bf16 gradients): the recovered engine's largest distance from
+                     the online engine, and whether it equals the deviation the online
+                     engine measured while recording (its shadow of the optimizer state)
 
 and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
 added up (the ranks wait for each other at each collective, so one rank's writer delays all),
 and how much more CPU time per step the host spent in each /proc/stat category during online
 blocks than during plain ones (system: kernel work of the ranks' threads; irq+softirq: e.g.
 I/O completions; steal: the hypervisor's; idle+iowait: cores waiting)
-  exact              the recovered engine equals the online engine bit for bit (every
-                     module weight, master weight and optimizer tensor); with --compact
-                     (lossy bf16 gradients): the recovered engine's largest distance from
-                     the online engine, and whether it equals the deviation the online
-                     engine measured while recording (its shadow of the optimizer state)
 
     .venv/bin/python scripts/bench_online.py
     .venv/bin/python scripts/bench_online.py --stages 2 --dtypes bf16 --steps 6
