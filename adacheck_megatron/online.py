@@ -65,9 +65,32 @@ def make_tap(optimizer) -> OptimizerTap:
     return OptimizerTap([o.optimizer for o in S.parts(optimizer)], prefix=prefix)
 
 
+def _replica_share(tap: OptimizerTap, comm) -> Optional[set]:
+    """The gradients this rank writes when every data-parallel rank steps the same (not
+    distributed) optimizer: the ranks holding the same replicas under the same names split them
+    by the balanced plan, so each is stored once per replica group.  Such a group is the ranks at
+    the same tensor / pipeline / context-parallel ranks (one dense data-parallel group) and the
+    same expert / expert-tensor-parallel ranks (the dense group spans expert-parallel ranks,
+    whose experts differ; tap keys name the expert-parallel rank, so dense gradients are stored
+    once per expert-parallel rank).  A recovery finds a gradient by its name in any rank's record,
+    so where one name means different tensors on different ranks (expert-TP rank not given by
+    the TP rank, which the names carry), every rank writes all of its own (None)."""
+    from .checkpointing import topology
+    coords = [(t["tp_rank"], t["pp_rank"], t["cp_rank"], t["ep_rank"], t["etp_rank"])
+              for t in comm.all_gather_object(topology())]
+    etp_of = {}
+    for tp, pp, _, ep, etp in coords:
+        if etp_of.setdefault((tp, pp, ep), etp) != etp:
+            return None
+    group = [r for r, c in enumerate(coords) if c == coords[comm.rank]]
+    items = [(t.numel() * 4, k, list(range(len(group)))) for k, t in sorted(tap.tensors.items())]
+    writers, _ = place(items, len(group))
+    me = group.index(comm.rank)
+    return {k for k, w in writers.items() if w[0] == me}
+
+
 class OnlineMegatron:
     def __init__(self, model, optimizer, opt_param_scheduler, args, config):
-        from megatron.core import parallel_state as ps
         from .checkpointing import _comm
         if not (config.save_dir or getattr(args, "save", None)):
             raise ConfigError("--adacheck-online needs --adacheck-dir or --save: deltas are written after "
@@ -84,12 +107,7 @@ class OnlineMegatron:
         self.increment = int(args.global_batch_size)
         self.iteration = 0
         self.tap = make_tap(optimizer)
-        mine = None
-        if len(S.parts(optimizer)) == 1 and not _distributed(optimizer):
-            dp, me = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
-            writers, _ = place(items, dp)
-            mine = {k for k, w in writers.items() if w[0] == me}
+        mine = None if _distributed(optimizer) else _replica_share(self.tap, _comm())
         self.recorder = O.OnlineRecorder(self.tap, config.online, self.save_dir, _comm, self._take_base,
                                          fsync=config.fsync, mine=mine, rank_state=rank_state)
         self._ok = True
