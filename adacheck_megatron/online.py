@@ -75,13 +75,13 @@ def _replica_share(tap: OptimizerTap, comm) -> Optional[set]:
     once per expert-parallel rank).  A recovery finds a gradient by its name in any rank's record,
     so where one name means different tensors on different ranks (expert-TP rank not given by
     the TP rank, which the names carry), every rank writes all of its own (None)."""
-    from .checkpointing import topology
-    coords = [(t["tp_rank"], t["pp_rank"], t["cp_rank"], t["ep_rank"], t["etp_rank"])
-              for t in comm.all_gather_object(topology())]
+    from .checkpointing import _COORDS, topology
+    topos = comm.all_gather_object(topology())
     etp_of = {}
-    for tp, pp, _, ep, etp in coords:
-        if etp_of.setdefault((tp, pp, ep), etp) != etp:
+    for t in topos:     # ranks whose gradient names are alike must hold the same expert shards
+        if etp_of.setdefault((t["tp_rank"], t["pp_rank"], t["ep_rank"]), t["etp_rank"]) != t["etp_rank"]:
             return None
+    coords = [tuple(t[c] for c in _COORDS) for t in topos]
     group = [r for r, c in enumerate(coords) if c == coords[comm.rank]]
     items = [(t.numel() * 4, k, list(range(len(group)))) for k, t in sorted(tap.tensors.items())]
     writers, _ = place(items, len(group))
