@@ -279,6 +279,29 @@ def test_replicated_moe_gradients_are_stored_once_per_replica_group(tmp_path):
     same_checkpoint(f"{d}/ref", f"{d}/half/out", "MoE EP=2, replicated optimizer, DP=4 -> 2")
 
 
+def test_replicated_moe_gradients_named_alike_on_other_expert_tp_ranks_are_not_split(tmp_path):
+    """MoE at TP=1 with expert tensor parallelism 2, without the distributed optimizer, on 4
+    ranks (expert data parallelism 2): the two expert-TP halves of an expert carry one gradient
+    name (names give the TP rank, not the expert-TP rank), so a recovery could not tell them
+    apart in another rank's record: every rank writes all of its own gradients (not split over
+    the 2 ranks of each replica group), and recovery equals an uninterrupted run."""
+    from adacheck import deltas as D
+    d = str(tmp_path)
+    moe = ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear",
+           "--moe-token-dispatcher-type", "alltoall", "--bf16", "--global-batch-size", "8", "--adacheck"]
+    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
+    check(launch(4, {"runs": [
+        {"argv": moe + on, "actions": [["online"], ["train", 6], ["online", False]]},
+        {"argv": moe, "actions": [["train", 6], ["save", f"{d}/ref"]]},
+        {"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
+    ]}, d, script="megatron_worker.py"))
+    steps, _ = D.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
+    keys = [set(steps[-1].records[r]["tensors"]) for r in range(4)]
+    assert keys[0] == keys[1] == keys[2] == keys[3], [len(k) for k in keys]
+    assert results(d)[2]["loaded"] == [6]
+    same_checkpoint(f"{d}/ref", f"{d}/same/out", "MoE TP=1 ETP=2, replicated optimizer")
+
+
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
 
 
