@@ -248,31 +248,40 @@ def test_expert_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path, wo
     same_checkpoint(f"{d}/ref", f"{d}/half/out", f"MoE {' '.join(extra)} EP=2, distributed optimizer, DP=4 -> 2")
 
 
+def _record_and_recover_in_place(d, argv, what):
+    """On 4 ranks: 6 iterations recorded with online deltas into d/ck (bases every 3), an
+    uninterrupted run saved at iteration 6 (d/ref), and a new layout-equal job that recovers
+    from d/ck and saves (d/same/out), which must equal d/ref. Returns the committed delta steps
+    of base 4 (5 and 6)."""
+    from adacheck import deltas as D
+    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
+    check(launch(4, {"runs": [
+        {"argv": argv + on, "actions": [["online"], ["train", 6], ["online", False]]},
+        {"argv": argv, "actions": [["train", 6], ["save", f"{d}/ref"]]},
+        {"argv": argv, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
+    ]}, d, script="megatron_worker.py"))
+    assert results(d)[2]["loaded"] == [6]
+    same_checkpoint(f"{d}/ref", f"{d}/same/out", what)
+    steps, _ = D.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
+    assert [s.step for s in steps] == [5, 6]
+    return steps
+
+
 def test_replicated_moe_gradients_are_stored_once_per_replica_group(tmp_path):
     """MoE EP=2 without the distributed optimizer (bf16; a chained optimizer: dense + experts):
     every one of the 4 data-parallel ranks steps the same optimizer, so each replica group (the
     ranks at the same expert-parallel rank: 2 ranks) splits its gradients, and no gradient is
     in two ranks' records (each rank wrote all of its own before). The split deltas replay in the
     saving layout and on 2 ranks: both equal an uninterrupted run's checkpoint at iteration 6."""
-    from adacheck import deltas as D
     d = str(tmp_path)
     moe = [x for x in MOE if x != "--use-distributed-optimizer"]
-    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
-    check(launch(4, {"runs": [
-        {"argv": moe + on, "actions": [["online"], ["train", 6], ["online", False]]},
-        {"argv": moe, "actions": [["train", 6], ["save", f"{d}/ref"]]},
-        {"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
-    ]}, d, script="megatron_worker.py"))
-    steps, _ = D.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
-    assert [s.step for s in steps] == [5, 6]
+    steps = _record_and_recover_in_place(d, moe, "MoE EP=2, replicated optimizer, same layout")
     for st in steps:
         keys = [set(st.records[r]["tensors"]) for r in range(4)]
         assert all(keys), [len(k) for k in keys]
         assert sum(map(len, keys)) == len(set().union(*keys)), "a gradient stored by two ranks"
         # both expert-parallel ranks' dense and expert gradients are there
         assert {k.split(".")[2] for k in set().union(*keys)} == {"ep0", "ep1"}
-    assert results(d)[2]["loaded"] == [6]
-    same_checkpoint(f"{d}/ref", f"{d}/same/out", "MoE EP=2, replicated optimizer, same layout")
     check(launch(2, {"runs": [{"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/half/out"]]}]},
                  f"{d}/half", script="megatron_worker.py"))
     assert results(f"{d}/half")[0]["loaded"] == [6]
@@ -285,21 +294,12 @@ def test_replicated_moe_gradients_named_alike_on_other_expert_tp_ranks_are_not_s
     name (names give the TP rank, not the expert-TP rank), so a recovery could not tell them
     apart in another rank's record: every rank writes all of its own gradients (not split over
     the 2 ranks of each replica group), and recovery equals an uninterrupted run."""
-    from adacheck import deltas as D
-    d = str(tmp_path)
     moe = ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear",
            "--moe-token-dispatcher-type", "alltoall", "--bf16", "--global-batch-size", "8", "--adacheck"]
-    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
-    check(launch(4, {"runs": [
-        {"argv": moe + on, "actions": [["online"], ["train", 6], ["online", False]]},
-        {"argv": moe, "actions": [["train", 6], ["save", f"{d}/ref"]]},
-        {"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
-    ]}, d, script="megatron_worker.py"))
-    steps, _ = D.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
-    keys = [set(steps[-1].records[r]["tensors"]) for r in range(4)]
-    assert keys[0] == keys[1] == keys[2] == keys[3], [len(k) for k in keys]
-    assert results(d)[2]["loaded"] == [6]
-    same_checkpoint(f"{d}/ref", f"{d}/same/out", "MoE TP=1 ETP=2, replicated optimizer")
+    steps = _record_and_recover_in_place(str(tmp_path), moe, "MoE TP=1 ETP=2, replicated optimizer")
+    for st in steps:
+        keys = [set(st.records[r]["tensors"]) for r in range(4)]
+        assert keys[0] == keys[1] == keys[2] == keys[3], [len(k) for k in keys]
 
 
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
