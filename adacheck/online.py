@@ -292,14 +292,14 @@ def replay_partitions(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[
 
 def _read_step(tap: OptimizerTap, ckpt_dir: str, st: D.Step, rank: int, verify: bool, files: dict,
                shadow: Optional[Shadow] = None):
-    tree = D.read_extra(ckpt_dir, st, rank, verify=verify, files=files)
+    tree, stored = tap.current(D.read_extra(ckpt_dir, st, rank, verify=verify, files=files))
     if shadow is not None:
         # the calls of the optimizers whose tensors the shadow holds (a rebuild may take one of a
         # rank's optimizers: its dense and expert parameters belong to different replica groups)
         tree = dict(tree, calls=[c for c in tree["calls"] if any(k in shadow.tensors for g in c[1] for k in g[2])],
                     preclip={k: v for k, v in (tree.get("preclip") or {}).items() if k in shadow.tensors})
     keys = tap.grad_keys(tree["calls"], f"delta step {st.step}", shadow)
-    return tree, {k: D.read_grad(ckpt_dir, st, k, rank, verify, files) for k in keys}
+    return tree, {k: D.read_grad(ckpt_dir, st, stored.get(k, k), rank, verify, files) for k in keys}
 
 
 def _apply_step(tap: OptimizerTap, st: D.Step, tree: dict, grads: dict, preclip, shadow: Optional[Shadow] = None):

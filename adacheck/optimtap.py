@@ -10,7 +10,9 @@ result, bit for bit) is the optimizer's own.
 
 Tensors get stable keys ``<prefix>o<optimizer>.g<group>.p<index>`` from the param groups at
 start-up, and ``<prefix>o<optimizer>.x<index>`` for ``extra`` tensors that a wrapper puts
-into a group only while stepping (DeepSpeed ZeRO-3's fp32 sub-group flats).
+into a group only while stepping (DeepSpeed ZeRO-3's fp32 sub-group flats).  The prefix may
+differ per optimizer; ``aliases`` gives, per optimizer, the prefix an earlier version named its
+tensors with, so that records written then still replay (:meth:`OptimizerTap.current`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import copy
 import math
 import time
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -26,19 +28,25 @@ from .errors import StateError
 
 
 class OptimizerTap:
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], prefix: str = "",
-                 extra: Optional[Sequence[Sequence[torch.Tensor]]] = None):
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], prefix: Union[str, Sequence[str]] = "",
+                 extra: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+                 aliases: Optional[Sequence[Optional[str]]] = None):
         self.optimizers = list(optimizers)
+        prefixes = [prefix] * len(self.optimizers) if isinstance(prefix, str) else list(prefix)
+        olds = list(aliases) if aliases is not None else [None] * len(self.optimizers)
+        if len(prefixes) != len(self.optimizers) or len(olds) != len(self.optimizers):
+            raise ValueError("one prefix (and alias) per optimizer")
         self.tensors: Dict[str, torch.Tensor] = {}
+        self.aliases: Dict[str, str] = {}     # a key of an earlier version's records -> the key now
         self._key_of: Dict[int, str] = {}
         self.reindex()
         for oi, groups in enumerate(self._groups):
             for gi, g in enumerate(groups):
                 for j, p in enumerate(g["params"]):
-                    self._name(p, f"{prefix}o{oi}.g{gi}.p{j}")
+                    self._name(p, prefixes[oi], olds[oi], f"o{oi}.g{gi}.p{j}")
         for oi, ts in enumerate(extra or []):
             for k, t in enumerate(ts):
-                self._name(t, f"{prefix}o{oi}.x{k}")
+                self._name(t, prefixes[oi], olds[oi], f"o{oi}.x{k}")
         self.calls: List[list] = []
         self.replaying = False
         self.on_grad: Optional[Callable[[str, torch.Tensor], None]] = None   # called with each gradient
@@ -50,9 +58,34 @@ class OptimizerTap:
             self._handles.append(opt.register_step_pre_hook(self._pre_hook(oi)))
             self._handles.append(opt.register_step_post_hook(self._post_hook))
 
-    def _name(self, t: torch.Tensor, key: str) -> None:
+    def _name(self, t: torch.Tensor, prefix: str, old: Optional[str], rest: str) -> None:
+        key = prefix + rest
         self._key_of.setdefault(id(t), key)
         self.tensors.setdefault(key, t)
+        if old is not None and old != prefix:
+            self.aliases[old + rest] = key
+
+    def key_of(self, t: torch.Tensor) -> Optional[str]:
+        return self._key_of.get(id(t))
+
+    def current(self, tree: dict) -> Tuple[dict, Dict[str, str]]:
+        """A recorded step (``calls``, ``preclip``) with this tap's keys where an earlier version
+        recorded it under an alias, and for each key so renamed, the name its gradient is stored
+        under."""
+        if not self.aliases:
+            return tree, {}
+        stored: Dict[str, str] = {}
+
+        def name(k: str) -> str:
+            new = self.aliases.get(k)
+            if new is None:
+                return k
+            stored[new] = k
+            return new
+        calls = [[oi, [[gi, hyper, [name(k) for k in keys], [name(k) for k in with_grad]]
+                       for gi, hyper, keys, with_grad in groups]] for oi, groups in tree["calls"]]
+        preclip = {name(k): v for k, v in (tree.get("preclip") or {}).items()}
+        return dict(tree, calls=calls, preclip=preclip), stored
 
     def reindex(self) -> None:
         """Know the param-group dicts again (``Optimizer.load_state_dict`` replaces them)."""

@@ -9,10 +9,10 @@ base checkpoint.  The hook runs before the training loop advances the LR schedul
 delta records the scheduler *before* the step plus the increment the loop applies after a
 successful step; replay applies it with the scheduler's own ``step``.
 
-Gradients that every data-parallel rank holds identically (no distributed optimizer, one
-optimizer) are stored once per data-parallel group, by a balanced choice of ranks; with the
-distributed optimizer each rank stores its own shard.  Keys carry the model-parallel
-coordinates, so equal keys mean the same tensor.
+Gradients that data-parallel ranks hold identically (no distributed optimizer) are stored
+once per replica group, by a balanced choice of ranks (``_replica_share``); with the
+distributed optimizer each rank stores its own shard.  Keys carry the coordinates of the ranks
+that hold the same tensor (``make_tap``), so equal keys mean the same tensor.
 
 Bases: every ``--adacheck-online-base-interval`` iterations (taken inside the hook: the
 scheduler is advanced for the save and put back, so the base holds exactly the state the
@@ -24,6 +24,8 @@ saving ranks' shards that overlap its own and steps them: ``_replay_shards``).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -56,37 +58,65 @@ def _distributed(optimizer) -> bool:
     return any(isinstance(o, DistributedOptimizer) for o in S.parts(optimizer))
 
 
+def _kind(part) -> Optional[str]:
+    """"dense" or "expert" when every param group of one of Megatron's optimizers says so
+    (megatron-core marks each group ``is_expert_parallel``), else None."""
+    flags = {g.get("is_expert_parallel") for g in part.optimizer.param_groups}
+    return {frozenset([False]): "dense", frozenset([True]): "expert"}.get(frozenset(flags))
+
+
 def make_tap(optimizer) -> OptimizerTap:
+    """Keys name the ranks that hold the same gradient.  Distributed optimizer: this rank's own
+    shards (``tp.pp.ep.dp``).  Otherwise the gradients are what Megatron's DDP all-reduced:
+    those of the dense optimizer over the data-parallel group (every rank at the same TP / PP
+    ranks, over all expert-parallel ranks: ``tp.pp``), those of the expert optimizer over the
+    expert data-parallel group (the same PP / expert / expert-TP ranks: ``pp.ep.etp``; the
+    expert grid is laid out apart from the dense one).  An optimizer that is neither, and every
+    one in records of versions before this naming, uses ``tp.pp.ep`` (kept as the alias that
+    reads those records)."""
     from megatron.core import parallel_state as ps
-    prefix = (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}."
-              f"ep{ps.get_expert_model_parallel_rank()}.")
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    ep, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+    old = f"tp{tp}.pp{pp}.ep{ep}."
+    parts = S.parts(optimizer)
     if _distributed(optimizer):
-        prefix += f"dp{ps.get_data_parallel_rank()}."
-    return OptimizerTap([o.optimizer for o in S.parts(optimizer)], prefix=prefix)
+        return OptimizerTap([o.optimizer for o in parts], prefix=old + f"dp{ps.get_data_parallel_rank()}.")
+    names = {"dense": f"tp{tp}.pp{pp}.", "expert": f"pp{pp}.ep{ep}.etp{etp}."}
+    return OptimizerTap([o.optimizer for o in parts], prefix=[names.get(_kind(o), old) for o in parts],
+                        aliases=[old] * len(parts))
 
 
-def _replica_share(tap: OptimizerTap, comm) -> Optional[set]:
+def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
     """The gradients this rank writes when every data-parallel rank steps the same (not
-    distributed) optimizer: the ranks holding the same replicas under the same names split them
-    by the balanced plan, so each is stored once per replica group.  Such a group is the ranks at
-    the same tensor / pipeline / context-parallel ranks (one dense data-parallel group) and the
-    same expert / expert-tensor-parallel ranks (the dense group spans expert-parallel ranks,
-    whose experts differ; tap keys name the expert-parallel rank, so dense gradients are stored
-    once per expert-parallel rank).  A recovery finds a gradient by its name in any rank's record,
-    so where one name means different tensors on different ranks (expert-TP rank not given by
-    the TP rank, which the names carry), every rank writes all of its own (None)."""
-    from .checkpointing import _COORDS, topology
-    topos = comm.all_gather_object(topology())
-    etp_of = {}
-    for t in topos:     # ranks whose gradient names are alike must hold the same expert shards
-        if etp_of.setdefault((t["tp_rank"], t["pp_rank"], t["ep_rank"]), t["etp_rank"]) != t["etp_rank"]:
-            return None
-    coords = [tuple(t[c] for c in _COORDS) for t in topos]
-    group = [r for r, c in enumerate(coords) if c == coords[comm.rank]]
-    items = [(t.numel() * 4, k, list(range(len(group)))) for k, t in sorted(tap.tensors.items())]
-    writers, _ = place(items, len(group))
-    me = group.index(comm.rank)
-    return {k for k, w in writers.items() if w[0] == me}
+    distributed) optimizer: the ranks holding the same gradients under the same names
+    (``make_tap``) split them by the balanced plan, so each is stored once per replica group:
+    for dense gradients the ranks at the same tensor / pipeline / context-parallel ranks, for
+    expert ones those at the same pipeline / expert / expert-TP ranks.  A group also needs the
+    same names and sizes (checked: a digest per kind).  An optimizer that is neither kind (its
+    param groups not marked) is not split: each rank writes all of its gradients."""
+    from .checkpointing import topology
+    kinds = {}
+    for o in S.parts(optimizer):
+        kind = _kind(o)
+        for g in o.optimizer.param_groups:
+            for p in g["params"]:
+                kinds[tap.key_of(p)] = kind
+    keys = defaultdict(list)
+    for k in sorted(tap.tensors):
+        keys[kinds.get(k)].append(k)
+    digest = {kind: hashlib.sha256(json.dumps([[k, tap.tensors[k].numel()] for k in ks]).encode()).hexdigest()
+              for kind, ks in keys.items() if kind is not None}
+    alls = comm.all_gather_object([topology(), digest])
+    me, mine = comm.rank, set(keys.pop(None, []))
+    for kind, ks in keys.items():
+        coords = _DENSE_COORDS if kind == "dense" else _EXPERT_COORDS
+        at = [tuple(t[c] for c in coords) for t, _ in alls]
+        group = [r for r, (_, d) in enumerate(alls) if at[r] == at[me] and d.get(kind) == digest[kind]]
+        if kind == "expert":    # (place() breaks ties towards a group's first rank: start at the other end)
+            group.reverse()
+        writers, _ = place([(tap.tensors[k].numel() * 4, k, list(range(len(group)))) for k in ks], len(group))
+        mine |= {k for k, w in writers.items() if group[w[0]] == me}
+    return mine
 
 
 class OnlineMegatron:
@@ -107,7 +137,7 @@ class OnlineMegatron:
         self.increment = int(args.global_batch_size)
         self.iteration = 0
         self.tap = make_tap(optimizer)
-        mine = None if _distributed(optimizer) else _replica_share(self.tap, _comm())
+        mine = None if _distributed(optimizer) else _replica_share(self.tap, optimizer, _comm())
         self.recorder = O.OnlineRecorder(self.tap, config.online, self.save_dir, _comm, self._take_base,
                                          fsync=config.fsync, mine=mine, rank_state=rank_state)
         self._ok = True

@@ -4,7 +4,7 @@ spec = {"runs": [{"argv": [pretrain_gpt.py flags], "actions": [["train", 2], ["s
 Every run builds its own layout (parallel state, GPTModel, DDP, optimizer, scheduler) with
 scripts/pretrain_gpt.py's own functions in the same process group, then tears the parallel
 state down, so several layouts share one launch. Actions:
-  train N | train_to N | train_dump N PREFIX [MARKER] | online [false] | dump NAME | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
+  train N | train_to N | train_dump N PREFIX [MARKER] | online [false] | online_legacy | dump NAME | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json: per run, the losses (from the last pipeline stage),
 the iterations loaded and errors caught by expect_error.
 """
@@ -68,6 +68,21 @@ def run_one(run, out):
                 online.active().close()
             else:
                 online.attach(model, optimizer, scheduler, args, args.adacheck_config)
+        elif kind == "online_legacy":   # start it recording as versions before per-kind gradient
+            # names did (not distributed optimizer): every key tp<t>.pp<p>.ep<e>., every rank
+            # writing all of its own gradients
+            from megatron.core import parallel_state as ps
+            from adacheck.optimtap import OptimizerTap
+            from adacheck_megatron import online, state
+            prefix = (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}."
+                      f"ep{ps.get_expert_model_parallel_rank()}.")
+            saved = online.make_tap, online._replica_share
+            online.make_tap = lambda opt: OptimizerTap([o.optimizer for o in state.parts(opt)], prefix=prefix)
+            online._replica_share = lambda tap, opt, comm: set(tap.tensors)
+            try:
+                online.attach(model, optimizer, scheduler, args, args.adacheck_config)
+            finally:
+                online.make_tap, online._replica_share = saved
         elif kind == "dump":     # this rank's weights, main weights, optimizer state and LR
             t = {}
             for i, chunk in enumerate(model):

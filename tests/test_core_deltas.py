@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adacheck import deltas as D
-from adacheck.errors import IntegrityError
+from adacheck.errors import IntegrityError, StateError
 
 
 def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
@@ -246,3 +246,41 @@ def test_the_shadow_of_a_compact_chain_is_the_state_replay_reaches():
         exact.tensors[k].view(-1)[0] = float("inf")   # equal infinities are no distance
         break
     assert exact.deviation(tap) == {"weights": 0.0, "state": 0.0}
+
+
+def test_records_of_an_earlier_naming_replay_through_aliases():
+    """A tap whose optimizers are named by per-optimizer prefixes reads a record made under
+    the prefixes an earlier version used (``aliases``): the calls and pre-clip entries get
+    today's keys, each renamed gradient is read under its stored name, and replaying them is
+    the same step as replaying a record made today."""
+    from adacheck.optimtap import OptimizerTap
+    torch.manual_seed(0)
+
+    def make():
+        a = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2))]
+        b = [torch.nn.Parameter(torch.ones(3))]
+        return a + b, [torch.optim.AdamW(a, lr=1e-2), torch.optim.SGD(b, lr=0.5, momentum=0.9)]
+    ps, opts = make()
+    old = OptimizerTap(opts, prefix="tp0.ep1.")
+    grads = {}
+    for k, t in old.tensors.items():
+        t.grad = grads[k] = torch.randn(t.shape)
+    for o in opts:
+        o.step()
+    calls = old.take_calls()
+    old.remove()
+    assert {k for c in calls for g in c[1] for k in g[2]} == {"tp0.ep1.o0.g0.p0", "tp0.ep1.o0.g0.p1", "tp0.ep1.o1.g0.p0"}
+
+    ps2, opts2 = make()
+    tap = OptimizerTap(opts2, prefix=["tp0.", "ep1.etp0."], aliases=["tp0.ep1.", "tp0.ep1."])
+    assert set(tap.tensors) == {"tp0.o0.g0.p0", "tp0.o0.g0.p1", "ep1.etp0.o1.g0.p0"}
+    tree, stored = tap.current({"calls": calls, "preclip": {"tp0.ep1.o1.g0.p0": [1.0]}, "step": 3})
+    assert tree["step"] == 3 and set(tree["preclip"]) == {"ep1.etp0.o1.g0.p0"}
+    assert stored == {"tp0.o0.g0.p0": "tp0.ep1.o0.g0.p0", "tp0.o0.g0.p1": "tp0.ep1.o0.g0.p1",
+                      "ep1.etp0.o1.g0.p0": "tp0.ep1.o1.g0.p0"}
+    keys = tap.grad_keys(tree["calls"], "the record")
+    tap.replay(tree["calls"], {k: grads[stored[k]] for k in keys})
+    assert all(torch.equal(a, b) for a, b in zip(ps, ps2))
+    assert tap.current({"calls": tree["calls"]})[1] == {}      # today's names are left as they are
+    with pytest.raises(StateError):       # without the aliases the old record names unknown tensors
+        OptimizerTap(make()[1], prefix=["tp0.", "ep1.etp0."]).grad_keys(calls, "the record")

@@ -1,6 +1,7 @@
 """Online gradient deltas with real megatron-core (CPU, gloo, 2 processes): recovery
 replays the committed deltas to exactly the state of the uninterrupted run."""
 import json
+import math
 import os
 import random
 import re
@@ -12,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from adacheck.types import torch_dtype
 from launch import ROOT, check, free_port, kill_at_marker, launch
 from megatron_worker import BASE
 
@@ -248,58 +250,98 @@ def test_expert_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path, wo
     same_checkpoint(f"{d}/ref", f"{d}/half/out", f"MoE {' '.join(extra)} EP=2, distributed optimizer, DP=4 -> 2")
 
 
-def _record_and_recover_in_place(d, argv, what):
-    """On 4 ranks: 6 iterations recorded with online deltas into d/ck (bases every 3), an
-    uninterrupted run saved at iteration 6 (d/ref), and a new layout-equal job that recovers
-    from d/ck and saves (d/same/out), which must equal d/ref. Returns the committed delta steps
-    of base 4 (5 and 6)."""
+def _record_and_recover(d, argv, what, start="online", half=True):
+    """On 4 ranks: 6 iterations recorded with online deltas into d/ck (bases every 3; ``start``:
+    the worker action that starts the online mode), an uninterrupted run saved at iteration 6
+    (d/ref), and a new layout-equal job that recovers from d/ck and saves (d/same/out); then
+    (``half``) a 2-rank job that recovers from d/ck and saves (d/half/out). Both must equal
+    d/ref. Returns the committed delta steps of base 4 (5 and 6)."""
     from adacheck import deltas as D
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
     check(launch(4, {"runs": [
-        {"argv": argv + on, "actions": [["online"], ["train", 6], ["online", False]]},
+        {"argv": argv + on, "actions": [[start], ["train", 6], ["online", False]]},
         {"argv": argv, "actions": [["train", 6], ["save", f"{d}/ref"]]},
         {"argv": argv, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
     ]}, d, script="megatron_worker.py"))
     assert results(d)[2]["loaded"] == [6]
-    same_checkpoint(f"{d}/ref", f"{d}/same/out", what)
+    same_checkpoint(f"{d}/ref", f"{d}/same/out", what + ", same layout")
     steps, _ = D.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
     assert [s.step for s in steps] == [5, 6]
+    if not half:
+        return steps
+    check(launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/half/out"]]}]},
+                 f"{d}/half", script="megatron_worker.py"))
+    assert results(f"{d}/half")[0]["loaded"] == [6]
+    same_checkpoint(f"{d}/ref", f"{d}/half/out", what + ", DP=4 -> 2")
     return steps
 
 
-def test_replicated_moe_gradients_are_stored_once_per_replica_group(tmp_path):
-    """MoE EP=2 without the distributed optimizer (bf16; a chained optimizer: dense + experts):
-    every one of the 4 data-parallel ranks steps the same optimizer, so each replica group (the
-    ranks at the same expert-parallel rank: 2 ranks) splits its gradients, and no gradient is
-    in two ranks' records (each rank wrote all of its own before). The split deltas replay in the
-    saving layout and on 2 ranks: both equal an uninterrupted run's checkpoint at iteration 6."""
-    d = str(tmp_path)
-    moe = [x for x in MOE if x != "--use-distributed-optimizer"]
-    steps = _record_and_recover_in_place(d, moe, "MoE EP=2, replicated optimizer, same layout")
+def _stored_once(steps):
+    """Each step's gradient names per rank; asserts that no gradient is in two ranks' records."""
+    out = []
     for st in steps:
-        keys = [set(st.records[r]["tensors"]) for r in range(4)]
+        keys = [set(st.records[r]["tensors"]) for r in sorted(st.records)]
         assert all(keys), [len(k) for k in keys]
         assert sum(map(len, keys)) == len(set().union(*keys)), "a gradient stored by two ranks"
-        # both expert-parallel ranks' dense and expert gradients are there
-        assert {k.split(".")[2] for k in set().union(*keys)} == {"ep0", "ep1"}
-    check(launch(2, {"runs": [{"argv": moe, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/half/out"]]}]},
-                 f"{d}/half", script="megatron_worker.py"))
-    assert results(f"{d}/half")[0]["loaded"] == [6]
-    same_checkpoint(f"{d}/ref", f"{d}/half/out", "MoE EP=2, replicated optimizer, DP=4 -> 2")
+        out.append(keys)
+    return out
 
 
-def test_replicated_moe_gradients_named_alike_on_other_expert_tp_ranks_are_not_split(tmp_path):
-    """MoE at TP=1 with expert tensor parallelism 2, without the distributed optimizer, on 4
-    ranks (expert data parallelism 2): the two expert-TP halves of an expert carry one gradient
-    name (names give the TP rank, not the expert-TP rank), so a recovery could not tell them
-    apart in another rank's record: every rank writes all of its own gradients (not split over
-    the 2 ranks of each replica group), and recovery equals an uninterrupted run."""
-    moe = ["--num-experts", "4", "--expert-tensor-parallel-size", "2", "--disable-bias-linear",
-           "--moe-token-dispatcher-type", "alltoall", "--bf16", "--global-batch-size", "8", "--adacheck"]
-    steps = _record_and_recover_in_place(str(tmp_path), moe, "MoE TP=1 ETP=2, replicated optimizer")
+REPLICATED_MOE = [x for x in MOE if x != "--use-distributed-optimizer"]
+
+
+def test_replicated_moe_gradients_are_stored_once(tmp_path):
+    """MoE EP=2 without the distributed optimizer (bf16; a chained optimizer: dense + experts):
+    every one of the 4 data-parallel ranks steps the same optimizer. Dense gradients are named
+    without the expert-parallel rank (all 4 ranks hold them) and split over the 4 ranks, expert
+    ones carry their expert-parallel rank and are split over the 2 ranks that hold them: no
+    gradient is in two ranks' records (each rank wrote all of its own until 538ff11, then dense
+    ones were stored once per expert-parallel rank). The deltas replay in the saving layout and
+    on 2 ranks: both equal an uninterrupted run's checkpoint at iteration 6."""
+    steps = _record_and_recover(str(tmp_path), REPLICATED_MOE, "MoE EP=2, replicated optimizer")
+    for keys, st in zip(_stored_once(steps), steps):
+        names = set().union(*keys)
+        dense = {k for k in names if k.startswith("tp0.pp0.o")}
+        expert = names - dense
+        assert dense and {k.split(".")[1] for k in expert} == {"ep0", "ep1"}, sorted(names)
+        assert all(k.startswith("pp0.ep") and ".etp0.o" in k for k in expert), sorted(expert)
+        # every rank writes some of the dense gradients (split over all 4, not per EP rank)
+        assert all(k & dense for k in keys), [len(k & dense) for k in keys]
+        stored = sum(math.prod(m["shape"]) * torch_dtype(m["stored"]).itemsize
+                     for r in range(4) for m in st.records[r]["tensors"].values())
+        print(f"step {st.step}: {len(names)} gradients ({len(dense)} dense), {stored} bytes")
+
+
+def test_replicated_moe_expert_gradients_are_named_by_the_expert_grid(tmp_path):
+    """MoE at TP=1, EP=2, expert TP=2, without the distributed optimizer, on 4 ranks (expert
+    data parallelism 1): every rank holds other expert halves, and all 4 hold the dense
+    parameters, which DDP all-reduces over them. Expert gradient names give the expert grid's
+    coordinates (pp.ep.etp): ranks 0 and 1 have the same TP and EP ranks but different expert
+    halves, which names carrying tp, pp and ep could not tell apart, so every rank had to write
+    all of its gradients, dense ones included. Now each dense gradient is stored once (by one of
+    the 4) and each expert half by its rank; recovery equals an uninterrupted run."""
+    moe = [x for x in REPLICATED_MOE] + ["--expert-tensor-parallel-size", "2"]
+    steps = _record_and_recover(str(tmp_path), moe, "MoE TP=1 EP=2 ETP=2, replicated optimizer", half=False)
+    for keys in _stored_once(steps):
+        names = set().union(*keys)
+        expert = {k for k in names if k.startswith("pp0.")}
+        assert {tuple(k.split(".")[1:3]) for k in expert} == {(e, x) for e in ("ep0", "ep1") for x in ("etp0", "etp1")}
+        assert {k.split(".")[0] for k in names - expert} == {"tp0"}, sorted(names - expert)
+        assert all(k - expert for k in keys), "the dense gradients are split over all 4 ranks"
+
+
+def test_replicated_moe_deltas_recorded_under_the_old_names_still_replay(tmp_path):
+    """Deltas recorded as versions before per-kind gradient names did (every name
+    tp<t>.pp<p>.ep<e>., every rank writing all of its own; MoE EP=2, no distributed optimizer)
+    replay with this version's names through their aliases, in the saving layout and on 2 ranks:
+    both equal an uninterrupted run's checkpoint at iteration 6."""
+    steps = _record_and_recover(str(tmp_path), REPLICATED_MOE, "MoE EP=2, old gradient names",
+                                start="online_legacy")
     for st in steps:
         keys = [set(st.records[r]["tensors"]) for r in range(4)]
-        assert keys[0] == keys[1] == keys[2] == keys[3], [len(k) for k in keys]
+        assert all(k.startswith("tp0.pp0.ep") for k in set().union(*keys))
+        # each rank wrote all of its own: the two ranks at an expert-parallel rank the same
+        assert len({frozenset(k) for k in keys}) == 2 and all(len({n.split(".")[2] for n in k}) == 1 for k in keys)
 
 
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
