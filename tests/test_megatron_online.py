@@ -250,16 +250,16 @@ def test_expert_parallel_deltas_replay_on_fewer_data_parallel_ranks(tmp_path, wo
     same_checkpoint(f"{d}/ref", f"{d}/half/out", f"MoE {' '.join(extra)} EP=2, distributed optimizer, DP=4 -> 2")
 
 
-def _record_and_recover(d, argv, what, start="online", half=True):
-    """On 4 ranks: 6 iterations recorded with online deltas into d/ck (bases every 3; ``start``:
-    the worker action that starts the online mode), an uninterrupted run saved at iteration 6
-    (d/ref), and a new layout-equal job that recovers from d/ck and saves (d/same/out); then
-    (``half``) a 2-rank job that recovers from d/ck and saves (d/half/out). Both must equal
-    d/ref. Returns the committed delta steps of base 4 (5 and 6)."""
+def _record_and_recover(d, argv, what, half=True):
+    """On 4 ranks: 6 iterations recorded with online deltas into d/ck (bases every 3), an
+    uninterrupted run saved at iteration 6 (d/ref), and a new layout-equal job that recovers
+    from d/ck and saves (d/same/out); then (``half``) a 2-rank job that recovers from d/ck and
+    saves (d/half/out). Both must equal d/ref. Returns the committed delta steps of base 4
+    (5 and 6)."""
     from adacheck import deltas as D
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
     check(launch(4, {"runs": [
-        {"argv": argv + on, "actions": [[start], ["train", 6], ["online", False]]},
+        {"argv": argv + on, "actions": [["online"], ["train", 6], ["online", False]]},
         {"argv": argv, "actions": [["train", 6], ["save", f"{d}/ref"]]},
         {"argv": argv, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
     ]}, d, script="megatron_worker.py"))
@@ -331,17 +331,37 @@ def test_replicated_moe_expert_gradients_are_named_by_the_expert_grid(tmp_path):
 
 
 def test_replicated_moe_deltas_recorded_under_the_old_names_still_replay(tmp_path):
-    """Deltas recorded as versions before per-kind gradient names did (every name
-    tp<t>.pp<p>.ep<e>., every rank writing all of its own; MoE EP=2, no distributed optimizer)
-    replay with this version's names through their aliases, in the saving layout and on 2 ranks:
-    both equal an uninterrupted run's checkpoint at iteration 6."""
-    steps = _record_and_recover(str(tmp_path), REPLICATED_MOE, "MoE EP=2, old gradient names",
-                                start="online_legacy")
-    for st in steps:
-        keys = [set(st.records[r]["tensors"]) for r in range(4)]
-        assert all(k.startswith("tp0.pp0.ep") for k in set().union(*keys))
-        # each rank wrote all of its own: the two ranks at an expert-parallel rank the same
-        assert len({frozenset(k) for k in keys}) == 2 and all(len({n.split(".")[2] for n in k}) == 1 for k in keys)
+    """A job records as versions before per-kind gradient names did (every name
+    tp<t>.pp<p>.ep<e>., every rank writing all of its own; MoE EP=2, no distributed
+    optimizer): base 5, delta 6. A job of this version recovers (replaying delta 6 through the
+    names' aliases) and trains on, appending deltas 7 and 8 under today's names to the same
+    chain, with the uninterrupted run's losses. That mixed chain recovers on 4 and on 2 ranks
+    to the uninterrupted run's checkpoint at iteration 8."""
+    from adacheck import deltas as D
+    d = str(tmp_path)
+    on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "4"]
+    check(launch(4, {"runs": [
+        {"argv": REPLICATED_MOE + on, "actions": [["online_legacy"], ["train", 6], ["online", False]]},
+        {"argv": REPLICATED_MOE, "actions": [["train", 8], ["save", f"{d}/ref"]]},
+        {"argv": REPLICATED_MOE + on, "actions": [["online"], ["scramble"], ["load", f"{d}/ck"], ["train", 2],
+                                                  ["online", False]]},
+        {"argv": REPLICATED_MOE, "actions": [["scramble"], ["load", f"{d}/ck"], ["save", f"{d}/same/out"]]},
+    ]}, d, script="megatron_worker.py"))
+    res = results(d)
+    assert res[2]["loaded"] == [6] and res[2]["losses"] == res[1]["losses"][6:] and res[3]["loaded"] == [8]
+    same_checkpoint(f"{d}/ref", f"{d}/same/out", "MoE EP=2, old and new gradient names, same layout")
+    steps, _ = D.committed_steps(f"{d}/ck/iter_0000005", 5, 4)
+    assert [s.step for s in steps] == [6, 7, 8]
+    old = [set(steps[0].records[r]["tensors"]) for r in range(4)]
+    assert all(k.startswith("tp0.pp0.ep") for k in set().union(*old))
+    # each rank wrote all of its own: the two ranks at an expert-parallel rank the same
+    assert len({frozenset(k) for k in old}) == 2 and all(len({n.split(".")[2] for n in k}) == 1 for k in old)
+    assert not any(k.startswith("tp0.pp0.ep") for k in set().union(*_stored_once(steps[1:])[0]))
+    check(launch(2, {"runs": [{"argv": REPLICATED_MOE, "actions": [["scramble"], ["load", f"{d}/ck"],
+                                                                   ["save", f"{d}/half/out"]]}]},
+                 f"{d}/half", script="megatron_worker.py"))
+    assert results(f"{d}/half")[0]["loaded"] == [8]
+    same_checkpoint(f"{d}/ref", f"{d}/half/out", "MoE EP=2, old and new gradient names, DP=4 -> 2")
 
 
 FP16 = ["--fp16", "--initial-loss-scale", "1048576", "--hysteresis", "1", "--loss-scale-window", "2"]
