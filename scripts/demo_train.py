@@ -75,6 +75,10 @@ def main():
             if rank == 0:
                 print(f"step {a.die_at}: simulating a crash (SIGKILL)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+    # leave the process group before exiting: gloo's worker threads still alive at interpreter
+    # shutdown can abort the exit ("terminate called without an active exception", SIGABRT)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
