@@ -94,7 +94,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
     expert ones those at the same pipeline / expert / expert-TP ranks.  A group also needs the
     same names and sizes (checked: a digest per kind).  An optimizer that is neither kind (its
     param groups not marked) is not split: each rank writes all of its gradients."""
-    from .checkpointing import topology
+    from .checkpointing import same_coords, topology
     kinds = {}
     for o in S.parts(optimizer):
         kind = _kind(o)
@@ -110,8 +110,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
     me, mine = comm.rank, set(keys.pop(None, []))
     for kind, ks in keys.items():
         coords = _DENSE_COORDS if kind == "dense" else _EXPERT_COORDS
-        at = [tuple(t[c] for c in coords) for t, _ in alls]
-        group = [r for r, (_, d) in enumerate(alls) if at[r] == at[me] and d.get(kind) == digest[kind]]
+        group = [r for r, (t, d) in enumerate(alls) if same_coords(t, alls[me][0], coords) and d.get(kind) == digest[kind]]
         if kind == "expert":    # (place() breaks ties towards a group's first rank: start at the other end)
             group.reverse()
         writers, _ = place([(tap.tensors[k].numel() * 4, k, list(range(len(group)))) for k in ks], len(group))

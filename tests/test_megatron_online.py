@@ -320,7 +320,7 @@ def test_replicated_moe_expert_gradients_are_named_by_the_expert_grid(tmp_path):
     halves, which names carrying tp, pp and ep could not tell apart, so every rank had to write
     all of its gradients, dense ones included. Now each dense gradient is stored once (by one of
     the 4) and each expert half by its rank; recovery equals an uninterrupted run."""
-    moe = [x for x in REPLICATED_MOE] + ["--expert-tensor-parallel-size", "2"]
+    moe = REPLICATED_MOE + ["--expert-tensor-parallel-size", "2"]
     steps = _record_and_recover(str(tmp_path), moe, "MoE TP=1 EP=2 ETP=2, replicated optimizer", half=False)
     for keys in _stored_once(steps):
         names = set().union(*keys)
