@@ -4,8 +4,10 @@
 Megatron's optimizer (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
 ``DistributedOptimizer``, and the parts of a ``ChainedOptimizer``) and uses the one
 post-step point (:mod:`adacheck_megatron.hooks`): after every ``optimizer.step()`` the
-consumed main gradients (after clipping) and the step's scalars become a delta of the last
-base checkpoint.  The hook runs before the training loop advances the LR scheduler, so a
+consumed main gradients and the step's scalars become a delta of the last base checkpoint.
+Gradients are recorded before megatron-core clips them (``_tap_clipping``), with the norm,
+and clipped again on replay by its own function: with ``--grad-reduce-in-bf16`` they are exact
+bf16 values then and take 2 bytes each instead of 4.  The hook runs before the training loop advances the LR scheduler, so a
 delta records the scheduler *before* the step plus the increment the loop applies after a
 successful step; replay applies it with the scheduler's own ``step``.
 
@@ -24,9 +26,11 @@ saving ranks' shards that overlap its own and steps them: ``_replay_shards``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import defaultdict
@@ -138,7 +142,8 @@ class OnlineMegatron:
         self.tap = make_tap(optimizer)
         mine = None if _distributed(optimizer) else _replica_share(self.tap, optimizer, _comm())
         self.recorder = O.OnlineRecorder(self.tap, config.online, self.save_dir, _comm, self._take_base,
-                                         fsync=config.fsync, mine=mine, rank_state=rank_state)
+                                         fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip)
+        _tap_clipping()
         self._ok = True
         self.extra_state = None     # callable -> dict saved with each base (Megatron-LM counters)
         hooks.wrap_optimizer_step(optimizer)
@@ -161,6 +166,20 @@ class OnlineMegatron:
                    "increment": self.increment if update_successful else 0,
                    "grad_scalers": grad_scalers(optimizer)}
         self.recorder.after_step(self.iteration, scalars)
+
+    def before_clip(self, params, max_norm, total_norm) -> None:
+        """Megatron is about to clip these main gradients in place: record them as they are
+        (with --grad-reduce-in-bf16 they are exact bf16 values, 2 bytes each; once scaled by
+        the clip coefficient they are not) and the norm and limit, so that replay clips them
+        again with megatron-core's own function (:func:`preclip`)."""
+        norm = float(total_norm)
+        if self.tap.replaying or not math.isfinite(norm):
+            return      # (a norm JSON cannot hold: the clipped gradients are recorded instead)
+        args = {"norm": norm, "clip": float(max_norm)}
+        for p in params:
+            key = self.tap.key_of(p)
+            if key is not None and p.grad is not None:
+                self.recorder.note_preclip(key, p.grad, args)
 
     def _take_base(self) -> None:
         """A base at this iteration, as the loop will be once it has stepped the scheduler."""
@@ -195,6 +214,38 @@ def saved(save_dir: str, manifest, iteration: int, seconds: float) -> None:
     if on is not None and os.path.abspath(save_dir) == os.path.abspath(on.save_dir):
         on.iteration = iteration
         on.recorder.start_chain(manifest.tag, iteration, int(manifest.stats.get("file_bytes", 0)), seconds)
+
+
+def _tap_clipping() -> None:
+    """Let the active online mode see the gradients before megatron-core clips them.  Every
+    optimizer clips through ``clip_grad_by_total_norm_fp32`` as named in
+    ``megatron.core.optimizer.optimizer`` (``MegatronOptimizer.clip_grad_norm``, and
+    ``ChainedOptimizer.step`` with the global norm); that name is replaced once per process by a
+    wrapper that calls :meth:`OnlineMegatron.before_clip`, then the original, unchanged."""
+    from megatron.core.optimizer import optimizer as mo
+    original = mo.clip_grad_by_total_norm_fp32
+    if getattr(original, "_adacheck_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        on = _ACTIVE
+        if on is not None and not use_decoupled_grad:
+            on.before_clip(params, max_norm, total_norm)
+        return original(params, max_norm, total_norm, use_decoupled_grad)
+
+    clip._adacheck_original = original
+    mo.clip_grad_by_total_norm_fp32 = clip
+
+
+def preclip(key: str, grad: torch.Tensor, args: dict) -> None:
+    """Clip a recorded pre-clip gradient in place as Megatron did (its own function, with the
+    recorded norm and limit; elementwise, so one tensor at a time gives the same bits)."""
+    from megatron.core.optimizer import clip_grads
+    holder = grad.view(grad.shape)
+    holder.grad = grad
+    clip_grads.clip_grad_by_total_norm_fp32([holder], args["clip"], args["norm"])
 
 
 def grad_scalers(optimizer) -> list:
@@ -279,7 +330,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
             subs[oi].optimizer.state[live["param"]]["step"] = st["step"].clone()
 
     return O.replay_partitions(comm, tap, ckpt_dir, steps, saving, held, rebuild, put,
-                               min(saving, default=0), verify=verify)
+                               min(saving, default=0), verify=verify, preclip=preclip)
 
 
 _DENSE_COORDS = ("tp_rank", "pp_rank", "cp_rank")
@@ -340,7 +391,7 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
             if shards:
                 last = _replay_shards(comm, tap, ckpt_dir, manifest, steps, model, optimizer, verify)
             else:
-                last = O.replay(comm, tap, ckpt_dir, steps, verify=verify,
+                last = O.replay(comm, tap, ckpt_dir, steps, verify=verify, preclip=preclip,
                                 record_rank=comm.rank if same_layout else record_rank)
         finally:
             if on is None:

@@ -107,6 +107,8 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--use-cpu-initialization", action="store_true")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and reduce gradients in bf16 (default: fp32, as Megatron-LM)")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 weights, fp32 main weights, loss scaling (dynamic unless --loss-scale)")
     g.add_argument("--loss-scale", type=float, default=None, help="a constant loss scale (fp16)")
@@ -160,6 +162,8 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
         p.error(str(e))
     if args.fp16 and args.bf16:
         p.error("--fp16 and --bf16 exclude each other: choose one")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        p.error("--grad-reduce-in-bf16 needs --bf16")
     if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
         p.error("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
     if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
@@ -333,7 +337,7 @@ def build_model(args):
     virtual stage with --num-layers-per-virtual-pipeline-stage (as Megatron-LM builds them)."""
     config = transformer_config(args)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16,  # Megatron-LM's default for bf16
+        grad_reduce_in_fp32=args.bf16 and not args.grad_reduce_in_bf16,  # Megatron-LM's default for bf16: fp32
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

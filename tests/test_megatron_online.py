@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from adacheck.types import torch_dtype
 from launch import ROOT, check, free_port, kill_at_marker, launch
-from megatron_worker import BASE
+from megatron_worker import BASE, P
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -38,31 +38,85 @@ def same(a, b, what):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k} differs"
 
 
+def _resume_runs(d, name, argv):
+    """2-rank runs of one layout: uninterrupted (8 iterations), recording 6 with bases every 3
+    (into d/ck-<name>), and a new job that recovers from it and trains 2 more (checked by
+    :func:`_check_resumed`)."""
+    on = argv + ["--adacheck", "--adacheck-dir", f"{d}/ck-{name}", "--adacheck-online",
+                 "--adacheck-online-base-interval", "3"]
+    return [{"argv": argv, "actions": [["train", 8]]},
+            {"argv": on, "actions": [["online"], ["train", 6], ["dump", f"A-{name}"], ["online", False]]},
+            {"argv": on, "actions": [["online"], ["scramble"], ["load", f"{d}/ck-{name}"], ["dump", f"B-{name}"],
+                                     ["train", 2], ["online", False]]}]
+
+
+def _check_resumed(d, name, i):
+    """For the ``i``-th layout's :func:`_resume_runs`: recording changed no loss, the recovered
+    job reached iteration 6 with every rank's state equal to the recording run's there, and went
+    on with the uninterrupted run's losses."""
+    ref, a, b = results(d)[3 * i: 3 * i + 3]
+    assert a["losses"] == ref["losses"][:6], name          # recording changes nothing
+    assert b["loaded"] == [6], name
+    for r in (0, 1):
+        same(load_file(f"{d}/A-{name}-rank{r}.safetensors"), load_file(f"{d}/B-{name}-rank{r}.safetensors"),
+             f"{name} rank {r}")
+    assert b["losses"] == ref["losses"][6:8], name
+
+
 def test_recovery_replays_deltas_bit_exactly(tmp_path):
     """Bases every 3 iterations (1, 4), deltas 2-3 and 5-6; a new job's load replays base 4 +
     deltas 5, 6: every rank's weights, main weights, optimizer state and LR equal the
     uninterrupted run's, and the next losses equal those of a run never checkpointed."""
     d = str(tmp_path)
-    runs = []
-    for name, argv in LAYOUTS.items():
-        on = argv + ["--adacheck", "--adacheck-dir", f"{d}/ck-{name}", "--adacheck-online",
-                     "--adacheck-online-base-interval", "3"]
-        runs += [{"argv": argv, "actions": [["train", 8]]},
-                 {"argv": on, "actions": [["online"], ["train", 6], ["dump", f"A-{name}"], ["online", False]]},
-                 {"argv": on, "actions": [["online"], ["scramble"], ["load", f"{d}/ck-{name}"],
-                                                            ["dump", f"B-{name}"], ["train", 2], ["online", False]]}]
-    check(launch(2, {"runs": runs}, d, script="megatron_worker.py"))
-    res = results(d)
+    check(launch(2, {"runs": [run for name, argv in LAYOUTS.items() for run in _resume_runs(d, name, argv)]}, d,
+                 script="megatron_worker.py"))
     for i, name in enumerate(LAYOUTS):
-        ref, a, b = res[3 * i: 3 * i + 3]
-        assert a["losses"] == ref["losses"][:6], name          # recording changes nothing
-        assert b["loaded"] == [6], name
-        for r in (0, 1):
-            same(load_file(f"{d}/A-{name}-rank{r}.safetensors"), load_file(f"{d}/B-{name}-rank{r}.safetensors"),
-                 f"{name} rank {r}")
-        assert b["losses"] == ref["losses"][6:8], name
+        _check_resumed(d, name, i)
         ck = f"{d}/ck-{name}"
         assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000004", "iter_0000007", "latest"], name
+
+
+def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
+    """bf16 with --grad-reduce-in-bf16 (DP=2 with the distributed optimizer, and PP=2 without):
+    the main gradients are exact bf16 values until Megatron scales them for clipping, which it
+    does at every recorded iteration here (norm > --clip-grad). The deltas hold them as they were
+    before (2 bytes each, every one) with the norm, and recovery clips them again with
+    megatron-core's function: base 4 + deltas 5, 6 equal the uninterrupted run at iteration 6,
+    training goes on with its losses, and the distributed optimizer's deltas also replay on one
+    rank (the shards rebuilt and clipped) to the state of an uninterrupted run's checkpoint
+    (iteration 6 of the chain that the resumed job extended to 8)."""
+    from adacheck import deltas as D
+    d = str(tmp_path)
+    layouts = {"distopt": ["--use-distributed-optimizer", "--bf16", "--grad-reduce-in-bf16", "--global-batch-size", "4"],
+               "pp2": ["--pipeline-model-parallel-size", "2", "--bf16", "--grad-reduce-in-bf16",
+                       "--global-batch-size", "4"]}
+    runs = [run for name, argv in layouts.items() for run in _resume_runs(d, name, argv)]
+    runs.append({"argv": layouts["distopt"] + ["--adacheck"], "actions": [["train", 6], ["save", f"{d}/ref"]]})
+    check(launch(2, {"runs": runs}, d, script="megatron_worker.py"))
+    for i, name in enumerate(layouts):
+        _check_resumed(d, name, i)
+        ck = f"{d}/ck-{name}/iter_0000004"
+        steps, _ = D.committed_steps(ck, 4, 2)
+        assert [s.step for s in steps] == [5, 6], name
+        for st in steps:
+            metas = [m for r in (0, 1) for m in st.records[r]["tensors"].values()]
+            assert metas and {(m["dtype"], m["stored"]) for m in metas} == {("float32", "bfloat16")}, (name, st.step)
+            for r in (0, 1):
+                pre = D.read_extra(ck, st, r)["preclip"]
+                assert set(pre) >= set(st.records[r]["tensors"]), (name, st.step, r)
+                assert all(v["norm"] > v["clip"] for v in pre.values()), (name, st.step, r)   # it did clip
+    check(launch(1, {"runs": [{"argv": layouts["distopt"] + ["--adacheck", "--ckpt-step", "6"],
+                               "actions": [["scramble"], ["load", f"{d}/ck-distopt"], ["save", f"{d}/one/out"]]}]},
+                 f"{d}/one", script="megatron_worker.py"))
+    assert results(f"{d}/one")[0]["loaded"] == [6]
+    same_checkpoint(f"{d}/ref", f"{d}/one/out", "bf16-reduced gradients, distributed optimizer, DP=2 -> 1")
+
+
+def test_grad_reduce_in_bf16_needs_bf16(capsys):
+    assert P.parse_args(argv=BASE + ["--global-batch-size", "4", "--bf16", "--grad-reduce-in-bf16"]).grad_reduce_in_bf16
+    with pytest.raises(SystemExit):
+        P.parse_args(argv=BASE + ["--global-batch-size", "4", "--grad-reduce-in-bf16"])
+    assert "--grad-reduce-in-bf16 needs --bf16" in capsys.readouterr().err
 
 
 def test_sigkill_at_a_random_iteration_then_recover_and_continue(tmp_path):
