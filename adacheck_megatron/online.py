@@ -223,9 +223,9 @@ def _tap_clipping() -> None:
     ``ChainedOptimizer.step`` with the global norm); that name is replaced once per process by a
     wrapper that calls :meth:`OnlineMegatron.before_clip`, then the original, unchanged."""
     from megatron.core.optimizer import optimizer as mo
-    original = mo.clip_grad_by_total_norm_fp32
-    if getattr(original, "_adacheck_original", None) is not None:
-        return
+    original = getattr(mo, "clip_grad_by_total_norm_fp32", None)
+    if original is None or getattr(original, "_adacheck_original", None) is not None:
+        return      # (not there: the gradients are recorded as clipped, which replays too)
 
     @functools.wraps(original)
     def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
