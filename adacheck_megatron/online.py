@@ -7,9 +7,10 @@ post-step point (:mod:`adacheck_megatron.hooks`): after every ``optimizer.step()
 consumed main gradients and the step's scalars become a delta of the last base checkpoint.
 Gradients are recorded before megatron-core clips them (``_tap_clipping``), with the norm,
 and clipped again on replay by its own function: with ``--grad-reduce-in-bf16`` they are exact
-bf16 values then and take 2 bytes each instead of 4.  The hook runs before the training loop advances the LR scheduler, so a
-delta records the scheduler *before* the step plus the increment the loop applies after a
-successful step; replay applies it with the scheduler's own ``step``.
+bf16 values then and take 2 bytes each instead of 4.  The hook runs before the training loop
+advances the LR scheduler, so a delta records the scheduler *before* the step plus the
+increment the loop applies after a successful step; replay applies it with the scheduler's
+own ``step``.
 
 Gradients that data-parallel ranks hold identically (no distributed optimizer) are stored
 once per replica group, by a balanced choice of ranks (``_replica_share``); with the
