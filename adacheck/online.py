@@ -303,10 +303,14 @@ def _read_step(tap: OptimizerTap, ckpt_dir: str, st: D.Step, rank: int, verify: 
 
 
 def _apply_step(tap: OptimizerTap, st: D.Step, tree: dict, grads: dict, preclip, shadow: Optional[Shadow] = None):
+    tensors = tap.tensors if shadow is None else shadow.tensors
     for key, args in (tree.get("preclip") or {}).items():
         if preclip is None:
             raise StateError(f"delta step {st.step} needs the framework's gradient clipping to be "
                              "replayed, and this integration did not provide it")
+        # on the device of the tensor it belongs to, where the framework clipped it while
+        # recording (its kernels; Megatron's accept only CUDA tensors on a GPU)
+        grads[key] = grads[key].to(tensors[key].device)
         preclip(key, grads[key], args)    # in place, with the framework's own code
     tap.replay(tree["calls"], grads, shadow=shadow)
 
