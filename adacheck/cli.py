@@ -85,6 +85,9 @@ def cmd_inspect(args) -> int:
             print(f"deltas      {dl['committed']} committed online steps ({dl['first']}-{dl['last']}), "
                   f"{human(dl['bytes'])}: a load recovers step {dl['last']}"
                   + ("" if dl["stops"] == "end of the log" else f" ({dl['stops']})"))
+            if dl["bf16_share"] is not None:
+                print(f"            {human(dl['bytes'] // dl['committed'])} per step; {dl['bf16_share']:.0%} of the "
+                      f"gradient values stored in bf16 (2 bytes), the rest in their recorded dtype")
         else:
             print(f"deltas      none committed ({dl['stops']})")
         if dl["lossy"]:

@@ -66,6 +66,9 @@ def test_narrowest_exact_dtype_and_round_trip(tmp_path):
         got = D.read_grad(ck, st, k, 0)
         assert got.dtype == t.dtype and torch.equal(got, t)
     assert not st.lossy
+    info = D.summary(ck, 0, 1)      # what `adacheck inspect` shows
+    assert info["stored_elements"] == {"bfloat16": 64, "float32": 64, "float16": 8}
+    assert info["bf16_share"] == 64 / 136
 
 
 def test_compact_is_lossy_and_says_by_how_much(tmp_path):

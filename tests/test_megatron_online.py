@@ -98,6 +98,7 @@ def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
         ck = f"{d}/ck-{name}/iter_0000004"
         steps, _ = D.committed_steps(ck, 4, 2)
         assert [s.step for s in steps] == [5, 6], name
+        assert D.summary(ck, 4, 2)["bf16_share"] == 1.0, name      # (what `adacheck inspect` shows)
         for st in steps:
             metas = [m for r in (0, 1) for m in st.records[r]["tensors"].values()]
             assert metas and {(m["dtype"], m["stored"]) for m in metas} == {("float32", "bfloat16")}, (name, st.step)
@@ -473,7 +474,7 @@ def test_compact_deltas_recover_within_the_measured_deviation(tmp_path):
     assert results(d)[1]["loaded"] == [5]
     info = json.loads(subprocess.run([sys.executable, "-m", "adacheck.cli", "inspect", f"{d}/ck", "--json"],
                                      capture_output=True, text=True, check=True).stdout)["deltas"]
-    assert info["lossy"] and info["committed"] == 4
+    assert info["lossy"] and info["committed"] == 4 and info["bf16_share"] == 1.0
     far = {"main": 0.0, "state": 0.0}
     for r in (0, 1):
         a, b = load_file(f"{d}/A-rank{r}.safetensors"), load_file(f"{d}/B-rank{r}.safetensors")
