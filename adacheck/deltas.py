@@ -383,14 +383,6 @@ class Step:
     def bytes(self) -> int:
         return sum(int(r.get("file_bytes", 0)) for r in self.records.values())
 
-    def stored_elements(self) -> Dict[str, int]:
-        """Gradient elements of this step (every rank's) per dtype they are stored in."""
-        out: Dict[str, int] = {}
-        for r in self.records.values():
-            for m in r["tensors"].values():
-                out[m["stored"]] = out.get(m["stored"], 0) + math.prod(m["shape"])
-        return out
-
     def max_abs_error(self) -> float:
         return max([v.get("max_abs_error", 0.0) for r in self.records.values() for v in r["tensors"].values()]
                    or [0.0])
@@ -508,10 +500,8 @@ def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
     """What ``adacheck inspect`` shows about a base's delta log."""
     steps, why = committed_steps(ckpt_dir, base_step, world)
     devs = {s.step: d for s, d in ((s, s.deviation()) for s in steps) if d is not None}
-    elems: Dict[str, int] = {}
-    for st in steps:
-        for k, n in st.stored_elements().items():
-            elems[k] = elems.get(k, 0) + n
+    elems = stored_elements(steps)
+    total = sum(elems.values())
     return {"committed": len(steps), "first": steps[0].step if steps else None,
             "last": steps[-1].step if steps else None, "bytes": sum(s.bytes for s in steps),
             "stops": why, "lossy": any(s.lossy for s in steps),
@@ -522,7 +512,17 @@ def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
             "on_disk": len(step_dirs(ckpt_dir)),
             # gradient elements per stored dtype, and the share stored in bf16 (2 bytes each)
             "stored_elements": elems,
-            "bf16_share": elems.get("bfloat16", 0) / sum(elems.values()) if sum(elems.values()) else None}
+            "bf16_share": elems.get("bfloat16", 0) / total if total else None}
+
+
+def stored_elements(steps: List[Step]) -> Dict[str, int]:
+    """Gradient elements of ``steps`` (every rank's records) per dtype they are stored in."""
+    out: Dict[str, int] = {}
+    for st in steps:
+        for r in st.records.values():
+            for m in r["tensors"].values():
+                out[m["stored"]] = out.get(m["stored"], 0) + math.prod(m["shape"])
+    return out
 
 
 def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None) -> Tuple[int, int]:

@@ -133,7 +133,7 @@ def worker(a) -> None:
             steps, _ = D.committed_steps(base_dir, 1, dist.get_world_size())
             total_steps = 2 + a.blocks * a.steps
             assert [s.step for s in steps] == list(range(2, total_steps + 1)), [s.step for s in steps]
-            elems = D.summary(base_dir, 1, dist.get_world_size())["stored_elements"]
+            elems = D.stored_elements(steps)
             delta_bytes = statistics.mean(s.bytes for s in steps)
             manifest = on.adacheck.last_manifest
             rec_engine = engine_for(stage, dtype, {"enabled": True})
