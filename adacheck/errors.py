@@ -2,6 +2,9 @@
 
 Every message says what was expected, what was found, and what the user can do.
 """
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
 
 
 class AdaCheckError(Exception):
@@ -17,7 +20,7 @@ class FormatError(AdaCheckError):
 
 
 class IntegrityError(FormatError):
-    """Stored bytes do not match the hash recorded for them."""
+    """Stored bytes, or the manifest itself, do not match the hash recorded for them."""
 
 
 class NotFoundError(AdaCheckError):
@@ -28,12 +31,54 @@ class StateError(AdaCheckError):
     """Training state cannot be captured or restored (e.g. a non-JSON-able object)."""
 
 
-class DistributedError(AdaCheckError):
-    """One or more ranks failed; carries every rank's cause so all ranks raise the same error."""
+_KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
+                                  StateError)}
 
-    def __init__(self, what: str, failures: dict):
+
+class DistributedError(AdaCheckError):
+    """One or more ranks failed a collective step; every rank raises it, naming each cause.
+
+    ``failures``: rank -> message; ``kinds``: rank -> the name of the exception class that rank
+    raised.  When every failing rank raised the same AdaCheck error class, the error raised
+    (:meth:`of`) is also an instance of that class, on every rank: ``except IntegrityError``
+    catches a hash mismatch found by any rank."""
+
+    kind: Optional[str] = None      # the AdaCheck error class every failing rank raised, if one
+
+    def __init__(self, what: str, failures: Dict[int, str], kinds: Optional[Dict[int, str]] = None):
+        self.what = what
         self.failures = dict(failures)
+        self.kinds = dict(kinds or {})
         lines = [f"{what} failed on {len(failures)} rank(s):"]
         for rank in sorted(failures):
             lines.append(f"  rank {rank}: {failures[rank]}")
         super().__init__("\n".join(lines))
+
+    @classmethod
+    def of(cls, what: str, failures: Dict[int, Tuple[str, str]]) -> "DistributedError":
+        """The error for ``failures`` (rank -> (exception class name, message))."""
+        kinds = {r: k for r, (k, _) in failures.items()}
+        shared = set(kinds.values())
+        base = _KINDS.get(shared.pop()) if len(shared) == 1 else None
+        klass = cls if base in (None, AdaCheckError) else _combined(base)
+        return klass(what, {r: m for r, (_, m) in failures.items()}, kinds)
+
+
+_COMBINED: Dict[type, type] = {}
+
+
+def _combined(base: type) -> type:
+    """DistributedError that is also a ``base`` (one class per base, made once)."""
+    if base not in _COMBINED:
+        _COMBINED[base] = type(f"Distributed{base.__name__}", (DistributedError, base),
+                               {"kind": base.__name__, "__module__": __name__,
+                                "__doc__": f"A {base.__name__} raised by one or more ranks, on every rank."})
+    return _COMBINED[base]
+
+
+def kind_of(e: BaseException) -> str:
+    """The class name ``DistributedError.of`` groups ``e`` by: the AdaCheck error class (also
+    through a DistributedError that carries one), else the exception's own class name."""
+    if isinstance(e, DistributedError):
+        return e.kind or "DistributedError"
+    return type(e).__name__

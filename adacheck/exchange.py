@@ -2,7 +2,8 @@
 
 ``Comm`` is the small interface the rest of AdaCheck uses; ``agree`` turns a local
 step into a collective one: every rank runs it, the outcomes are gathered, and if any
-rank failed every rank raises the same DistributedError naming each cause.  A rank
+rank failed every rank raises the same DistributedError naming each cause (also an
+instance of the AdaCheck error class every failing rank raised, when they agree).  A rank
 that fails therefore never leaves the others waiting in a later collective.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable, List, Optional
 
-from .errors import AdaCheckError, DistributedError
+from .errors import AdaCheckError, DistributedError, kind_of
 
 
 EXCHANGES = ("ring", "allgather")
@@ -148,17 +149,17 @@ def agree(comm: Comm, what: str, fn: Callable[[], Any],
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - gathered and re-raised below
-        error = _describe(e)
+        error = (kind_of(e), _describe(e))
         local_exc = e
     outcomes = comm.all_gather_object(error)
-    failures = {r: msg for r, msg in enumerate(outcomes) if msg is not None}
+    failures = {r: tuple(out) for r, out in enumerate(outcomes) if out is not None}
     if failures:
         if on_failure is not None:
             try:
                 on_failure()
             except Exception:  # noqa: BLE001 - cleanup must not mask the real cause
                 pass
-        err = DistributedError(what, failures)
+        err = DistributedError.of(what, failures)
         if error is not None:
             raise err from local_exc
         raise err
