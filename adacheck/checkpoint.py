@@ -26,12 +26,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import commit, jsontree
+from . import commit, jsontree, lifecycle
 from .boxes import copy_intersection, flat_range_to_boxes
-from .errors import FormatError, IntegrityError, NotFoundError
+from .errors import AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError, StateError
 from .exchange import Comm, agree
-from .hashing import hash_tensor
-from .manifest import FORMAT_VERSION, split_file
+from .hashing import bound_digest, box_identity, hash_tensor
+from .manifest import BOUND_SINCE, FORMAT_VERSION, split_file
 from .planner import gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
@@ -126,12 +126,21 @@ class SaveWarning(UserWarning):
     pass
 
 
+class CorruptCheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped and an older intact one loaded (on_corrupt: fallback)."""
+
+
+class LegacyFormatWarning(UserWarning):
+    """A checkpoint of an older format was opened: it loads, with less protection."""
+
+
 def _meta(s: LocalShard) -> ShardMeta:
     if tuple(s.tensor.shape) != tuple(s.box.lengths):
         raise FormatError(f"{s.name}: tensor of shape {tuple(s.tensor.shape)} given for box {s.box}")
-    return ShardMeta(name=s.name, kind=s.kind, dtype=dtype_name(s.tensor.dtype), shape=tuple(s.shape),
-                     box=s.box, hash=hash_tensor(_bytes_of(s.tensor)), derive=s.derive,
-                     derive_ok=s.derive_ok, replicated=s.replicated)
+    dtype = dtype_name(s.tensor.dtype)
+    digest = bound_digest(box_identity(s.name, dtype, s.shape, s.box.offsets, s.box.lengths), _bytes_of(s.tensor))
+    return ShardMeta(name=s.name, kind=s.kind, dtype=dtype, shape=tuple(s.shape), box=s.box, hash=digest,
+                     derive=s.derive, derive_ok=s.derive_ok, replicated=s.replicated)
 
 
 def split_chunks(s: LocalShard, limit: int) -> List[LocalShard]:
@@ -253,12 +262,24 @@ def node_id() -> str:
     return os.environ.get("ADACHECK_NODE") or socket.gethostname()
 
 
+# save directory -> the checkpoint in it that this process last loaded (every box verified by
+# some rank) or committed.  A new save references boxes of that one only: not of whatever
+# 'latest' names, which may be damaged (a reference records the hash of the new bytes, not
+# of the bytes on disk) or written by another job since.
+_TRUSTED: Dict[str, str] = {}
+
+
 def _previous(save_dir: str, tag: str) -> Optional[str]:
-    """The committed checkpoint a new save may reference: the one ``latest`` names."""
-    prev = commit.read_latest(save_dir)
+    """The committed checkpoint a new save may reference (see _TRUSTED), or None."""
+    prev = _TRUSTED.get(os.path.abspath(save_dir))
     if prev is None or prev == tag or not os.path.isfile(os.path.join(save_dir, prev, commit.MANIFEST_NAME)):
         return None
     return prev
+
+
+def trust(ckpt_dir: str) -> None:
+    """``ckpt_dir`` was just committed or loaded (verified) by this process."""
+    _TRUSTED[os.path.abspath(os.path.dirname(os.path.normpath(ckpt_dir)))] = os.path.basename(os.path.normpath(ckpt_dir))
 
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
@@ -267,12 +288,14 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          chunk_bytes: int = 64 << 20) -> Manifest:
     """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
 
-    With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint
-    ``latest`` names are referenced there instead of written again.  ``copies``: how many
+    With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint of
+    ``save_dir`` that this process last loaded (verified) or committed are referenced there
+    instead of written again.  ``copies``: how many
     holders write each distinct box, on distinct nodes where possible (see node_id).
     ``exchange``: how the ranks share their (box, hash) lists ("ring" or "allgather").
     ``chunk_bytes``: larger boxes are hashed and stored as pieces (see split_chunks).
     """
+    lifecycle.register()
     t0 = time.perf_counter()
     ckpt_dir = os.path.join(save_dir, tag)
     ctx = {}
@@ -371,6 +394,7 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
             commit.collect_garbage(save_dir)
 
     agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
+    trust(ckpt_dir)
     t_end = time.perf_counter()
     manifest.stats["exchange"] = exchanged   # (in memory only, like the timings)
     manifest.stats["seconds"] = {"hash": t_hashed - t0, "prepare": t_prepare - t0, "write": t_write - t_prepare,
@@ -383,13 +407,77 @@ def resolve(load_dir: str, tag: Optional[str] = None) -> str:
     if tag is None:
         if os.path.isfile(os.path.join(load_dir, commit.MANIFEST_NAME)):
             return load_dir   # pointed straight at a checkpoint directory
+        if not os.path.isdir(load_dir):
+            raise NotFoundError(f"no AdaCheck checkpoint to load in {load_dir}: there is no such directory")
         tag = commit.read_latest(load_dir)
         if tag is None:
-            present = [t for t, m, _ in commit.list_checkpoints(load_dir) if m is not None]
+            present = _committed_tags(load_dir)
             raise NotFoundError(
                 f"no AdaCheck checkpoint to load in {load_dir}: there is no 'latest' file"
                 + (f"; complete checkpoints present: {present} (pass one as tag)" if present else ""))
-    return os.path.join(load_dir, commit.check_tag(tag))
+        return os.path.join(load_dir, commit.check_tag(tag))
+    d = os.path.join(load_dir, commit.check_tag(str(tag)))
+    if not os.path.isdir(d):
+        present = _committed_tags(load_dir)
+        raise NotFoundError(f"there is no checkpoint {tag!r} in {load_dir}"
+                            + (f"; complete checkpoints present: {present}" if present else
+                               " (and no complete checkpoint at all)"))
+    return d
+
+
+def _committed_tags(load_dir: str) -> List[str]:
+    """Tags of the complete checkpoints in ``load_dir``, newest first (by step, then manifest time)."""
+    found = []
+    for t, m, _ in commit.list_checkpoints(load_dir):
+        if m is not None:
+            mtime = os.path.getmtime(os.path.join(load_dir, t, commit.MANIFEST_NAME))
+            found.append((m.step if m.step is not None else -1, mtime, t))
+    return [t for _, _, t in sorted(found, reverse=True)]
+
+
+def verify_part(reader: "CheckpointReader", part: int = 0, parts: int = 1) -> int:
+    """Read and verify every stored box of the checkpoint's files that fall to ``part`` of
+    ``parts`` (files in sorted order, every ``parts``-th), so ``parts`` ranks check a whole
+    checkpoint once between them.  Raises on the first damage; returns the bytes checked."""
+    by_file: Dict[str, list] = {}
+    for name, e in reader.manifest.tensors.items():
+        for sb in e.boxes:
+            by_file.setdefault(sb.file, []).append((name, sb))
+    checked = 0
+    for i, fname in enumerate(sorted(by_file)):
+        if i % parts != part:
+            continue
+        for name, sb in by_file[fname]:
+            t = reader.stored(name, sb)
+            checked += t.numel() * t.element_size()
+        reader.drop_cache()
+    if reader.verify:     # derived tensors: each recorded box derived and checked (spread likewise)
+        derived = [(name, e, b, h) for name, e in sorted(reader.manifest.tensors.items()) if e.derived is not None
+                   for b, h in e.derived.boxes]
+        for i, (name, e, b, h) in enumerate(derived):
+            if i % parts == part:
+                checked += reader._derived(name, e, b, h).numel() * torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
+                reader.drop_cache()
+    return checked
+
+
+def find_intact(comm: Comm, load_dir: str, exclude=()) -> Optional[Tuple[str, Manifest]]:
+    """The newest complete checkpoint of ``load_dir`` (not one in ``exclude``) whose every stored
+    box verifies, checked by all ranks together (collective; every rank gets the same answer)."""
+    candidates = comm.broadcast_object([t for t in _committed_tags(load_dir) if t not in exclude]
+                                       if comm.rank == 0 else None)
+    for t in candidates:
+        d = os.path.join(load_dir, t)
+
+        def check(d=d):
+            manifest = commit.read_manifest(d)
+            verify_part(CheckpointReader(d, manifest, verify=True, cache_bytes=0), comm.rank, comm.world_size)
+            return manifest
+        try:
+            return t, agree(comm, f"AdaCheck: verifying {d}", check)
+        except AdaCheckError:
+            continue
+    return None
 
 
 class CheckpointReader:
@@ -405,9 +493,17 @@ class CheckpointReader:
         self.dir = ckpt_dir
         self.manifest = manifest if manifest is not None else commit.read_manifest(ckpt_dir)
         self.verify = verify
+        self.bound = self.manifest.format_version >= BOUND_SINCE
+        if not self.bound:
+            warnings.warn(f"AdaCheck: {ckpt_dir} was written in format {self.manifest.format_version}, whose "
+                          "hashes cover each box's bytes but not what the box claims to be (tensor, offsets, "
+                          "dtype) and whose manifest has no checksum: an edited manifest could load wrong "
+                          "data unnoticed. Save it again with this version to bind them.",
+                          LegacyFormatWarning, stacklevel=2)
         self.prefer_rank = prefer_rank
         self._files: Dict[str, SafetensorsFile] = {}
-        self._cache: "OrderedDict[Tuple[str, str], torch.Tensor]" = OrderedDict()
+        # (file, key, tensor, box) -> verified bytes: one entry serves only the identity it was verified for
+        self._cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
@@ -415,11 +511,17 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.manifest.tensors
 
+    def drop_cache(self) -> None:
+        """Forget the verified boxes kept so far (their memory goes)."""
+        self._cache.clear()
+        self._cache_bytes = 0
+
     def entry(self, name: str):
         try:
             return self.manifest.tensors[name]
         except KeyError:
-            raise FormatError(f"{self.dir}: the checkpoint has no tensor {name!r}") from None
+            raise StateError(f"{self.dir}: the checkpoint has no tensor {name!r}; is it a checkpoint of "
+                             "this model?") from None
 
     def path_of(self, fname: str) -> str:
         """Where a manifest file entry lives: here, or in an earlier sibling checkpoint."""
@@ -436,7 +538,7 @@ class CheckpointReader:
     def stored(self, name: str, sb, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Stored box ``sb`` of ``name``, verified; read straight into ``out`` when given
         (contiguous, the stored dtype and shape), else kept in the cache."""
-        ck = (sb.file, sb.key)
+        ck = (sb.file, sb.key, name, sb.box)
         if ck in self._cache:
             self._cache.move_to_end(ck)
             return self._cache[ck] if out is None else out.copy_(self._cache[ck])
@@ -451,17 +553,40 @@ class CheckpointReader:
         t = f.read(sb.key, out)
         self.bytes_read += t.numel() * t.element_size()
         if self.verify:
-            got = hash_tensor(t)
+            got = (bound_digest(box_identity(name, e.dtype, e.shape, sb.box.offsets, sb.box.lengths), t)
+                   if self.bound else hash_tensor(t))
             if got != sb.hash:
                 raise IntegrityError(f"{name} (box {sb.box.key()}) in {f.path}: stored bytes hash to "
-                                     f"{got} but the manifest recorded {sb.hash}; the file is "
-                                     "corrupt (bit flip or partial write). Restore it or load an "
-                                     "older checkpoint.")
+                                     f"{got} but the manifest recorded {sb.hash}"
+                                     + (" for this tensor, box and dtype" if self.bound else "")
+                                     + "; the file is corrupt (bit flip or partial write)"
+                                     + (" or the manifest was edited" if self.bound else "")
+                                     + ". Restore it or load an older checkpoint.")
         if out is not None:
             return t
         nbytes = t.numel() * t.element_size()
         self._cache[ck] = t
         self._cache_bytes += nbytes
+        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cache_bytes -= old.numel() * old.element_size()
+        return t
+
+    def _derived(self, name: str, e, dbox: Box, digest: str) -> torch.Tensor:
+        """Box ``dbox`` of the derived tensor ``name``: its source's elements cast as saved, checked
+        against the digest its holders recorded (kept in the cache)."""
+        ck = ("derived", name, dbox)
+        if ck in self._cache:
+            self._cache.move_to_end(ck)
+            return self._cache[ck]
+        t = self.read(e.derived.source, dbox).to(torch_dtype(e.dtype))
+        got = bound_digest(box_identity(name, e.dtype, e.shape, dbox.offsets, dbox.lengths), t)
+        if got != digest:
+            raise IntegrityError(f"{name} (box {dbox.key()}), derived from {e.derived.source}: the derived bytes hash "
+                                 f"to {got} but its holders recorded {digest} when they saved it; the manifest was "
+                                 "edited (its derivation or source) or the source is not what was saved")
+        self._cache[ck] = t
+        self._cache_bytes += t.numel() * t.element_size()
         while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cache_bytes -= old.numel() * old.element_size()
@@ -523,7 +648,13 @@ class CheckpointReader:
         elif tuple(out.shape) != tuple(box.lengths):
             raise ValueError(f"{name}: out has shape {list(out.shape)}, box {box} needs {list(box.lengths)}")
         if e.derived is not None:
-            if out.dtype == torch_dtype(e.dtype):
+            if self.verify and e.derived.boxes:
+                # derived box by derived box, each verified against its holders' digest
+                filled = sum(copy_intersection(out, box, self._derived(name, e, dbox, digest), dbox)
+                             for dbox, digest in e.derived.boxes if box.intersect(dbox) is not None)
+                if filled != box.numel:
+                    raise FormatError(f"{name}: derived boxes cover {filled} of the {box.numel} elements asked for")
+            elif out.dtype == torch_dtype(e.dtype):
                 self.read(e.derived.source, box, out=out)
             else:   # derive exactly as saved (cast to the stored dtype), then cast to out's
                 out.copy_(self.read(e.derived.source, box).to(torch_dtype(e.dtype)))
@@ -532,7 +663,7 @@ class CheckpointReader:
         direct = out.is_contiguous() and out.dtype == torch_dtype(e.dtype)
         for copies in self._choose(e.boxes):
             sb = copies[0]
-            if sb.box == box and not any((c.file, c.key) in self._cache for c in copies):
+            if sb.box == box and not any((c.file, c.key, name, c.box) in self._cache for c in copies):
                 # the whole request is one stored box: read it straight into out, or into a
                 # reused scratch buffer when out has another dtype (a cast) or layout
                 self._stored_any(name, copies, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
@@ -568,12 +699,41 @@ class CheckpointReader:
 
 
 def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[CheckpointReader], object],
-         apply: Callable[[object], object], verify: bool = True):
+         apply: Callable[[object], object], verify: bool = True, on_corrupt: str = "raise",
+         how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}"):
     """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
 
     ``read`` must not change training state: only once every rank has staged its part
-    without error does any rank call ``apply``.
+    without error does any rank call ``apply``.  When the checkpoint turns out damaged while
+    it is opened or staged (a FormatError or IntegrityError on any rank, a ``latest`` that names
+    nothing), nothing has been applied: the error names the newest intact checkpoint (every
+    box verified, the ranks sharing the work) and how to load it (``how_to_load(tag,
+    manifest)``: the integration's call or flag); with ``on_corrupt="fallback"`` and no explicit
+    ``tag``, that checkpoint is loaded instead, with a warning on every rank.
     """
+    lifecycle.register()
+    try:
+        ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, verify)
+    except (FormatError, NotFoundError) as e:
+        if isinstance(e, NotFoundError) and (tag is not None or not os.path.exists(os.path.join(load_dir, "latest"))):
+            raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
+        failed = tag if tag is not None else commit.latest_or_none(load_dir)
+        intact = find_intact(comm, load_dir, exclude=(failed,))
+        if on_corrupt != "fallback" or tag is not None or intact is None:
+            e.args = (f"{e}\n{_advice(load_dir, failed, intact, how_to_load, explicit=tag is not None)}",)
+            raise
+        warnings.warn(f"AdaCheck: the checkpoint {failed or 'that latest names'} in {load_dir} is damaged "
+                      f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
+                      "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
+                      stacklevel=2)
+        ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, verify)
+    result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
+    if verify:
+        trust(ckpt_dir)
+    return ckpt_dir, manifest, result
+
+
+def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool):
     def open_():
         d = resolve(load_dir, tag)
         return d, commit.read_manifest(d)
@@ -581,9 +741,20 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
     ckpt_dir, manifest = agree(comm, f"AdaCheck load from {load_dir} (open)", open_)
     tags = comm.all_gather_object(manifest.tag)
     if len(set(tags)) != 1:
-        raise FormatError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
+        raise ConfigError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
                           "the same shared directory on every rank?")
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank)
     staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader))
-    result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
-    return ckpt_dir, manifest, result
+    return ckpt_dir, manifest, staged
+
+
+def _advice(load_dir: str, failed: Optional[str], intact, how_to_load, explicit: bool) -> str:
+    what = f"Checkpoint {failed!r} in {load_dir}" if failed else f"The checkpoint that {load_dir}/latest should name"
+    if intact is None:
+        return (f"Nothing was loaded. {what} cannot be loaded, and no other checkpoint there verifies "
+                "either: restore the damaged files from a copy.")
+    tag, manifest = intact
+    return (f"Nothing was loaded. {what} cannot be loaded; the newest intact checkpoint there "
+            f"is {tag!r} (step {manifest.step}, every stored box verified). To load it: {how_to_load(tag, manifest)}"
+            + ("" if explicit else "; or set on_corrupt \"fallback\" (Megatron: --adacheck-on-corrupt fallback) "
+               "to load the newest intact checkpoint when the latest is damaged") + ".")

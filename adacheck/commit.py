@@ -63,13 +63,39 @@ def write_manifest(ckpt_dir: str, manifest: Manifest) -> None:
 
 
 def read_latest(save_dir: str) -> Optional[str]:
+    """The tag ``<save_dir>/latest`` names; None when there is no such file; a FormatError when
+    it names no possible checkpoint (empty, garbage, a path leading out of ``save_dir``)."""
     path = os.path.join(save_dir, LATEST)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            tag = f.read().strip()
+        with open(path, "rb") as f:
+            raw = f.read(1024)
     except FileNotFoundError:
         return None
-    return check_tag(tag)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read it: {e}") from e
+    try:
+        tag = raw.decode("utf-8").strip()
+        return check_tag(tag)
+    except (UnicodeDecodeError, FormatError):
+        raise FormatError(f"{path} is damaged: it holds {raw[:60]!r}, which names no checkpoint (a tag of letters, "
+                          "digits, '.', '_', '+', '-'). Write the tag of the checkpoint to load into it, or load "
+                          "one by its tag") from None
+
+
+def latest_or_none(save_dir: str) -> Optional[str]:
+    """:func:`read_latest`, with None for a damaged ``latest`` too (for decisions, not for loads)."""
+    try:
+        return read_latest(save_dir)
+    except FormatError:
+        return None
+
+
+def has_checkpoint(load_dir: str) -> bool:
+    """Whether ``load_dir`` holds anything a load could mean: a ``latest`` file (intact or not),
+    a checkpoint directory with a manifest, or is one."""
+    if os.path.exists(os.path.join(load_dir, LATEST)) or os.path.isfile(os.path.join(load_dir, MANIFEST_NAME)):
+        return True
+    return any(m is not None for _, m, _ in list_checkpoints(load_dir))
 
 
 def write_latest(save_dir: str, tag: str) -> None:

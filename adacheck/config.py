@@ -19,10 +19,11 @@ fsync               true      fsync files and directories while committing (swit
                               on storage without durability, e.g. a RAM disk for tests)
 strict_objects      true      non-JSON-able client_state / scheduler entries are an error
                               (false: they are skipped with a warning)
-reference_previous  true      a box whose bytes equal those of the checkpoint ``latest`` names
-                              is referenced there, not written again (frozen layers, unchanged
-                              buffers); retention keeps referenced files. false: every
-                              checkpoint directory is self-contained
+reference_previous  true      a box whose bytes equal those of the checkpoint this job last
+                              loaded (verified) or saved in the same directory is referenced
+                              there, not written again (frozen layers, unchanged buffers);
+                              retention keeps referenced files. false: every checkpoint
+                              directory is self-contained
 redundancy_factor   1         store each distinct box this many times, written by holders on
                               distinct nodes where possible ($ADACHECK_NODE or the host name);
                               a load falls back to another copy when one is damaged
@@ -33,6 +34,12 @@ hash_chunk_bytes    67108864  boxes larger than this are split along their first
                               chunks with their own hash, so an unchanged part of a large
                               tensor (rows of unused tokens, a frozen slice) is referenced
                               by the next checkpoint instead of rewritten; 0 = never split
+on_corrupt          "raise"   the checkpoint a load would take is damaged (a hash, header or
+                              manifest check fails): "raise" an error that names the newest
+                              intact checkpoint and how to load it, or "fallback": load that
+                              one instead, with a warning on every rank (all ranks agree on
+                              it); damaged online deltas then end the replay at the last
+                              intact step instead of failing the load
 online              {}        online gradient deltas (below)
 ==================  ========  ==============================================================
 
@@ -66,6 +73,7 @@ from .exchange import EXCHANGES
 
 
 ON_ERROR = ("disable", "raise")
+ON_CORRUPT = ("raise", "fallback")
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,7 @@ class AdaCheckConfig:
     redundancy_factor: int = 1
     exchange: str = "ring"
     hash_chunk_bytes: int = 64 << 20
+    on_corrupt: str = "raise"
     online: OnlineConfig = OnlineConfig()
 
     def __post_init__(self):
@@ -139,9 +148,10 @@ class AdaCheckConfig:
                     raise ConfigError(f"adacheck.save_dir must be a non-empty path string or null, "
                                       f"got {v!r}")
                 continue
-            if f.name == "exchange":
-                if v not in EXCHANGES:
-                    raise ConfigError(f"adacheck.exchange must be one of {', '.join(map(repr, EXCHANGES))}, "
+            choices = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT}.get(f.name)
+            if choices is not None:
+                if v not in choices:
+                    raise ConfigError(f"adacheck.{f.name} must be one of {', '.join(map(repr, choices))}, "
                                       f"got {v!r}")
                 continue
             if want is bool and not isinstance(v, bool):
@@ -170,4 +180,4 @@ class AdaCheckConfig:
 
 _TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
-          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "online": dict}
+          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "online": dict}

@@ -2,8 +2,16 @@
 
 The digest is written as ``"xxh3_128:<32 hex digits>"`` so that the algorithm can change
 without ambiguity.
+
+A stored box's digest (format 2) covers what the box claims to be as well as its bytes:
+:func:`bound_digest` hashes an *identity* (the logical tensor's name, dtype and shape, and the
+box's offsets and lengths) ahead of the bytes, so a manifest edit that moves a box to another
+place or tensor (swapped offsets, swapped names) no longer matches its bytes.
 """
 from __future__ import annotations
+
+import json
+from typing import Sequence
 
 import torch
 import xxhash
@@ -26,19 +34,48 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def hash_buffer(buf) -> str:
+def hash_buffer(buf, identity: bytes = b"") -> str:
     h = xxhash.xxh3_128()
+    if identity:
+        h.update(identity)
     view = memoryview(buf).cast("B")
     for i in range(0, len(view), _CHUNK):
         h.update(view[i:i + _CHUNK])
     return f"{ALGORITHM}:{h.hexdigest()}"
 
 
-def hash_tensor(t: torch.Tensor) -> str:
-    """Hash of the tensor's row-major bytes (copied to a contiguous CPU tensor if needed)."""
+def _cpu(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or not t.is_contiguous():
         t = t.detach().to("cpu").contiguous()
-    return hash_buffer(tensor_bytes(t.detach()))
+    return t.detach()
+
+
+def hash_tensor(t: torch.Tensor) -> str:
+    """Hash of the tensor's row-major bytes alone (copied to a contiguous CPU tensor if needed);
+    format 1 checkpoints recorded these."""
+    return hash_buffer(tensor_bytes(_cpu(t)))
+
+
+_IDENTITY_TAG = b"adacheck-identity-v1\n"
+
+
+def identity(*fields) -> bytes:
+    """The bytes :func:`bound_digest` puts ahead of a tensor's: a tag, the length, then the
+    fields as compact JSON (names, dtype names, shapes, offsets: strings and integer lists)."""
+    text = json.dumps(list(fields), separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    return _IDENTITY_TAG + len(text).to_bytes(8, "little") + text
+
+
+def box_identity(name: str, dtype: str, shape: Sequence[int], offsets: Sequence[int],
+                 lengths: Sequence[int]) -> bytes:
+    """The identity of box (``offsets``, ``lengths``) of logical tensor ``name``."""
+    return identity("box", name, dtype, list(shape), list(offsets), list(lengths))
+
+
+def bound_digest(ident: bytes, t: torch.Tensor) -> str:
+    """Hash of ``ident`` (see :func:`identity`) followed by the tensor's row-major bytes: equal
+    only for equal bytes claimed to be the same thing."""
+    return hash_buffer(tensor_bytes(_cpu(t)), ident)
 
 
 def check_digest_format(digest) -> bool:

@@ -1,9 +1,15 @@
 """Manifest (de)serialisation.  Parsing validates every field before anything uses it.
 
-Guarantees of a parsed Manifest: file names are plain names inside the checkpoint
-directory, or ``<tag>/<name>`` inside an earlier checkpoint of the same save directory; every tensor has a known dtype and kind; every stored box fits its shape and
+Guarantees of a parsed Manifest: the text matches its own checksum (format 2: any edit
+that changes what it says is an IntegrityError); file names are plain names inside the
+checkpoint directory, or ``<tag>/<name>`` inside an earlier checkpoint of the same save
+directory; every tensor has a known dtype and kind; every stored box fits its shape and
 the distinct boxes tile the tensor exactly; derivations point at a stored tensor of
 the same shape; hashes are well-formed; object trees refer only to stored tensors.
+
+Format versions: 2 (written now) records each box's hash over its identity and bytes
+(:func:`adacheck.hashing.bound_digest`) and a ``checksum`` of the manifest; 1 (still read,
+with a warning from the reader) recorded hashes of the bytes alone and no checksum.
 """
 from __future__ import annotations
 
@@ -11,13 +17,16 @@ import json
 import re
 
 from .boxes import check_tiling
-from .errors import FormatError
-from .hashing import check_digest_format
+from .errors import FormatError, IntegrityError
+from .hashing import check_digest_format, hash_buffer
 from .jsontree import tensor_refs
 from .types import KINDS, DTYPES, Box, Derivation, Manifest, StoredBox, TensorEntry
 
 FORMAT = "adacheck"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+BOUND_SINCE = 2        # format versions from here on bind box hashes to their identity
+CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
@@ -42,6 +51,9 @@ def to_json(m: Manifest) -> dict:
         d = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape)}
         if e.derived is not None:
             d["derived"] = {"source": e.derived.source, "op": e.derived.op}
+            if e.derived.boxes:
+                d["derived"]["boxes"] = [{"offsets": list(b.offsets), "lengths": list(b.lengths), "hash": h}
+                                         for b, h in e.derived.boxes]
         else:
             d["boxes"] = [{"offsets": list(b.box.offsets), "lengths": list(b.box.lengths),
                            "file": b.file, "key": b.key, "hash": b.hash,
@@ -55,8 +67,23 @@ def to_json(m: Manifest) -> dict:
     }
 
 
+def checksum(d: dict) -> str:
+    """The xxh3-128 of the manifest's canonical JSON (sorted keys, compact), ``checksum`` left
+    out: formatting does not count, every value does."""
+    body = {k: v for k, v in d.items() if k != CHECKSUM}
+    return hash_buffer(json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False,
+                                  ensure_ascii=False).encode("utf-8"))
+
+
 def dumps(m: Manifest) -> str:
-    return json.dumps(to_json(m), sort_keys=True, indent=1, allow_nan=False) + "\n"
+    d = to_json(m)
+    if m.format_version >= BOUND_SINCE:
+        d[CHECKSUM] = checksum(d)
+    return json.dumps(d, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _need(d, key, types, where):
@@ -71,15 +98,22 @@ def _need(d, key, types, where):
 
 def parse(text: str, where: str = "manifest.json") -> Manifest:
     try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
+        d = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
         raise FormatError(f"{where}: not valid JSON ({e}); the checkpoint is corrupt") from e
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise FormatError(f"{where}: not an AdaCheck manifest (field 'format' != {FORMAT!r})")
     version = _need(d, "format_version", int, where)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise FormatError(f"{where}: format_version {version} is not supported by this AdaCheck "
-                          f"(supports {FORMAT_VERSION}); upgrade AdaCheck to read it")
+                          f"(reads {', '.join(map(str, READABLE_VERSIONS))}); upgrade AdaCheck to read it")
+    if version >= BOUND_SINCE:
+        recorded = d.get(CHECKSUM)
+        if recorded != checksum(d):
+            raise IntegrityError(
+                f"{where}: the manifest does not match its checksum (recorded {recorded!r}): it was edited "
+                "or damaged after AdaCheck wrote it, so nothing it says can be trusted. Restore it from a "
+                "copy, or load an older checkpoint (adacheck ls lists them)")
     tag = _need(d, "tag", str, where)
     step = d.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
@@ -107,9 +141,19 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
         shape = tuple(shape)
         if "derived" in t:
             dv = _need(t, "derived", dict, w)
+            dboxes = []
+            if version >= BOUND_SINCE:      # the digests of what it derives to (format 2)
+                for i, b in enumerate(_need(dv, "boxes", list, w + ".derived")):
+                    wb = f"{w}.derived.boxes[{i}]"
+                    digest = _need(b, "hash", str, wb)
+                    if not check_digest_format(digest):
+                        raise FormatError(f"manifest: {wb}.hash {digest!r} is not an xxh3_128 digest")
+                    dboxes.append((Box(tuple(_need(b, "offsets", list, wb)), tuple(_need(b, "lengths", list, wb))),
+                                   digest))
+                check_tiling(name, shape, [b for b, _ in dboxes])
             entry = TensorEntry(name, kind, dtype, shape,
                                 derived=Derivation(_need(dv, "source", str, w + ".derived"),
-                                                   _need(dv, "op", str, w + ".derived")))
+                                                   _need(dv, "op", str, w + ".derived"), tuple(dboxes)))
         else:
             boxes = []
             for i, b in enumerate(_need(t, "boxes", list, w)):
@@ -128,8 +172,9 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
                 if not check_digest_format(digest):
                     raise FormatError(f"manifest: {wb}.hash {digest!r} is not an xxh3_128 digest")
                 holders = _need(b, "holders", list, wb)
-                boxes.append(StoredBox(box, fname, _need(b, "key", str, wb), digest,
-                                       tuple(int(h) for h in holders)))
+                if not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in holders):
+                    raise FormatError(f"manifest: {wb}.holders {holders!r} is not a list of ranks")
+                boxes.append(StoredBox(box, fname, _need(b, "key", str, wb), digest, tuple(holders)))
             check_tiling(name, shape, [b.box for b in boxes])
             entry = TensorEntry(name, kind, dtype, shape, boxes=tuple(boxes))
         tensors[name] = entry
@@ -144,10 +189,13 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
     if not isinstance(rank_objects, list):
         raise FormatError(f"{where}: rank_objects must be a list")
     for ref in tensor_refs(objects) + tensor_refs(rank_objects):
-        if ref not in tensors:
+        if not isinstance(ref, str) or ref not in tensors:
             raise FormatError(f"{where}: saved objects refer to tensor {ref!r} that is not stored")
+    layout, stats = d.get("layout", {}), d.get("stats", {})
+    if not isinstance(layout, dict) or not isinstance(stats, dict):
+        raise FormatError(f"{where}: layout and stats must be JSON objects")
     return Manifest(format_version=version, tag=tag, step=step,
                     framework=_need(d, "framework", dict, where),
                     topology=_need(d, "topology", dict, where), tensors=tensors,
                     objects=objects, rank_objects=tuple(rank_objects),
-                    layout=d.get("layout", {}), files=files, stats=d.get("stats", {}))
+                    layout=layout, files=files, stats=stats)

@@ -11,6 +11,7 @@ asks the integration to take it.  :func:`replay` is the recovery side.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from . import deltas as D
 from . import jsontree
 from .config import OnlineConfig
-from .errors import StateError
+from .errors import AdaCheckError, FormatError, StateError
 from .exchange import Comm, agree
 from .optimtap import OptimizerTap, Shadow
 from .rng import rng_state
@@ -184,10 +185,13 @@ class OnlineRecorder:
         self.shadow = Shadow(self.tap) if self.config.compact else None
 
 
-def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None):
+def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
+              strict: bool = True):
     """The committed steps every rank agrees on (those up to step ``until`` if given), and why
-    the log stops."""
-    steps, why = D.committed_steps(ckpt_dir, base_step, world)
+    the log stops.  A damaged record is a FormatError on every rank (``strict``), or where the
+    chain stops."""
+    steps, why = agree(comm, f"AdaCheck: reading the delta log of {ckpt_dir}",
+                       lambda: D.committed_steps(ckpt_dir, base_step, world, strict=strict))
     n = min(comm.all_gather_object(len(steps)))
     steps = steps[:n]
     if until is not None and steps and steps[-1].step > until:
@@ -195,34 +199,138 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
     return steps, why
 
 
+@dataclass
+class Replayed:
+    """What a replay reached: ``steps`` replayed (in order), the record of the last one (``last``:
+    the scalars, RNG and hyper-parameters the integration restores; None when no step was), and
+    ``damage``: why it stopped before the end of the steps it was given, if it did.  A replay
+    that stops on damage has applied whole steps only: the state is that of its last step."""
+    steps: List[D.Step]
+    last: Optional[dict]
+    damage: Optional[AdaCheckError] = None
+
+    def conclude(self, strict: bool, ckpt_dir: str, base_step) -> None:
+        """Raise the damage (``strict``) or warn about it; the caller has restored ``last`` first."""
+        if self.damage is None:
+            return
+        reached = self.steps[-1].step if self.steps else base_step
+        if strict:
+            raise type(self.damage)(f"{self.damage}\nThe job now holds the state of step {reached} (the base "
+                                    f"{base_step} and the delta steps before the damage), consistently.")
+        log.warning("AdaCheck: the delta log of %s is damaged; recovered step %s instead of the newest: %s",
+                    ckpt_dir, reached, self.damage)
+
+
+Expect = Dict[str, Tuple[Callable[[object], bool], str]]   # record field -> (test, what it must be)
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# what every record holds (OnlineRecorder.after_step), besides the integration's own scalars
+COMMON: Expect = {"calls": (lambda v: isinstance(v, list), "a list of optimizer calls"),
+                  "param_groups": (lambda v: isinstance(v, list) and all(
+                      isinstance(g, list) and all(isinstance(x, dict) for x in g) for g in v),
+                      "a list of param-group lists"),
+                  "rank_state": (lambda v: isinstance(v, dict), "an object (the RNG states)")}
+
+
+def check_fields(tree, expect: Expect, where: str) -> None:
+    """Raise FormatError unless the record ``tree`` holds each field of ``expect`` as described."""
+    if not isinstance(tree, dict):
+        raise FormatError(f"{where}: the record is not an object")
+    for key, (ok, what) in expect.items():
+        if not ok(tree.get(key)):
+            raise FormatError(f"{where}: {key} is {str(tree.get(key))[:60]}, expected {what}; the delta record is "
+                              "damaged or was written by another integration")
+
+
+def check_steps(tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], rank: int, verify: bool, files: dict,
+                shadow: Optional[Shadow] = None, expect: Optional[Expect] = None) -> None:
+    """Everything about ``steps`` that can be known without reading gradient data: each record
+    holds the fields replay and the integration use (``COMMON`` and ``expect``), its calls fit
+    this job's optimizers and their hyper-parameter kinds (``OptimizerTap.check_calls``), each
+    gradient's recorded size fits its tensor, each delta file's header is valid and lists it as
+    recorded.  Run before the first step is applied (local: wrap it in ``agree``)."""
+    for st in steps:
+        where = f"delta step {st.step} of {ckpt_dir} (rank {rank}'s record)"
+        tree, stored = tap.current(D.read_extra(ckpt_dir, st, rank, verify=verify, files=files))
+        check_fields(tree, dict(COMMON, **(expect or {})), where)
+        if shadow is not None:
+            tree = _held_by(tree, shadow)
+        tap.check_calls(tree.get("calls"), where, shadow)
+        pre = tree.get("preclip") or {}
+        if not isinstance(pre, dict):
+            raise FormatError(f"{where}: preclip is not an object")
+        tensors = tap.tensors if shadow is None else shadow.tensors
+        for key in tap.grad_keys(tree["calls"], where, shadow) + list(pre):
+            if key not in tensors:
+                raise FormatError(f"{where}: clips a gradient of {key!r}, which this job does not have")
+            meta, path = D.grad_meta(ckpt_dir, st, stored.get(key, key), rank)
+            if math.prod(meta["shape"]) != tensors[key].numel():
+                raise FormatError(f"{where}: the gradient of {key} has shape {meta['shape']}, the tensor "
+                                  f"{tuple(tensors[key].shape)}; recorded by another model or layout")
+            D.open_file(path, files)      # header validated (truncation, offsets) before any step runs
+
+
+def _held_by(tree: dict, shadow: Shadow) -> dict:
+    """The calls (and pre-clip entries) of the optimizers whose tensors the shadow holds (a rebuild
+    may take one of a rank's optimizers: its dense and expert parameters belong to different
+    replica groups)."""
+    return dict(tree, calls=[c for c in tree["calls"] if any(k in shadow.tensors for g in c[1] for k in g[2])],
+                preclip={k: v for k, v in (tree.get("preclip") or {}).items() if k in shadow.tensors})
+
+
 def replay(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], verify: bool = True,
-           preclip: Optional[Callable[[str, object, object], None]] = None, record_rank: Optional[int] = None) -> dict:
+           preclip: Optional[Callable[[str, object, object], None]] = None,
+           record_rank: Optional[int] = None, expect: Optional[Expect] = None) -> Replayed:
     """Replay ``steps`` through ``tap``'s optimizers (collective per step: read, then apply).
     ``preclip(key, grad, args)`` re-applies a recorded unscale/clip (note_preclip) in place.
     ``record_rank``: whose record of each step this rank follows (default: its own rank; another
     when the recording world had other ranks, for optimizers every rank runs identically).
-    Returns the last step's record; the integration restores its scalars, refreshes the
-    low-precision weights and sets ``rank_state`` (the RNG)."""
+    ``expect``: the integration's own fields of a record (see :func:`check_fields`).
+    Every step is checked (:func:`check_steps`) before the first is applied; gradient data that
+    fails its hash stops the replay after the last whole step (``Replayed.damage``).  The
+    integration then restores the last step's scalars, refreshes the low-precision weights and
+    sets ``rank_state`` (the RNG), and calls ``Replayed.conclude``."""
     files: dict = {}
     tap.reindex()
-    last = None
     me = comm.rank if record_rank is None else record_rank
+    try:
+        agree(comm, f"AdaCheck: checking {len(steps)} delta steps of {ckpt_dir}",
+              lambda: check_steps(tap, ckpt_dir, steps, me, verify, files, expect=expect))
+    except AdaCheckError as e:      # nothing applied: the state is the base's
+        return Replayed([], None, e)
+    done: List[D.Step] = []
+    last = None
     for st in steps:
-        tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)",
-                            lambda st=st: _read_step(tap, ckpt_dir, st, me, verify, files))
+        try:
+            tree, grads = agree(comm, f"AdaCheck replay of delta step {st.step} from {ckpt_dir} (read)",
+                                lambda st=st: _read_step(tap, ckpt_dir, st, me, verify, files))
+        except AdaCheckError as e:
+            return _stopped(tap, done, last, e)
         _apply_step(tap, st, tree, grads, preclip)
+        done.append(st)
         last = tree
-    tap.set_group_state(last["param_groups"])
-    return last
+    return _stopped(tap, done, last, None)
+
+
+def _stopped(tap: OptimizerTap, done: List[D.Step], last: Optional[dict], damage) -> Replayed:
+    if last is not None:
+        tap.set_group_state(last["param_groups"])
+    return Replayed(done, last, damage)
 
 
 def replay_rank(tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], rank: int, shadow: Shadow,
-                verify: bool = True, preclip: Optional[Callable[[str, object, object], None]] = None) -> dict:
+                verify: bool = True, preclip: Optional[Callable[[str, object, object], None]] = None,
+                expect: Optional[Expect] = None) -> dict:
     """Replay saving rank ``rank``'s record of ``steps`` on ``shadow`` (that rank's tensors and
     optimizer state, rebuilt by the integration) with this job's optimizer objects: the same
     calls on the same inputs.  Local (no collective).  Returns the last step's record."""
     files: dict = {}
     tap.reindex()
+    check_steps(tap, ckpt_dir, steps, rank, verify, files, shadow, expect)
     last = None
     for st in steps:
         tree, grads = _read_step(tap, ckpt_dir, st, rank, verify, files, shadow)
@@ -245,7 +353,8 @@ def replay_partitions(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[
                       saving: Dict[int, Dict[str, List[Span]]], held: List[Tuple[Span, object]],
                       rebuild: Callable[[int], Shadow], put: Callable[[object, Shadow, str, int, int, int], None],
                       record_rank: int, verify: bool = True,
-                      preclip: Optional[Callable[[str, object, object], None]] = None) -> dict:
+                      preclip: Optional[Callable[[str, object, object], None]] = None,
+                      expect: Optional[Expect] = None) -> Replayed:
     """Replay deltas of a partitioned optimizer (each data-parallel rank steps its own slice of
     the parameters) recorded on another number of data-parallel ranks (collective).
 
@@ -256,14 +365,18 @@ def replay_partitions(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[
     optimizer state as a Shadow), stepped with that rank's recorded calls and gradients (the
     same arithmetic on the same tensors: bit-exact), and ``put(sink, shadow, key, src, at, n)``
     copies the ``n`` elements at ``src`` of the shadow tensor ``key`` (and of its state) to
-    element ``at`` of the held span.  Every held element must be covered.  Returns the record
-    of ``record_rank`` for the last step (the scalars this rank restores)."""
+    element ``at`` of the held span, once every overlapping saving rank has replayed (a damaged
+    or foreign delta leaves the state as the base left it: ``Replayed.damage``).  Every held
+    element must be covered.  ``Replayed.last`` is ``record_rank``'s record of the last step (the
+    scalars this rank restores)."""
     by_name: Dict[object, list] = {}
     for h, sink in held:
         by_name.setdefault(h.name, []).append((h, sink))
 
     def run():
-        covered = done = 0
+        # every overlapping saving rank is replayed before any element is copied into this rank's
+        # state: a failure (damaged delta data) leaves the state as the base left it
+        replayed, covered = [], 0
         for r in sorted(saving):
             pairs = [(key, p, h, sink) for key, ps in saving[r].items() for p in ps
                      for h, sink in by_name.get(p.name, ())
@@ -271,33 +384,36 @@ def replay_partitions(comm: Comm, tap: OptimizerTap, ckpt_dir: str, steps: List[
             if not pairs:
                 continue
             shadow = rebuild(r)
-            replay_rank(tap, ckpt_dir, steps, r, shadow, verify=verify, preclip=preclip)
-            done += 1
-            for key, p, h, sink in pairs:
-                lo, hi = max(p.start, h.start), min(p.start + p.numel, h.start + h.numel)
-                put(sink, shadow, key, p.offset + lo - p.start, lo - h.start, hi - lo)
-                covered += hi - lo
+            replay_rank(tap, ckpt_dir, steps, r, shadow, verify=verify, preclip=preclip, expect=expect)
+            replayed.append((pairs, shadow))
+            covered += sum(min(p.start + p.numel, h.start + h.numel) - max(p.start, h.start) for _, p, h, _ in pairs)
         need = sum(h.numel for h, _ in held)
         if covered != need:
             raise StateError(f"the saving ranks' partitions cover {covered} of the {need} optimizer elements "
                              f"this rank holds; {ckpt_dir} does not describe this model's optimizer")
-        return done, D.read_extra(ckpt_dir, steps[-1], record_rank, verify=verify)
+        last = D.read_extra(ckpt_dir, steps[-1], record_rank, verify=verify)
+        check_fields(last, dict(COMMON, **(expect or {})), f"delta step {steps[-1].step} of {ckpt_dir}")
+        return replayed, last
 
-    done, last = agree(comm, f"AdaCheck replay of {len(steps)} delta steps of {len(saving)} saving ranks' "
-                             f"partitions from {ckpt_dir} on {comm.world_size} ranks", run)
+    try:
+        replayed, last = agree(comm, f"AdaCheck replay of {len(steps)} delta steps of {len(saving)} saving "
+                                     f"ranks' partitions from {ckpt_dir} on {comm.world_size} ranks", run)
+    except AdaCheckError as e:      # damaged or foreign deltas: nothing applied, the state is the base's
+        return Replayed([], None, e)
+    for pairs, shadow in replayed:
+        for key, p, h, sink in pairs:
+            lo, hi = max(p.start, h.start), min(p.start + p.numel, h.start + h.numel)
+            put(sink, shadow, key, p.offset + lo - p.start, lo - h.start, hi - lo)
     tap.set_group_state(last["param_groups"])
-    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' partitions", comm.rank, done)
-    return last
+    log.info("AdaCheck: rank %d replayed the deltas of %d saving ranks' partitions", comm.rank, len(replayed))
+    return Replayed(list(steps), last)
 
 
 def _read_step(tap: OptimizerTap, ckpt_dir: str, st: D.Step, rank: int, verify: bool, files: dict,
                shadow: Optional[Shadow] = None):
     tree, stored = tap.current(D.read_extra(ckpt_dir, st, rank, verify=verify, files=files))
     if shadow is not None:
-        # the calls of the optimizers whose tensors the shadow holds (a rebuild may take one of a
-        # rank's optimizers: its dense and expert parameters belong to different replica groups)
-        tree = dict(tree, calls=[c for c in tree["calls"] if any(k in shadow.tensors for g in c[1] for k in g[2])],
-                    preclip={k: v for k, v in (tree.get("preclip") or {}).items() if k in shadow.tensors})
+        tree = _held_by(tree, shadow)
     keys = tap.grad_keys(tree["calls"], f"delta step {st.step}", shadow)
     return tree, {k: D.read_grad(ckpt_dir, st, stored.get(k, k), rank, verify, files) for k in keys}
 

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .errors import StateError
+from .errors import FormatError, StateError
 
 
 class OptimizerTap:
@@ -144,6 +144,39 @@ class OptimizerTap:
                 g.update(s)
 
     # ------------------------------------------------------------------ replay
+    def check_calls(self, calls, what: str, shadow: Optional["Shadow"] = None) -> None:
+        """Raise FormatError unless ``calls`` (a recorded step's) is a list of ``[optimizer,
+        [[group, hyper-parameters, keys, keys with a gradient], ...]]`` that names this job's
+        optimizers, groups and tensors (or ``shadow``'s), with hyper-parameters of the kinds the
+        live groups hold (a number where the group has a number, a pair where it has a pair...):
+        what replay will do is known to be possible before any of it is done."""
+        tensors = self.tensors if shadow is None else shadow.tensors
+        if not isinstance(calls, list):
+            raise FormatError(f"{what}: calls is not a list")
+        for call in calls:
+            if not (isinstance(call, list) and len(call) == 2 and _index(call[0], len(self._groups))
+                    and isinstance(call[1], list)):
+                raise FormatError(f"{what}: optimizer call {str(call)[:80]} is not [optimizer, groups] of this job")
+            oi, groups = call
+            for group in groups:
+                if not (isinstance(group, list) and len(group) == 4 and _index(group[0], len(self._groups[oi]))
+                        and isinstance(group[1], dict) and all(isinstance(x, list) for x in group[2:])):
+                    raise FormatError(f"{what}: param group {str(group)[:80]} of optimizer {oi} is not "
+                                      "[group, hyper-parameters, keys, keys with gradients] of this job")
+                gi, hyper, keys, with_grad = group
+                if not all(isinstance(k, str) for k in keys + with_grad) or not set(with_grad) <= set(keys):
+                    raise FormatError(f"{what}: group {gi} of optimizer {oi} lists malformed tensor keys")
+                if any(k not in tensors for k in keys):
+                    raise StateError(f"{what} names optimizer tensors this job does not have; it was "
+                                     "recorded by a different model or optimizer")
+                live = self._groups[oi][gi]
+                for name, value in hyper.items():
+                    if name == "params" or (name in live and not _same_kind(value, live[name])):
+                        raise FormatError(
+                            f"{what}: hyper-parameter {name!r} of group {gi} of optimizer {oi} is "
+                            f"{type(value).__name__} {str(value)[:40]}, the optimizer holds a "
+                            f"{type(live.get(name)).__name__} there; the record is damaged or from another optimizer")
+
     def grad_keys(self, calls, what: str, shadow: Optional["Shadow"] = None) -> List[str]:
         """Keys of the gradients ``calls`` need (checked against this optimizer set, or against
         the tensors of ``shadow`` that they will step instead)."""
@@ -199,6 +232,26 @@ class OptimizerTap:
                 g["params"] = params
             for g, hyper in zip(all_groups, saved_hyper or []):
                 g.update(hyper)     # (a shadow step leaves the live hyper-parameters as they are)
+
+
+def _index(i, n: int) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n
+
+
+def _same_kind(recorded, live) -> bool:
+    """A recorded hyper-parameter may stand where the live one does: the same kind of value
+    (numbers and one-element tensors are one kind; sequences element by element)."""
+    if live is None or isinstance(live, bool):
+        return type(recorded) is type(live)
+    if isinstance(live, (int, float)) or (torch.is_tensor(live) and live.numel() == 1):
+        return (isinstance(recorded, (int, float)) and not isinstance(recorded, bool)) or (
+            torch.is_tensor(recorded) and recorded.numel() == 1)
+    if isinstance(live, (tuple, list)):
+        return (isinstance(recorded, (tuple, list)) and len(recorded) == len(live)
+                and all(_same_kind(a, b) for a, b in zip(recorded, live)))
+    if torch.is_tensor(live):
+        return torch.is_tensor(recorded) and recorded.shape == live.shape
+    return type(recorded) is type(live)
 
 
 class Shadow:

@@ -172,9 +172,9 @@ def _plan(per_rank, generation, previous, copies, nodes) -> WritePlan:
         if derivable:
             src = by_name[first.derive][0][1]
             derivable = src.shape == first.shape and src.derive is None
-        if derivable:
-            tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape,
-                                        derived=Derivation(first.derive))
+        if derivable:   # (not diverged: one digest per box)
+            tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, derived=Derivation(
+                first.derive, boxes=tuple((box, next(iter(regions[box]))) for box in sorted(regions))))
             continue
         stored = []
         for box in sorted(regions):

@@ -130,10 +130,13 @@ class Box:
 
 @dataclass(frozen=True)
 class Derivation:
-    """This tensor equals ``source`` cast to its own dtype, proven at save time."""
+    """This tensor equals ``source`` cast to its own dtype, proven at save time.  ``boxes``
+    (format 2): the boxes its holders held, each with the digest of its derived bytes bound to
+    this tensor's identity, so a load verifies what it derives like what it reads."""
 
     source: str
     op: str = "cast"
+    boxes: tuple = ()          # ((Box, digest), ...)
 
     def __post_init__(self):
         if self.op != "cast":

@@ -7,7 +7,10 @@ same for an engine built any other way.  Without the block DeepSpeed is unchange
 """
 from __future__ import annotations
 
+import difflib
+
 from adacheck.config import AdaCheckConfig
+from adacheck.errors import ConfigError
 
 from .engine import AdaCheckDeepSpeed
 
@@ -42,6 +45,42 @@ def _block_of(engine):
     return raw.get("adacheck") if isinstance(raw, dict) else None
 
 
+def _normal(key: str) -> str:
+    return "".join(c for c in key.lower() if c.isalnum())
+
+
+def check_config(raw) -> "AdaCheckConfig | None":
+    """The validated ``"adacheck"`` block of a DeepSpeed config dict (None without one).  A
+    top-level key that looks like a misspelt ``"adacheck"`` (``"adachek"``, ``"AdaCheck"``,
+    ``"ada_check"``) is a ConfigError: DeepSpeed ignores unknown keys, so the block would be
+    silently lost and training would go on with native checkpoints."""
+    if not isinstance(raw, dict):
+        return None
+    for key in raw:
+        if key != "adacheck" and isinstance(key, str) and (
+                _normal(key) == "adacheck" or difflib.SequenceMatcher(None, key.lower(), "adacheck").ratio() >= 0.8):
+            raise ConfigError(f"the DeepSpeed config has a top-level key {key!r}; did you mean \"adacheck\"? "
+                              "DeepSpeed ignores unknown keys, so this block would not turn AdaCheck on. Rename it "
+                              "to \"adacheck\".")
+    block = raw.get("adacheck")
+    return AdaCheckConfig.from_dict(block) if block is not None else None
+
+
+def _config_given(args, kwargs):
+    """The DeepSpeed config dict an engine is being built from, before DeepSpeed builds it."""
+    config_class = kwargs.get("config_class")
+    raw = getattr(config_class, "_param_dict", None)
+    if isinstance(raw, dict):
+        return raw
+    config = kwargs.get("config")
+    if config is None:
+        config = getattr(kwargs.get("args", args[0] if args else None), "deepspeed_config", None)
+    if isinstance(config, str):
+        from deepspeed.runtime.config import load_ds_config
+        config = load_ds_config(config)
+    return config if isinstance(config, dict) else None
+
+
 def save_native(engine, *args, **kwargs):
     """DeepSpeed's own save_checkpoint, whatever is attached."""
     install()
@@ -62,13 +101,15 @@ def install() -> None:
                  load=DeepSpeedEngine.load_checkpoint)
 
     def __init__(self, *args, **kwargs):
+        # validated before DeepSpeed builds anything: a mistake costs no model start-up
+        config = check_config(_config_given(args, kwargs))
         _ORIG["init"](self, *args, **kwargs)
         block = _block_of(self)
+        if config is None and block is not None:    # (a config DeepSpeed found some other way)
+            config = AdaCheckConfig.from_dict(block)
         self.adacheck = None
-        if block is not None:
-            config = AdaCheckConfig.from_dict(block)   # validated at start-up, enabled or not
-            if config.enabled:
-                self.adacheck = AdaCheckDeepSpeed(self, config)
+        if config is not None and config.enabled:
+            self.adacheck = AdaCheckDeepSpeed(self, config)
 
     def save_checkpoint(self, *args, **kwargs):
         ac = getattr(self, "adacheck", None)

@@ -11,7 +11,8 @@ import torch
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck.commit import list_checkpoints, read_latest
+from adacheck import lifecycle
+from adacheck.commit import has_checkpoint, latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.errors import StateError
 from adacheck.exchange import TorchComm, SoloComm
@@ -56,11 +57,11 @@ def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
     """The directory of a native DeepSpeed checkpoint that ``load_checkpoint(load_dir, tag)``
     means (DeepSpeed's 'latest' and AdaCheck's have the same name and content), or None."""
     if tag is None:
-        try:
-            with open(os.path.join(load_dir, "latest"), encoding="utf-8") as f:
-                tag = f.read().strip()
-        except OSError:
+        tag = latest_or_none(load_dir)     # (damaged: AdaCheck's load reports it)
+        if tag is None:
             return None
+    if os.path.basename(str(tag)) != str(tag) or str(tag) in ("", ".", ".."):
+        return None
     d = os.path.join(load_dir, str(tag))
     if not os.path.isdir(d) or os.path.exists(os.path.join(d, "manifest.json")):
         return None
@@ -73,6 +74,7 @@ class AdaCheckDeepSpeed:
     def __init__(self, engine, config: AdaCheckConfig):
         self.engine = engine
         self.config = config
+        lifecycle.register()      # writers closed and gloo settled when the script ends
         self.last_manifest = None
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
         self.replay_until = None    # load replays committed deltas up to this step (None: all)
@@ -188,9 +190,7 @@ class AdaCheckDeepSpeed:
         load_dir = self.config.save_dir or load_dir
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
-        if tag is None and read_latest(load_dir) is None and not any(
-                m is not None for _, m, _ in list_checkpoints(load_dir)) and not os.path.isfile(
-                os.path.join(load_dir, "manifest.json")):
+        if tag is None and not has_checkpoint(load_dir):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
             return None, None
         native = _native_checkpoint(load_dir, tag)
@@ -232,12 +232,13 @@ class AdaCheckDeepSpeed:
                     set_rng_state(st.rank_objects["rng"])
             return obj.get("client_state") or {}
 
-        ckpt_dir, manifest, client_state = core.load(comm, load_dir, tag, read, apply,
-                                                     verify=self.config.verify_on_load)
+        ckpt_dir, manifest, client_state = core.load(
+            comm, load_dir, tag, read, apply, verify=self.config.verify_on_load, on_corrupt=self.config.on_corrupt,
+            how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
         last = manifest.step
         if want_optim and load_lr_scheduler_states:
             from .online import recover
-            last = recover(self, ckpt_dir, manifest, latest=read_latest(load_dir) == manifest.tag,
+            last = recover(self, ckpt_dir, manifest, latest=latest_or_none(load_dir) == manifest.tag,
                            saved_optimizer=(loaded["objects"].get("model_spec") or {}).get("optimizer"))
         else:
             from adacheck.deltas import step_dirs

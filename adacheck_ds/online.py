@@ -176,6 +176,17 @@ class OnlineDS:
             self.engine.destroy = self._orig_destroy
 
 
+def _optional_dict(v) -> bool:
+    return v is None or isinstance(v, dict)
+
+
+# the fields of a delta record that recover() restores (written by scalars())
+EXPECT = {"counters": (lambda v: isinstance(v, dict) and all(O.is_int(x) for x in v.values()),
+                       "an object of integer counters"),
+          "lr_scheduler": (_optional_dict, "the scheduler's state (an object) or null"),
+          "loss_scaler": (_optional_dict, "the loss scaler's state (an object) or null")}
+
+
 def scalars(ac) -> dict:
     e = ac.engine
     return {"counters": {k: int(getattr(e, k)) for k in ("global_steps", "global_samples", "skipped_steps",
@@ -193,7 +204,8 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
     e = ac.engine
     comm = ac.comm()
     world = int(manifest.topology.get("world_size", 1))
-    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=ac.replay_until)
+    strict = ac.config.on_corrupt != "fallback"
+    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=ac.replay_until, strict=strict)
     refused = False
     if steps:
         lay = S.describe(e)
@@ -221,38 +233,46 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
                         comm.world_size, lay.stage, lay.kind, mine, lay.tp[1], manifest.step)
             steps, refused = [], True
     last_step = manifest.step
+    result = None
     if steps:
         lay, tap = (ac.online.lay, ac.online.tap) if ac.online is not None else _tap(e)
         t0 = time.perf_counter()
         try:
             if world != comm.world_size and lay.kind not in _REPLICATED:
-                last = _replay_partitions(ac, tap, lay, ckpt_dir, manifest, steps, maps)
+                result = _replay_partitions(ac, tap, lay, ckpt_dir, manifest, steps, maps)
             else:
-                last = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
-                                preclip=lambda key, g, a: _preclip(e, g, a),
-                                record_rank=comm.rank if world == comm.world_size else
-                                _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]))
+                result = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
+                                  preclip=lambda key, g, a: _preclip(e, g, a),
+                                  record_rank=comm.rank if world == comm.world_size else
+                                  _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]),
+                                  expect=EXPECT)
         finally:
             if ac.online is None:
                 tap.remove()
-        _refresh_low_precision(e, lay)
-        ac._apply_scalars(last)
-        if comm.rank < world:   # (as the base load: a rank the saving job did not have keeps its RNG)
-            set_rng_state(last["rank_state"])
-        last_step = steps[-1].step
-        seconds = time.perf_counter() - t0
-        ac.last_replay = {"steps": len(steps), "seconds": seconds, "bytes": sum(s.bytes for s in steps)}
-        O.describe_replay(steps, manifest.step, seconds, why)
+        if result.last is not None:
+            _refresh_low_precision(e, lay)
+            ac._apply_scalars(result.last)
+            if comm.rank < world:   # (as the base load: a rank the saving job did not have keeps its RNG)
+                set_rng_state(result.last["rank_state"])
+            last_step = result.steps[-1].step
+            seconds = time.perf_counter() - t0
+            ac.last_replay = {"steps": len(result.steps), "seconds": seconds,
+                              "bytes": sum(s.bytes for s in result.steps)}
+            O.describe_replay(result.steps, manifest.step, seconds, why)
     if ac.online is not None:
         rec = ac.online.recorder
         # continue that chain only where this job replayed it: going on after the base would
-        # replace the committed deltas it could not replay (the next step takes a base instead)
-        if latest and not refused and world == comm.world_size and \
+        # replace the committed deltas it could not replay (the next step takes a base instead);
+        # a damaged chain is left as it is (the next step takes a base)
+        damaged = result is not None and result.damage is not None
+        if latest and not refused and not damaged and world == comm.world_size and \
                 os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(ac.online.save_dir):
             rec.start_chain(manifest.tag, int(manifest.step), resume_after=last_step)
         else:
             rec.base_step = None     # not the newest chain (or another world): the next step takes a base
         ac.online.tap.reindex()
+    if result is not None:
+        result.conclude(strict, ckpt_dir, manifest.step)
     return last_step
 
 
@@ -267,8 +287,8 @@ def _replay_partitions(ac, tap: OptimizerTap, lay: S.Layout, ckpt_dir: str, mani
     another number of data-parallel ranks (``O.replay_partitions``): the saving ranks'
     partitions that overlap this rank's (same tensor-parallel rank) are rebuilt from the base,
     stepped with their records, and the part this rank holds now is copied into its own
-    partition: master weights and optimizer state.  Returns the record of the last step this
-    rank follows (its own saving rank's, else the first of its TP rank)."""
+    partition: master weights and optimizer state.  ``Replayed.last`` is the record of the last
+    step this rank follows (its own saving rank's, else the first of its TP rank)."""
     e = ac.engine
     verify = ac.config.verify_on_load
     saved = manifest.layout.get("ranks", [])
@@ -305,7 +325,7 @@ def _replay_partitions(ac, tap: OptimizerTap, lay: S.Layout, ckpt_dir: str, mani
     held = [(O.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
     return O.replay_partitions(ac.comm(), tap, ckpt_dir, steps, saving, held, rebuild, put,
                                _record_rank(saved, lay.tp[0], S.data_parallel(e)[0]), verify=verify,
-                               preclip=lambda key, g, a: _preclip(e, g, a))
+                               preclip=lambda key, g, a: _preclip(e, g, a), expect=EXPECT)
 
 
 def _as_live(opt, name: str, v):

@@ -32,7 +32,7 @@ import torch
 import adacheck
 from adacheck import checkpoint as core
 from adacheck import jsontree
-from adacheck.commit import list_checkpoints, read_latest
+from adacheck.commit import latest_or_none, list_checkpoints
 from adacheck.config import AdaCheckConfig
 from adacheck.deltas import base_for_step
 from adacheck.errors import ConfigError, StateError
@@ -300,7 +300,7 @@ def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
     """The Megatron (torch_dist / legacy) checkpoint to load instead, when ``load_dir`` holds
     one and no AdaCheck checkpoint: an existing run switching to AdaCheck loads its last
     native checkpoint with Megatron's own loader; the next save is AdaCheck's."""
-    if not load_dir or read_latest(load_dir) is not None:
+    if not load_dir or os.path.exists(os.path.join(load_dir, "latest")):
         return None
     tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
@@ -308,6 +308,12 @@ def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
     with open(tracker) as f:
         it = f.read().strip()
     return os.path.join(load_dir, "release" if it == "release" else f"iter_{int(it):07d}")
+
+
+def _how_to_load(tag: str, manifest) -> str:
+    """How a Megatron-LM user loads checkpoint ``tag`` (error messages)."""
+    return (f"--ckpt-step {manifest.step} (load_checkpoint(..., iteration={manifest.step}))"
+            if manifest.step is not None else f"load_checkpoint(..., tag={tag!r})")
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
@@ -334,7 +340,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         if tag is not None:
             raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
         tag, until = base_for_step(load_dir, int(iteration)), int(iteration)
-    if tag is None and read_latest(load_dir) is None and not os.path.isfile(
+    if tag is None and not os.path.exists(os.path.join(load_dir, "latest")) and not os.path.isfile(
             os.path.join(load_dir, "manifest.json")):
         complete = [t for t, m, _ in list_checkpoints(load_dir) if m is not None] if os.path.isdir(load_dir) else []
         if complete:
@@ -422,7 +428,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                           f"current values: {missing[:8]}")
         return objects
 
-    ckpt_dir, manifest, objects = core.load(comm, load_dir, tag, read, apply, verify=cfg.verify_on_load)
+    ckpt_dir, manifest, objects = core.load(comm, load_dir, tag, read, apply, verify=cfg.verify_on_load,
+                                            on_corrupt=cfg.on_corrupt, how_to_load=_how_to_load)
     iteration = 0 if finetune else int(objects["iteration"])
     if load_optim and opt_param_scheduler is not None:
         from . import online
@@ -438,10 +445,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                   and (topo["ep"] == 1 or (all("expert" in v for m in maps for v in m.values())
                                            and (topo["etp"] == 1 or all("etp_rank" in s for s in saved)))))
         iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
-                                   latest=read_latest(load_dir) == manifest.tag and until is None,
+                                   latest=latest_or_none(load_dir) == manifest.tag and until is None,
                                    same_layout=same, iteration=iteration, until=until,
                                    record_rank=replay_rank(saved, topo, replicated), shards=shards,
-                                   verify=cfg.verify_on_load)
+                                   verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback")
     elif until is not None and until != iteration:
         raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
                           "state (not with --no-load-optim / --finetune)")

@@ -13,6 +13,7 @@
   --[no-]adacheck-reference-previous
   --adacheck-redundancy-factor K  redundancy_factor
   --adacheck-exchange {ring,allgather}
+  --adacheck-on-corrupt {raise,fallback}
   --adacheck-online               online.enabled (gradient deltas after every step)
   --adacheck-online-base-interval N|auto
   --[no-]adacheck-online-compact
@@ -36,12 +37,12 @@ import re
 from dataclasses import fields
 from typing import List, Tuple
 
-from adacheck.config import ON_ERROR, AdaCheckConfig, OnlineConfig
+from adacheck.config import ON_CORRUPT, ON_ERROR, AdaCheckConfig, OnlineConfig
 from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
-_CHOICES = {"exchange": EXCHANGES, "online.on_error": ON_ERROR}
+_CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "online.on_error": ON_ERROR}
 
 
 def _keys() -> List[Tuple[str, object]]:

@@ -267,7 +267,7 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
     ranks (``O.replay_partitions``): the saving ranks' main-parameter shards of the same
     replicas (below) that overlap this rank's are rebuilt from the base, stepped
     with their records, and the ranges this rank holds now are copied into its main weights
-    and optimizer state.  Returns the last record."""
+    and optimizer state.  ``Replayed.last`` is the last record."""
     from .checkpointing import same_coords, sharded_state_dict, topology
     topo = topology()
     saved = manifest.layout.get("ranks", [])
@@ -331,8 +331,17 @@ def _replay_shards(comm, tap: OptimizerTap, ckpt_dir: str, manifest, steps, mode
             subs[oi].optimizer.state[live["param"]]["step"] = st["step"].clone()
 
     return O.replay_partitions(comm, tap, ckpt_dir, steps, saving, held, rebuild, put,
-                               min(saving, default=0), verify=verify, preclip=preclip)
+                               min(saving, default=0), verify=verify, preclip=preclip, expect=EXPECT)
 
+
+def _optional(kind):
+    return lambda v: v is None or isinstance(v, kind)
+
+
+# the fields of a delta record that recover() restores (written by OnlineMegatron._post_step)
+EXPECT = {"iteration": (O.is_int, "an integer"), "increment": (O.is_int, "an integer"),
+          "scheduler": (_optional(dict), "the scheduler's state (an object) or null"),
+          "grad_scalers": (_optional(list), "a list of loss-scaler states or null")}
 
 _DENSE_COORDS = ("tp_rank", "pp_rank", "cp_rank")
 _EXPERT_COORDS = ("pp_rank", "ep_rank", "etp_rank")
@@ -362,16 +371,19 @@ def _refresh_model_params(optimizer) -> None:
 
 def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler, latest: bool,
             same_layout: bool, iteration: int, until: Optional[int] = None,
-            record_rank: Optional[int] = None, shards: bool = False, verify: bool = True) -> int:
+            record_rank: Optional[int] = None, shards: bool = False, verify: bool = True,
+            strict: bool = True) -> int:
     """Replay the committed deltas of the base just loaded (collective), all of them or those up
     to iteration ``until``; returns the iteration. ``record_rank``: the saving job's rank whose
     records this rank follows when the layout differs only in data-parallel size and every
     data-parallel rank ran the same optimizer (see checkpointing.replay_rank); ``shards``: the
     layout differs only in data-parallel size and the distributed optimizer's shards are
-    rebuilt (``_replay_shards``); neither: replay only in the saving layout."""
+    rebuilt (``_replay_shards``); neither: replay only in the saving layout.  ``strict``: damaged
+    deltas fail the load (after the job holds the last intact step); else it goes on from there
+    with a warning."""
     on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
     world = int(manifest.topology.get("world_size", 1))
-    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=until)
+    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=until, strict=strict)
     if until is not None and until != (steps[-1].step if steps else manifest.step):
         raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
                           f"committed online deltas")
@@ -385,33 +397,40 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
         log.warning("AdaCheck: %s has %d committed delta iterations (to %d); they replay %s, so this job starts "
                     "from the base's iteration %d", ckpt_dir, len(steps), steps[-1].step, where, manifest.step)
         steps = []
+    result = None
     if steps:
         tap = on.tap if on is not None else make_tap(optimizer)
         t0 = time.perf_counter()
         try:
             if shards:
-                last = _replay_shards(comm, tap, ckpt_dir, manifest, steps, model, optimizer, verify)
+                result = _replay_shards(comm, tap, ckpt_dir, manifest, steps, model, optimizer, verify)
             else:
-                last = O.replay(comm, tap, ckpt_dir, steps, verify=verify, preclip=preclip,
-                                record_rank=comm.rank if same_layout else record_rank)
+                result = O.replay(comm, tap, ckpt_dir, steps, verify=verify, preclip=preclip,
+                                  record_rank=comm.rank if same_layout else record_rank, expect=EXPECT)
         finally:
             if on is None:
                 tap.remove()
-        _refresh_model_params(optimizer)
-        set_grad_scalers(optimizer, last.get("grad_scalers"))
-        if opt_param_scheduler is not None and last.get("scheduler") is not None:
-            load_scheduler(opt_param_scheduler, last["scheduler"])
-            if last["increment"]:
-                opt_param_scheduler.step(increment=last["increment"])
-        if same_layout:   # (as the base load: RNG states belong to the saving layout)
-            set_rank_state(last["rank_state"])
-        iteration = int(last["iteration"])
-        O.describe_replay(steps, manifest.step, time.perf_counter() - t0, why)
+        last = result.last
+        if last is not None:
+            _refresh_model_params(optimizer)
+            set_grad_scalers(optimizer, last.get("grad_scalers"))
+            if opt_param_scheduler is not None and last.get("scheduler") is not None:
+                load_scheduler(opt_param_scheduler, last["scheduler"])
+                if last["increment"]:
+                    opt_param_scheduler.step(increment=last["increment"])
+            if same_layout:   # (as the base load: RNG states belong to the saving layout)
+                set_rank_state(last["rank_state"])
+            iteration = int(last["iteration"])
+            O.describe_replay(result.steps, manifest.step, time.perf_counter() - t0, why)
+    damaged = result is not None and result.damage is not None
     if on is not None:
         on.iteration = iteration
         on.tap.reindex()
-        if latest and same_layout and os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(on.save_dir):
+        if latest and same_layout and not damaged and \
+                os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(on.save_dir):
             on.recorder.start_chain(manifest.tag, int(manifest.step), resume_after=iteration)
         else:
-            on.recorder.base_step = None
+            on.recorder.base_step = None      # (a damaged chain is left as it is: the next step takes a base)
+    if result is not None:
+        result.conclude(strict, ckpt_dir, manifest.step)
     return iteration

@@ -25,7 +25,7 @@ import torch
 
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard
-from adacheck.errors import FormatError, StateError
+from adacheck.errors import StateError
 from adacheck.types import Box
 from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, merge,
                                                         nested_values)
@@ -247,7 +247,7 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
     def fill(v):
         if isinstance(v, ShardedObject):
             if v.unique_key not in sharded_objects:
-                raise FormatError(f"{reader.dir}: the checkpoint has no object {v.unique_key!r} "
+                raise StateError(f"{reader.dir}: the checkpoint has no object {v.unique_key!r} "
                                   f"(saved: {sorted(sharded_objects)[:8]})")
             return sharded_objects[v.unique_key]
         if not isinstance(v, ShardedTensor):
@@ -256,7 +256,7 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
             if any(a in v.key for a in absent):
                 return v.data
             if strict:
-                raise FormatError(f"{reader.dir}: the checkpoint has no tensor {v.key!r}; is it a "
+                raise StateError(f"{reader.dir}: the checkpoint has no tensor {v.key!r}; is it a "
                                   "checkpoint of this model? (load with strict=False to keep the "
                                   "current values of missing tensors)")
             missing.append(v.key)
@@ -268,7 +268,7 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
             out = torch.empty(v.flattened_range.stop - v.flattened_range.start, dtype=v.dtype)
         if tuple(e.shape) != tuple(v.global_shape):
             if not (v.allow_shape_mismatch and v.flattened_range is None and len(e.shape) == len(v.global_shape)):
-                raise FormatError(f"{v.key}: the checkpoint holds shape {list(e.shape)} but this model "
+                raise StateError(f"{v.key}: the checkpoint holds shape {list(e.shape)} but this model "
                                   f"needs {list(v.global_shape)}; model configurations differ")
             # declared padding (vocabulary padded to a multiple of the TP size): the part both
             # shapes have is loaded, the rest of this model's padding is zero
@@ -442,7 +442,7 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
     """Read this rank's ranges of every DistributedOptimizer state (nothing is changed yet)."""
     subs = distributed_optimizers(optimizer)
     if not commons:
-        raise FormatError(f"{reader.dir}: the checkpoint has no DistributedOptimizer state; load "
+        raise StateError(f"{reader.dir}: the checkpoint has no DistributedOptimizer state; load "
                           "with --no-load-optim to take the weights only")
     by_param = _param_to_sharded(model_sd)
     init_empty_state(subs)
@@ -459,7 +459,7 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
                 e = reader.entry(name)
                 if tuple(e.shape) != tuple(meta.global_shape):
                     if not (meta.allow_shape_mismatch and len(e.shape) == len(meta.global_shape)):
-                        raise FormatError(f"{name}: the checkpoint holds shape {list(e.shape)} but "
+                        raise StateError(f"{name}: the checkpoint holds shape {list(e.shape)} but "
                                           f"this model needs {list(meta.global_shape)}")
                     # padded vocabulary (see stage_load): common part loaded, the rest zero
                     box = _global_box(meta)

@@ -4,7 +4,8 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
                   "frozen": [name prefixes], "zero": {extra zero_optimization keys},
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
-dump NAME | marker NAME | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES | expect_error SUBSTRING ACTION...
+dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
+expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
 """
@@ -286,6 +287,9 @@ def act(engine, a, rec, out_dir, rank):
             save_file(st, os.path.join(out_dir, f"{a[1]}.safetensors"))
     elif op == "marker":
         open(os.path.join(out_dir, f"{a[1]}-rank{rank}"), "w").close()
+    elif op == "latest":   # latest DIR: what DIR/latest names now (None: no such file)
+        p = os.path.join(a[1], "latest")
+        rec.setdefault("latest", []).append(open(p).read().strip() if os.path.exists(p) else None)
     elif op == "fsize_limit":
         if rank == a[1]:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from adacheck import deltas as D
-from adacheck.errors import IntegrityError, StateError
+from adacheck.errors import FormatError, IntegrityError, StateError
 
 
 def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
@@ -33,9 +33,11 @@ def test_committed_steps_stop_at_the_first_incomplete_or_missing_step(tmp_path):
     steps, why = D.committed_steps(ck, 1, 2)
     assert [s.step for s in steps] == [2, 3] and "step 4 is incomplete (rank 1" in why
     with open(os.path.join(D.step_dir(ck, 3), "rank0.json"), "w") as f:
-        f.write('{"version": 1, "step": 3, "tens')    # torn record
-    assert [s.step for s in D.committed_steps(ck, 1, 2)[0]] == [2]
-    assert D.committed_steps(ck, 2, 2)[1].startswith("step 3 is incomplete")
+        f.write('{"version": 1, "step": 3, "tens')    # a damaged record (records appear by rename, whole)
+    with pytest.raises(FormatError, match=r"rank0.json: not valid JSON.*damaged at step 3: to recover step 2"):
+        D.committed_steps(ck, 1, 2)
+    steps, why = D.committed_steps(ck, 1, 2, strict=False)
+    assert [s.step for s in steps] == [2] and why.startswith("step 3 is damaged: ")
     assert D.remove_steps_after(ck, 2) == [3, 4, 5, 7] and D.step_dirs(ck) == [2]
 
 
@@ -91,7 +93,7 @@ def test_a_corrupted_gradient_is_refused(tmp_path):
     open(path, "wb").write(bytes(data))
     (st,), _ = D.committed_steps(ck, 0, 1)
     # the error says what can still be recovered, and how
-    with pytest.raises(IntegrityError, match=r"does not match its recorded hash \(corrupted\); to recover "
+    with pytest.raises(IntegrityError, match=r"does not match its recorded hash \(corrupted, or not what the record says it is\); to recover "
                                              r"step 0 instead, remove .*0000000001 and the step directories"):
         D.read_grad(ck, st, "g", 0)
 
@@ -140,6 +142,9 @@ def test_write_error_disables_or_raises(tmp_path):
         if on_error == "raise":
             with pytest.raises(OSError):
                 lg.begin(2)
+            with pytest.raises(OSError):    # closing says so too (and stops the writer thread)
+                lg.close()
+            assert not lg._thread.is_alive()
         else:
             with pytest.warns(UserWarning, match="online mode disabled on rank 0"):
                 lg.begin(2)

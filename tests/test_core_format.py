@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import warnings
 import weakref
 
 import pytest
@@ -10,12 +11,15 @@ from safetensors.torch import load_file
 
 from adacheck import deltas as D
 from adacheck.boxes import flat_range_to_boxes
-from adacheck.checkpoint import CheckpointReader, DeferredSource, LocalShard, LocalState, load, resolve, save
+from adacheck.checkpoint import (CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
+                                 resolve, save)
+from adacheck.manifest import checksum
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
 from adacheck.exchange import SoloComm
 from adacheck.types import Box
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v1")
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
+GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1")   # written by format 1
 
 
 def golden_state():
@@ -44,15 +48,55 @@ def test_golden_bytes(tmp_path):
         assert (tmp_path / "step7" / name).read_bytes() == open(os.path.join(GOLDEN, name), "rb").read(), name
 
 
-def test_golden_loads_and_is_standard_safetensors(tmp_path):
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1])
+def test_golden_loads_and_is_standard_safetensors(golden):
+    """Both format versions load (format 1 with a warning that it lacks the identity binding)."""
     w, _ = golden_state()
-    r = CheckpointReader(GOLDEN)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = CheckpointReader(golden)
+    legacy = [c for c in caught if issubclass(c.category, LegacyFormatWarning)]
+    assert len(legacy) == (1 if golden == GOLDEN_V1 else 0)
     assert torch.equal(r.read("master/w"), w)
     assert torch.equal(r.read("model/w"), w.bfloat16())
     assert r.objects()["sched"] == {"last_epoch": 7}
     assert torch.equal(r.objects()["t"], torch.arange(2))
-    raw = load_file(os.path.join(GOLDEN, "rank00000-g0.safetensors"))
+    raw = load_file(os.path.join(golden, "rank00000-g0.safetensors"))
     assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
+
+
+def test_golden_hashes_follow_the_written_spec():
+    """The format-2 digests and checksum, computed here from the spec with xxhash alone (not
+    with AdaCheck's code): a box's hash is xxh3-128 of b"adacheck-identity-v1\\n", the 8-byte
+    little-endian length of the identity JSON ["box", name, dtype, shape, offsets, lengths]
+    (compact), that JSON, then the box's bytes; the manifest's checksum is xxh3-128 of its
+    canonical JSON (sorted keys, compact, UTF-8) without the checksum field."""
+    import xxhash
+    with open(os.path.join(GOLDEN, "manifest.json")) as f:
+        man = json.load(f)
+    raw = load_file(os.path.join(GOLDEN, "rank00000-g0.safetensors"))
+    checked = 0
+    for name, t in man["tensors"].items():
+        for b in t.get("boxes", []):
+            ident = json.dumps(["box", name, t["dtype"], t["shape"], b["offsets"], b["lengths"]],
+                               separators=(",", ":")).encode()
+            h = xxhash.xxh3_128(b"adacheck-identity-v1\n" + len(ident).to_bytes(8, "little") + ident)
+            data = raw[b["key"]].contiguous()
+            h.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+            assert b["hash"] == "xxh3_128:" + h.hexdigest(), name
+            checked += 1
+    assert checked == 3
+    # a derived tensor records, per box its holders held, the digest of the derived bytes (the
+    # source's, cast to its dtype) bound to the derived tensor's identity
+    d = man["tensors"]["model/w"]["derived"]
+    (b,) = d["boxes"]
+    ident = json.dumps(["box", "model/w", "bfloat16", [3, 5], b["offsets"], b["lengths"]], separators=(",", ":")).encode()
+    h = xxhash.xxh3_128(b"adacheck-identity-v1\n" + len(ident).to_bytes(8, "little") + ident)
+    h.update(raw["master/w@0+3_0+5"].bfloat16().reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert d["source"] == "master/w" and b["hash"] == "xxh3_128:" + h.hexdigest()
+    body = {k: v for k, v in man.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    assert man["checksum"] == "xxh3_128:" + xxhash.xxh3_128(text).hexdigest()
 
 
 def test_deferred_tensors_save_the_same_bytes_reading_one_tensor_at_a_time(tmp_path):
@@ -126,10 +170,14 @@ def test_truncated_file(ckpt):
         read_all(ckpt)
 
 
-def edit_manifest(ckpt, fn):
+def edit_manifest(ckpt, fn, rechecksum=True):
+    """Edit the manifest as a tool would (``rechecksum``: its checksum made to match again, so
+    that the field checks behind it are reached) or by hand (the checksum left as it was)."""
     p = ckpt / "manifest.json"
     d = json.loads(p.read_text())
     fn(d)
+    if rechecksum:
+        d["checksum"] = checksum(d)
     p.write_text(json.dumps(d))
 
 
@@ -154,6 +202,90 @@ def test_bad_manifests_are_rejected_before_use(ckpt, edit, match):
     edit_manifest(ckpt, edit)
     with pytest.raises(FormatError, match=match):
         CheckpointReader(str(ckpt))
+
+
+def test_a_hand_edit_of_the_manifest_breaks_its_checksum(ckpt):
+    """Any change of meaning, however small and however valid the result, is refused before the
+    manifest is used; formatting (indentation, key order) is not a change of meaning."""
+    edit_manifest(ckpt, lambda d: d.update(step=8), rechecksum=False)
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
+        CheckpointReader(str(ckpt))
+    edit_manifest(ckpt, lambda d: d.update(step=7), rechecksum=False)   # back as it was: compact JSON
+    assert CheckpointReader(str(ckpt)).manifest.step == 7
+
+
+def chunked(tmp_path):
+    """A checkpoint of two same-shape tensors, each stored as three row chunks."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    state = LocalState([LocalShard("master/a", "master", (6, 4), Box.full((6, 4)), a),
+                        LocalShard("master/b", "master", (6, 4), Box.full((6, 4)), b)], step=1)
+    save(SoloComm(), str(tmp_path), "s", lambda: state, chunk_bytes=32)
+    return tmp_path / "s", a, b
+
+
+def test_moving_boxes_in_a_self_consistent_manifest_is_an_integrity_error(tmp_path):
+    """The audit's attack: swap the offsets of two row chunks of one tensor, or the names of two
+    same-shape tensors, and make the checksum match again.  Every hash still matches its bytes,
+    but not what the box claims to be: the load fails instead of exchanging the rows."""
+    ckpt, a, b = chunked(tmp_path)
+    assert len(CheckpointReader(str(ckpt)).manifest.tensors["master/a"].boxes) == 3
+    pristine = (ckpt / "manifest.json").read_text()
+    for read in (lambda r: r.read("master/a"), lambda r: r.read("master/a", Box((2, 0), (2, 4)))):
+        def swap_offsets(d):
+            boxes = d["tensors"]["master/a"]["boxes"]
+            boxes[0]["offsets"], boxes[1]["offsets"] = boxes[1]["offsets"], boxes[0]["offsets"]
+        edit_manifest(ckpt, swap_offsets)
+        with pytest.raises(IntegrityError, match="master/a"):
+            read(CheckpointReader(str(ckpt)))
+        (ckpt / "manifest.json").write_text(pristine)
+
+    def swap_names(d):
+        t = d["tensors"]
+        t["master/a"], t["master/b"] = t["master/b"], t["master/a"]
+    edit_manifest(ckpt, swap_names)
+    r = CheckpointReader(str(ckpt))
+    for name in ("master/a", "master/b"):
+        with pytest.raises(IntegrityError, match=name):
+            r.read(name)
+    (ckpt / "manifest.json").write_text(pristine)
+    r = CheckpointReader(str(ckpt))
+    assert torch.equal(r.read("master/a"), a) and torch.equal(r.read("master/b"), b)
+
+
+def test_a_derivation_pointed_at_another_source_is_refused(tmp_path):
+    """A derived (proven-cast) tensor is checked like a stored one: its derivation moved to
+    another tensor of the same shape, checksum matching again, fails instead of loading the cast
+    of the wrong tensor."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    state = LocalState([LocalShard("master/a", "master", (4, 3), Box.full((4, 3)), a),
+                        LocalShard("master/b", "master", (4, 3), Box.full((4, 3)), b),
+                        LocalShard("model/a", "model", (4, 3), Box.full((4, 3)), a.bfloat16(), derive="master/a",
+                                   derive_ok=True)], step=1)
+    save(SoloComm(), str(tmp_path), "s", lambda: state)
+    ckpt = tmp_path / "s"
+    assert torch.equal(CheckpointReader(str(ckpt)).read("model/a"), a.bfloat16())
+    edit_manifest(ckpt, lambda d: d["tensors"]["model/a"]["derived"].update(source="master/b"))
+    with pytest.raises(IntegrityError, match="model/a.*derived from master/b"):
+        CheckpointReader(str(ckpt)).read("model/a")
+    assert torch.equal(CheckpointReader(str(ckpt), verify=False).read("model/a"), b.bfloat16())   # (unchecked)
+
+
+def test_a_box_pointing_at_another_tensors_bytes_is_refused_also_from_the_cache(tmp_path):
+    """Two tensors' boxes naming the same stored bytes (and hash): the bytes were verified for
+    one identity and are not handed out for the other."""
+    ckpt, a, b = chunked(tmp_path)
+
+    def alias(d):
+        t = d["tensors"]
+        for ba, bb in zip(t["master/a"]["boxes"], t["master/b"]["boxes"]):
+            bb.update(file=ba["file"], key=ba["key"], hash=ba["hash"])
+    edit_manifest(ckpt, alias)
+    r = CheckpointReader(str(ckpt))
+    assert torch.equal(r.read("master/a"), a)       # (now in the cache)
+    with pytest.raises(IntegrityError, match="master/b"):
+        r.read("master/b")
 
 
 def test_manifest_shape_disagreeing_with_file_header(ckpt):

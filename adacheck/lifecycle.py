@@ -1,0 +1,78 @@
+"""What AdaCheck finishes when the interpreter exits, however the training script ends.
+
+Most training scripts end without ``engine.destroy()`` or ``destroy_process_group()``.  At
+interpreter exit (``atexit``, which runs before Python starts tearing its threads down) AdaCheck
+
+1. closes every open background writer (:func:`keep`): what was promised is committed (the
+   last online delta step becomes recoverable) and the writer thread is joined, so no thread of
+   AdaCheck's is inside torch when the interpreter finalizes;
+2. releases the GIL for a moment (:data:`SETTLE_SECONDS`) when a gloo process group exists.
+   A gloo worker thread that finishes a collective may hold the last reference to a tensor
+   that Python already let go of; freeing it needs the GIL.  Once finalization has begun,
+   Python ends any thread that asks for the GIL with ``pthread_exit``, and the unwind through
+   gloo's C++ frames aborts the process ("terminate called without an active exception",
+   SIGABRT, seen with gdb in ``ProcessGroupGloo::runLoop``): torchrun then reports a job that
+   finished its work as failed.  Native DeepSpeed has the same race (one abort in 12 runs of a
+   load-and-step script here).  Gloo's threads cannot be joined from Python while the framework
+   holds its groups (``destroy_process_group`` and the backend's ``shutdown``/``abort`` leave
+   them running in torch 2.13), so AdaCheck lets a waiting worker finish its cleanup while the
+   interpreter is still whole.  This is local: no collective runs at exit, so a rank that
+   crashed never makes the others wait.
+
+The hook is registered once per process, when an integration attaches AdaCheck to a job
+(:func:`register`); errors inside it are logged, never raised.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+
+log = logging.getLogger("adacheck")
+
+_OPEN: "weakref.WeakSet" = weakref.WeakSet()   # objects with close(): flushed and joined at exit
+_STATE = {"registered": False}
+
+
+def register() -> None:
+    """Run :func:`at_exit` when the interpreter exits (once per process)."""
+    if not _STATE["registered"]:
+        atexit.register(at_exit)
+        _STATE["registered"] = True
+
+
+def keep(obj) -> None:
+    """Close ``obj`` (its ``close()``) at exit unless it was :func:`release`-d before."""
+    register()
+    _OPEN.add(obj)
+
+
+def release(obj) -> None:
+    _OPEN.discard(obj)
+
+
+SETTLE_SECONDS = 0.1
+
+
+def at_exit() -> None:
+    for obj in list(_OPEN):
+        try:
+            obj.close()
+        except Exception as e:  # noqa: BLE001 - the interpreter is exiting: report, do not raise
+            log.warning("AdaCheck: at exit, closing %s failed: %s", type(obj).__name__, e)
+        _OPEN.discard(obj)
+    settle_gloo()
+
+
+def settle_gloo() -> None:
+    """Release the GIL for SETTLE_SECONDS if a gloo process group is still there (see above)."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if "gloo" not in str(dist.get_backend()).lower():
+            return
+    except Exception:  # noqa: BLE001 - nothing to settle
+        return
+    time.sleep(SETTLE_SECONDS)
