@@ -1,0 +1,61 @@
+"""A DeepSpeed training script written the way users write them: it ends however it ends, with
+no ``engine.destroy()`` and no ``destroy_process_group()``.  Run under torchrun.
+
+  --ckpt DIR       checkpoint directory (AdaCheck's save_dir); loaded at start if it holds one
+  --until N        train until global step N
+  --mode M         native (no AdaCheck), plain (AdaCheck, save at the end) or online (AdaCheck
+                   online deltas after every step, bases only every 100 steps)
+  --losses FILE    rank 0 appends one JSON line per step: {"step": s, "loss": l}
+
+The model has dropout, so a resume is exact only when the RNG state is restored.
+"""
+import argparse
+import json
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+
+import adacheck_ds  # noqa: E402,F401  (AdaCheck for engines whose config has the block)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--until", type=int, required=True)
+    ap.add_argument("--mode", choices=("native", "plain", "online"), required=True)
+    ap.add_argument("--losses", required=True)
+    a = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(64, 4))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+           "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    if a.mode != "native":
+        cfg["adacheck"] = {"enabled": True, "save_dir": a.ckpt,
+                           "online": {"enabled": a.mode == "online", "base_interval": 100}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
+                                           optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if a.mode != "native":
+        engine.load_checkpoint(a.ckpt)
+    while engine.global_steps < a.until:
+        g = torch.Generator().manual_seed(1000 * engine.global_steps + engine.global_rank)
+        x = torch.randn(4, 16, generator=g).bfloat16()
+        y = torch.randn(4, 4, generator=g)
+        loss = (engine(x).float() - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        torch.distributed.all_reduce(t)
+        if engine.global_rank == 0:
+            with open(a.losses, "a") as f:
+                f.write(json.dumps({"step": engine.global_steps, "loss": t.item()}) + "\n")
+    if a.mode == "plain":
+        engine.save_checkpoint(a.ckpt)
+
+
+if __name__ == "__main__":
+    main()
