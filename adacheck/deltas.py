@@ -69,7 +69,7 @@ CHAIN = "chain.json"
 RECORD_VERSION = 2
 READABLE_RECORDS = (1, 2)
 _STEP_DIR = re.compile(r"^\d{10}$")
-_GRAD = "grad/"
+GRAD = "grad/"      # the key prefix of a stored gradient in a delta file
 
 
 def deltas_dir(ckpt_dir: str) -> str:
@@ -367,10 +367,10 @@ class DeltaLog:
                     stored = b if b is not None else compact_form(g)
                     err = float((stored.float() - g).abs().max()) if g.numel() else 0.0
             stored = stored.contiguous()
-            tensors[_GRAD + key] = stored
+            tensors[GRAD + key] = stored
             kept = dtype_name(stored.dtype)
             meta[key] = {"dtype": dtype_name(g.dtype), "stored": kept, "shape": list(g.shape),
-                         "hash": bound_digest(tensor_identity(step, _GRAD + key, kept, g.shape), stored)}
+                         "hash": bound_digest(tensor_identity(step, GRAD + key, kept, g.shape), stored)}
             if err is not None:
                 meta[key]["max_abs_error"] = err
         for name, t in extra.items():
@@ -583,7 +583,7 @@ def read_grad(ckpt_dir: str, step: Step, key: str, prefer_rank: int, verify: boo
     """The gradient ``key`` of ``step`` in the dtype it was recorded in (hash-checked)."""
     meta, path = grad_meta(ckpt_dir, step, key, prefer_rank)
     rec = step.records[step.holder_of(key, prefer_rank)]
-    t = _verified(ckpt_dir, step, rec, path, open_file(path, files), _GRAD + key, meta["stored"], meta, verify)
+    t = _verified(ckpt_dir, step, rec, path, open_file(path, files), GRAD + key, meta["stored"], meta, verify)
     return t.to(torch_dtype(meta["dtype"]))
 
 

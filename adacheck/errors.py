@@ -31,6 +31,11 @@ class StateError(AdaCheckError):
     """Training state cannot be captured or restored (e.g. a non-JSON-able object)."""
 
 
+class CorruptCheckpointWarning(UserWarning):
+    """A damaged checkpoint or delta step was skipped and older intact state loaded instead
+    (on_corrupt: fallback)."""
+
+
 _KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
                                   StateError)}
 

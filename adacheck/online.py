@@ -14,13 +14,14 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import deltas as D
 from . import jsontree
 from .config import OnlineConfig
-from .errors import AdaCheckError, FormatError, StateError
+from .errors import AdaCheckError, CorruptCheckpointWarning, FormatError, StateError
 from .exchange import Comm, agree
 from .optimtap import OptimizerTap, Shadow
 from .rng import rng_state
@@ -199,6 +200,21 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
     return steps, why
 
 
+def chain(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
+          strict: bool = True) -> Tuple[List[D.Step], str, Optional[AdaCheckError]]:
+    """:func:`committed`, with damage of the log returned instead of raised: (the steps to replay,
+    why the log stops, the damage or None).  ``strict``: no step is replayed from a damaged log;
+    otherwise those before the damage are."""
+    try:
+        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=True)
+        return steps, why, None
+    except AdaCheckError as e:
+        if strict:
+            return [], str(e), e
+        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=False)
+        return steps, why, e
+
+
 @dataclass
 class Replayed:
     """What a replay reached: ``steps`` replayed (in order), the record of the last one (``last``:
@@ -209,16 +225,20 @@ class Replayed:
     last: Optional[dict]
     damage: Optional[AdaCheckError] = None
 
-    def conclude(self, strict: bool, ckpt_dir: str, base_step) -> None:
-        """Raise the damage (``strict``) or warn about it; the caller has restored ``last`` first."""
-        if self.damage is None:
+    def conclude(self, strict: bool, ckpt_dir: str, base_step, damage: Optional[AdaCheckError] = None) -> None:
+        """Raise the damage (``strict``) or warn about it on every rank; the caller has restored
+        ``last`` first.  ``damage``: found before the replay (see :func:`chain`), if any."""
+        damage = self.damage or damage
+        if damage is None:
             return
         reached = self.steps[-1].step if self.steps else base_step
         if strict:
-            raise type(self.damage)(f"{self.damage}\nThe job now holds the state of step {reached} (the base "
-                                    f"{base_step} and the delta steps before the damage), consistently.")
-        log.warning("AdaCheck: the delta log of %s is damaged; recovered step %s instead of the newest: %s",
-                    ckpt_dir, reached, self.damage)
+            held = (f"the base's, step {base_step}: no delta step was applied" if reached == base_step else
+                    f"the base {base_step} and the delta steps before the damage")
+            damage.args = (f"{damage}\nThe job now holds the state of step {reached} ({held}), consistently.",)
+            raise damage
+        warnings.warn(f"AdaCheck: the delta log of {ckpt_dir} is damaged; recovered step {reached} instead of the "
+                      f"newest (on_corrupt: fallback): {damage}", CorruptCheckpointWarning, stacklevel=2)
 
 
 Expect = Dict[str, Tuple[Callable[[object], bool], str]]   # record field -> (test, what it must be)
@@ -271,7 +291,12 @@ def check_steps(tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], rank: int
             if math.prod(meta["shape"]) != tensors[key].numel():
                 raise FormatError(f"{where}: the gradient of {key} has shape {meta['shape']}, the tensor "
                                   f"{tuple(tensors[key].shape)}; recorded by another model or layout")
-            D.open_file(path, files)      # header validated (truncation, offsets) before any step runs
+            # the file's header is valid (truncation, offsets) and holds the gradient as recorded
+            entry = D.open_file(path, files).entries.get(D.GRAD + stored.get(key, key))
+            if entry is None or entry[0] != meta["stored"] or list(entry[1]) != list(meta["shape"]):
+                raise FormatError(f"{path}: holds the gradient of {key} as "
+                                  f"{f'{entry[0]}{list(entry[1])}' if entry else 'nothing'}, its record says "
+                                  f"{meta['stored']}{meta['shape']}")
 
 
 def _held_by(tree: dict, shadow: Shadow) -> dict:

@@ -205,7 +205,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
     comm = ac.comm()
     world = int(manifest.topology.get("world_size", 1))
     strict = ac.config.on_corrupt != "fallback"
-    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=ac.replay_until, strict=strict)
+    steps, why, damage = O.chain(comm, ckpt_dir, manifest.step, world, until=ac.replay_until, strict=strict)
     refused = False
     if steps:
         lay = S.describe(e)
@@ -264,15 +264,14 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
         # continue that chain only where this job replayed it: going on after the base would
         # replace the committed deltas it could not replay (the next step takes a base instead);
         # a damaged chain is left as it is (the next step takes a base)
-        damaged = result is not None and result.damage is not None
+        damaged = damage is not None or (result is not None and result.damage is not None)
         if latest and not refused and not damaged and world == comm.world_size and \
                 os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(ac.online.save_dir):
             rec.start_chain(manifest.tag, int(manifest.step), resume_after=last_step)
         else:
             rec.base_step = None     # not the newest chain (or another world): the next step takes a base
         ac.online.tap.reindex()
-    if result is not None:
-        result.conclude(strict, ckpt_dir, manifest.step)
+    (result or O.Replayed([], None)).conclude(strict, ckpt_dir, manifest.step, damage)
     return last_step
 
 

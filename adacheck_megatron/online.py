@@ -383,8 +383,8 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
     with a warning."""
     on = _ACTIVE if (_ACTIVE is not None and _ACTIVE.optimizer is optimizer) else None
     world = int(manifest.topology.get("world_size", 1))
-    steps, why = O.committed(comm, ckpt_dir, manifest.step, world, until=until, strict=strict)
-    if until is not None and until != (steps[-1].step if steps else manifest.step):
+    steps, why, damage = O.chain(comm, ckpt_dir, manifest.step, world, until=until, strict=strict)
+    if until is not None and damage is None and until != (steps[-1].step if steps else manifest.step):
         raise ConfigError(f"{ckpt_dir} (iteration {manifest.step}) does not reach iteration {until} with "
                           f"committed online deltas")
     if steps and not same_layout and record_rank is None and not shards:
@@ -422,7 +422,7 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
                 set_rank_state(last["rank_state"])
             iteration = int(last["iteration"])
             O.describe_replay(result.steps, manifest.step, time.perf_counter() - t0, why)
-    damaged = result is not None and result.damage is not None
+    damaged = damage is not None or (result is not None and result.damage is not None)
     if on is not None:
         on.iteration = iteration
         on.tap.reindex()
@@ -431,6 +431,5 @@ def recover(comm, ckpt_dir: str, manifest, model, optimizer, opt_param_scheduler
             on.recorder.start_chain(manifest.tag, int(manifest.step), resume_after=iteration)
         else:
             on.recorder.base_step = None      # (a damaged chain is left as it is: the next step takes a base)
-    if result is not None:
-        result.conclude(strict, ckpt_dir, manifest.step)
+    (result or O.Replayed([], None)).conclude(strict, ckpt_dir, manifest.step, damage)
     return iteration

@@ -201,3 +201,96 @@ def test_damaged_checkpoints_and_bad_input_fail_cleanly_on_every_rank(tmp_path):
         assert new["step"] == 2 and refs <= {"global_step1"}, refs
         assert_same(s2, load_file(f"{d}/{dump}.safetensors"))
     assert r0[-1]["errors"] == r1[-1]["errors"] and "StateError" in r0[-1]["errors"][0]
+
+
+def online(ck, **kw):
+    return {"enabled": True, "save_dir": ck, "online": dict({"enabled": True, "base_interval": 100}, **kw)}
+
+
+def hostile_delta_logs(src, root):
+    """name -> (copy of the save directory ``src`` with one damage in its delta log of base 1,
+    steps 2-5; the substring the error names; the step the engine holds after the failed load)."""
+    def copy(name):
+        d = os.path.join(root, name)
+        shutil.copytree(src, d)
+        return d, os.path.join(d, "global_step1", "deltas")
+
+    def edit_record(path, fn):
+        rec = json.load(open(path))
+        fn(rec)
+        json.dump(rec, open(path, "w"))
+
+    out = {}
+    d, log = copy("shape")
+    edit_record(f"{log}/0000000003/rank0.json",
+                lambda r: next(iter(r["tensors"].values()))["shape"].__setitem__(0, 7))
+    out["shape"] = (d, "has shape [7]", 1)
+    d, log = copy("dtype")
+    edit_record(f"{log}/0000000003/rank1.json", lambda r: next(iter(r["tensors"].values())).update(stored="float16"))
+    out["dtype"] = (d, "stored 'float16' is not", 1)
+    d, log = copy("stored_as")       # a valid record, but its file holds the gradient in another dtype
+    edit_record(f"{log}/0000000004/rank0.json", lambda r: next(iter(r["tensors"].values())).update(stored="float32"))
+    out["stored_as"] = (d, "its record says float32", 1)
+    d, log = copy("order")
+    os.rename(f"{log}/0000000003", f"{log}/tmp")
+    os.rename(f"{log}/0000000004", f"{log}/0000000003")
+    os.rename(f"{log}/tmp", f"{log}/0000000004")
+    out["order"] = (d, "the record says step 4 of rank 0, but it lies where step 3", 1)
+    d, log = copy("duplicate")
+    shutil.rmtree(f"{log}/0000000003")
+    shutil.copytree(f"{log}/0000000002", f"{log}/0000000003")
+    out["duplicate"] = (d, "the record says step 2 of rank 0, but it lies where step 3", 1)
+    d, log = copy("truncated")
+    f = f"{log}/0000000004/rank1.safetensors"
+    open(f, "r+b").truncate(os.path.getsize(f) - 64)
+    out["truncated"] = (d, "truncated", 1)
+    d, log = copy("hyper")
+    edit_record(f"{log}/0000000003/rank0.json",
+                lambda r: r["record"]["calls"][0][1][0][1].update(lr="0.01"))
+    out["hyper"] = (d, "hyper-parameter 'lr'", 1)
+    d, log = copy("bitflip")      # data damage: found while replaying step 4, after steps 2 and 3
+    f = f"{log}/0000000004/rank0.safetensors"
+    data, n, header = shard_header(f)
+    key = next(k for k in sorted(header) if k.startswith("grad/"))
+    data[8 + n + header[key]["data_offsets"][0]] ^= 0x01
+    open(f, "wb").write(bytes(data))
+    out["bitflip"] = (d, "does not match its recorded hash", 3)
+    return out
+
+
+def test_hostile_delta_records_fail_cleanly_on_every_rank(tmp_path):
+    """ZeRO-2 bf16 DP=2 with online deltas (base at step 1, deltas 2-5); eight copies of the log,
+    each damaged in one way: a gradient's shape or dtype in its record, a record that does not
+    match its file, steps out of order, a step duplicated, a truncated delta file, a hyper-
+    parameter of the wrong type, a bit flip in gradient data.  Each load fails with an error
+    naming the damage, equal on both ranks; everything checkable without the gradient data is
+    checked before any step is applied, so the engine holds exactly the base (step 1) after the
+    first seven, and after the bit flip (found while replaying step 4) exactly step 3, as the
+    error says.  With on_corrupt "fallback" the same load recovers step 3 with a warning on every
+    rank.  Oracle: the recording run's per-step dumps (DeepSpeed's own accessors)."""
+    src = str(tmp_path / "ck")
+    c = dict(stage=2, dtype="bf16")
+    check(launch(2, {"runs": [dict(c, adacheck=online(src), actions=[["train_dump", 5, "A"]])]},
+                 str(tmp_path / "rec")))
+    variants = hostile_delta_logs(src, str(tmp_path / "copies"))
+    names = sorted(variants)
+    # (an online job loads from its own save_dir: one engine per copy)
+    runs = [dict(c, seed=3, adacheck=online(variants[name][0]),
+                 actions=[["expect_error", variants[name][1], "load", variants[name][0]], ["dump", f"after_{name}"]])
+            for name in names]
+    fallback = str(tmp_path / "fallback")
+    shutil.copytree(variants["bitflip"][0], fallback)
+    runs.append(dict(c, seed=4, adacheck=dict(online(fallback), on_corrupt="fallback"),
+                     actions=[["load", fallback], ["steps"], ["dump", "fallback"], ["train", 1]]))
+    d = str(tmp_path / "load")
+    check(launch(2, {"runs": runs}, d))
+    r0, r1 = results(d, 0), results(d, 1)
+    for i, name in enumerate(names):
+        (err,), held = r0[i]["errors"], variants[name][2]
+        assert r1[i]["errors"] == [err], name
+        assert f"The job now holds the state of step {held}" in err, (name, err)
+        assert_same(load_file(f"{tmp_path}/rec/A{held}.safetensors"), load_file(f"{d}/after_{name}.safetensors"))
+    assert r0[-1]["steps"][0] == 3
+    assert_same(load_file(f"{tmp_path}/rec/A3.safetensors"), load_file(f"{d}/fallback.safetensors"))
+    for r in (r0, r1):
+        assert any("is damaged; recovered step 3 instead of the newest" in w for w in r[-1]["warnings"]), r[-1]["warnings"]
