@@ -28,7 +28,8 @@ import torch
 
 from . import commit, jsontree, lifecycle
 from .boxes import copy_intersection, flat_range_to_boxes
-from .errors import AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError, StateError
+from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
+                     NotFoundError, StateError)
 from .exchange import Comm, agree
 from .hashing import bound_digest, box_identity, hash_tensor
 from .manifest import BOUND_SINCE, FORMAT_VERSION, split_file
@@ -124,10 +125,6 @@ class LocalState:
 
 class SaveWarning(UserWarning):
     pass
-
-
-class CorruptCheckpointWarning(UserWarning):
-    """A damaged checkpoint was skipped and an older intact one loaded (on_corrupt: fallback)."""
 
 
 class LegacyFormatWarning(UserWarning):
@@ -456,7 +453,7 @@ def verify_part(reader: "CheckpointReader", part: int = 0, parts: int = 1) -> in
                    for b, h in e.derived.boxes]
         for i, (name, e, b, h) in enumerate(derived):
             if i % parts == part:
-                checked += reader._derived(name, e, b, h).numel() * torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
+                checked += reader.derived_box(name, e, b, h).numel() * torch.empty((), dtype=torch_dtype(e.dtype)).element_size()
                 reader.drop_cache()
     return checked
 
@@ -572,7 +569,7 @@ class CheckpointReader:
             self._cache_bytes -= old.numel() * old.element_size()
         return t
 
-    def _derived(self, name: str, e, dbox: Box, digest: str) -> torch.Tensor:
+    def derived_box(self, name: str, e, dbox: Box, digest: str) -> torch.Tensor:
         """Box ``dbox`` of the derived tensor ``name``: its source's elements cast as saved, checked
         against the digest its holders recorded (kept in the cache)."""
         ck = ("derived", name, dbox)
@@ -650,7 +647,7 @@ class CheckpointReader:
         if e.derived is not None:
             if self.verify and e.derived.boxes:
                 # derived box by derived box, each verified against its holders' digest
-                filled = sum(copy_intersection(out, box, self._derived(name, e, dbox, digest), dbox)
+                filled = sum(copy_intersection(out, box, self.derived_box(name, e, dbox, digest), dbox)
                              for dbox, digest in e.derived.boxes if box.intersect(dbox) is not None)
                 if filled != box.numel:
                     raise FormatError(f"{name}: derived boxes cover {filled} of the {box.numel} elements asked for")

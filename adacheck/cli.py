@@ -198,16 +198,22 @@ def print_redundancy(m) -> None:
 def cmd_verify(args) -> int:
     d = resolve(args.path, args.tag)
     r = CheckpointReader(d, verify=True, cache_bytes=0)
-    work = [(name, sb) for name, e in sorted(r.manifest.tensors.items()) for sb in e.boxes]
-    total = sum(sb.box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, sb in work)
+    # stored boxes, then (format 2) each box of a derived tensor: derived from its source and
+    # checked against the digest its holders recorded
+    work = [(name, sb.box, lambda name=name, sb=sb: r.stored(name, sb))
+            for name, e in sorted(r.manifest.tensors.items()) for sb in e.boxes]
+    work += [(name, box, lambda name=name, e=e, box=box, h=h: r.derived_box(name, e, box, h))
+             for name, e in sorted(r.manifest.tensors.items()) if e.derived is not None for box, h in e.derived.boxes]
+    total = sum(box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, box, _ in work)
     done, bad = 0, []
     show = sys.stderr.isatty() and not args.quiet
-    for i, (name, sb) in enumerate(work):
+    for i, (name, box, check) in enumerate(work):
         try:
-            r.stored(name, sb)
+            check()
         except AdaCheckError as e:
             bad.append(str(e))
-        done += sb.box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1)
+        r.drop_cache()
+        done += box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1)
         if show:
             frac = done / total if total else 1.0
             bar = "#" * int(30 * frac)
@@ -216,7 +222,7 @@ def cmd_verify(args) -> int:
         sys.stderr.write("\n")
     for msg in bad:
         print(f"BAD  {msg}")
-    print(f"{'OK' if not bad else 'FAILED'}: {len(work) - len(bad)}/{len(work)} stored boxes verified "
+    print(f"{'OK' if not bad else 'FAILED'}: {len(work) - len(bad)}/{len(work)} stored and derived boxes verified "
           f"({human(total)}) in {d}")
     return 1 if bad else 0
 

@@ -14,7 +14,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from .errors import FormatError, NotFoundError
-from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, referenced_files, split_file
+from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, referenced_files
 from .types import Manifest
 from .writer import fsync_dir
 

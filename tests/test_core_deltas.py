@@ -1,6 +1,5 @@
 """The delta log of the online mode, without a framework: what counts as committed, the
 narrowest exact dtype, bounded staging, errors, and the rule for "auto" bases."""
-import json
 import os
 import threading
 
@@ -292,3 +291,29 @@ def test_records_of_an_earlier_naming_replay_through_aliases():
     assert tap.current({"calls": tree["calls"]})[1] == {}      # today's names are left as they are
     with pytest.raises(StateError):       # without the aliases the old record names unknown tensors
         OptimizerTap(make()[1], prefix=["tp0.", "ep1.etp0."]).grad_keys(calls, "the record")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the copies are asynchronous there)")
+def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
+    """A gradient produced on the GPU behind a long kernel is staged with a non-blocking copy into
+    pinned memory and handed to the writer thread at once: the writer must wait on the slot's
+    CUDA event, not read the buffer early (it held the previous step's values, or nothing).
+    The file holds exactly the gradient, at every step; the training stream is never
+    synchronized by the staging (the step returns before the kernel ends)."""
+    lg = D.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
+    try:
+        for step in (1, 2, 3):
+            torch.cuda._sleep(int(2e8))                     # ~0.1-0.2 s of GPU time ahead of the gradient
+            g = torch.full((1 << 22,), float(step), device="cuda") * 3.0
+            lg.begin(step)
+            lg.add("w", g)
+            lg.submit(step, {"step": step}, {"norm": torch.tensor([float(step)], device="cuda")})
+            assert not torch.cuda.current_stream().query()  # still busy: nothing waited for the device
+        lg.flush()
+    finally:
+        lg.close()
+    steps, _ = D.committed_steps(str(tmp_path), 0, 1)
+    for st in steps:
+        got = D.read_grad(str(tmp_path), st, "w", 0)
+        assert torch.equal(got, torch.full((1 << 22,), 3.0 * st.step)), st.step
+        assert D.read_extra(str(tmp_path), st, 0)["step"] == st.step

@@ -266,9 +266,12 @@ def test_a_derivation_pointed_at_another_source_is_refused(tmp_path):
     save(SoloComm(), str(tmp_path), "s", lambda: state)
     ckpt = tmp_path / "s"
     assert torch.equal(CheckpointReader(str(ckpt)).read("model/a"), a.bfloat16())
+    from adacheck.cli import main as cli
+    assert cli(["verify", "--quiet", str(ckpt)]) == 0
     edit_manifest(ckpt, lambda d: d["tensors"]["model/a"]["derived"].update(source="master/b"))
     with pytest.raises(IntegrityError, match="model/a.*derived from master/b"):
         CheckpointReader(str(ckpt)).read("model/a")
+    assert cli(["verify", "--quiet", str(ckpt)]) == 1      # adacheck verify checks derived boxes too
     assert torch.equal(CheckpointReader(str(ckpt), verify=False).read("model/a"), b.bfloat16())   # (unchecked)
 
 
