@@ -6,6 +6,7 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
 expect_error SUBSTRING ACTION...
+A run with "init_error": SUBSTRING expects building its engine to fail with that error.
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
 """
@@ -340,6 +341,19 @@ def main():
     for run in spec["runs"]:
         rec = {"losses": [], "errors": [], "loaded": [], "warnings": []}
         results.append(rec)
+        if "init_error" in run:   # building the engine must fail with this error
+            try:
+                make_engine(run)
+            except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
+                frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+                rec["errors"].append(f"{type(e).__name__}: {e}")
+                rec["engine_code_ran"] = any(f.endswith(os.path.join("deepspeed", "runtime", "engine.py"))
+                                             for f in frames)
+                if run["init_error"] not in str(e):
+                    raise
+            else:
+                raise AssertionError(f"expected building the engine to fail with {run['init_error']!r}")
+            continue
         engine = make_engine(run)
         for a in run["actions"]:
             act(engine, a, rec, out_dir, rank)

@@ -80,6 +80,28 @@ def kill_at_marker(marker: str, victim: int = 1, jitter: float = 0.3, wait: floa
     return lambda procs: threading.Thread(target=killer, args=(procs,), daemon=True).start()
 
 
+def kill_when_written(pattern: str, after: str, victim: int = 1, wait: float = 400):
+    """An ``on_started`` for launch() and what it saw: once the file ``after`` exists, SIGKILL rank
+    ``victim`` the moment a file matching the glob ``pattern`` appears (say a shard file under its
+    temporary name: the kill then lands inside the write phase).  ``seen["path"]`` is that file."""
+    import glob
+    seen = {}
+
+    def killer(procs):
+        deadline = time.monotonic() + wait
+        while not os.path.exists(after) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while time.monotonic() < deadline:
+            found = glob.glob(pattern)
+            if found:
+                procs[victim].send_signal(signal.SIGKILL)
+                seen["path"] = found[0]
+                return
+            time.sleep(0.001)
+
+    return (lambda procs: threading.Thread(target=killer, args=(procs,), daemon=True).start()), seen
+
+
 def check(results):
     for rank, (rc, text) in enumerate(results):
         if rc != 0:

@@ -4,7 +4,9 @@ spec = {"runs": [{"argv": [pretrain_gpt.py flags], "actions": [["train", 2], ["s
 Every run builds its own layout (parallel state, GPTModel, DDP, optimizer, scheduler) with
 scripts/pretrain_gpt.py's own functions in the same process group, then tears the parallel
 state down, so several layouts share one launch. Actions:
-  train N | train_to N | train_dump N PREFIX [MARKER] | online [false] | online_legacy | dump NAME | scramble | save DIR | load DIR | save_native DIR | load_native DIR | expect_error SUBSTRING ACTION...
+  train N | train_to N | train_dump N PREFIX [MARKER] | online [false] | online_legacy | dump NAME | scramble |
+  scramble_rng | save DIR | load DIR | save_native DIR | load_native DIR | latest DIR | marker NAME |
+  set_args {NAME: VALUE} | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json: per run, the losses (from the last pipeline stage),
 the iterations loaded and errors caught by expect_error.
 """
@@ -106,6 +108,18 @@ def run_one(run, out):
             from safetensors.torch import save_file
             save_file({k: v.contiguous() for k, v in t.items()},
                       os.path.join(out, f"{rest[0]}-rank{torch.distributed.get_rank()}.safetensors"))
+        elif kind == "latest":   # latest DIR: what DIR/latest names now (None: no such file)
+            p = os.path.join(rest[0], "latest")
+            res.setdefault("latest", []).append(open(p).read().strip() if os.path.exists(p) else None)
+        elif kind == "marker":   # marker NAME: touch NAME-rank<r> in the output directory
+            open(os.path.join(out, f"{rest[0]}-rank{torch.distributed.get_rank()}"), "w").close()
+        elif kind == "set_args":   # set_args {name: value}: e.g. no_load_rng for the loads that follow
+            for k, v in rest[0].items():
+                setattr(args, k, v)
+        elif kind == "scramble_rng":   # other host and model-parallel RNG states than the run that saved
+            from megatron.core import tensor_parallel
+            torch.manual_seed(4321 + torch.distributed.get_rank())
+            tensor_parallel.model_parallel_cuda_manual_seed(4321)
         elif kind == "scramble":   # other weights than the run that saved (the load must overwrite them)
             with torch.no_grad():
                 for chunk in model:
