@@ -474,8 +474,11 @@ def _sharded_state_dict(model, optimizer, args, is_loading: bool, with_optim: bo
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     model_sd = state["model"] if len(model) == 1 else dict(state)
     if with_optim:
+        # as Megatron-LM's _build_sharded_state_dict_metadata: chained optimizers' state keys carry
+        # no per-optimizer prefix (unless the distributed optimizer's format needs one)
         metadata = {"distrib_optim_sharding_type":
-                    "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"}
+                    "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable",
+                    "chained_optim_avoid_prefix": True}
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
         # Per global rank: RNG streams differ by TP, PP and EP rank (and may by DP rank).
