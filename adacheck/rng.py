@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 
-def rng_state() -> dict:
+def rng_state(device: bool = None) -> dict:
+    """``device``: also the CUDA generator's state (default: where CUDA is in use).  A stand-in
+    device (megatron-core's CPU shim) answers torch.cuda's RNG calls with a generator of its own."""
     version, words, gauss = random.getstate()
     npst = np.random.get_state()
     # python's 625 state words as a tensor (stored and hashed like any tensor, not as JSON text)
@@ -20,12 +22,12 @@ def rng_state() -> dict:
                                     "pos": int(npst[2]), "has_gauss": int(npst[3]),
                                     "cached_gaussian": float(npst[4])},
            "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device if device is not None else (torch.cuda.is_available() and torch.cuda.is_initialized()):
         out["cuda"] = torch.cuda.get_rng_state()
     return out
 
 
-def set_rng_state(s: dict) -> None:
+def set_rng_state(s: dict, device: bool = None) -> None:
     py = s["python"]
     if isinstance(py, dict):
         random.setstate((py["version"], tuple(py["words"].tolist()), py["gauss"]))
@@ -35,5 +37,5 @@ def set_rng_state(s: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
+    if "cuda" in s and (device if device is not None else torch.cuda.is_available()):
         torch.cuda.set_rng_state(s["cuda"])

@@ -120,13 +120,20 @@ def sharded_state_dict(model: List, optimizer, is_loading: bool, with_optimizer:
     return sd
 
 
+def _device() -> bool:
+    """Whether the device generator is in use: CUDA, or megatron-core's CPU shim's own."""
+    from .cpu import is_enabled
+    return is_enabled() or (torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
 def rank_state() -> dict:
-    """This rank's RNG states: host generators and megatron-core's model-parallel tracker."""
-    return dict(rng_state(), tracker=_tracker_states())
+    """This rank's RNG states: host generators, the device generator and megatron-core's
+    model-parallel tracker (each apart: dropout draws from the device generator and the tracker)."""
+    return dict(rng_state(device=_device()), tracker=_tracker_states())
 
 
 def set_rank_state(state: dict) -> None:
-    set_rng_state(state)
+    set_rng_state(state, device=_device())
     from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

@@ -26,12 +26,14 @@ checked to be needed by switching it off (.probe/megatron/REPORT.md):
    (p2p communication, MoE, distributed optimizer, dist_checkpointing).
 6. ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``default_stream`` / ``stream``
    are inert: CPU work is synchronous (MoE token dispatcher, DDP, dist_checkpointing).
-7. The CUDA generator is the CPU one: ``torch.cuda.get_rng_state`` / ``set_rng_state`` /
-   ``manual_seed`` and ``tensor_parallel.random``'s get/set helpers act on the CPU default
-   generator, so the tracker of ``model_parallel_cuda_manual_seed`` (data-, tensor- and
-   expert-parallel states, forked around initialisation and dropout) behaves as on a GPU,
-   where the forked generator is the one the kernels draw from.  Its warning "CPU RNG
-   state changed within GPU RNG context" is therefore expected and filtered.
+7. A device generator of its own, distinct from the CPU one, as on a GPU: random operations
+   run under the mode (dropout, ``rand*``, ``normal_``, ``uniform_``, ``bernoulli``... all of
+   which would run on CUDA tensors there) draw from it; ``torch.cuda.get_rng_state`` /
+   ``set_rng_state`` / ``manual_seed`` and ``tensor_parallel.random``'s get/set helpers act on
+   it; ``torch.manual_seed`` seeds it too (it seeds every device's generator).  So the tracker
+   of ``model_parallel_cuda_manual_seed`` (data-, tensor- and expert-parallel states, forked
+   around initialisation and dropout) behaves as on a GPU, and a checkpoint must hold the
+   device generator's state apart from the CPU generator's to resume exactly.
 8. MoE, not device-specific: without Transformer Engine, megatron-core 0.16.1's
    ``moe_utils`` never binds ``te_general_gemm`` yet tests it (NameError in every router
    forward); it is bound to None, which selects the torch.mm path.
@@ -51,7 +53,7 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable_cpu", "cpu_mode", "is_enabled"]
+__all__ = ["enable_cpu", "cpu_mode", "is_enabled", "device_rng_state", "set_device_rng_state"]
 
 _MODE: "_CpuDeviceMode | None" = None
 _PATCHED = False
@@ -96,9 +98,47 @@ def _all_gather(tensor_list, tensor, group=None, async_op=False):
     return None
 
 
-# Functions answered by the mode instead of torch (items 1-3); every other call only has a
+# --------------------------------------------------------------------------- item 7
+
+_DEVICE_GENERATOR = torch.Generator()
+
+
+def device_rng_state() -> torch.Tensor:
+    return _DEVICE_GENERATOR.get_state()
+
+
+def set_device_rng_state(state: torch.Tensor) -> None:
+    _DEVICE_GENERATOR.set_state(state.to("cpu", torch.uint8))
+
+
+def _on_device_generator(func):
+    """``func`` drawing its random numbers from the device generator (the CPU default generator
+    is swapped out for the call and put back as it was)."""
+    def call(*args, **kwargs):
+        if kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        host = torch.get_rng_state()
+        torch.set_rng_state(_DEVICE_GENERATOR.get_state())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _DEVICE_GENERATOR.set_state(torch.get_rng_state())
+            torch.set_rng_state(host)
+    return call
+
+
+_RANDOM = [torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+           torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+           torch.dropout, torch.bernoulli, torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal,
+           torch.rand_like, torch.randn_like, torch.randint_like, torch.multinomial, torch.poisson,
+           torch.Tensor.bernoulli, torch.Tensor.bernoulli_, torch.Tensor.normal_, torch.Tensor.uniform_,
+           torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+           torch.Tensor.geometric_, torch.Tensor.multinomial]
+
+
+# Functions answered by the mode instead of torch (items 1-3, 7); every other call only has a
 # CUDA ``device=`` keyword rewritten.  Inside a handler the mode is off, so these call torch.
-_HANDLERS = {
+_HANDLERS = {**{f: _on_device_generator(f) for f in _RANDOM},
     torch.Tensor.cuda: lambda tensor, *args, **kwargs: tensor,
     torch.Tensor.to: _to,
     torch.Tensor.type: _type,
@@ -178,11 +218,17 @@ def _patch_streams():  # item 6
 def _patch_rng():  # item 7
     from megatron.core.tensor_parallel import random as mrandom
 
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
-    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda device="cuda": device_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": set_device_rng_state(new_state)
+    torch.cuda.manual_seed = torch.cuda.manual_seed_all = lambda seed: _DEVICE_GENERATOR.manual_seed(int(seed))
+    host_manual_seed = torch.manual_seed
+
+    def manual_seed(seed):          # as on a GPU: every device's generator too
+        _DEVICE_GENERATOR.manual_seed(int(seed))
+        return host_manual_seed(seed)
+    torch.manual_seed = torch.random.manual_seed = manual_seed
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: device_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: set_device_rng_state(state)
     logging.getLogger(mrandom.__name__).addFilter(_ExpectedForkWarning())
 
 

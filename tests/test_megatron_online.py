@@ -430,8 +430,9 @@ def test_fp16_steps_the_loss_scaler_skipped_replay_exactly(tmp_path):
     equals the uninterrupted run there exactly, loss scale and its trackers included, and
     training goes on with the uninterrupted run's losses and skips."""
     d = str(tmp_path)
-    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"] + FP16,
-               "distopt": ["--use-distributed-optimizer", "--global-batch-size", "4"] + FP16}
+    # the seed decides which iterations overflow: this one puts skips inside both chains (checked below)
+    layouts = {"tp2": ["--tensor-model-parallel-size", "2", "--global-batch-size", "2", "--seed", "1"] + FP16,
+               "distopt": ["--use-distributed-optimizer", "--global-batch-size", "4", "--seed", "1"] + FP16}
     runs = []
     for name, argv in layouts.items():
         on = argv + ["--adacheck", "--adacheck-dir", f"{d}/ck-{name}", "--adacheck-online",
