@@ -697,11 +697,14 @@ class CheckpointReader:
 
 def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[CheckpointReader], object],
          apply: Callable[[object], object], verify: bool = True, on_corrupt: str = "raise",
-         how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}"):
+         how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
+         undo: Optional[Callable[[], None]] = None):
     """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
 
     ``read`` must not change training state: only once every rank has staged its part
-    without error does any rank call ``apply``.  When the checkpoint turns out damaged while
+    without error does any rank call ``apply``.  Where staging must touch it (megatron-core
+    builds optimizer state to load into), ``undo`` takes that back on every rank when the
+    staging fails on any.  When the checkpoint turns out damaged while
     it is opened or staged (a FormatError or IntegrityError on any rank, a ``latest`` that names
     nothing), nothing has been applied: the error names the newest intact checkpoint (every
     box verified, the ranks sharing the work) and how to load it (``how_to_load(tag,
@@ -710,7 +713,7 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
     """
     lifecycle.register()
     try:
-        ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, verify)
+        ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, verify, undo)
     except (FormatError, NotFoundError) as e:
         if isinstance(e, NotFoundError) and (tag is not None or not os.path.exists(os.path.join(load_dir, "latest"))):
             raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
@@ -723,14 +726,14 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
                       f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
                       "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
                       stacklevel=2)
-        ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, verify)
+        ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, verify, undo)
     result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
     if verify:
         trust(ckpt_dir)
     return ckpt_dir, manifest, result
 
 
-def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool):
+def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, undo=None):
     def open_():
         d = resolve(load_dir, tag)
         return d, commit.read_manifest(d)
@@ -741,7 +744,7 @@ def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool):
         raise ConfigError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
                           "the same shared directory on every rank?")
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank)
-    staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader))
+    staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader), on_failure=undo)
     return ckpt_dir, manifest, staged
 
 

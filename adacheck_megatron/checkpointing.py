@@ -361,23 +361,20 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     comm = _comm()
     t0 = time.perf_counter()
 
-    def read(r: core.CheckpointReader):
-        # building the state dict to load into creates a never-stepped optimizer's state (as
-        # Megatron does); if this load fails, that state is removed again, so training goes on
-        # exactly as before the failed load
-        inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                 if getattr(o, "optimizer", None) is not None] if optimizer is not None else []
-        empty = [[p for p, st in o.state.items() if not st] + [p for g in o.param_groups for p in g["params"]
-                                                               if p not in o.state] for o in inner]
-        try:
-            return _read(r)
-        except BaseException:
-            for o, params in zip(inner, empty):
-                for p in params:
-                    o.state.pop(p, None)
-            raise
+    # building the state dict to load into creates a never-stepped optimizer's state (as Megatron
+    # does); if the load fails on any rank, every rank removes that state again (undo), so training
+    # goes on exactly as before the failed load
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+             if getattr(o, "optimizer", None) is not None] if optimizer is not None else []
+    empty = [[p for p, st in o.state.items() if not st] + [p for g in o.param_groups for p in g["params"]
+                                                           if p not in o.state] for o in inner]
 
-    def _read(r: core.CheckpointReader):
+    def undo():
+        for o, params in zip(inner, empty):
+            for p in params:
+                o.state.pop(p, None)
+
+    def read(r: core.CheckpointReader):
         objects = r.objects()
         saved_layout = r.manifest.layout.get("ranks", [])
         sharded_objects = {}
@@ -436,7 +433,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         return objects
 
     ckpt_dir, manifest, objects = core.load(comm, load_dir, tag, read, apply, verify=cfg.verify_on_load,
-                                            on_corrupt=cfg.on_corrupt, how_to_load=_how_to_load)
+                                            on_corrupt=cfg.on_corrupt, how_to_load=_how_to_load, undo=undo)
     iteration = 0 if finetune else int(objects["iteration"])
     if load_optim and opt_param_scheduler is not None:
         from . import online

@@ -117,3 +117,33 @@ def test_resume_with_dropout_restores_every_rng_state(tmp_path):
     assert resumed["loaded"] == [3] and without_rng["loaded"] == [3]
     assert resumed["losses"] == whole["losses"][3:5]
     assert without_rng["losses"] != whole["losses"][3:5]
+
+
+def test_a_damaged_latest_names_the_intact_iteration_or_falls_back_to_it(tmp_path):
+    """A bit flipped in a shard of the newest checkpoint: the load fails on both ranks with the
+    same error, naming iteration 1 as the newest intact checkpoint and Megatron-LM's flag that
+    loads it (--ckpt-step 1), with the model untouched; with --adacheck-on-corrupt fallback the
+    same load takes iteration 1, warning on every rank, and each rank holds exactly what it held
+    after saving iteration 1."""
+    ck = str(tmp_path / "ck")
+    check(launch(2, {"runs": [{"argv": TP2, "actions": [["train", 1], ["save", ck], ["dump", "one"], ["train", 1],
+                                                         ["save", ck]]}]}, str(tmp_path / "s"),
+                 script="megatron_worker.py"))
+    shard = sorted(glob.glob(os.path.join(ck, "iter_0000002", "rank*.safetensors")))[0]
+    data = bytearray(open(shard, "rb").read())
+    data[-7] ^= 0x20
+    open(shard, "wb").write(bytes(data))
+    d = str(tmp_path / "l")
+    res = check(launch(2, {"runs": [
+        {"argv": TP2, "actions": [["scramble"], ["dump", "before"], ["expect_error", "--ckpt-step 1", ["load", ck]],
+                                  ["dump", "after"]]},
+        {"argv": TP2 + ["--adacheck", "--adacheck-on-corrupt", "fallback"],
+         "actions": [["scramble"], ["load", ck], ["dump", "fallback"], ["train", 1]]}]}, d, script="megatron_worker.py"))
+    errors = [results(d, r)[0]["errors"] for r in (0, 1)]
+    assert errors[0] == errors[1] and len(errors[0]) == 1
+    assert "the newest intact checkpoint there is 'iter_0000001'" in errors[0][0] and "hash" in errors[0][0]
+    for r in (0, 1):
+        same_dump(f"{d}/before-rank{r}.safetensors", f"{d}/after-rank{r}.safetensors")
+        same_dump(f"{tmp_path}/s/one-rank{r}.safetensors", f"{d}/fallback-rank{r}.safetensors")
+        assert "loading iter_0000001 (step 1), the newest intact checkpoint, instead" in res[r][1]
+    assert results(d)[1]["loaded"] == [1]
