@@ -70,7 +70,8 @@ def test_load_into_other_layouts(tmp_path, target_world):
     check(launch(2, {"runs": runs}, src))
     targets = {4: [((2, "bf16"), (3, "bf16")), ((3, "bf16"), (2, "bf16")), ((2, "bf16"), (0, "bf16")),
                    ((0, "fp32"), (1, "fp32"))],
-               1: [((2, "bf16"), (1, "bf16")), ((3, "bf16"), (0, "bf16")), ((0, "fp32"), (2, "fp32"))]}
+               1: [((2, "bf16"), (1, "bf16")), ((3, "bf16"), (0, "bf16")), ((0, "fp32"), (2, "fp32")),
+                   ((2, "bf16"), (2, "fp32"))]}   # (another dtype: the fp32 masters are the state)
     pairs = targets[target_world]
     dst = str(tmp_path / "dst")
     runs = [{"stage": t[0], "dtype": t[1], "seed": 9, "adacheck": {"enabled": True},
