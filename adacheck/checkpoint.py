@@ -36,7 +36,8 @@ from .manifest import BOUND_SINCE, FORMAT_VERSION, split_file
 from .planner import gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
-from .writer import fsync_dir, write_safetensors_streaming
+from .storage import LOCAL, Storage
+from .writer import write_safetensors_to
 
 
 class DeferredSource:
@@ -184,21 +185,16 @@ def snapshot(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, obj
 
 
 def persist(ckpt_dir: str, fname: str, staged: Dict[str, object], metadata: dict,
-            fsync: bool = True) -> int:
-    """Write one shard file under a temporary name, fsync it, and rename it into place."""
-    final = os.path.join(ckpt_dir, fname)
-    tmp = final + commit.TMP_SUFFIX
-    specs = [(k, t.dtype, tuple(t.shape)) for k, t in staged.items()]
+            fsync: bool = True, store: Storage = LOCAL) -> int:
+    """Write one shard file and commit it (durable under its final name, or nothing left)."""
+    fw = store.open_writer(store.join(ckpt_dir, fname), fsync=fsync)
     try:
-        size = write_safetensors_streaming(tmp, specs, lambda k: _bytes_of(staged[k]), metadata, fsync=fsync)
-        commit.publish_file(tmp, final)
-        if fsync:
-            fsync_dir(ckpt_dir)
-    except OSError as e:
-        if e.filename is None:   # write()/fsync() errors carry no path: name it
-            raise OSError(e.errno, e.strerror, tmp) from e
+        write_safetensors_to(fw, [(k, t.dtype, tuple(t.shape)) for k, t in staged.items()],
+                             lambda k: _bytes_of(staged[k]), metadata)
+        return fw.commit()
+    except BaseException:
+        fw.abort()
         raise
-    return size
 
 
 _META_FIELDS = ("name", "kind", "dtype", "shape", "hash", "derive", "derive_ok", "replicated")
@@ -266,23 +262,23 @@ def node_id() -> str:
 _TRUSTED: Dict[str, str] = {}
 
 
-def _previous(save_dir: str, tag: str) -> Optional[str]:
+def _previous(save_dir: str, tag: str, store: Storage = LOCAL) -> Optional[str]:
     """The committed checkpoint a new save may reference (see _TRUSTED), or None."""
-    prev = _TRUSTED.get(os.path.abspath(save_dir))
-    if prev is None or prev == tag or not os.path.isfile(os.path.join(save_dir, prev, commit.MANIFEST_NAME)):
+    prev = _TRUSTED.get(store.canonical(save_dir))
+    if prev is None or prev == tag or not commit.has_manifest(store.join(save_dir, prev), store):
         return None
     return prev
 
 
-def trust(ckpt_dir: str) -> None:
+def trust(ckpt_dir: str, store: Storage = LOCAL) -> None:
     """``ckpt_dir`` was just committed or loaded (verified) by this process."""
-    _TRUSTED[os.path.abspath(os.path.dirname(os.path.normpath(ckpt_dir)))] = os.path.basename(os.path.normpath(ckpt_dir))
+    _TRUSTED[store.canonical(store.parent(ckpt_dir))] = store.basename(ckpt_dir)
 
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
          reference_previous: bool = True, copies: int = 1, exchange: str = "ring",
-         chunk_bytes: int = 64 << 20) -> Manifest:
+         chunk_bytes: int = 64 << 20, store: Storage = LOCAL) -> Manifest:
     """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
 
     With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint of
@@ -294,15 +290,15 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
     """
     lifecycle.register()
     t0 = time.perf_counter()
-    ckpt_dir = os.path.join(save_dir, tag)
+    ckpt_dir = store.join(save_dir, tag)
     ctx = {}
 
     def prepare():
         commit.check_tag(tag)
         if comm.rank == 0:
-            os.makedirs(ckpt_dir, exist_ok=True)
-            ctx["generation"] = commit.generation_of(ckpt_dir)
-            ctx["previous"] = _previous(save_dir, tag) if reference_previous else None
+            store.make_dirs(ckpt_dir)
+            ctx["generation"] = commit.generation_of(ckpt_dir, store)
+            ctx["previous"] = _previous(save_dir, tag, store) if reference_previous else None
         state = collect()
         shards = [c for s in state.shards for c in split_chunks(s, chunk_bytes)]
         objects = None
@@ -333,10 +329,10 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
     def index_previous():
         if prev_tag is None:
             return None
-        m = commit.read_manifest(os.path.join(save_dir, prev_tag))
+        m = commit.read_manifest(store.join(save_dir, prev_tag), store)
         files = {}   # does each referenced file still exist? (one stat per file)
         return previous_index(prev_tag, m, lambda ref: files.setdefault(
-            ref, os.path.isfile(os.path.join(save_dir, ref))), saving=tag)
+            ref, store.is_file(store.join(save_dir, ref))), saving=tag)
 
     previous = agree(comm, f"AdaCheck save of {ckpt_dir} (previous checkpoint {prev_tag})", index_previous)
     plan = plan_save([g["metas"] for g in gathered], generation, previous, copies=copies,
@@ -351,15 +347,14 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
     def remove_mine():
         if my_file is not None:
-            for p in (os.path.join(ckpt_dir, my_file), os.path.join(ckpt_dir, my_file) + commit.TMP_SUFFIX):
-                if os.path.exists(p):
-                    os.remove(p)
+            for p in (store.join(ckpt_dir, my_file), store.join(ckpt_dir, my_file) + commit.TMP_SUFFIX):
+                store.remove(p)
 
     def write():
         if not mine:
             return 0
         staged = snapshot(ctx["shards"], mine)
-        return persist(ckpt_dir, my_file, staged, {"format": "pt", "adacheck_tag": tag}, fsync)
+        return persist(ckpt_dir, my_file, staged, {"format": "pt", "adacheck_tag": tag}, fsync, store)
 
     size = agree(comm, f"AdaCheck save of {ckpt_dir} (write)", write, on_failure=remove_mine)
     sizes = comm.all_gather_object(size)
@@ -377,21 +372,21 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
     def write_manifest():
         if comm.rank == 0:
-            commit.write_manifest(ckpt_dir, manifest)
+            commit.write_manifest(ckpt_dir, manifest, store)
 
     agree(comm, f"AdaCheck save of {ckpt_dir} (commit)", write_manifest, on_failure=remove_mine)
 
     def publish():
         if comm.rank == 0:
             if update_latest:
-                commit.write_latest(save_dir, tag)
+                commit.write_latest(save_dir, tag, store)
             if keep_last:
-                latest = commit.read_latest(save_dir)
-                commit.apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()))
-            commit.collect_garbage(save_dir)
+                latest = commit.read_latest(save_dir, store)
+                commit.apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()), store=store)
+            commit.collect_garbage(save_dir, store=store)
 
     agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
-    trust(ckpt_dir)
+    trust(ckpt_dir, store)
     t_end = time.perf_counter()
     manifest.stats["exchange"] = exchanged   # (in memory only, like the timings)
     manifest.stats["seconds"] = {"hash": t_hashed - t0, "prepare": t_prepare - t0, "write": t_write - t_prepare,
@@ -399,35 +394,35 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
     return manifest
 
 
-def resolve(load_dir: str, tag: Optional[str] = None) -> str:
+def resolve(load_dir: str, tag: Optional[str] = None, store: Storage = LOCAL) -> str:
     """The checkpoint directory to load: ``tag`` if given, else the one ``latest`` names."""
     if tag is None:
-        if os.path.isfile(os.path.join(load_dir, commit.MANIFEST_NAME)):
+        if commit.has_manifest(load_dir, store):
             return load_dir   # pointed straight at a checkpoint directory
-        if not os.path.isdir(load_dir):
+        if not store.is_dir(load_dir):
             raise NotFoundError(f"no AdaCheck checkpoint to load in {load_dir}: there is no such directory")
-        tag = commit.read_latest(load_dir)
+        tag = commit.read_latest(load_dir, store)
         if tag is None:
-            present = _committed_tags(load_dir)
+            present = _committed_tags(load_dir, store)
             raise NotFoundError(
                 f"no AdaCheck checkpoint to load in {load_dir}: there is no 'latest' file"
                 + (f"; complete checkpoints present: {present} (pass one as tag)" if present else ""))
-        return os.path.join(load_dir, commit.check_tag(tag))
-    d = os.path.join(load_dir, commit.check_tag(str(tag)))
-    if not os.path.isdir(d):
-        present = _committed_tags(load_dir)
+        return store.join(load_dir, commit.check_tag(tag))
+    d = store.join(load_dir, commit.check_tag(str(tag)))
+    if not store.is_dir(d):
+        present = _committed_tags(load_dir, store)
         raise NotFoundError(f"there is no checkpoint {tag!r} in {load_dir}"
                             + (f"; complete checkpoints present: {present}" if present else
                                " (and no complete checkpoint at all)"))
     return d
 
 
-def _committed_tags(load_dir: str) -> List[str]:
+def _committed_tags(load_dir: str, store: Storage = LOCAL) -> List[str]:
     """Tags of the complete checkpoints in ``load_dir``, newest first (by step, then manifest time)."""
     found = []
-    for t, m, _ in commit.list_checkpoints(load_dir):
+    for t, m, _ in commit.list_checkpoints(load_dir, store):
         if m is not None:
-            mtime = os.path.getmtime(os.path.join(load_dir, t, commit.MANIFEST_NAME))
+            mtime = store.mtime(store.join(load_dir, t, commit.MANIFEST_NAME))
             found.append((m.step if m.step is not None else -1, mtime, t))
     return [t for _, _, t in sorted(found, reverse=True)]
 
@@ -458,17 +453,18 @@ def verify_part(reader: "CheckpointReader", part: int = 0, parts: int = 1) -> in
     return checked
 
 
-def find_intact(comm: Comm, load_dir: str, exclude=()) -> Optional[Tuple[str, Manifest]]:
+def find_intact(comm: Comm, load_dir: str, exclude=(), store: Storage = LOCAL) -> Optional[Tuple[str, Manifest]]:
     """The newest complete checkpoint of ``load_dir`` (not one in ``exclude``) whose every stored
     box verifies, checked by all ranks together (collective; every rank gets the same answer)."""
-    candidates = comm.broadcast_object([t for t in _committed_tags(load_dir) if t not in exclude]
+    candidates = comm.broadcast_object([t for t in _committed_tags(load_dir, store) if t not in exclude]
                                        if comm.rank == 0 else None)
     for t in candidates:
-        d = os.path.join(load_dir, t)
+        d = store.join(load_dir, t)
 
         def check(d=d):
-            manifest = commit.read_manifest(d)
-            verify_part(CheckpointReader(d, manifest, verify=True, cache_bytes=0), comm.rank, comm.world_size)
+            manifest = commit.read_manifest(d, store)
+            verify_part(CheckpointReader(d, manifest, verify=True, cache_bytes=0, store=store), comm.rank,
+                        comm.world_size)
             return manifest
         try:
             return t, agree(comm, f"AdaCheck: verifying {d}", check)
@@ -486,9 +482,9 @@ class CheckpointReader:
     """
 
     def __init__(self, ckpt_dir: str, manifest: Optional[Manifest] = None, verify: bool = True,
-                 prefer_rank: Optional[int] = None, cache_bytes: int = 1 << 30):
-        self.dir = ckpt_dir
-        self.manifest = manifest if manifest is not None else commit.read_manifest(ckpt_dir)
+                 prefer_rank: Optional[int] = None, cache_bytes: int = 1 << 30, store: Storage = LOCAL):
+        self.dir, self.store = ckpt_dir, store
+        self.manifest = manifest if manifest is not None else commit.read_manifest(ckpt_dir, store)
         self.verify = verify
         self.bound = self.manifest.format_version >= BOUND_SINCE
         if not self.bound:
@@ -524,12 +520,12 @@ class CheckpointReader:
         """Where a manifest file entry lives: here, or in an earlier sibling checkpoint."""
         tag, name = split_file(fname)
         if tag is None:
-            return os.path.join(self.dir, name)
-        return os.path.join(os.path.dirname(os.path.normpath(self.dir)), tag, name)
+            return self.store.join(self.dir, name)
+        return self.store.join(self.store.parent(self.dir), tag, name)
 
     def _file(self, fname: str) -> SafetensorsFile:
         if fname not in self._files:
-            self._files[fname] = SafetensorsFile(self.path_of(fname))
+            self._files[fname] = SafetensorsFile(self.path_of(fname), self.store)
         return self._files[fname]
 
     def stored(self, name: str, sb, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -698,7 +694,7 @@ class CheckpointReader:
 def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[CheckpointReader], object],
          apply: Callable[[object], object], verify: bool = True, on_corrupt: str = "raise",
          how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
-         undo: Optional[Callable[[], None]] = None):
+         undo: Optional[Callable[[], None]] = None, store: Storage = LOCAL):
     """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
 
     ``read`` must not change training state: only once every rank has staged its part
@@ -713,12 +709,12 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
     """
     lifecycle.register()
     try:
-        ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, verify, undo)
+        ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, verify, undo, store)
     except (FormatError, NotFoundError) as e:
-        if isinstance(e, NotFoundError) and (tag is not None or not os.path.exists(os.path.join(load_dir, "latest"))):
+        if isinstance(e, NotFoundError) and (tag is not None or not commit.has_latest(load_dir, store)):
             raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
-        failed = tag if tag is not None else commit.latest_or_none(load_dir)
-        intact = find_intact(comm, load_dir, exclude=(failed,))
+        failed = tag if tag is not None else commit.latest_or_none(load_dir, store)
+        intact = find_intact(comm, load_dir, exclude=(failed,), store=store)
         if on_corrupt != "fallback" or tag is not None or intact is None:
             e.args = (f"{e}\n{_advice(load_dir, failed, intact, how_to_load, explicit=tag is not None)}",)
             raise
@@ -726,24 +722,24 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
                       f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
                       "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
                       stacklevel=2)
-        ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, verify, undo)
+        ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, verify, undo, store)
     result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
     if verify:
-        trust(ckpt_dir)
+        trust(ckpt_dir, store)
     return ckpt_dir, manifest, result
 
 
-def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, undo=None):
+def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, undo=None, store: Storage = LOCAL):
     def open_():
-        d = resolve(load_dir, tag)
-        return d, commit.read_manifest(d)
+        d = resolve(load_dir, tag, store)
+        return d, commit.read_manifest(d, store)
 
     ckpt_dir, manifest = agree(comm, f"AdaCheck load from {load_dir} (open)", open_)
     tags = comm.all_gather_object(manifest.tag)
     if len(set(tags)) != 1:
         raise ConfigError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
                           "the same shared directory on every rank?")
-    reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank)
+    reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store)
     staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader), on_failure=undo)
     return ckpt_dir, manifest, staged
 

@@ -1,25 +1,27 @@
-"""Write-then-commit on a POSIX filesystem shared by all ranks.
+"""Write-then-commit, on any :class:`~adacheck.storage.Storage` shared by all ranks.
 
-- shard files are written under ``<name>.tmp``, fsynced, renamed, and the directory fsynced;
-- ``manifest.json`` is replaced atomically (tmp + fsync + rename) after every rank's files
-  are durable, so a checkpoint directory is either its old committed state or the new one;
-- ``latest`` is replaced atomically only after the manifest is durable;
+- shard files are written through the storage's writer (POSIX: ``<name>.tmp``, fsynced,
+  renamed, the directory fsynced; an object store: the object appears whole when uploaded);
+- ``manifest.json`` is written whole (atomically) after every rank's files are durable, so a
+  checkpoint directory is either its old committed state or the new one;
+- ``latest`` is written whole only after the manifest is durable;
 - a loader only ever opens a directory through its manifest, so torn saves are invisible.
+
+Every function takes ``store`` (default: the local filesystem).
 """
 from __future__ import annotations
 
-import os
 import re
 import time
 from typing import Dict, List, Optional, Tuple
 
 from .errors import FormatError, NotFoundError
 from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, referenced_files
+from .storage import LOCAL, Storage
 from .types import Manifest
-from .writer import fsync_dir
 
 LATEST = "latest"
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = Storage.TMP_SUFFIX
 
 
 def check_tag(tag: str) -> str:
@@ -29,27 +31,14 @@ def check_tag(tag: str) -> str:
     return tag
 
 
-def atomic_write_text(path: str, text: str, fsync: bool = True) -> None:
-    tmp = path + TMP_SUFFIX
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(os.path.dirname(os.path.abspath(path)))
+def atomic_write_text(path: str, text: str, fsync: bool = True, store: Storage = LOCAL) -> None:
+    store.write_atomic(path, text.encode("utf-8"), fsync=fsync)
 
 
-def publish_file(tmp_path: str, final_path: str) -> None:
-    os.replace(tmp_path, final_path)
-
-
-def read_manifest(ckpt_dir: str) -> Manifest:
-    path = os.path.join(ckpt_dir, MANIFEST_NAME)
+def read_manifest(ckpt_dir: str, store: Storage = LOCAL) -> Manifest:
+    path = store.join(ckpt_dir, MANIFEST_NAME)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
+        text = store.read_bytes(path).decode("utf-8")
     except FileNotFoundError:
         raise NotFoundError(f"{ckpt_dir} has no {MANIFEST_NAME}: it is not a complete AdaCheck "
                             "checkpoint (an interrupted save, or another format)") from None
@@ -58,18 +47,21 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     return parse(text, where=path)
 
 
-def write_manifest(ckpt_dir: str, manifest: Manifest) -> None:
-    atomic_write_text(os.path.join(ckpt_dir, MANIFEST_NAME), dumps(manifest))
+def has_manifest(ckpt_dir: str, store: Storage = LOCAL) -> bool:
+    return store.is_file(store.join(ckpt_dir, MANIFEST_NAME))
 
 
-def read_latest(save_dir: str) -> Optional[str]:
+def write_manifest(ckpt_dir: str, manifest: Manifest, store: Storage = LOCAL) -> None:
+    atomic_write_text(store.join(ckpt_dir, MANIFEST_NAME), dumps(manifest), store=store)
+
+
+def read_latest(save_dir: str, store: Storage = LOCAL) -> Optional[str]:
     """The tag ``<save_dir>/latest`` names; None when there is no such file; a FormatError when
     it names no possible checkpoint (empty, garbage, a path leading out of ``save_dir``)."""
-    path = os.path.join(save_dir, LATEST)
+    path = store.join(save_dir, LATEST)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(1024)
-    except FileNotFoundError:
+        raw = store.read_bytes(path, 1024)
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
         raise FormatError(f"{path}: cannot read it: {e}") from e
@@ -82,53 +74,56 @@ def read_latest(save_dir: str) -> Optional[str]:
                           "one by its tag") from None
 
 
-def latest_or_none(save_dir: str) -> Optional[str]:
+def latest_or_none(save_dir: str, store: Storage = LOCAL) -> Optional[str]:
     """:func:`read_latest`, with None for a damaged ``latest`` too (for decisions, not for loads)."""
     try:
-        return read_latest(save_dir)
+        return read_latest(save_dir, store)
     except FormatError:
         return None
 
 
-def has_checkpoint(load_dir: str) -> bool:
+def has_latest(save_dir: str, store: Storage = LOCAL) -> bool:
+    """Whether ``<save_dir>/latest`` exists (intact or not)."""
+    return store.exists(store.join(save_dir, LATEST))
+
+
+def has_checkpoint(load_dir: str, store: Storage = LOCAL) -> bool:
     """Whether ``load_dir`` holds anything a load could mean: a ``latest`` file (intact or not),
     a checkpoint directory with a manifest, or is one."""
-    if os.path.exists(os.path.join(load_dir, LATEST)) or os.path.isfile(os.path.join(load_dir, MANIFEST_NAME)):
+    if has_latest(load_dir, store) or has_manifest(load_dir, store):
         return True
-    return any(m is not None for _, m, _ in list_checkpoints(load_dir))
+    return any(m is not None for _, m, _ in list_checkpoints(load_dir, store))
 
 
-def write_latest(save_dir: str, tag: str) -> None:
-    atomic_write_text(os.path.join(save_dir, LATEST), check_tag(tag) + "\n")
+def write_latest(save_dir: str, tag: str, store: Storage = LOCAL) -> None:
+    atomic_write_text(store.join(save_dir, LATEST), check_tag(tag) + "\n", store=store)
 
 
-def list_checkpoints(save_dir: str) -> List[Tuple[str, Optional[Manifest], Optional[str]]]:
+def _is_shard_or_manifest(name: str) -> bool:
+    return name.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
+
+
+def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, Optional[Manifest], Optional[str]]]:
     """(tag, manifest or None, problem or None) for every sub-directory with AdaCheck files."""
     out = []
-    if not os.path.isdir(save_dir):
-        return out
-    for name in sorted(os.listdir(save_dir)):
-        d = os.path.join(save_dir, name)
-        if not os.path.isdir(d):
-            continue
-        has_files = any(f.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
-                        for f in os.listdir(d))
-        if not has_files:
+    for name in store.list(save_dir):
+        d = store.join(save_dir, name)
+        if not store.is_dir(d) or not any(_is_shard_or_manifest(f) for f in store.list(d)):
             continue
         try:
-            out.append((name, read_manifest(d), None))
+            out.append((name, read_manifest(d, store), None))
         except (NotFoundError, FormatError) as e:
             out.append((name, None, str(e)))
     return out
 
 
-def generation_of(ckpt_dir: str) -> int:
+def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     """Generation for a new save into ``ckpt_dir``: past every generation whose files are
     there (committed, torn, or kept because a later checkpoint references them), so a new
     save never writes over an existing shard file.  0 for a fresh directory."""
-    gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(os.listdir(ckpt_dir)))]
+    gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(store.list(ckpt_dir)))]
     try:
-        gens.append(int(read_manifest(ckpt_dir).framework.get("generation", 0)))
+        gens.append(int(read_manifest(ckpt_dir, store).framework.get("generation", 0)))
     except (NotFoundError, FormatError):
         pass
     return 1 + max(gens) if gens else 0
@@ -137,7 +132,16 @@ def generation_of(ckpt_dir: str) -> int:
 _SHARD_FILE = re.compile(r"^rank\d{5}-g\d+\.safetensors(" + re.escape(TMP_SUFFIX) + ")?$")
 
 
-def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = ()) -> List[Tuple[str, int]]:
+def _tree_size(store: Storage, path: str) -> int:
+    total = 0
+    for name in store.list(path):
+        p = store.join(path, name)
+        total += _tree_size(store, p) if store.is_dir(p) else store.size(p)
+    return total
+
+
+def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = (),
+                    store: Storage = LOCAL) -> List[Tuple[str, int]]:
     """Delete shard files (and temporaries) that no committed checkpoint reads.
 
     That covers earlier generations of a re-saved tag, saves a killed job never committed,
@@ -151,9 +155,9 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     """
     need: Dict[str, set] = {}
     unreadable = set()
-    for tag, m, _ in list_checkpoints(save_dir):
+    for tag, m, _ in list_checkpoints(save_dir, store):
         if m is None:
-            if os.path.exists(os.path.join(save_dir, tag, MANIFEST_NAME)):
+            if has_manifest(store.join(save_dir, tag), store):
                 unreadable.add(tag)
             continue
         if tag in retired:
@@ -161,48 +165,44 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
         for ref_tag, name in referenced_files(m):
             need.setdefault(ref_tag or tag, set()).add(name)
     removed = []
-    for tag in sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else ():
-        d = os.path.join(save_dir, tag)
-        if tag in unreadable or not os.path.isdir(d):
+    for tag in store.list(save_dir):
+        d = store.join(save_dir, tag)
+        if tag in unreadable or not store.is_dir(d):
             continue
         before = len(removed)
-        committed = os.path.exists(os.path.join(d, MANIFEST_NAME)) and tag not in retired
-        deltas = os.path.join(d, "deltas")
-        if not committed and os.path.isdir(deltas):
+        committed = has_manifest(d, store) and tag not in retired
+        deltas = store.join(d, "deltas")
+        if not committed and store.is_dir(deltas):
             # the online deltas of a retired (or never committed) base: nothing replays them
-            size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(deltas) for f in fs)
+            size = _tree_size(store, deltas)
             if not dry_run:
-                import shutil
-                shutil.rmtree(deltas, ignore_errors=True)
+                store.remove_tree(deltas)
             removed.append((f"{tag}/deltas/", size))
-        for f in sorted(os.listdir(d)):
+        for f in store.list(d):
             if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
-                path = os.path.join(d, f)
+                path = store.join(d, f)
                 try:
-                    size = os.path.getsize(path)
+                    size = store.size(path)
                     if not dry_run:
-                        os.remove(path)
+                        store.remove(path)
                     removed.append((f"{tag}/{f}", size))
                 except FileNotFoundError:
                     pass
-        if not dry_run and len(removed) > before and not os.path.exists(os.path.join(d, MANIFEST_NAME)):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass   # referenced files or something else live there; leave it
+        if not dry_run and len(removed) > before and not has_manifest(d, store):
+            store.remove_dir(d)      # (referenced files or something else may live there: then kept)
     return removed
 
 
 def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s: Optional[float] = None,
-                   protect: Tuple[str, ...] = (), now: Optional[float] = None) -> List[str]:
+                   protect: Tuple[str, ...] = (), now: Optional[float] = None, store: Storage = LOCAL) -> List[str]:
     """Committed checkpoints a retention policy removes: those beyond the newest
     ``keep_last`` (by step, then manifest time) and/or older than ``older_than_s`` seconds;
     never one in ``protect``, never the newest."""
     committed = []
-    for tag, m, problem in list_checkpoints(save_dir):
+    for tag, m, problem in list_checkpoints(save_dir, store):
         if m is None:
             continue
-        mtime = os.path.getmtime(os.path.join(save_dir, tag, MANIFEST_NAME))
+        mtime = store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
         committed.append(((m.step if m.step is not None else -1), mtime, tag))
     committed.sort(reverse=True)
     now = time.time() if now is None else now
@@ -215,20 +215,17 @@ def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s:
     return out
 
 
-def retire(save_dir: str, tags) -> None:
+def retire(save_dir: str, tags, store: Storage = LOCAL) -> None:
     """Remove the manifests of ``tags`` (they stop being checkpoints); collect_garbage then
     deletes whatever of their files no kept checkpoint references."""
     for tag in tags:
-        os.remove(os.path.join(save_dir, tag, MANIFEST_NAME))
-        try:
-            os.rmdir(os.path.join(save_dir, tag))   # a checkpoint that only referenced others
-        except OSError:
-            pass
+        store.remove(store.join(save_dir, tag, MANIFEST_NAME))
+        store.remove_dir(store.join(save_dir, tag))   # a checkpoint that only referenced others
 
 
-def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...]) -> List[str]:
+def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...], store: Storage = LOCAL) -> List[str]:
     """Retire committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
     Returns the retired tags (their unreferenced files go with the next collect_garbage)."""
-    doomed = choose_retired(save_dir, keep_last=keep_last, protect=protect)
-    retire(save_dir, doomed)
+    doomed = choose_retired(save_dir, keep_last=keep_last, protect=protect, store=store)
+    retire(save_dir, doomed, store)
     return doomed

@@ -11,7 +11,6 @@ existing files are never overwritten unless ``overwrite``.
 from __future__ import annotations
 
 import json
-import os
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -19,7 +18,8 @@ import torch
 from .checkpoint import CheckpointReader
 from .errors import ConfigError, NotFoundError
 from .types import torch_dtype
-from .writer import fsync_dir, write_safetensors_streaming
+from .storage import LOCAL
+from .writer import write_safetensors_to
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -64,8 +64,9 @@ def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     targets = names + ([INDEX_NAME] if n > 1 else [])
-    os.makedirs(out_dir, exist_ok=True)
-    clash = [t for t in targets if os.path.exists(os.path.join(out_dir, t))]
+    store = LOCAL
+    store.make_dirs(out_dir)
+    clash = [t for t in targets if store.exists(store.join(out_dir, t))]
     if clash and not overwrite:
         raise ConfigError(f"{out_dir} already has {clash}; choose another output directory or pass "
                           "overwrite=True (--overwrite)")
@@ -80,28 +81,21 @@ def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_
             progress(done, total)
         return t
 
-    tmps = []
+    writers = []      # every file is written first, then all are committed: none appears alone
     try:
         for fname, keys in zip(names, shards):
-            tmp = os.path.join(out_dir, fname + ".tmp")
-            tmps.append(tmp)
+            writers.append(store.open_writer(store.join(out_dir, fname)))
             specs = [(k, sources[k][1], tuple(r.entry(sources[k][0]).shape)) for k in keys]
-            write_safetensors_streaming(tmp, specs, produce, {"format": "pt", "adacheck_source": r.manifest.tag})
+            write_safetensors_to(writers[-1], specs, produce, {"format": "pt", "adacheck_source": r.manifest.tag})
         if n > 1:
-            tmp = os.path.join(out_dir, INDEX_NAME + ".tmp")
-            tmps.append(tmp)
             index = {"metadata": {"total_size": total},
                      "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}}
-            with open(tmp, "w") as f:
-                json.dump(index, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-        for tmp in tmps:
-            os.replace(tmp, tmp[:-len(".tmp")])
-        fsync_dir(out_dir)
+            writers.append(store.open_writer(store.join(out_dir, INDEX_NAME)))
+            writers[-1].write(json.dumps(index, indent=1, sort_keys=True).encode("utf-8"))
+        for w in writers:
+            w.commit()
     except BaseException:
-        for tmp in tmps:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        for w in writers:
+            w.abort()
         raise
     return {"files": targets, "tensors": len(sources), "bytes": total, "dtype": dtype}

@@ -45,7 +45,6 @@ import math
 import os
 import queue
 import re
-import shutil
 import sys
 import threading
 import time
@@ -59,8 +58,9 @@ from . import commit, jsontree, lifecycle
 from .errors import ConfigError, FormatError, IntegrityError
 from .hashing import bound_digest, check_digest_format, hash_tensor, identity
 from .reader import SafetensorsFile
+from .storage import LOCAL, Storage
 from .types import DTYPES, dtype_name, torch_dtype
-from .writer import BLOCK, DirectFileWriter, fsync_dir
+from .writer import BLOCK
 
 log = logging.getLogger("adacheck")
 
@@ -72,12 +72,12 @@ _STEP_DIR = re.compile(r"^\d{10}$")
 GRAD = "grad/"      # the key prefix of a stored gradient in a delta file
 
 
-def deltas_dir(ckpt_dir: str) -> str:
-    return os.path.join(ckpt_dir, DELTAS)
+def deltas_dir(ckpt_dir: str, store: Storage = LOCAL) -> str:
+    return store.join(ckpt_dir, DELTAS)
 
 
-def step_dir(ckpt_dir: str, step: int) -> str:
-    return os.path.join(ckpt_dir, DELTAS, f"{step:010d}")
+def step_dir(ckpt_dir: str, step: int, store: Storage = LOCAL) -> str:
+    return store.join(ckpt_dir, DELTAS, f"{step:010d}")
 
 
 def bf16_exact(t: torch.Tensor) -> Tuple[bool, Optional[torch.Tensor]]:
@@ -219,8 +219,8 @@ class DeltaLog:
     """
 
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
-                 queue_depth: int = 2, compact: bool = False, on_error: str = "disable"):
-        self.ckpt_dir, self.rank, self.nonce = ckpt_dir, rank, nonce
+                 queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL):
+        self.ckpt_dir, self.rank, self.nonce, self.store = ckpt_dir, rank, nonce, store
         self.fsync, self.compact, self.on_error = fsync, compact, on_error
         self.disabled = False
         self.error: Optional[BaseException] = None
@@ -238,7 +238,7 @@ class DeltaLog:
         self._jobs: "queue.Queue" = queue.Queue()
         self._slot: Optional[_Slot] = None
         self._slot_step: Optional[int] = None
-        self._file_writer = DirectFileWriter()     # (the background thread's)
+        self._file_writer = store.tensor_writer()     # (the background thread's: O_DIRECT on POSIX)
         self._thread = threading.Thread(target=self._run, name=f"adacheck-deltas-r{rank}", daemon=True)
         self._thread.start()
         self._closed = False
@@ -353,8 +353,9 @@ class DeltaLog:
 
     def _write(self, step: int, slot: Optional[_Slot], record: dict, extra: Dict[str, torch.Tensor],
                deviation: Optional[Dict[str, float]] = None) -> None:
-        d = step_dir(self.ckpt_dir, step)
-        os.makedirs(d, exist_ok=True)
+        store = self.store
+        d = step_dir(self.ckpt_dir, step, store)
+        store.make_dirs(d)
         tensors, meta, extra_meta = {}, {}, {}
         for key in (slot.keys if slot is not None else []):
             g = slot.buffers[key]
@@ -382,35 +383,32 @@ class DeltaLog:
         size = 0
         if tensors:
             fname = f"rank{self.rank}.safetensors"
-            final = os.path.join(d, fname)
-            tmp = final + commit.TMP_SUFFIX
-            size = self._file_writer.write(tmp, tensors, {"format": "adacheck-delta"}, fsync=self.fsync)
-            commit.publish_file(tmp, final)
+            size = store.write_tensors(store.join(d, fname), tensors, {"format": "adacheck-delta"}, fsync=self.fsync,
+                                       writer=self._file_writer)
         rec = {"version": RECORD_VERSION, "step": step, "rank": self.rank, "nonce": self.nonce,
                "file": fname, "file_bytes": size, "tensors": meta, "extra": extra_meta,
                "lossy": any("max_abs_error" in v for v in meta.values()),
                "record": record}
         if deviation is not None:     # JSON has no inf: a distance that is not finite is "inf"
             rec["deviation"] = {k: v if math.isfinite(v) else "inf" for k, v in deviation.items()}
-        path = os.path.join(d, f"rank{self.rank}.json")
+        path = store.join(d, f"rank{self.rank}.json")
         text = json.dumps(rec, sort_keys=True, separators=(",", ":"), allow_nan=False)
-        commit.atomic_write_text(path, text, fsync=self.fsync)
+        commit.atomic_write_text(path, text, fsync=self.fsync, store=store)
         self.bytes_written += size + len(text)
         self.steps_written += 1
         self.last_written = step
 
 
-def write_chain(ckpt_dir: str, info: dict, fsync: bool = True) -> None:
+def write_chain(ckpt_dir: str, info: dict, fsync: bool = True, store: Storage = LOCAL) -> None:
     """Rank 0 notes what the chain's base cost (for the "auto" rule after a restart)."""
-    os.makedirs(deltas_dir(ckpt_dir), exist_ok=True)
-    commit.atomic_write_text(os.path.join(deltas_dir(ckpt_dir), CHAIN),
-                             json.dumps(info, sort_keys=True, allow_nan=False), fsync=fsync)
+    store.make_dirs(deltas_dir(ckpt_dir, store))
+    commit.atomic_write_text(store.join(deltas_dir(ckpt_dir, store), CHAIN),
+                             json.dumps(info, sort_keys=True, allow_nan=False), fsync=fsync, store=store)
 
 
-def read_chain(ckpt_dir: str) -> Optional[dict]:
+def read_chain(ckpt_dir: str, store: Storage = LOCAL) -> Optional[dict]:
     try:
-        with open(os.path.join(deltas_dir(ckpt_dir), CHAIN), encoding="utf-8") as f:
-            return json.loads(f.read())
+        return json.loads(store.read_bytes(store.join(deltas_dir(ckpt_dir, store), CHAIN)).decode("utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -422,6 +420,7 @@ class Step:
 
     step: int
     records: Dict[int, dict]
+    store: Storage = LOCAL      # where the step's files are
 
     def holder_of(self, key: str, prefer: int) -> int:
         """A rank whose file holds the gradient ``key`` (``prefer`` if it has it)."""
@@ -519,12 +518,11 @@ def check_record(rec, step: int, rank: int, where: str) -> dict:
     return rec
 
 
-def _read_record(path: str, step: int, rank: int) -> Optional[dict]:
+def _read_record(path: str, step: int, rank: int, store: Storage = LOCAL) -> Optional[dict]:
     """The valid record at ``path``; None when there is none (the step is not committed there);
     a FormatError when a file is there but is not a valid record of that step and rank."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = store.read_bytes(path).decode("utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
@@ -540,20 +538,18 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def step_dirs(ckpt_dir: str) -> List[int]:
-    d = deltas_dir(ckpt_dir)
-    if not os.path.isdir(d):
-        return []
-    return sorted(int(n) for n in os.listdir(d) if _STEP_DIR.match(n))
+def step_dirs(ckpt_dir: str, store: Storage = LOCAL) -> List[int]:
+    return sorted(int(n) for n in store.list(deltas_dir(ckpt_dir, store)) if _STEP_DIR.match(n))
 
 
-def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = True) -> Tuple[List[Step], str]:
+def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = True,
+                    store: Storage = LOCAL) -> Tuple[List[Step], str]:
     """The committed steps directly after ``base_step`` (in order, up to the first gap) and a
     one-line reason why the chain stops where it does.  A record that is there but invalid is
     damage, not a gap: a FormatError naming it (``strict``), or where the chain stops, saying so."""
     out: List[Step] = []
     want = base_step + 1
-    for s in step_dirs(ckpt_dir):
+    for s in step_dirs(ckpt_dir, store):
         if s < want:
             continue
         if s != want:
@@ -561,11 +557,11 @@ def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = Tr
         recs = {}
         for r in range(world):
             try:
-                rec = _read_record(os.path.join(step_dir(ckpt_dir, s), f"rank{r}.json"), s, r)
+                rec = _read_record(store.join(step_dir(ckpt_dir, s, store), f"rank{r}.json"), s, r, store)
             except FormatError as e:
                 if strict:
                     raise FormatError(f"{e}. The delta log of {ckpt_dir} is damaged at step {s}: to recover "
-                                      f"step {s - 1}, remove {step_dir(ckpt_dir, s)} and the step directories "
+                                      f"step {s - 1}, remove {step_dir(ckpt_dir, s, store)} and the step directories "
                                       "after it (or load with on_corrupt \"fallback\")") from None
                 return out, f"step {s} is damaged: {e}"
             if rec is None:
@@ -573,7 +569,7 @@ def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = Tr
             recs[r] = rec
         if len({rec["nonce"] for rec in recs.values()}) != 1:
             return out, f"step {s} mixes records of different runs"
-        out.append(Step(s, recs))
+        out.append(Step(s, recs, store))
         want = s + 1
     return out, "end of the log"
 
@@ -583,7 +579,8 @@ def read_grad(ckpt_dir: str, step: Step, key: str, prefer_rank: int, verify: boo
     """The gradient ``key`` of ``step`` in the dtype it was recorded in (hash-checked)."""
     meta, path = grad_meta(ckpt_dir, step, key, prefer_rank)
     rec = step.records[step.holder_of(key, prefer_rank)]
-    t = _verified(ckpt_dir, step, rec, path, open_file(path, files), GRAD + key, meta["stored"], meta, verify)
+    t = _verified(ckpt_dir, step, rec, path, open_file(path, files, step.store), GRAD + key, meta["stored"], meta,
+                  verify)
     return t.to(torch_dtype(meta["dtype"]))
 
 
@@ -591,7 +588,7 @@ def grad_meta(ckpt_dir: str, step: Step, key: str, prefer_rank: int) -> Tuple[di
     """The record entry of gradient ``key`` of ``step`` (from ``prefer_rank``'s record if it stored
     it, else another rank's) and the file that holds it."""
     rec = step.records[step.holder_of(key, prefer_rank)]
-    return rec["tensors"][key], os.path.join(step_dir(ckpt_dir, step.step), str(rec["file"]))
+    return rec["tensors"][key], step.store.join(step_dir(ckpt_dir, step.step, step.store), str(rec["file"]))
 
 
 def _verified(ckpt_dir: str, step: Step, rec: dict, path: str, f: SafetensorsFile, name: str, kept: str,
@@ -615,14 +612,14 @@ def _verified(ckpt_dir: str, step: Step, rec: dict, path: str, f: SafetensorsFil
 def _damaged(ckpt_dir: str, step: Step, path: str, what: str) -> IntegrityError:
     return IntegrityError(f"{path}: {what} of delta step {step.step} does not match its recorded hash "
                           f"(corrupted, or not what the record says it is); to recover step {step.step - 1} instead, remove "
-                          f"{step_dir(ckpt_dir, step.step)} and the step directories after it")
+                          f"{step_dir(ckpt_dir, step.step, step.store)} and the step directories after it")
 
 
-def open_file(path: str, files: Optional[dict]) -> SafetensorsFile:
+def open_file(path: str, files: Optional[dict], store: Storage = LOCAL) -> SafetensorsFile:
     """The delta file at ``path``, its header validated (kept in ``files`` for the next use)."""
     f = files.get(path) if files is not None else None
     if f is None:
-        f = SafetensorsFile(path)
+        f = SafetensorsFile(path, store)
         if files is not None:
             files[path] = f
     return f
@@ -633,28 +630,28 @@ def read_extra(ckpt_dir: str, step: Step, rank: int, verify: bool = True, files:
     rec = step.records[rank]
     tensors = {}
     if rec["extra"]:
-        path = os.path.join(step_dir(ckpt_dir, step.step), str(rec["file"]))
-        f = open_file(path, files)
+        path = step.store.join(step_dir(ckpt_dir, step.step, step.store), str(rec["file"]))
+        f = open_file(path, files, step.store)
         for name, meta in rec["extra"].items():
             tensors[name] = _verified(ckpt_dir, step, rec, path, f, name, meta["dtype"], meta, verify)
     return jsontree.decode(rec["record"], tensors.__getitem__)
 
 
-def remove_steps_after(ckpt_dir: str, step: int) -> List[int]:
+def remove_steps_after(ckpt_dir: str, step: int, store: Storage = LOCAL) -> List[int]:
     """Delete the (uncommitted) step directories after ``step``; returns their steps."""
     gone = []
-    for s in step_dirs(ckpt_dir):
+    for s in step_dirs(ckpt_dir, store):
         if s > step:
-            shutil.rmtree(step_dir(ckpt_dir, s), ignore_errors=True)
+            store.remove_tree(step_dir(ckpt_dir, s, store))
             gone.append(s)
     if gone:
-        fsync_dir(deltas_dir(ckpt_dir))
+        store.sync_dir(deltas_dir(ckpt_dir, store))
     return gone
 
 
-def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
+def summary(ckpt_dir: str, base_step: int, world: int, store: Storage = LOCAL) -> dict:
     """What ``adacheck inspect`` shows about a base's delta log (damage is where it stops)."""
-    steps, why = committed_steps(ckpt_dir, base_step, world, strict=False)
+    steps, why = committed_steps(ckpt_dir, base_step, world, strict=False, store=store)
     devs = {s.step: d for s, d in ((s, s.deviation()) for s in steps) if d is not None}
     elems = stored_elements(steps)
     total = sum(elems.values())
@@ -665,7 +662,7 @@ def summary(ckpt_dir: str, base_step: int, world: int) -> dict:
             # per committed step, compact only: a recovery to it deviates by this much
             "deviation": devs,
             "max_deviation": {k: max(d[k] for d in devs.values()) for k in ("weights", "state")} if devs else None,
-            "on_disk": len(step_dirs(ckpt_dir)),
+            "on_disk": len(step_dirs(ckpt_dir, store)),
             # gradient elements per stored dtype, and the share stored in bf16 (2 bytes each)
             "stored_elements": elems,
             "bf16_share": elems.get("bfloat16", 0) / total if total else None}
@@ -681,11 +678,12 @@ def stored_elements(steps: List[Step]) -> Dict[str, int]:
     return out
 
 
-def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None) -> Tuple[int, int]:
+def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None,
+          store: Storage = LOCAL) -> Tuple[int, int]:
     """(committed online steps to replay, the step a load ends at) for the base checkpoint
     ``ckpt_dir`` at ``base_step`` saved by ``world`` ranks: all its committed deltas, or those
     up to ``step`` (which must be the base's step or one of them)."""
-    dl = summary(ckpt_dir, base_step, world) if step_dirs(ckpt_dir) else {"committed": 0}
+    dl = summary(ckpt_dir, base_step, world, store) if step_dirs(ckpt_dir, store) else {"committed": 0}
     pending, last = dl["committed"], (dl["last"] if dl["committed"] else base_step)
     if step is not None and step != last:
         if step == base_step:
@@ -699,14 +697,14 @@ def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None)
     return pending, last
 
 
-def base_for_step(save_dir: str, step: int) -> str:
+def base_for_step(save_dir: str, step: int, store: Storage = LOCAL) -> str:
     """The tag of the newest complete checkpoint in ``save_dir`` from which ``step`` is reachable
     (it is that step, or its committed online deltas reach it)."""
     found = []
-    for t, m, _ in commit.list_checkpoints(save_dir):
+    for t, m, _ in commit.list_checkpoints(save_dir, store):
         if m is None or m.step is None or m.step > step:
             continue
-        _, last = reach(os.path.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)))
+        _, last = reach(store.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)), store=store)
         if last >= step:
             found.append((m.step, t))
     if not found:

@@ -25,6 +25,7 @@ from .errors import AdaCheckError, CorruptCheckpointWarning, FormatError, StateE
 from .exchange import Comm, agree
 from .optimtap import OptimizerTap, Shadow
 from .rng import rng_state
+from .storage import LOCAL, Storage
 
 log = logging.getLogger("adacheck")
 
@@ -33,8 +34,8 @@ class OnlineRecorder:
     def __init__(self, tap: OptimizerTap, config: OnlineConfig, save_dir: str, comm: Callable[[], Comm],
                  take_base: Callable[[], None], fsync: bool = True, mine: Optional[set] = None,
                  rank_state: Callable[[], dict] = rng_state,
-                 preclip: Optional[Callable[[str, object, object], None]] = None):
-        self.tap, self.config, self.save_dir = tap, config, save_dir
+                 preclip: Optional[Callable[[str, object, object], None]] = None, store: Storage = LOCAL):
+        self.tap, self.config, self.save_dir, self.store = tap, config, save_dir, store
         self.comm, self.take_base, self.fsync, self.mine = comm, take_base, fsync, mine
         self.rank_state, self.preclip = rank_state, preclip
         # compact: the state a recovery reaches, stepped along with the gradients as stored
@@ -162,16 +163,16 @@ class OnlineRecorder:
         if self.log is not None:
             self.log.close()
             self.log = None
-        ckpt_dir = os.path.join(self.save_dir, tag)
+        ckpt_dir = self.store.join(self.save_dir, tag)
         if resume_after is None:
             info = {"base_tag": tag, "base_step": step, "base_bytes": base_bytes,
                     "base_seconds": base_seconds, "world_size": comm.world_size}
             if comm.rank == 0:
-                D.write_chain(ckpt_dir, info, fsync=self.fsync)
+                D.write_chain(ckpt_dir, info, fsync=self.fsync, store=self.store)
         else:
-            info = D.read_chain(ckpt_dir) or {"base_bytes": base_bytes, "base_seconds": base_seconds}
+            info = D.read_chain(ckpt_dir, self.store) or {"base_bytes": base_bytes, "base_seconds": base_seconds}
             if comm.rank == 0:
-                D.remove_steps_after(ckpt_dir, resume_after)
+                D.remove_steps_after(ckpt_dir, resume_after, self.store)
         nonce = comm.broadcast_object(os.urandom(8).hex() if comm.rank == 0 else None)
         comm.barrier()
         self.chain_info = info
@@ -181,18 +182,18 @@ class OnlineRecorder:
         if self.config.base_interval == "auto":
             self.interval = None
         self.log = D.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
-                              compact=self.config.compact, on_error=self.config.on_error)
+                              compact=self.config.compact, on_error=self.config.on_error, store=self.store)
         self._stored = {}
         self.shadow = Shadow(self.tap) if self.config.compact else None
 
 
 def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
-              strict: bool = True):
+              strict: bool = True, store: Storage = LOCAL):
     """The committed steps every rank agrees on (those up to step ``until`` if given), and why
     the log stops.  A damaged record is a FormatError on every rank (``strict``), or where the
     chain stops."""
     steps, why = agree(comm, f"AdaCheck: reading the delta log of {ckpt_dir}",
-                       lambda: D.committed_steps(ckpt_dir, base_step, world, strict=strict))
+                       lambda: D.committed_steps(ckpt_dir, base_step, world, strict=strict, store=store))
     n = min(comm.all_gather_object(len(steps)))
     steps = steps[:n]
     if until is not None and steps and steps[-1].step > until:
@@ -201,17 +202,17 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
 
 
 def chain(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
-          strict: bool = True) -> Tuple[List[D.Step], str, Optional[AdaCheckError]]:
+          strict: bool = True, store: Storage = LOCAL) -> Tuple[List[D.Step], str, Optional[AdaCheckError]]:
     """:func:`committed`, with damage of the log returned instead of raised: (the steps to replay,
     why the log stops, the damage or None).  ``strict``: no step is replayed from a damaged log;
     otherwise those before the damage are."""
     try:
-        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=True)
+        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=True, store=store)
         return steps, why, None
     except AdaCheckError as e:
         if strict:
             return [], str(e), e
-        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=False)
+        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=False, store=store)
         return steps, why, e
 
 
@@ -292,7 +293,7 @@ def check_steps(tap: OptimizerTap, ckpt_dir: str, steps: List[D.Step], rank: int
                 raise FormatError(f"{where}: the gradient of {key} has shape {meta['shape']}, the tensor "
                                   f"{tuple(tensors[key].shape)}; recorded by another model or layout")
             # the file's header is valid (truncation, offsets) and holds the gradient as recorded
-            entry = D.open_file(path, files).entries.get(D.GRAD + stored.get(key, key))
+            entry = D.open_file(path, files, st.store).entries.get(D.GRAD + stored.get(key, key))
             if entry is None or entry[0] != meta["stored"] or list(entry[1]) != list(meta["shape"]):
                 raise FormatError(f"{path}: holds the gradient of {key} as "
                                   f"{f'{entry[0]}{list(entry[1])}' if entry else 'nothing'}, its record says "

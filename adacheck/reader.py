@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from typing import Dict
 
 import torch
 
 from .errors import FormatError
+from .storage import LOCAL, Storage
 from .types import DTYPES, SAFETENSORS_CODE_TO_NAME
 
 MAX_HEADER = 256 << 20
@@ -22,24 +22,25 @@ MAX_HEADER = 256 << 20
 class SafetensorsFile:
     """A validated safetensors file; ``read(key)`` returns a fresh CPU tensor."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, store: Storage = LOCAL):
+        self.path, self.store = path, store
         try:
-            self.size = os.path.getsize(path)
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise FormatError(f"{path}: file is {self.size} bytes, too short for a "
-                                      "safetensors header (truncated?)")
-                (n,) = struct.unpack("<Q", head)
-                if n > MAX_HEADER or 8 + n > self.size:
-                    raise FormatError(f"{path}: header claims {n} bytes but the file has "
-                                      f"{self.size} (truncated or not a safetensors file)")
-                raw = f.read(n)
+            self.size = store.size(path)
+            head = store.read_bytes(path, 8)
+            if len(head) < 8:
+                raise FormatError(f"{path}: file is {self.size} bytes, too short for a "
+                                  "safetensors header (truncated?)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > self.size:
+                raise FormatError(f"{path}: header claims {n} bytes but the file has "
+                                  f"{self.size} (truncated or not a safetensors file)")
+            raw = bytearray(n)
+            if store.read_into(path, 8, raw) != n:
+                raise FormatError(f"{path}: the header ended early (the file changed while it was read?)")
         except OSError as e:
             raise FormatError(f"{path}: cannot read shard file: {e}") from e
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(bytes(raw).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FormatError(f"{path}: header is not valid JSON ({e}); the file is corrupt") from e
         if not isinstance(header, dict):
@@ -94,9 +95,10 @@ class SafetensorsFile:
                              f"{out.dtype}{list(out.shape)} tensor")
         if b > a:
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-            with open(self.path, "rb") as f:
-                f.seek(self.data_start + a)
-                got = f.readinto(view)
+            try:
+                got = self.store.read_into(self.path, self.data_start + a, view)
+            except OSError as e:
+                raise FormatError(f"{self.path}: cannot read {key!r}: {e}") from e
             if got != b - a:
                 raise FormatError(f"{self.path}: {key!r} ended after {got} of {b - a} bytes")
         return out

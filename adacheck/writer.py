@@ -36,28 +36,36 @@ def _header(items: List[Tuple[str, torch.Tensor]], metadata: Dict[str, str], dat
     return raw
 
 
-def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, tuple]],
-                                produce: Callable[[str], torch.Tensor],
-                                metadata: Dict[str, str] | None = None, fsync: bool = True,
-                                data_align: int = 8) -> int:
-    """Write a safetensors file whose tensors are made one at a time: ``specs`` gives each
-    key's dtype and shape (for the header), ``produce(key)`` the tensor when its bytes are due.
-    Peak memory is one tensor.  Keys are written sorted; returns the file size."""
+def write_safetensors_to(out, specs: List[Tuple[str, torch.dtype, tuple]], produce: Callable[[str], torch.Tensor],
+                         metadata: Dict[str, str] | None = None, data_align: int = 8) -> int:
+    """Write a safetensors file into ``out`` (anything with ``write(bytes)``: a file, a storage's
+    FileWriter) with tensors made one at a time: ``specs`` gives each key's dtype and shape (for
+    the header), ``produce(key)`` the tensor when its bytes are due.  Peak memory is one tensor.
+    Keys are written sorted; returns the number of bytes written."""
     specs = sorted(specs, key=lambda s: s[0])
     header = _header([(k, torch.empty(shape, dtype=dt, device="meta")) for k, dt, shape in specs],
                      metadata or {}, data_align)
     size = 8 + len(header)
+    out.write(struct.pack("<Q", len(header)))
+    out.write(header)
+    for key, dt, shape in specs:
+        t = produce(key)
+        if t.dtype != dt or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{key}: produced {t.dtype}{list(t.shape)}, header says {dt}{list(shape)}")
+        buf = tensor_bytes(t.detach().to("cpu").contiguous())
+        out.write(buf)
+        size += len(buf)
+        del t, buf   # before the next produce(): one tensor at a time
+    return size
+
+
+def write_safetensors_streaming(path: str, specs: List[Tuple[str, torch.dtype, tuple]],
+                                produce: Callable[[str], torch.Tensor],
+                                metadata: Dict[str, str] | None = None, fsync: bool = True,
+                                data_align: int = 8) -> int:
+    """:func:`write_safetensors_to` a local file at ``path`` (written in place), fsynced."""
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        for key, dt, shape in specs:
-            t = produce(key)
-            if t.dtype != dt or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{key}: produced {t.dtype}{list(t.shape)}, header says {dt}{list(shape)}")
-            buf = tensor_bytes(t.detach().to("cpu").contiguous())
-            f.write(buf)
-            size += len(buf)
-            del t, buf   # before the next produce(): one tensor at a time
+        size = write_safetensors_to(f, specs, produce, metadata, data_align)
         f.flush()
         if fsync:
             os.fsync(f.fileno())

@@ -1,0 +1,441 @@
+"""Where checkpoint bytes live: the one interface between AdaCheck and files or objects.
+
+Everything AdaCheck writes, reads, lists, renames, deletes or fsyncs goes through a
+:class:`Storage`: shard files, manifests, ``latest``, delta files and records, retention and
+garbage collection.  Paths are full path strings of the storage (``/``-separated), as the user
+gave them: a local directory, or for fsspec a path of that filesystem (``bucket/prefix/...``).
+
+Commit semantics, the part that differs between backends:
+
+- a large file is written through :meth:`Storage.open_writer`; nothing is visible under its
+  final name as a *complete* file until :meth:`FileWriter.commit`, and :meth:`FileWriter.abort`
+  leaves nothing behind.  POSIX writes ``<name>.tmp``, fsyncs and renames; an object store
+  uploads the object and it exists once the upload completes (there is no rename);
+- a small metadata file (a manifest, ``latest``, a delta record) is written whole with
+  :meth:`Storage.write_atomic`: a reader sees the old content or the new, never a torn one;
+- publishing is ordering: data first, then the manifest once every rank's data is confirmed,
+  then ``latest``.  Loaders open a checkpoint only through its manifest, so on every backend an
+  interrupted save is invisible.
+
+Backends: :class:`PosixStorage` (local and shared POSIX filesystems: fsync, atomic rename,
+``O_DIRECT`` for delta files) and :class:`FsspecStorage` (any fsspec filesystem; the tests use
+fsspec's in-memory one).  :func:`open_storage` picks one for a path.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import ConfigError
+
+
+class FileWriter:
+    """A file being written: ``write`` its bytes in order, then ``commit`` (durable and visible
+    under its final name) or ``abort`` (nothing of it left behind; after a successful commit,
+    abort does nothing)."""
+
+    def write(self, data) -> None:
+        raise NotImplementedError
+
+    def commit(self) -> int:
+        """Make the file durable under its final name; returns its size in bytes."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+class Storage:
+    """The operations AdaCheck needs of a place to keep checkpoints (see the module docstring).
+
+    Reading: ``exists``, ``is_dir``, ``list``, ``size``, ``mtime``, ``read_into``, ``read_bytes``.
+    Writing: ``make_dirs``, ``open_writer``, ``write_atomic``, ``write_tensors``, ``remove``,
+    ``remove_tree``, ``remove_dir``, ``sync_dir``.  ``renames``: whether files are written under a
+    temporary name first (POSIX) or appear whole when their upload completes (object stores).
+    """
+
+    renames = True
+    TMP_SUFFIX = ".tmp"
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def parent(self, path: str) -> str:
+        return os.path.dirname(os.path.normpath(path))
+
+    def basename(self, path: str) -> str:
+        return os.path.basename(os.path.normpath(path))
+
+    def canonical(self, path: str) -> str:
+        """One spelling per place (to compare and remember directories)."""
+        return os.path.abspath(path)
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def is_dir(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def is_file(self, path: str) -> bool:
+        return self.exists(path) and not self.is_dir(path)
+
+    def list(self, path: str) -> List[str]:
+        """Names directly under ``path`` (sorted); [] when there is nothing there."""
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def mtime(self, path: str) -> float:
+        raise NotImplementedError
+
+    def read_into(self, path: str, offset: int, buffer) -> int:
+        """Read up to ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns how many."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str, limit: Optional[int] = None) -> bytes:
+        """The file's bytes (the first ``limit`` of them if given); FileNotFoundError if none."""
+        raise NotImplementedError
+
+    def make_dirs(self, path: str) -> None:
+        raise NotImplementedError
+
+    def open_writer(self, path: str, fsync: bool = True) -> FileWriter:
+        raise NotImplementedError
+
+    def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
+        raise NotImplementedError
+
+    def write_tensors(self, path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[dict] = None,
+                      fsync: bool = True, writer=None) -> int:
+        """A safetensors file of ``tensors`` (CPU, contiguous) under ``path``, committed; returns its
+        size.  ``writer``: this backend's reusable tensor writer (:meth:`tensor_writer`), if any."""
+        from .writer import data_alignment, write_safetensors_to
+        fw = self.open_writer(path, fsync=fsync)
+        try:
+            write_safetensors_to(fw, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
+                                 metadata, data_alignment(tensors))
+            return fw.commit()
+        except BaseException:
+            fw.abort()
+            raise
+
+    def tensor_writer(self):
+        """A writer object for repeated :meth:`write_tensors` calls from one thread (None: none)."""
+        return None
+
+    def remove(self, path: str) -> None:
+        """Delete a file; nothing happens if it is not there."""
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        raise NotImplementedError
+
+    def remove_dir(self, path: str) -> bool:
+        """Remove ``path`` if it is an empty directory (object stores have none); returns whether
+        nothing is left there."""
+        raise NotImplementedError
+
+    def sync_dir(self, path: str) -> None:
+        """Make the directory's entries (creations, renames, deletions) durable."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class _PosixWriter(FileWriter):
+    def __init__(self, path: str, fsync: bool):
+        self.final, self.tmp, self.fsync = path, path + Storage.TMP_SUFFIX, fsync
+        self.f = open(self.tmp, "wb")
+        self.size = 0
+        self.renamed = self.committed = False
+
+    def write(self, data) -> None:
+        try:
+            self.f.write(data)
+        except OSError as e:
+            raise _named(e, self.tmp) from e
+        self.size += memoryview(data).nbytes
+
+    def commit(self) -> int:
+        try:
+            self.f.flush()
+            if self.fsync:
+                os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.tmp, self.final)
+            self.renamed = True
+            if self.fsync:
+                _fsync_dir(os.path.dirname(os.path.abspath(self.final)))
+        except OSError as e:
+            raise _named(e, self.tmp) from e
+        self.committed = True
+        return self.size
+
+    def abort(self) -> None:
+        if self.committed:
+            return
+        try:
+            self.f.close()
+        except OSError:
+            pass
+        for p in (self.tmp,) + ((self.final,) if self.renamed else ()):   # only what this writer made
+            try:
+                os.remove(p)
+            except FileNotFoundError:
+                pass
+
+
+def _named(e: OSError, path: str) -> OSError:
+    """write()/fsync() errors carry no path: name the file."""
+    return e if e.filename is not None else OSError(e.errno, e.strerror, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PosixStorage(Storage):
+    """A local or shared POSIX filesystem: files are written under ``<name>.tmp``, fsynced and
+    renamed (``fsync`` off: renamed without fsync); the directory is fsynced after a rename.
+    Delta files go through :class:`~adacheck.writer.DirectFileWriter` (``O_DIRECT``)."""
+
+    renames = True
+
+    def exists(self, path):
+        return os.path.exists(path)
+
+    def is_dir(self, path):
+        return os.path.isdir(path)
+
+    def is_file(self, path):
+        return os.path.isfile(path)
+
+    def list(self, path):
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def size(self, path):
+        return os.path.getsize(path)
+
+    def mtime(self, path):
+        return os.path.getmtime(path)
+
+    def read_into(self, path, offset, buffer):
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.readinto(buffer)
+
+    def read_bytes(self, path, limit=None):
+        with open(path, "rb") as f:
+            return f.read() if limit is None else f.read(limit)
+
+    def make_dirs(self, path):
+        os.makedirs(path, exist_ok=True)
+
+    def open_writer(self, path, fsync=True):
+        return _PosixWriter(path, fsync)
+
+    def write_atomic(self, path, data, fsync=True):
+        tmp = path + self.TMP_SUFFIX
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+    def write_tensors(self, path, tensors, metadata=None, fsync=True, writer=None):
+        if writer is None:
+            return super().write_tensors(path, tensors, metadata, fsync)
+        tmp = path + self.TMP_SUFFIX
+        size = writer.write(tmp, tensors, metadata, fsync=fsync)
+        os.replace(tmp, path)
+        return size
+
+    def tensor_writer(self):
+        from .writer import DirectFileWriter
+        return DirectFileWriter()
+
+    def remove(self, path):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, path):
+        shutil.rmtree(path, ignore_errors=True)
+
+    def remove_dir(self, path):
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                return False
+            raise
+
+    def sync_dir(self, path):
+        _fsync_dir(path)
+
+    def describe(self):
+        return "local filesystem"
+
+
+class _FsspecWriter(FileWriter):
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        self.f = fs.open(path, "wb")
+        self.size = 0
+        self.committed = False
+
+    def write(self, data) -> None:
+        self.f.write(memoryview(data).cast("B"))
+        self.size += memoryview(data).nbytes
+
+    def commit(self) -> int:
+        self.f.close()          # an object store completes the upload: the object appears whole
+        self.committed = True
+        return self.size
+
+    def abort(self) -> None:
+        if self.committed:
+            return
+        discard = getattr(self.f, "discard", None)
+        try:
+            if discard is not None:
+                discard()       # (an upload in flight is dropped)
+            else:
+                self.f.close()
+        finally:
+            try:
+                self.fs.rm(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem (``fsspec.filesystem(protocol, **storage_options)``).  Objects
+    appear whole when written (``renames`` is False): shard objects are written under their
+    final names, then the manifest, then ``latest``; nothing needs an fsync or a directory."""
+
+    renames = False
+
+    def __init__(self, fs, protocol: str = ""):
+        self.fs, self.protocol = fs, protocol
+
+    def join(self, *parts):
+        return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]])
+
+    def parent(self, path):
+        return path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else ""
+
+    def basename(self, path):
+        return path.rstrip("/").rsplit("/", 1)[-1]
+
+    def canonical(self, path):
+        return f"{self.protocol}://" + self.fs._strip_protocol(path).rstrip("/")
+
+    def exists(self, path):
+        return self.fs.exists(path)
+
+    def is_dir(self, path):
+        return self.fs.isdir(path)
+
+    def is_file(self, path):
+        return self.fs.isfile(path)
+
+    def list(self, path):
+        try:
+            return sorted({self.basename(p) for p in self.fs.ls(path, detail=False)} - {""})
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def size(self, path):
+        return self.fs.size(path)
+
+    def mtime(self, path):
+        return self.fs.modified(path).timestamp()
+
+    def read_into(self, path, offset, buffer):
+        view = memoryview(buffer).cast("B")
+        data = self.fs.cat_file(path, start=offset, end=offset + len(view))
+        view[:len(data)] = data
+        return len(data)
+
+    def read_bytes(self, path, limit=None):
+        return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)
+
+    def make_dirs(self, path):
+        self.fs.makedirs(path, exist_ok=True)
+
+    def open_writer(self, path, fsync=True):
+        return _FsspecWriter(self.fs, path)
+
+    def write_atomic(self, path, data, fsync=True):
+        self.fs.pipe_file(path, bytes(data))
+
+    def remove(self, path):
+        try:
+            self.fs.rm(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_tree(self, path):
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def remove_dir(self, path):
+        if self.list(path):
+            return False
+        try:
+            self.fs.rmdir(path)
+        except (FileNotFoundError, OSError, NotImplementedError):
+            pass
+        return True
+
+    def sync_dir(self, path):
+        pass
+
+    def describe(self):
+        return f"fsspec {self.protocol or type(self.fs).__name__}"
+
+
+LOCAL = PosixStorage()
+
+
+def open_storage(path: str, options: Optional[dict] = None) -> Tuple[Storage, str]:
+    """The storage a checkpoint path lives on, and the path as that storage names it: a URL
+    ``protocol://...`` goes to fsspec with ``options`` (its storage_options), ``file://...`` and
+    anything without a protocol is a local POSIX path."""
+    if "://" not in path:
+        if options:
+            raise ConfigError(f"storage_options were given for the local path {path!r}; they apply to "
+                              "fsspec URLs (s3://bucket/prefix, ...) only")
+        return LOCAL, path
+    protocol, rest = path.split("://", 1)
+    if protocol == "file":
+        return LOCAL, rest
+    try:
+        import fsspec
+        fs = fsspec.filesystem(protocol, **(options or {}))
+    except (ImportError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot open storage for {path!r}: {e}") from e
+    return FsspecStorage(fs, protocol), path
