@@ -15,7 +15,7 @@ from adacheck import lifecycle
 from adacheck.commit import has_checkpoint, latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.errors import StateError
-from adacheck.exchange import TorchComm, SoloComm
+from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 
 from . import state as S
@@ -27,11 +27,6 @@ _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis
                   "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic",
                   "dynamic_loss_scale", "min_loss_scale")
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-
-
-def _comm():
-    import torch.distributed as dist
-    return TorchComm() if dist.is_available() and dist.is_initialized() else SoloComm()
 
 
 def _json_or_skip(tree, what: str, strict: bool):
@@ -51,6 +46,13 @@ def _json_or_skip(tree, what: str, strict: bool):
         except StateError as e:
             warnings.warn(f"AdaCheck: not saving {what}[{k!r}]: {e}")
     return kept
+
+
+def native_load(engine, *args, **kwargs):
+    """DeepSpeed's own load_checkpoint (the method adacheck_ds replaced keeps it as __wrapped__)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    method = DeepSpeedEngine.load_checkpoint
+    return getattr(method, "__wrapped__", method)(engine, *args, **kwargs)
 
 
 def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
@@ -85,7 +87,7 @@ class AdaCheckDeepSpeed:
 
     @staticmethod
     def comm():
-        return _comm()
+        return default_comm()
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
@@ -103,7 +105,7 @@ class AdaCheckDeepSpeed:
         t0 = time.perf_counter()
         try:
             self.last_manifest = core.save(
-                _comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
+                default_comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
                 keep_last=self.config.keep_last or None, fsync=self.config.fsync,
                 update_latest=save_latest, reference_previous=self.config.reference_previous,
                 copies=self.config.redundancy_factor, exchange=self.config.exchange,
@@ -131,7 +133,7 @@ class AdaCheckDeepSpeed:
                               for g in lay.base_optimizer.param_groups] if lay.base_optimizer else None),
             "lr_scheduler": (_json_or_skip(e.lr_scheduler.state_dict(), "lr_scheduler", strict)
                              if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict") else None),
-            "loss_scaler": self._scaler_state(),
+            "loss_scaler": self.scaler_state(),
             "client_state": _json_or_skip(dict(client_state or {}), "client_state", strict),
             "model_spec": self._model_spec(lay),
         }
@@ -146,7 +148,7 @@ class AdaCheckDeepSpeed:
         rank_objects = {"rng": rng_state()}
         if self.online is not None and lay.kind in S.FLAT_PARTITIONS:
             # what this rank's partitions are made of: its deltas replay on another DP size too
-            rank_objects["partitions"] = S.partition_map(lay, self.online.tap._key_of)
+            rank_objects["partitions"] = S.partition_map(lay, self.online.tap.key_of)
         return core.LocalState(shards=shards, objects=objects, rank_objects=rank_objects,
                                layout=layout, framework=framework, step=int(e.global_steps))
 
@@ -172,7 +174,7 @@ class AdaCheckDeepSpeed:
         sc = getattr(opt, "loss_scaler", None)
         return sc if sc is not None else getattr(opt, "loss_scale_config", None)
 
-    def _scaler_state(self):
+    def scaler_state(self):
         sc = self._scaler()
         if sc is None:
             return None
@@ -198,12 +200,11 @@ class AdaCheckDeepSpeed:
             # switching an existing run to AdaCheck: its last checkpoint is DeepSpeed's own
             log.warning("AdaCheck: %s is a native DeepSpeed checkpoint; DeepSpeed loads it, "
                         "and the next save writes an AdaCheck checkpoint", native)
-            from . import load_native
-            return load_native(e, load_dir, tag=tag, load_module_strict=load_module_strict,
+            return native_load(e, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
-        comm = _comm()
+        comm = default_comm()
         opt = e.optimizer
         want_optim = load_optimizer_states and not load_module_only
 
@@ -227,7 +228,7 @@ class AdaCheckDeepSpeed:
                 opt.checkpoint_event_epilogue()
             obj = loaded["objects"] = st.objects
             if not load_module_only:
-                self._apply_scalars(obj, load_lr_scheduler_states)
+                self.apply_scalars(obj, load_lr_scheduler_states)
                 if st.rank_objects is not None:
                     set_rng_state(st.rank_objects["rng"])
             return obj.get("client_state") or {}
@@ -248,7 +249,7 @@ class AdaCheckDeepSpeed:
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, last)
         return ckpt_dir, client_state
 
-    def _apply_scalars(self, obj: dict, with_scheduler: bool = True) -> None:
+    def apply_scalars(self, obj: dict, with_scheduler: bool = True) -> None:
         """Counters, LR scheduler and loss scaler from a checkpoint's (or delta's) objects."""
         e = self.engine
         for k, v in obj["counters"].items():

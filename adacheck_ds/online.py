@@ -112,7 +112,7 @@ class OnlineDS:
             norm, clip = _kept(total_norm), float(self.engine.optimizer.clip_grad)
             for group in self.engine.optimizer.fp32_groups:
                 for p in group:
-                    key = self.tap._key_of.get(id(p))
+                    key = self.tap.key_of(p)
                     if key is not None and p.grad is not None:
                         self.recorder.note_preclip(key, p.grad, {"norm": norm, "clip": clip, "unfused": True})
         return self._orig_clip(total_norm, apply_scale=apply_scale)
@@ -121,13 +121,13 @@ class OnlineDS:
         norm, clip = _kept(total_norm), float(self.engine.optimizer.clip_grad)
         if self.lay.kind == "zero12":
             for g in first:
-                key = next((self.tap._key_of.get(id(f)) for f in self.engine.optimizer.single_partition_of_fp32_groups
+                key = next((self.tap.key_of(f) for f in self.engine.optimizer.single_partition_of_fp32_groups
                             if f.grad is g), None) if torch.is_tensor(g) else None
                 if key is not None:
                     self.recorder.note_preclip(key, g, {"norm": norm, "clip": clip})
         else:
             flat = self.engine.optimizer.fp32_partitioned_groups_flat[first]
-            key = self.tap._key_of.get(id(flat))
+            key = self.tap.key_of(flat)
             if key is not None and flat.grad is not None:
                 self.recorder.note_preclip(key, flat.grad, {"norm": norm, "clip": clip, "sub": int(first)})
         return self._orig_clip(first, total_norm, *rest, **kw)
@@ -138,7 +138,7 @@ class OnlineDS:
         if for_clipping and opt.clip_grad > 0:
             norm, clip = _kept(opt._global_grad_norm), float(opt.clip_grad)
             for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
-                key = self.tap._key_of.get(id(flat))
+                key = self.tap.key_of(flat)
                 if key is not None:
                     self.recorder.note_preclip(key, grad, {"norm": norm, "clip": clip, "bf16_clip": True})
         return out
@@ -193,7 +193,7 @@ def scalars(ac) -> dict:
                                                           "micro_steps") if hasattr(e, k)},
             "lr_scheduler": (e.lr_scheduler.state_dict() if e.lr_scheduler is not None
                              and hasattr(e.lr_scheduler, "state_dict") else None),
-            "loss_scaler": ac._scaler_state(),
+            "loss_scaler": ac.scaler_state(),
             "skipped": not getattr(e, "_step_applied", True)}
 
 
@@ -251,7 +251,7 @@ def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional
                 tap.remove()
         if result.last is not None:
             _refresh_low_precision(e, lay)
-            ac._apply_scalars(result.last)
+            ac.apply_scalars(result.last)
             if comm.rank < world:   # (as the base load: a rank the saving job did not have keeps its RNG)
                 set_rng_state(result.last["rank_state"])
             last_step = result.steps[-1].step

@@ -18,7 +18,7 @@ ZeRO flat partitions (stages 1/2, and DeepSpeed's BF16 optimizer) come from Deep
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -455,13 +455,13 @@ def _flat_of(r: CheckpointReader, lay: Layout, prefix: str, frags, numel: int, d
 
 
 # ----------------------------------------------------------------------------- partitions
-def partition_map(lay: Layout, key_of: Dict[int, str]) -> Dict[str, dict]:
+def partition_map(lay: Layout, key_of: Callable[[torch.Tensor], Optional[str]]) -> Dict[str, dict]:
     """What each tensor this rank's base optimizer steps is made of (key -> its element count
     and pieces): saved with an online base of a partitioned optimizer, so that a job on another
     number of data-parallel ranks can rebuild this rank's partitions and replay its deltas."""
     out: Dict[str, dict] = {}
     for f in lay.frags:
-        key = key_of.get(id(f.base_param))
+        key = key_of(f.base_param)
         if key is None:
             raise StateError(f"AdaCheck online: the optimizer tensor holding {f.name} has no key")
         d = out.setdefault(key, {"numel": f.base_param.numel(), "pieces": []})

@@ -25,34 +25,33 @@ import logging
 import os
 import time
 import warnings
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck import jsontree
 from adacheck.commit import latest_or_none, list_checkpoints
 from adacheck.config import AdaCheckConfig
 from adacheck.deltas import base_for_step
-from adacheck.errors import ConfigError, StateError
-from adacheck.exchange import SoloComm, TorchComm
-from adacheck.rng import rng_state, set_rng_state
+from adacheck.errors import ConfigError
 
+from . import parallel
 from . import state as S
 from .flags import config_from_args
+from .parallel import (SIZES, chunk_key, json_args, layout_name, load_scheduler, rank_state, set_rank_state,
+                       sharded_state_dict, sync_params, topology, unwrap)
+from .replay import is_same_layout, recover_after_load
+
+# The online mode of a job (adacheck_megatron.online) sits on its optimizer under this name.
+ONLINE = "adacheck_online"
+
+
+def online_of(optimizer):
+    """The online mode recording this optimizer's steps, if one was attached."""
+    return getattr(optimizer, ONLINE, None) if optimizer is not None else None
 
 log = logging.getLogger("adacheck")
-
-# Keys of a ChainedOptimizer's state without a per-optimizer prefix, so that logical names do
-# not depend on how the parameters were split into optimizers.
-OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
-
-
-def _comm():
-    import torch.distributed as dist
-    return TorchComm() if dist.is_available() and dist.is_initialized() else SoloComm()
-
 
 def _args(args):
     if args is not None:
@@ -69,105 +68,7 @@ def _config(args, config: Optional[AdaCheckConfig]) -> AdaCheckConfig:
     return config if config is not None else config_from_args(args)
 
 
-def topology() -> dict:
-    """This rank's place in megatron-core's parallel state."""
-    from megatron.core import parallel_state as ps
-    vp = ps.get_virtual_pipeline_model_parallel_world_size()
-    return {
-        "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
-        "cp": ps.get_context_parallel_world_size(), "cp_rank": ps.get_context_parallel_rank(),
-        "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
-        "etp": ps.get_expert_tensor_parallel_world_size(), "etp_rank": ps.get_expert_tensor_parallel_rank(),
-        "edp": ps.get_expert_data_parallel_world_size(),
-        "vp": vp or 1,
-    }
-
-
-_SIZES = ("tp", "pp", "dp", "cp", "ep", "etp", "vp")
-
-
-def layout_name(topo: dict) -> str:
-    return " ".join(f"{k.upper()}={topo.get(k, '?')}" for k in _SIZES) if topo else "an unknown layout"
-
-
-def _chunk_key(i: int, n: int) -> str:
-    return "model" if n == 1 else f"model{i}"
-
-
-def _unwrap(chunk):
-    """The module whose sharded_state_dict names the parameters (inside DDP / Float16Module)."""
-    return chunk.module if hasattr(chunk, "module") else chunk
-
-
-def sharded_state_dict(model: List, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
-    """{"model" | "model<i>": ..., "optimizer": ...} as Megatron-LM builds it; without the
-    optimizer when it is a DistributedOptimizer (see state.distopt_describe)."""
-    from megatron.core import parallel_state as ps
-    model = list(model)
-    sd = {}
-    for i, chunk in enumerate(model):
-        if len(model) > 1:
-            ps.set_virtual_pipeline_model_parallel_rank(i)
-        sd[_chunk_key(i, len(model))] = _unwrap(chunk).sharded_state_dict()
-    if len(model) > 1:
-        ps.set_virtual_pipeline_model_parallel_rank(0)
-    if with_optimizer and optimizer is not None and not S.distributed_optimizers(optimizer):
-        model_sd = sd if len(model) > 1 else sd["model"]
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                       metadata=dict(OPTIMIZER_METADATA))
-    return sd
-
-
-def _device() -> bool:
-    """Whether the device generator is in use: CUDA, or megatron-core's CPU shim's own."""
-    from .cpu import is_enabled
-    return is_enabled() or (torch.cuda.is_available() and torch.cuda.is_initialized())
-
-
-def rank_state() -> dict:
-    """This rank's RNG states: host generators, the device generator and megatron-core's
-    model-parallel tracker (each apart: dropout draws from the device generator and the tracker)."""
-    return dict(rng_state(device=_device()), tracker=_tracker_states())
-
-
-def set_rank_state(state: dict) -> None:
-    set_rng_state(state, device=_device())
-    from megatron.core import tensor_parallel
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _tracker_states() -> dict:
-    from megatron.core import tensor_parallel
-    return {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
-
-
-def _json_args(args) -> dict:
-    """The arguments that are plain values (for the record and for `adacheck inspect`)."""
-    out = {}
-    for k, v in sorted(vars(args).items()):
-        try:
-            jsontree.encode(v, k)
-        except StateError:
-            continue
-        if not isinstance(v, torch.Tensor):
-            out[k] = v
-    return out
-
-
 # ---------------------------------------------------------------------------------- save
-
-def sync_params(model) -> None:
-    """With the distributed optimizer and ``overlap_param_gather``, a step updates only each
-    rank's own shard of the weights; the rest arrive in the next forward pass.  All-gather
-    them now (as Megatron-LM does before its saves), or a save right after a step (an online
-    base, taken in the post-step hook) holds the previous step's weights outside each shard."""
-    for chunk in model:
-        ddp = getattr(chunk, "ddp_config", None)
-        if ddp is not None and ddp.use_distributed_optimizer and ddp.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
-
 
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
@@ -184,10 +85,10 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     if not save_dir:
         raise ConfigError("AdaCheck save needs a directory: --adacheck-dir or --save")
     t0 = time.perf_counter()
-    comm = _comm()
-    from . import online
-    if online.active() is not None:
-        online.active().recorder.flush()   # the current chain stays complete up to here
+    comm = parallel.comm()
+    on = online_of(optimizer)
+    if on is not None:
+        on.recorder.flush()   # the current chain stays complete up to here
     sync_params(model)
 
     def collect():
@@ -205,7 +106,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             "opt_param_scheduler": (opt_param_scheduler.state_dict()
                                     if opt_param_scheduler is not None else None),
             "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
-            "args": _json_args(args),
+            "args": json_args(args),
             "extra_state": extra_state or {},
             "distributed_optimizer": distopt,   # per sub-optimizer: param groups, step, scaler
             # per torch optimizer: no update applied yet (its state is empty, not zeros)
@@ -214,16 +115,16 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         import megatron.core
         framework = {"name": "megatron", "megatron_core": megatron.core.__version__,
                      "torch": torch.__version__, "adacheck": adacheck.__version__,
-                     "layout": {k: topo[k] for k in _SIZES},
+                     "layout": {k: topo[k] for k in SIZES},
                      "dtype": "bf16" if getattr(args, "bf16", False) else
                               "fp16" if getattr(args, "fp16", False) else "fp32",
                      "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
                      "model_chunks": len(list(model)),
                      "names": {"model": "", "master": S.MASTER_PREFIX}}
         rank_objects = {"rng": rank_state(), "sharded_objects": sharded_objects}
-        if distopt is not None and online.active() is not None:
+        if distopt is not None and on is not None:
             # what this rank's shards are: its deltas replay on another data-parallel size too
-            rank_objects["partitions"] = S.distopt_partition_map(optimizer, sd, online.active().tap._key_of)
+            rank_objects["partitions"] = S.distopt_partition_map(optimizer, sd, on.tap.key_of)
         return core.LocalState(
             shards=shards, objects=objects,
             rank_objects=rank_objects,
@@ -233,7 +134,8 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                          keep_last=cfg.keep_last or None, fsync=cfg.fsync,
                          reference_previous=cfg.reference_previous, copies=cfg.redundancy_factor,
                          exchange=cfg.exchange, chunk_bytes=cfg.hash_chunk_bytes)
-    online.saved(save_dir, manifest, int(iteration), time.perf_counter() - t0)
+    if on is not None:
+        on.saved(save_dir, manifest, int(iteration), time.perf_counter() - t0)
     if comm.rank == 0:
         st = manifest.stats
         log.info("AdaCheck: saved iteration %d to %s in %.2fs (%d bytes written, %d referenced)",
@@ -265,42 +167,6 @@ def save_converted(iteration: int, model, optimizer, opt_param_scheduler, out_di
     cfg = dataclasses.replace(config, save_dir=out_dir, online=dataclasses.replace(config.online, enabled=False))
     return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, None, args=args, config=cfg,
                            extra_state=extra_state)
-
-
-def _same_layout(saved: List[dict], topo: dict, world: int) -> bool:
-    return len(saved) == world and all(saved[0].get(k) == topo[k] for k in _SIZES)
-
-
-_COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank", "etp_rank")
-
-
-def same_coords(lay: dict, topo: dict, coords) -> bool:
-    """``lay`` (a saving rank's topology) is at ``topo``'s ranks ``coords``; a coordinate the
-    saving job did not record (bases of earlier versions have no etp_rank) is not compared."""
-    return all(lay.get(c) == topo[c] for c in coords if c in lay)
-
-
-def _only_dp_differs(saved: List[dict], topo: dict) -> bool:
-    return bool(saved) and all(saved[0].get(k) == topo[k] for k in _SIZES if k != "dp")
-
-
-def replay_rank(saved: List[dict], topo: dict, replicated: bool) -> Optional[int]:
-    """The saving job's rank whose online deltas this rank replays when only the data-parallel
-    size changed and every data-parallel rank ran the same (not distributed) optimizer: the one
-    at the same model-parallel coordinates, same data-parallel rank if it had one, else 0."""
-    if not replicated or not _only_dp_differs(saved, topo):
-        return None
-    same = [r for r, lay in enumerate(saved) if same_coords(lay, topo, _COORDS)]
-    return next((r for r in same if saved[r].get("dp_rank") == topo["dp_rank"]),
-                next((r for r in same if saved[r].get("dp_rank") == 0), None))
-
-
-def load_scheduler(scheduler, state: dict) -> None:
-    """``OptimizerParamScheduler.load_state_dict`` *adds* the saved step count to the current
-    one (it expects a fresh scheduler); start from zero so loading into a scheduler that
-    has already stepped restores the saved state exactly."""
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(state)
 
 
 def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
@@ -358,7 +224,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     finetune = bool(getattr(args, "finetune", False))
     load_optim = not finetune and not getattr(args, "no_load_optim", False)
     load_rng = not finetune and not getattr(args, "no_load_rng", False)
-    comm = _comm()
+    comm = parallel.comm()
     t0 = time.perf_counter()
 
     # building the state dict to load into creates a never-stepped optimizer's state (as Megatron
@@ -397,7 +263,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                                       absent=("optimizer.state.",) if fresh else ())
         rng = None
         if load_rng:
-            if _same_layout(saved_layout, topology(), comm.world_size):
+            if is_same_layout(saved_layout, topology(), comm.world_size):
                 rng = r.objects(comm.rank).get("rng")
             elif comm.rank == 0:
                 saved = layout_name(saved_layout[0]) if saved_layout else "?"
@@ -410,7 +276,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         objects, state, rng, missing, dstaged = staged
         chunks = list(model)
         for i, chunk in enumerate(chunks):
-            _unwrap(chunk).load_state_dict(state[_chunk_key(i, len(chunks))], strict=strict)
+            unwrap(chunk).load_state_dict(state[chunk_key(i, len(chunks))], strict=strict)
         if not load_optim and optimizer is not None and hasattr(optimizer, "reload_model_params") and (
                 getattr(args, "fp16", False) or getattr(args, "bf16", False)):
             optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM
@@ -436,23 +302,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                                             on_corrupt=cfg.on_corrupt, how_to_load=_how_to_load, undo=undo)
     iteration = 0 if finetune else int(objects["iteration"])
     if load_optim and opt_param_scheduler is not None:
-        from . import online
-        saved = manifest.layout.get("ranks", [])
-        topo = topology()
-        replicated = objects.get("distributed_optimizer") is None and not S.distributed_optimizers(optimizer)
-        same = _same_layout(saved, topo, comm.world_size)
-        # distributed optimizer on another data-parallel size: shards rebuilt from the base (with
-        # expert parallelism: from bases that say which shards are experts' and, with expert
-        # tensor parallelism, each saving rank's expert-TP rank)
-        maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
-        shards = (not replicated and not same and _only_dp_differs(saved, topo) and all(m is not None for m in maps)
-                  and (topo["ep"] == 1 or (all("expert" in v for m in maps for v in m.values())
-                                           and (topo["etp"] == 1 or all("etp_rank" in s for s in saved)))))
-        iteration = online.recover(comm, ckpt_dir, manifest, model, optimizer, opt_param_scheduler,
-                                   latest=latest_or_none(load_dir) == manifest.tag and until is None,
-                                   same_layout=same, iteration=iteration, until=until,
-                                   record_rank=replay_rank(saved, topo, replicated), shards=shards,
-                                   verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback")
+        iteration = recover_after_load(comm, ckpt_dir, manifest, objects, model, optimizer, opt_param_scheduler,
+                                       iteration, until, latest=latest_or_none(load_dir) == manifest.tag and until is None,
+                                       verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback",
+                                       on=online_of(optimizer))
     elif until is not None and until != iteration:
         raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
                           "state (not with --no-load-optim / --finetune)")

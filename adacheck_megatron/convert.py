@@ -45,7 +45,7 @@ from adacheck.exchange import SoloComm
 
 from adacheck.types import Box, torch_dtype
 
-from .checkpointing import _json_args
+from .parallel import json_args
 from .state import MASTER_PREFIX
 
 _DISTOPT_PARAM = "optimizer.state.param."
@@ -292,7 +292,7 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
     objects = {"common": rest, "iteration": iteration,
                "opt_param_scheduler": common.get("opt_param_scheduler"),
                "num_floating_point_operations_so_far": float(common.get("num_floating_point_operations_so_far", 0)),
-               "args": _json_args(args) if isinstance(args, argparse.Namespace) else {},
+               "args": json_args(args) if isinstance(args, argparse.Namespace) else {},
                "extra_state": {}, "distributed_optimizer": distopt}
     import megatron.core
     framework = {"name": "megatron", "megatron_core": megatron.core.__version__, "torch": torch.__version__,

@@ -19,7 +19,7 @@ optimizer's ``load_state_dict`` expect.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -314,7 +314,7 @@ def distributed_optimizers(optimizer) -> list:
     return dist
 
 
-def _param_to_sharded(model_sd: dict) -> Dict[int, ShardedTensor]:
+def param_to_sharded(model_sd: dict) -> Dict[int, ShardedTensor]:
     out = {}
     for v in nested_values(model_sd):
         if isinstance(v, ShardedTensor) and v.data is not None:
@@ -322,7 +322,7 @@ def _param_to_sharded(model_sd: dict) -> Dict[int, ShardedTensor]:
     return out
 
 
-def _local_ranges(opt):
+def local_ranges(opt):
     """(model_param, start, stop) of the flattened parameter that this DP rank's optimizer owns."""
     for gbuf_range_maps in opt.gbuf_ranges:
         for buckets in gbuf_range_maps.values():
@@ -333,7 +333,7 @@ def _local_ranges(opt):
                         yield model_param, r.start, r.end
 
 
-def _model_meta(by_param, model_param) -> ShardedTensor:
+def model_meta(by_param, model_param) -> ShardedTensor:
     try:
         return by_param[id(model_param)]
     except KeyError:
@@ -367,7 +367,7 @@ def init_empty_state(subs) -> None:
 def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]:
     """Shards of this rank's DistributedOptimizer state, and its non-tensor state per
     sub-optimizer (param groups with the shared step, grad scaler)."""
-    by_param = _param_to_sharded(model_sd)
+    by_param = param_to_sharded(model_sd)
     shards: List[LocalShard] = []
     commons = []
     for opt in distributed_optimizers(optimizer):
@@ -379,8 +379,8 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
             init_empty_state([opt])
         try:
             commons.append(opt.state_dict())
-            for model_param, start, stop in _local_ranges(opt):
-                meta = _model_meta(by_param, model_param)
+            for model_param, start, stop in local_ranges(opt):
+                meta = model_meta(by_param, model_param)
                 for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
                     if k == "step":
                         continue   # shared by all parameters; in the param groups
@@ -398,23 +398,23 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
     return shards, commons
 
 
-def distopt_partition_map(optimizer, model_sd: dict, key_of: Dict[int, str]) -> Dict[str, dict]:
+def distopt_partition_map(optimizer, model_sd: dict, key_of: Callable[[torch.Tensor], Optional[str]]) -> Dict[str, dict]:
     """What each main-parameter shard this rank's DistributedOptimizers step is (tap key -> the
     torch optimizer's index, its element count, whether it is an expert-parallel parameter and
     its one piece: the logical parameter and the flat range): saved with an online base, so that a job on another number of
     data-parallel ranks can rebuild this rank's shards and replay its deltas."""
-    by_param = _param_to_sharded(model_sd)
+    by_param = param_to_sharded(model_sd)
     out: Dict[str, dict] = {}
     for oi, opt in enumerate(distributed_optimizers(optimizer)):
-        for model_param, start, stop in _local_ranges(opt):
+        for model_param, start, stop in local_ranges(opt):
             main = opt._get_main_param_and_optimizer_states(model_param)["param"]
-            key = key_of.get(id(main))
+            key = key_of(main)
             if key is None:
                 raise StateError("AdaCheck online: a main-parameter shard of the DistributedOptimizer has no key")
             # expert-parallel parameters (megatron's mark: not all-reduced over the data-parallel
             # group) are replicated over the expert data-parallel group, not the dense one
             out[key] = {"optimizer": oi, "numel": stop - start, "expert": not getattr(model_param, "allreduce", True),
-                        "pieces": [[param_ident(_model_meta(by_param, model_param)), start, stop - start, 0]]}
+                        "pieces": [[param_ident(model_meta(by_param, model_param)), start, stop - start, 0]]}
     return out
 
 
@@ -444,13 +444,13 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
     if not commons:
         raise StateError(f"{reader.dir}: the checkpoint has no DistributedOptimizer state; load "
                           "with --no-load-optim to take the weights only")
-    by_param = _param_to_sharded(model_sd)
+    by_param = param_to_sharded(model_sd)
     init_empty_state(subs)
     staged = []
     for opt in subs:
         part = []
-        for model_param, start, stop in _local_ranges(opt):
-            meta = _model_meta(by_param, model_param)
+        for model_param, start, stop in local_ranges(opt):
+            meta = model_meta(by_param, model_param)
             tensors = {}
             for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
                 if k == "step":

@@ -55,7 +55,7 @@ def unique_bytes(model) -> int:
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from adacheck_megatron.checkpointing import sharded_state_dict
+    from adacheck_megatron.parallel import sharded_state_dict
     shapes = {}
     for v in nested_values(sharded_state_dict(model, None, is_loading=False, with_optimizer=False)):
         if isinstance(v, ShardedTensor) and v.key.endswith(("weight", "bias")):
