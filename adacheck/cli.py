@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -74,8 +73,8 @@ def cmd_inspect(args) -> int:
     fw = s["framework"]
     print(f"checkpoint  {s['dir']}")
     print(f"tag         {s['tag']}   step {s['step']}")
-    print(f"framework   " + ", ".join(f"{k}={v}" for k, v in sorted(fw.items())))
-    print(f"topology    " + ", ".join(f"{k}={v}" for k, v in sorted(s["topology"].items())))
+    print("framework   " + ", ".join(f"{k}={v}" for k, v in sorted(fw.items())))
+    print("topology    " + ", ".join(f"{k}={v}" for k, v in sorted(s["topology"].items())))
     st = s["stats"]
     logical, stored = st.get("logical_bytes", 0), s["file_bytes"]
     print(f"tensors     {s['tensors']} logical tensors in {s['files']} files")
@@ -358,52 +357,30 @@ def _size(text: str) -> int:
     return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
 
 
-def _convert_deepspeed(args) -> int:
-    """Native DeepSpeed files <-> AdaCheck, and materialising online deltas: DeepSpeed itself
-    reads or writes the native files, in as many local ranks as the layout has."""
-    from adacheck_ds import native   # DeepSpeed's format lives with DeepSpeed
-    if args.from_ == "deepspeed":
-        if args.to not in (None, "adacheck"):
-            raise ConfigError("--from deepspeed converts into AdaCheck: use --to adacheck (or leave --to out)")
-        direction = "from-native"
-    elif args.from_ != "adacheck":
-        raise ConfigError("--to deepspeed converts an AdaCheck checkpoint (leave --from out)")
-    else:
-        direction = "to-native" if args.to == "deepspeed" else "materialise"
-    if (args.zero_stage is not None or args.dp is not None or args.tp is not None) and direction != "to-native":
-        raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with --to deepspeed")
-    for flag in ("dp", "tp"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            raise ConfigError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.step is not None and direction == "from-native":
-        raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with --from deepspeed")
-    if not args.json:
-        sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
-    out = native.convert(direction, args.src, args.out, dp=args.dp, zero_stage=args.zero_stage, tag=args.tag,
-                         ds_config=args.ds_config, optimizer=args.optimizer, verify=not args.no_verify,
-                         step=args.step, tp=args.tp)
-    what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
-            "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
-    print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
-    return 0
-
-
-# --to FORMAT written from one AdaCheck checkpoint: (module, function(src, out, verify, progress), what)
-_FORMATS = {
-    "torch-dist": ("adacheck_megatron.convert", "to_torch_dist",
-                   "a megatron-core torch_dist checkpoint to {out} (loadable with dist_checkpointing.load into "
-                   "any layout; load with --no-load-rng)"),
-    "deepspeed-universal": ("adacheck_ds.convert", "to_universal",
-                            'a DeepSpeed universal checkpoint to {out} (load it with "checkpoint": '
-                            '{{"load_universal": true}} in the DeepSpeed config)'),
-}
-
-
-def cmd_convert(args) -> int:
-    from .convert import export_weights
-    show = sys.stderr.isatty() and not args.json
+def cmd_convert(args, rest) -> int:
+    """``--to weights`` (the default from AdaCheck) is the core's; every other format is a converter
+    an integration registered (:mod:`adacheck.convert`), imported only when it is asked for."""
+    from .convert import converter, export_weights
     if args.to is None:
-        args.to = "adacheck" if args.from_ in ("torch-dist", "deepspeed") else "weights"
+        args.to = "adacheck" if args.from_ != "adacheck" else "weights"
+    if args.from_ != "adacheck" and args.to != "adacheck":
+        raise ConfigError(f"--from {args.from_} converts into AdaCheck: use --to adacheck (or leave --to out)")
+    conv, how = None, None
+    if args.from_ != "adacheck":
+        conv, how = converter(args.from_), "read"
+    elif args.to == "adacheck":
+        conv, how = _materialiser(args), "materialise"
+    elif args.to != "weights":
+        conv, how = converter(args.to), "write"
+    own = argparse.ArgumentParser(prog=f"adacheck convert (--to/--from {conv.name})" if conv else "adacheck convert",
+                                  add_help=False)
+    if conv is not None:
+        conv.add_arguments(own)
+    if args.help:
+        return _convert_help(conv)
+    for k, v in vars(own.parse_args(rest)).items():
+        setattr(args, k, v)
+    show = sys.stderr.isatty() and not args.json
 
     def progress(done, total):
         if show:
@@ -412,46 +389,33 @@ def cmd_convert(args) -> int:
                              f"{done}/{total}" if args.to != "weights" else
                              f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
                              f"{human(done)}/{human(total)}")
-    if args.from_ == "deepspeed" or args.to == "deepspeed" or (args.to == "adacheck" and args.from_ == "adacheck"):
-        return _convert_deepspeed(args)
-    if args.step is not None:
-        raise ConfigError("--step materialises online deltas of DeepSpeed checkpoints: use it with --to deepspeed "
-                          "or --to adacheck")
-    if args.zero_stage is not None or args.dp is not None or args.tp is not None:
-        raise ConfigError("--zero-stage / --dp / --tp choose the layout of native DeepSpeed files: use them with "
-                          "--to deepspeed")
-    if args.from_ == "torch-dist":
-        if args.to != "adacheck":
-            raise ConfigError("--from torch-dist converts into AdaCheck: use --to adacheck (or leave --to out)")
-        from adacheck_megatron.convert import from_torch_dist   # Megatron's format lives with Megatron
-        m = from_torch_dist(args.src, args.out, progress=progress)
+    if how in ("read", "materialise"):
+        out, what = getattr(conv, how)(args.src, args.out, args, progress)
         if show:
             sys.stderr.write("\n")
-        out = os.path.join(os.path.abspath(args.out), m.tag)
-        print(json.dumps({"source": args.src, "out": out}) if args.json else
-              f"wrote AdaCheck checkpoint {out} ({len(m.tensors)} tensors, "
-              f"{human(m.stats.get('file_bytes', 0))})")
+        print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
         return 0
     d = resolve(args.src, args.tag)
-    pending = deltas.step_dirs(d)
-    if pending:
+    if deltas.step_dirs(d):
         m = CheckpointReader(d, verify=False).manifest
         dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)))
-        if dl["committed"]:
+        if dl["committed"] and how == "write" and conv.framework == m.framework.get("name"):
+            pass    # (this format materialises the deltas itself, up to --step)
+        elif dl["committed"]:
             sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
                              f"committed online steps (to step {dl['last']}); the conversion holds the "
                              "base's step. For the newest step make it a base first: DeepSpeed: adacheck "
                              "convert SRC NEW --to adacheck (replays the deltas); Megatron: run the "
                              "training script with --adacheck --load SRC --adacheck-convert-save NEW "
                              "[--ckpt-step N] (or Megatron-LM's --ckpt-convert-format torch_dist).\n")
-    if args.to in _FORMATS:     # each framework's format lives with its integration
-        module, function, what = _FORMATS[args.to]
-        out = getattr(importlib.import_module(module), function)(d, args.out, verify=not args.no_verify,
-                                                                 progress=progress)
+    if how == "write":
+        out, what = conv.write(d, args.out, args, progress)
         if show:
             sys.stderr.write("\n")
-        print(json.dumps({"source": d, "out": out}) if args.json else f"wrote {what.format(out=out)}")
+        print(json.dumps({"source": d, "out": out}) if args.json else f"wrote {what} to {out}")
         return 0
+    if rest:
+        raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
     res = export_weights(d, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                          overwrite=args.overwrite, verify=not args.no_verify, progress=progress)
     if show:
@@ -462,6 +426,47 @@ def cmd_convert(args) -> int:
         print(f"wrote {res['tensors']} tensors ({human(res['bytes'])}, dtype {res['dtype']}) from {d} to "
               f"{os.path.abspath(args.out)}: {', '.join(res['files'])}")
     return 0
+
+
+def _materialiser(args):
+    """The converter that replays the online deltas of the AdaCheck checkpoint ``args.src``."""
+    from .convert import converter, registered
+    d = resolve(args.src, args.tag)
+    framework = CheckpointReader(d, verify=False).manifest.framework.get("name")
+    if framework == "megatron":
+        raise ConfigError("Megatron online deltas are materialised by the training script, which builds the "
+                          "model and replays them with its optimizer: --adacheck --load SRC --adacheck-convert-save "
+                          "NEW [--ckpt-step N]")
+    names = sorted(registered(), key=lambda n: n != framework)    # (the one named after it first)
+    for name in names:
+        conv = converter(name)
+        if conv.framework == framework:
+            return conv
+    raise ConfigError(f"no installed converter materialises {framework!r} checkpoints ({d})")
+
+
+def _convert_help(conv) -> int:
+    from .convert import registered
+    print(CONVERT_USAGE)
+    print("\nformats: weights (model.safetensors: full weights for inference and Hugging Face tools; the default), "
+          + ", ".join(sorted(registered())) + ", and adacheck (from another format, or, from a DeepSpeed AdaCheck "
+          "checkpoint with online deltas, one new base at the newest committed step)")
+    if conv is not None:
+        own = argparse.ArgumentParser(usage=argparse.SUPPRESS, add_help=False)
+        conv.add_arguments(own)
+        print(f"\n{conv.name}: {conv.summary}")
+        if own._actions:
+            print(own.format_help().replace("options:", f"{conv.name} options:", 1))
+    else:
+        print("\nadacheck convert --to FORMAT --help (or --from FORMAT --help) shows that format's own options.")
+    return 0
+
+
+CONVERT_USAGE = """usage: adacheck convert SRC OUT [--to FORMAT | --from FORMAT] [--tag TAG] [--no-verify] [--json]
+                        [--dtype {model,fp32}] [--max-shard-size SIZE] [--overwrite] [format options]
+
+Convert an AdaCheck checkpoint SRC into another format under OUT (--to), or a checkpoint of
+another format into an AdaCheck checkpoint (--from)."""
 
 
 def main(argv=None) -> int:
@@ -496,52 +501,36 @@ def main(argv=None) -> int:
     s.add_argument("--json", action="store_true")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("convert", help="to full model weights (safetensors), a DeepSpeed universal or a "
-                       "megatron-core torch_dist checkpoint; or from torch_dist to AdaCheck")
-    s.add_argument("src", help="a save directory (its 'latest') or a checkpoint directory")
-    s.add_argument("out", help="output directory")
+    s = sub.add_parser("convert", add_help=False, help="to full model weights (safetensors) or another "
+                       "installed format (DeepSpeed native or universal, megatron-core torch_dist), or from one "
+                       "into AdaCheck (adacheck convert --help lists them)")
+    s.add_argument("src", nargs="?", help="a save directory (its 'latest') or a checkpoint directory")
+    s.add_argument("out", nargs="?", help="output directory")
+    s.add_argument("-h", "--help", action="store_true", help="show this help (with --to/--from FORMAT: its options)")
     s.add_argument("--tag", help="checkpoint tag inside SRC")
-    s.add_argument("--to", choices=["weights", "deepspeed", "deepspeed-universal", "torch-dist", "adacheck"],
-                   default=None,
-                   help="weights (default): model.safetensors for inference / Hugging Face tools; "
-                   "deepspeed: native DeepSpeed files for a ZeRO stage, DP size and Megatron-DeepSpeed TP size "
-                   "(--zero-stage, --dp, --tp; written by DeepSpeed itself in DP x TP local ranks); "
-                   "deepspeed-universal: DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size); "
-                   "torch-dist: megatron-core dist_checkpointing (any TP/PP/EP/DP layout); "
-                   "adacheck: from --from torch-dist / deepspeed, or, from a DeepSpeed AdaCheck checkpoint "
-                   "with online deltas, one new base at the newest committed step")
-    s.add_argument("--from", dest="from_", choices=["adacheck", "torch-dist", "deepspeed"], default="adacheck",
-                   help="torch-dist: SRC is a megatron-core torch_dist checkpoint (or a Megatron save dir); "
-                   "deepspeed: SRC is a native DeepSpeed checkpoint (save dir or tag dir, any ZeRO stage); "
-                   "either is converted into an AdaCheck checkpoint under OUT")
-    s.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="--to deepspeed: the ZeRO stage of the native files (default: the saving one)")
-    s.add_argument("--dp", type=int, default=None,
-                   help="--to deepspeed: the data-parallel size of the native files (default: the saving one)")
-    s.add_argument("--tp", type=int, default=None,
-                   help="--to deepspeed: the tensor-parallel size (mp_rank_XX files, Megatron-DeepSpeed style) of "
-                   "the native files (default: the saving one)")
-    s.add_argument("--step", type=int, default=None,
-                   help="--to deepspeed / adacheck: the step to materialise: a base's step or one of its "
-                   "committed online steps (default: the newest; the base is found in SRC)")
-    s.add_argument("--ds-config", default=None, metavar="JSON",
-                   help="DeepSpeed config to build the conversion engines with (default: the recorded one)")
-    s.add_argument("--optimizer", default=None, metavar="CLASS",
-                   help="--from deepspeed: the client optimizer class (e.g. torch.optim.AdamW) when the "
-                   "DeepSpeed config has no optimizer block")
+    s.add_argument("--to", default=None, metavar="FORMAT",
+                   help="weights (default from AdaCheck), adacheck, or an installed format (adacheck convert --help)")
+    s.add_argument("--from", dest="from_", default="adacheck", metavar="FORMAT",
+                   help="adacheck (default), or an installed format SRC is in, converted into AdaCheck under OUT")
     s.add_argument("--dtype", choices=["model", "fp32"], default="model",
-                   help="model: the training dtype of the module weights; fp32: the fp32 master weights")
-    s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="split into shards of at most SIZE "
-                   "(e.g. 5GB) with a model.safetensors.index.json")
-    s.add_argument("--overwrite", action="store_true", help="replace existing output files")
+                   help="--to weights: the training dtype of the module weights, or the fp32 master weights")
+    s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="--to weights: split into shards of at "
+                   "most SIZE (e.g. 5GB) with a model.safetensors.index.json")
+    s.add_argument("--overwrite", action="store_true", help="--to weights: replace existing output files")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_convert)
     s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
     s.add_argument("path")
     s.set_defaults(fn=cmd_ls)
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
     try:
+        if args.fn is cmd_convert:
+            if not args.help and (args.src is None or args.out is None):
+                p.error("convert needs SRC and OUT (adacheck convert --help)")
+            return cmd_convert(args, rest)
+        if rest:
+            p.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.fn(args)
     except AdaCheckError as e:
         print(f"adacheck {args.cmd}: error: {e}", file=sys.stderr)

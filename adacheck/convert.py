@@ -1,4 +1,11 @@
-"""Conversions out of the AdaCheck format that need no framework: consolidated weights.
+"""Conversions: the interface an integration registers a checkpoint format through, and the one
+conversion that needs no framework, consolidated weights.
+
+A format (DeepSpeed's native files, megatron-core's torch_dist, ...) is a :class:`Converter`
+registered under the entry-point group ``adacheck.converters`` by the package that knows it
+(``pyproject.toml``: ``deepspeed = "adacheck_ds.converters:NativeDeepSpeed"``); the ``adacheck
+convert`` command finds it by name and imports only the one it is asked for, so the core imports
+no integration.
 
 ``export_weights`` writes the model's full (unpartitioned) parameters and buffers as
 standard safetensors, the way inference and Hugging Face tooling expect them: one
@@ -11,7 +18,7 @@ existing files are never overwritten unless ``overwrite``.
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -20,6 +27,60 @@ from .errors import ConfigError, NotFoundError
 from .types import torch_dtype
 from .storage import LOCAL
 from .writer import write_safetensors_to
+
+CONVERTERS = "adacheck.converters"     # the entry-point group
+
+
+class Converter:
+    """A checkpoint format ``adacheck convert`` reads or writes (``--from NAME`` / ``--to NAME``).
+
+    ``name``: the format's name; ``summary``: one line for ``--help``; ``framework``: the
+    AdaCheck checkpoints whose online deltas it can materialise (``manifest.framework["name"]``)
+    or None.  Each operation returns (the path written, a sentence saying what it is) and raises
+    NotImplementedError where the format has no such direction.  ``options`` is the command line
+    namespace: the core options (``tag``, ``no_verify``, ``json``) and those ``add_arguments``
+    declared."""
+
+    name = ""
+    summary = ""
+    framework: Optional[str] = None
+
+    def add_arguments(self, parser) -> None:
+        """Declare this format's own command-line options on ``parser`` (an argparse parser)."""
+
+    def write(self, ckpt_dir: str, out: str, options, progress) -> Tuple[str, str]:
+        """The AdaCheck checkpoint ``ckpt_dir`` in this format under ``out``."""
+        raise NotImplementedError
+
+    def read(self, src: str, out: str, options, progress) -> Tuple[str, str]:
+        """The checkpoint ``src`` of this format as an AdaCheck checkpoint under ``out``."""
+        raise NotImplementedError
+
+    def materialise(self, src: str, out: str, options, progress) -> Tuple[str, str]:
+        """The AdaCheck checkpoint ``src`` (a base and its online deltas) as one new base under
+        ``out``, at its newest committed step or the one the options name."""
+        raise NotImplementedError
+
+
+def registered() -> Dict[str, object]:
+    """name -> entry point of every converter installed (nothing is imported)."""
+    from importlib.metadata import entry_points
+    return {ep.name: ep for ep in entry_points(group=CONVERTERS)}
+
+
+def converter(name: str) -> Converter:
+    """The converter registered as ``name`` (imported now); a ConfigError naming those there are."""
+    eps = registered()
+    if name not in eps:
+        raise ConfigError(f"no converter for {name!r} is installed (installed: {', '.join(sorted(eps)) or 'none'}); "
+                          "DeepSpeed's formats come with adacheck_ds, torch_dist with adacheck_megatron (install "
+                          "AdaCheck with the matching extra)")
+    made = eps[name].load()
+    conv = made() if isinstance(made, type) else made
+    if not isinstance(conv, Converter):
+        raise ConfigError(f"the converter registered as {name!r} ({eps[name].value}) is not an adacheck Converter")
+    return conv
+
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

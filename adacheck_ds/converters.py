@@ -1,0 +1,79 @@
+"""DeepSpeed's checkpoint formats for ``adacheck convert`` (registered as entry points):
+
+- ``deepspeed``: native DeepSpeed files of a ZeRO stage, data-parallel and (Megatron-DeepSpeed)
+  tensor-parallel size, written and read by DeepSpeed itself in as many local ranks as the
+  layout has (:mod:`adacheck_ds.native`); it also materialises the online deltas of a DeepSpeed
+  AdaCheck checkpoint into one new base;
+- ``deepspeed-universal``: DeepSpeed's universal checkpoint (:func:`adacheck_ds.convert.to_universal`).
+"""
+from __future__ import annotations
+
+import sys
+
+from adacheck.convert import Converter
+from adacheck.errors import ConfigError
+
+
+class NativeDeepSpeed(Converter):
+    name = "deepspeed"
+    summary = ("native DeepSpeed files for a ZeRO stage, DP size and Megatron-DeepSpeed TP size (written and "
+               "read by DeepSpeed itself in DP x TP local ranks)")
+    framework = "deepspeed"
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                            help="--to deepspeed: the ZeRO stage of the native files (default: the saving one)")
+        parser.add_argument("--dp", type=int, default=None,
+                            help="--to deepspeed: the data-parallel size of the native files (default: the saving one)")
+        parser.add_argument("--tp", type=int, default=None,
+                            help="--to deepspeed: the tensor-parallel size (mp_rank_XX files, Megatron-DeepSpeed "
+                                 "style) of the native files (default: the saving one)")
+        parser.add_argument("--step", type=int, default=None,
+                            help="--to deepspeed / adacheck: the step to materialise: a base's step or one of its "
+                                 "committed online steps (default: the newest; the base is found in SRC)")
+        parser.add_argument("--ds-config", default=None, metavar="JSON",
+                            help="DeepSpeed config to build the conversion engines with (default: the recorded one)")
+        parser.add_argument("--optimizer", default=None, metavar="CLASS",
+                            help="--from deepspeed: the client optimizer class (e.g. torch.optim.AdamW) when the "
+                                 "DeepSpeed config has no optimizer block")
+
+    def write(self, ckpt_dir, out, options, progress):
+        return self._run("to-native", options.src, out, options)
+
+    def read(self, src, out, options, progress):
+        return self._run("from-native", src, out, options)
+
+    def materialise(self, src, out, options, progress):
+        return self._run("materialise", src, out, options)
+
+    def _run(self, direction: str, src: str, out: str, options):
+        from . import native
+        if (options.zero_stage is not None or options.dp is not None or options.tp is not None) \
+                and direction != "to-native":
+            raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with "
+                              "--to deepspeed")
+        for flag in ("dp", "tp"):
+            if getattr(options, flag) is not None and getattr(options, flag) < 1:
+                raise ConfigError(f"--{flag} must be at least 1, got {getattr(options, flag)}")
+        if options.step is not None and direction == "from-native":
+            raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with "
+                              "--from deepspeed")
+        if not options.json:
+            sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
+        written = native.convert(direction, src, out, dp=options.dp, zero_stage=options.zero_stage,
+                                 tag=options.tag, ds_config=options.ds_config, optimizer=options.optimizer,
+                                 verify=not options.no_verify, step=options.step, tp=options.tp)
+        what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
+                "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
+        return written, what
+
+
+class DeepSpeedUniversal(Converter):
+    name = "deepspeed-universal"
+    summary = "DeepSpeed's universal checkpoint (any ZeRO stage 1-3 and DP size)"
+
+    def write(self, ckpt_dir, out, options, progress):
+        from .convert import to_universal
+        written = to_universal(ckpt_dir, out, verify=not options.no_verify, progress=progress)
+        return written, ('a DeepSpeed universal checkpoint (load it with "checkpoint": {"load_universal": true} '
+                         "in the DeepSpeed config)")
