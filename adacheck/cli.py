@@ -14,6 +14,7 @@ from . import commit, deltas
 from .checkpoint import CheckpointReader, resolve
 from .errors import AdaCheckError, ConfigError
 from .manifest import referenced_files
+from .storage import LOCAL
 
 
 def human(n: float) -> str:
@@ -283,7 +284,7 @@ def cmd_prune(args) -> int:
     else:
         going = {f for f, _ in files}
         kept_refs = [t for t in doomed if any(
-            f"{t}/{f}" not in going for f in os.listdir(os.path.join(args.path, t)) if f.endswith(".safetensors"))]
+            f"{t}/{f}" not in going for f in LOCAL.list(LOCAL.join(args.path, t)) if f.endswith(".safetensors"))]
         print(f"{'retiring' if args.yes else 'would retire'} {len(doomed)} checkpoint(s): "
               f"{', '.join(doomed) or '-'}")
         print(f"{'deleting' if args.yes else 'would delete'} {len(files)} shard file(s), {human(freed)}")
