@@ -33,7 +33,7 @@ from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, Forma
 from .exchange import Comm, agree
 from .hashing import bound_digest, box_identity, hash_tensor
 from .manifest import BOUND_SINCE, FORMAT_VERSION, split_file
-from .planner import gc_paused, plan_save, previous_index
+from .planner import PlanCache, WritePlan, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
 from .storage import LOCAL, Storage
@@ -202,18 +202,15 @@ _META_FIELDS = ("name", "kind", "dtype", "shape", "hash", "derive", "derive_ok",
 
 _STRUCT_FIELDS = tuple(f for f in _META_FIELDS if f != "hash")
 _STATIC = ("layout", "framework", "node")   # parts of a rank's save payload that stay the same
-# What every rank of a world of N sent last time: N -> {rank: (digest, structure)}.  A training
-# job saves the same boxes at every checkpoint, so after the first save a rank whose structure
-# is unchanged sends only its digest and the hashes (see _exchange).
-_EXCHANGED: Dict[int, Dict[int, Tuple[str, list]]] = {}
 
 
 def _json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def _exchange(comm: Comm, payload: dict, how: str):
+def _exchange(comm: Comm, payload: dict, how: str, sent: Dict[int, Dict[int, Tuple[str, list]]]):
     """Every rank's payload on every rank (compact JSON, never pickle), and the bytes received.
+    ``sent``: what every rank of a world of N sent last time (N -> {rank: (digest, structure)}).
 
     A rank's shard list is split into its *structure* (names, kinds, dtypes, shapes, boxes,
     declarations; with its layout, framework and node, which do not change either) and its
@@ -224,7 +221,7 @@ def _exchange(comm: Comm, payload: dict, how: str):
                            for m in payload["metas"]],
                  **{k: payload[k] for k in _STATIC}}
     digest = hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
-    cache = _EXCHANGED.setdefault(comm.world_size, {})
+    cache = sent.setdefault(comm.world_size, {})
     view = hashlib.blake2b(_json([cache.get(r, ("",))[0] for r in range(comm.world_size)]),
                            digest_size=16).hexdigest() if len(cache) == comm.world_size else None
     views = comm.all_gather_object((digest, view))
@@ -255,143 +252,305 @@ def node_id() -> str:
     return os.environ.get("ADACHECK_NODE") or socket.gethostname()
 
 
-# save directory -> the checkpoint in it that this process last loaded (every box verified by
-# some rank) or committed.  A new save references boxes of that one only: not of whatever
-# 'latest' names, which may be damaged (a reference records the hash of the new bytes, not
-# of the bytes on disk) or written by another job since.
-_TRUSTED: Dict[str, str] = {}
+@dataclass
+class Caches:
+    """What a job keeps from one checkpoint to the next, in this process:
+
+    - ``exchanged``: the structures every rank sent last time (a rank whose boxes did not change
+      then sends a digest and its hashes: see ``_exchange``);
+    - ``plan``: the planner's (the last placement, the structures proven to tile);
+    - ``trusted``: per save directory, the checkpoint this job last loaded (every box verified by
+      some rank) or committed there.  A new save references boxes of that one only: not of
+      whatever 'latest' names, which may be damaged (a reference records the hash of the new
+      bytes, not of the bytes on disk) or written by another job since."""
+    exchanged: Dict[int, Dict[int, Tuple[str, list]]] = field(default_factory=dict)
+    plan: PlanCache = field(default_factory=PlanCache)
+    trusted: Dict[str, str] = field(default_factory=dict)
 
 
-def _previous(save_dir: str, tag: str, store: Storage = LOCAL) -> Optional[str]:
-    """The committed checkpoint a new save may reference (see _TRUSTED), or None."""
-    prev = _TRUSTED.get(store.canonical(save_dir))
-    if prev is None or prev == tag or not commit.has_manifest(store.join(save_dir, prev), store):
-        return None
-    return prev
+# The caches of the module-level save() and load(): one job per process unless an integration
+# keeps a Checkpointer (with caches of its own) per job.
+DEFAULT_CACHES = Caches()
 
 
-def trust(ckpt_dir: str, store: Storage = LOCAL) -> None:
-    """``ckpt_dir`` was just committed or loaded (verified) by this process."""
-    _TRUSTED[store.canonical(store.parent(ckpt_dir))] = store.basename(ckpt_dir)
+@dataclass(frozen=True)
+class Options:
+    """How a job saves and loads (AdaCheckConfig's keys, see adacheck.config): ``keep_last``
+    newest checkpoints (None: all), ``fsync``, ``reference_previous`` unchanged boxes, ``copies``
+    of each distinct box (on distinct nodes), the ``exchange`` ("ring" or "allgather"), boxes
+    larger than ``chunk_bytes`` stored as row chunks, ``verify`` hashes on load, ``on_corrupt``
+    ("raise" or "fallback")."""
+    keep_last: Optional[int] = None
+    fsync: bool = True
+    reference_previous: bool = True
+    copies: int = 1
+    exchange: str = "ring"
+    chunk_bytes: int = 64 << 20
+    verify: bool = True
+    on_corrupt: str = "raise"
+
+    @classmethod
+    def from_config(cls, config) -> "Options":
+        return cls(keep_last=config.keep_last or None, fsync=config.fsync,
+                   reference_previous=config.reference_previous, copies=config.redundancy_factor,
+                   exchange=config.exchange, chunk_bytes=config.hash_chunk_bytes, verify=config.verify_on_load,
+                   on_corrupt=config.on_corrupt)
+
+
+@dataclass
+class Prepared:
+    """Step 1 of a save, on this rank: what it holds, chunked and hashed (``shards``), and what it
+    sends the others (``payload``: its (box, hash) list, objects, layout, node; rank 0 adds the
+    generation and the checkpoint new boxes may reference)."""
+    save_dir: str
+    tag: str
+    ckpt_dir: str
+    shards: Dict[Tuple[str, Box], LocalShard]
+    payload: dict
+    started: float
+
+
+@dataclass
+class Exchanged:
+    """Step 2, the same on every rank: every rank's payload, and what the exchange cost."""
+    gathered: List[dict]
+    generation: int
+    previous: Optional[str]
+    stats: dict
+
+
+@dataclass
+class Written:
+    """Step 4: the size of every rank's file (0: it wrote none) and this rank's file name."""
+    sizes: List[int]
+    my_file: Optional[str]
+
+
+class Checkpointer:
+    """The checkpoints of one job: where they live (``store``), how they are saved and loaded
+    (``options``), and what the job keeps between them (``caches``).
+
+    A save is six collective steps, each a method with a typed result: :meth:`prepare` (collect
+    and hash this rank's part), :meth:`exchange` (every rank's (box, hash) list to every rank),
+    :meth:`plan` (pure: who writes what, what is referenced or derived), :meth:`write` (this
+    rank's file, committed), :meth:`commit` (the manifest, last, by rank 0) and :meth:`publish`
+    (``latest``, retention, garbage).  Each runs under ``agree``: a failure on any rank is raised
+    on every rank, and the new files are removed."""
+
+    def __init__(self, store: Storage = LOCAL, options: Optional[Options] = None, caches: Optional[Caches] = None):
+        self.store = store
+        self.options = options if options is not None else Options()
+        self.caches = caches if caches is not None else Caches()
+
+    # ------------------------------------------------------------------ references
+    def previous(self, save_dir: str, tag: str) -> Optional[str]:
+        """The committed checkpoint a new save may reference (see Caches.trusted), or None."""
+        store = self.store
+        prev = self.caches.trusted.get(store.canonical(save_dir))
+        if prev is None or prev == tag or not commit.has_manifest(store.join(save_dir, prev), store):
+            return None
+        return prev
+
+    def trust(self, ckpt_dir: str) -> None:
+        """``ckpt_dir`` was just committed or loaded (verified) by this job."""
+        self.caches.trusted[self.store.canonical(self.store.parent(ckpt_dir))] = self.store.basename(ckpt_dir)
+
+    # ------------------------------------------------------------------ save
+    def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
+             update_latest: bool = True) -> Manifest:
+        """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest (its
+        ``stats`` also hold, in memory only, the exchange's cost and each step's seconds)."""
+        lifecycle.register()
+        prepared = self.prepare(comm, save_dir, tag, collect)
+        t_hashed = time.perf_counter()
+        exchanged = self.exchange(comm, prepared)
+        t_prepare = time.perf_counter()
+        plan = self.plan(comm, prepared, exchanged)
+        written = self.write(comm, prepared, plan)
+        t_write = time.perf_counter()
+        manifest = self.commit(comm, prepared, exchanged, plan, written)
+        self.publish(comm, prepared, update_latest)
+        t_end = time.perf_counter()
+        manifest.stats["exchange"] = exchanged.stats
+        manifest.stats["seconds"] = {"hash": t_hashed - prepared.started, "prepare": t_prepare - prepared.started,
+                                     "write": t_write - t_prepare, "commit": t_end - t_write,
+                                     "total": t_end - prepared.started}
+        return manifest
+
+    def prepare(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState]) -> Prepared:
+        """Step 1: this rank's part (the integration's ``collect()``), chunked and hashed with its identity."""
+        store, opts, started = self.store, self.options, time.perf_counter()
+        ckpt_dir = store.join(save_dir, tag)
+        out = {}
+
+        def run():
+            commit.check_tag(tag)
+            generation = previous = None
+            if comm.rank == 0:
+                store.make_dirs(ckpt_dir)
+                generation = commit.generation_of(ckpt_dir, store)
+                previous = self.previous(save_dir, tag) if opts.reference_previous else None
+            state = collect()
+            shards = [c for s in state.shards for c in split_chunks(s, opts.chunk_bytes)]
+            objects = None
+            if comm.rank == 0:
+                objects, extra = _object_shards(state.objects, "object", replicated=False)
+                shards += extra
+            rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}", replicated=False)
+            shards += extra
+            out["shards"] = {(s.name, s.box): s for s in shards}
+            if len(out["shards"]) != len(shards):
+                raise FormatError("the integration reported the same (tensor, box) twice on one rank")
+            return {"metas": [_meta(s) for s in shards], "objects": objects, "rank_objects": rank_objects,
+                    "layout": state.layout, "generation": generation, "previous": previous, "step": state.step,
+                    "node": node_id(), "framework": state.framework}
+
+        payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", run)
+        return Prepared(save_dir, tag, ckpt_dir, out["shards"], payload, started)
+
+    def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
+        """Step 2: every rank's payload on every rank."""
+        t0 = time.perf_counter()
+        with gc_paused():
+            gathered, received, compact = _exchange(comm, prepared.payload, self.options.exchange,
+                                                    self.caches.exchanged)
+        stats = {"how": self.options.exchange, "seconds": time.perf_counter() - t0, "bytes_received": received,
+                 "ranks_sent_digest_only": compact}
+        return Exchanged(gathered, gathered[0]["generation"], gathered[0]["previous"], stats)
+
+    def plan(self, comm: Comm, prepared: Prepared, exchanged: Exchanged) -> WritePlan:
+        """Step 3 (pure, the same on every rank once the checkpoint to reference is indexed)."""
+        store, save_dir, prev_tag = self.store, prepared.save_dir, exchanged.previous
+
+        def index_previous():
+            if prev_tag is None:
+                return None
+            m = commit.read_manifest(store.join(save_dir, prev_tag), store)
+            files = {}   # does each referenced file still exist? (one stat per file)
+            return previous_index(prev_tag, m, lambda ref: files.setdefault(
+                ref, store.is_file(store.join(save_dir, ref))), saving=prepared.tag)
+
+        previous = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
+                         index_previous)
+        plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous,
+                         copies=self.options.copies, nodes=[g["node"] for g in exchanged.gathered],
+                         cache=self.caches.plan)
+        if comm.rank == 0:
+            for w in plan.warnings:
+                warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=3)
+        return plan
+
+    def _remove_mine(self, prepared: Prepared, my_file: Optional[str]) -> None:
+        if my_file is not None:
+            for p in (self.store.join(prepared.ckpt_dir, my_file),
+                      self.store.join(prepared.ckpt_dir, my_file) + commit.TMP_SUFFIX):
+                self.store.remove(p)
+
+    def write(self, comm: Comm, prepared: Prepared, plan: WritePlan) -> Written:
+        """Step 4: the boxes this rank writes, in one file, committed (or nothing left of it)."""
+        mine = plan.writes.get(comm.rank, ())
+        my_file = next((f for f, info in plan.files.items() if info["writer"] == comm.rank), None) if mine else None
+
+        def run():
+            if not mine:
+                return 0
+            staged = snapshot(prepared.shards, mine)
+            return persist(prepared.ckpt_dir, my_file, staged, {"format": "pt", "adacheck_tag": prepared.tag},
+                           self.options.fsync, self.store)
+
+        size = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
+                     on_failure=lambda: self._remove_mine(prepared, my_file))
+        return Written(comm.all_gather_object(size), my_file)
+
+    def commit(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, plan: WritePlan,
+               written: Written) -> Manifest:
+        """Step 5: the manifest, written by rank 0 once every rank's file is committed."""
+        gathered, copies = exchanged.gathered, self.options.copies
+        files = {f: dict(info, nbytes=written.sizes[info["writer"]]) for f, info in plan.files.items()}
+        stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
+        manifest = Manifest(
+            format_version=FORMAT_VERSION, tag=prepared.tag, step=gathered[0]["step"],
+            framework=dict(gathered[0]["framework"], generation=exchanged.generation),
+            topology=dict({"world_size": comm.world_size},
+                          **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {})),
+            tensors=plan.tensors, objects=gathered[0]["objects"],
+            rank_objects=tuple(g["rank_objects"] for g in gathered),
+            layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
+
+        def run():
+            if comm.rank == 0:
+                commit.write_manifest(prepared.ckpt_dir, manifest, self.store)
+
+        agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
+              on_failure=lambda: self._remove_mine(prepared, written.my_file))
+        return manifest
+
+    def publish(self, comm: Comm, prepared: Prepared, update_latest: bool = True) -> None:
+        """Step 6: ``latest`` (after the manifest), retention and garbage collection, by rank 0."""
+        store, save_dir, keep_last = self.store, prepared.save_dir, self.options.keep_last
+
+        def run():
+            if comm.rank == 0:
+                if update_latest:
+                    commit.write_latest(save_dir, prepared.tag, store)
+                if keep_last:
+                    latest = commit.read_latest(save_dir, store)
+                    commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
+                                           store=store)
+                commit.collect_garbage(save_dir, store=store)
+
+        agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (publish)", run)
+        self.trust(prepared.ckpt_dir)
+
+    # ------------------------------------------------------------------ load
+    def load(self, comm: Comm, load_dir: str, tag: Optional[str], read: Callable[["CheckpointReader"], object],
+             apply: Callable[[object], object],
+             how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
+             undo: Optional[Callable[[], None]] = None):
+        """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
+
+        ``read`` must not change training state: only once every rank has staged its part
+        without error does any rank call ``apply``.  Where staging must touch it (megatron-core
+        builds optimizer state to load into), ``undo`` takes that back on every rank when the
+        staging fails on any.  When the checkpoint turns out damaged while it is opened or
+        staged (a FormatError or IntegrityError on any rank, a ``latest`` that names nothing),
+        nothing has been applied: the error names the newest intact checkpoint (every box
+        verified, the ranks sharing the work) and how to load it (``how_to_load(tag, manifest)``:
+        the integration's call or flag); with ``on_corrupt="fallback"`` and no explicit ``tag``,
+        that checkpoint is loaded instead, with a warning on every rank.  Returns (the checkpoint
+        directory, its manifest, what ``apply`` returned).
+        """
+        lifecycle.register()
+        store, opts = self.store, self.options
+        try:
+            ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, opts.verify, undo, store)
+        except (FormatError, NotFoundError) as e:
+            if isinstance(e, NotFoundError) and (tag is not None or not commit.has_latest(load_dir, store)):
+                raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
+            failed = tag if tag is not None else commit.latest_or_none(load_dir, store)
+            intact = find_intact(comm, load_dir, exclude=(failed,), store=store)
+            if opts.on_corrupt != "fallback" or tag is not None or intact is None:
+                e.args = (f"{e}\n{_advice(load_dir, failed, intact, how_to_load, explicit=tag is not None)}",)
+                raise
+            warnings.warn(f"AdaCheck: the checkpoint {failed or 'that latest names'} in {load_dir} is damaged "
+                          f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
+                          "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
+                          stacklevel=3)
+            ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, opts.verify, undo, store)
+        result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
+        if opts.verify:
+            self.trust(ckpt_dir)
+        return ckpt_dir, manifest, result
 
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
          reference_previous: bool = True, copies: int = 1, exchange: str = "ring",
          chunk_bytes: int = 64 << 20, store: Storage = LOCAL) -> Manifest:
-    """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest.
-
-    With ``reference_previous``, boxes whose bytes equal those stored by the checkpoint of
-    ``save_dir`` that this process last loaded (verified) or committed are referenced there
-    instead of written again.  ``copies``: how many
-    holders write each distinct box, on distinct nodes where possible (see node_id).
-    ``exchange``: how the ranks share their (box, hash) lists ("ring" or "allgather").
-    ``chunk_bytes``: larger boxes are hashed and stored as pieces (see split_chunks).
-    """
-    lifecycle.register()
-    t0 = time.perf_counter()
-    ckpt_dir = store.join(save_dir, tag)
-    ctx = {}
-
-    def prepare():
-        commit.check_tag(tag)
-        if comm.rank == 0:
-            store.make_dirs(ckpt_dir)
-            ctx["generation"] = commit.generation_of(ckpt_dir, store)
-            ctx["previous"] = _previous(save_dir, tag, store) if reference_previous else None
-        state = collect()
-        shards = [c for s in state.shards for c in split_chunks(s, chunk_bytes)]
-        objects = None
-        if comm.rank == 0:
-            objects, extra = _object_shards(state.objects, "object", replicated=False)
-            shards += extra
-        rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}", replicated=False)
-        shards += extra
-        ctx["state"], ctx["shards"] = state, {(s.name, s.box): s for s in shards}
-        if len(ctx["shards"]) != len(shards):
-            raise FormatError("the integration reported the same (tensor, box) twice on one rank")
-        return {"metas": [_meta(s) for s in shards], "objects": objects,
-                "rank_objects": rank_objects, "layout": state.layout,
-                "generation": ctx.get("generation"), "previous": ctx.get("previous"), "step": state.step,
-                "node": node_id(),
-                "framework": state.framework}
-
-    payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", prepare)
-    t_hashed = time.perf_counter()
-    with gc_paused():
-        gathered, received, compact = _exchange(comm, payload, exchange)
-    t_prepare = time.perf_counter()
-    exchanged = {"how": exchange, "seconds": t_prepare - t_hashed, "bytes_received": received,
-                 "ranks_sent_digest_only": compact}
-    generation = gathered[0]["generation"]
-    prev_tag = gathered[0]["previous"]
-
-    def index_previous():
-        if prev_tag is None:
-            return None
-        m = commit.read_manifest(store.join(save_dir, prev_tag), store)
-        files = {}   # does each referenced file still exist? (one stat per file)
-        return previous_index(prev_tag, m, lambda ref: files.setdefault(
-            ref, store.is_file(store.join(save_dir, ref))), saving=tag)
-
-    previous = agree(comm, f"AdaCheck save of {ckpt_dir} (previous checkpoint {prev_tag})", index_previous)
-    plan = plan_save([g["metas"] for g in gathered], generation, previous, copies=copies,
-                     nodes=[g["node"] for g in gathered])
-    if comm.rank == 0:
-        for w in plan.warnings:
-            warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=2)
-    mine = plan.writes.get(comm.rank, ())
-    my_file = None
-    if mine:
-        my_file = next(f for f, info in plan.files.items() if info["writer"] == comm.rank)
-
-    def remove_mine():
-        if my_file is not None:
-            for p in (store.join(ckpt_dir, my_file), store.join(ckpt_dir, my_file) + commit.TMP_SUFFIX):
-                store.remove(p)
-
-    def write():
-        if not mine:
-            return 0
-        staged = snapshot(ctx["shards"], mine)
-        return persist(ckpt_dir, my_file, staged, {"format": "pt", "adacheck_tag": tag}, fsync, store)
-
-    size = agree(comm, f"AdaCheck save of {ckpt_dir} (write)", write, on_failure=remove_mine)
-    sizes = comm.all_gather_object(size)
-    t_write = time.perf_counter()
-    files = {f: dict(info, nbytes=sizes[info["writer"]]) for f, info in plan.files.items()}
-    stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
-    framework = dict(gathered[0]["framework"], generation=generation)
-    manifest = Manifest(
-        format_version=FORMAT_VERSION, tag=tag, step=gathered[0]["step"], framework=framework,
-        topology=dict({"world_size": comm.world_size},
-                      **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {})),
-        tensors=plan.tensors,
-        objects=gathered[0]["objects"], rank_objects=tuple(g["rank_objects"] for g in gathered),
-        layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
-
-    def write_manifest():
-        if comm.rank == 0:
-            commit.write_manifest(ckpt_dir, manifest, store)
-
-    agree(comm, f"AdaCheck save of {ckpt_dir} (commit)", write_manifest, on_failure=remove_mine)
-
-    def publish():
-        if comm.rank == 0:
-            if update_latest:
-                commit.write_latest(save_dir, tag, store)
-            if keep_last:
-                latest = commit.read_latest(save_dir, store)
-                commit.apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()), store=store)
-            commit.collect_garbage(save_dir, store=store)
-
-    agree(comm, f"AdaCheck save of {ckpt_dir} (publish)", publish)
-    trust(ckpt_dir, store)
-    t_end = time.perf_counter()
-    manifest.stats["exchange"] = exchanged   # (in memory only, like the timings)
-    manifest.stats["seconds"] = {"hash": t_hashed - t0, "prepare": t_prepare - t0, "write": t_write - t_prepare,
-                                 "commit": t_end - t_write, "total": t_end - t0}
-    return manifest
+    """:meth:`Checkpointer.save` of this process's default job (DEFAULT_CACHES) with these options."""
+    options = Options(keep_last=keep_last, fsync=fsync, reference_previous=reference_previous, copies=copies,
+                      exchange=exchange, chunk_bytes=chunk_bytes)
+    return Checkpointer(store, options, DEFAULT_CACHES).save(comm, save_dir, tag, collect, update_latest)
 
 
 def resolve(load_dir: str, tag: Optional[str] = None, store: Storage = LOCAL) -> str:
@@ -695,38 +854,9 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
          apply: Callable[[object], object], verify: bool = True, on_corrupt: str = "raise",
          how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
          undo: Optional[Callable[[], None]] = None, store: Storage = LOCAL):
-    """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
-
-    ``read`` must not change training state: only once every rank has staged its part
-    without error does any rank call ``apply``.  Where staging must touch it (megatron-core
-    builds optimizer state to load into), ``undo`` takes that back on every rank when the
-    staging fails on any.  When the checkpoint turns out damaged while
-    it is opened or staged (a FormatError or IntegrityError on any rank, a ``latest`` that names
-    nothing), nothing has been applied: the error names the newest intact checkpoint (every
-    box verified, the ranks sharing the work) and how to load it (``how_to_load(tag,
-    manifest)``: the integration's call or flag); with ``on_corrupt="fallback"`` and no explicit
-    ``tag``, that checkpoint is loaded instead, with a warning on every rank.
-    """
-    lifecycle.register()
-    try:
-        ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, verify, undo, store)
-    except (FormatError, NotFoundError) as e:
-        if isinstance(e, NotFoundError) and (tag is not None or not commit.has_latest(load_dir, store)):
-            raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
-        failed = tag if tag is not None else commit.latest_or_none(load_dir, store)
-        intact = find_intact(comm, load_dir, exclude=(failed,), store=store)
-        if on_corrupt != "fallback" or tag is not None or intact is None:
-            e.args = (f"{e}\n{_advice(load_dir, failed, intact, how_to_load, explicit=tag is not None)}",)
-            raise
-        warnings.warn(f"AdaCheck: the checkpoint {failed or 'that latest names'} in {load_dir} is damaged "
-                      f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
-                      "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
-                      stacklevel=2)
-        ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, verify, undo, store)
-    result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
-    if verify:
-        trust(ckpt_dir, store)
-    return ckpt_dir, manifest, result
+    """:meth:`Checkpointer.load` of this process's default job (DEFAULT_CACHES)."""
+    return Checkpointer(store, Options(verify=verify, on_corrupt=on_corrupt), DEFAULT_CACHES).load(
+        comm, load_dir, tag, read, apply, how_to_load, undo)
 
 
 def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, undo=None, store: Storage = LOCAL):

@@ -22,7 +22,7 @@ import contextlib
 import gc
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .boxes import check_tiling
 from .errors import StateError
@@ -106,33 +106,37 @@ def gc_paused():
             gc.enable()
 
 
-# The last placement: it depends on sizes, keys and holders only, not on the hashes, so a job
-# whose boxes and replicas did not change since its last checkpoint gets the same assignment.
-_PLACED: list = []
+class PlanCache:
+    """What a job's planner keeps from one checkpoint to the next (a training job saves the same
+    structure every time):
 
+    - ``placed``: the last placement, which depends on sizes, keys and holders only, not on the
+      hashes, so a job whose boxes and replicas did not change gets the same assignment;
+    - ``tiled``: name -> (shape, boxes) already proven to tile, so the tiling check (the
+      planner's costliest part) runs once per structure."""
 
-def _placed(items, n_ranks: int, copies: int, nodes):
-    args = (items, n_ranks, copies, tuple(nodes) if nodes is not None else None)
-    if _PLACED and _PLACED[0] == args:
-        return _PLACED[1]
-    out = place(items, n_ranks, copies, nodes)
-    _PLACED[:] = [args, out]
-    return out
+    def __init__(self):
+        self.placed: list = []
+        self.tiled: Dict[str, tuple] = {}
 
-
-# name -> (shape, boxes) already proven to tile: a training job saves the same structure at every
-# checkpoint, so the tiling check (the planner's costliest part) runs once per process.
-_TILED: Dict[str, tuple] = {}
+    def place(self, items, n_ranks: int, copies: int, nodes):
+        args = (items, n_ranks, copies, tuple(nodes) if nodes is not None else None)
+        if self.placed and self.placed[0] == args:
+            return self.placed[1]
+        out = place(items, n_ranks, copies, nodes)
+        self.placed[:] = [args, out]
+        return out
 
 
 def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
               previous: PreviousIndex | None = None, copies: int = 1,
-              nodes: Sequence[str] | None = None) -> WritePlan:
+              nodes: Sequence[str] | None = None, cache: Optional[PlanCache] = None) -> WritePlan:
+    """The plan (see the module docstring); ``cache``: the job's PlanCache (default: none kept)."""
     with gc_paused():
-        return _plan(per_rank, generation, previous, copies, nodes)
+        return _plan(per_rank, generation, previous, copies, nodes, cache if cache is not None else PlanCache())
 
 
-def _plan(per_rank, generation, previous, copies, nodes) -> WritePlan:
+def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> WritePlan:
     by_name: Dict[str, List[Tuple[int, ShardMeta]]] = defaultdict(list)
     for rank, shards in enumerate(per_rank):
         for s in shards:
@@ -155,9 +159,9 @@ def _plan(per_rank, generation, previous, copies, nodes) -> WritePlan:
             regions[s.box][s.hash].append(rank)
             held += s.nbytes
         structure = (first.shape, frozenset(regions))
-        if _TILED.get(name) != structure:   # checked once per structure, not at every checkpoint
+        if cache.tiled.get(name) != structure:   # checked once per structure, not at every checkpoint
             check_tiling(name, first.shape, regions.keys())
-            _TILED[name] = structure
+            cache.tiled[name] = structure
         logical += sum(b.numel for b in regions) * itemsize(first.dtype)
         diverged = []
         for box, variants in regions.items():
@@ -191,8 +195,8 @@ def _plan(per_rank, generation, previous, copies, nodes) -> WritePlan:
                 stored.append(StoredBox(box, "", key, digest, holders))
         tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, boxes=tuple(stored))
     # Balanced, deterministic assignment (of what is not referenced from ``previous``).
-    writer_of, load = _placed([(nbytes, key, holders) for nbytes, _, _, _, holders, key in items],
-                              len(per_rank), copies, nodes)
+    writer_of, load = cache.place([(nbytes, key, holders) for nbytes, _, _, _, holders, key in items],
+                                  len(per_rank), copies, nodes)
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
     names: Dict[int, str] = {}   # writer -> its file

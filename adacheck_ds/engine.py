@@ -76,6 +76,7 @@ class AdaCheckDeepSpeed:
     def __init__(self, engine, config: AdaCheckConfig):
         self.engine = engine
         self.config = config
+        self.checkpointer = core.Checkpointer(options=core.Options.from_config(config))   # this engine's job
         lifecycle.register()      # writers closed and gloo settled when the script ends
         self.last_manifest = None
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
@@ -104,12 +105,9 @@ class AdaCheckDeepSpeed:
             opt.checkpoint_event_prologue()
         t0 = time.perf_counter()
         try:
-            self.last_manifest = core.save(
+            self.last_manifest = self.checkpointer.save(
                 default_comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
-                keep_last=self.config.keep_last or None, fsync=self.config.fsync,
-                update_latest=save_latest, reference_previous=self.config.reference_previous,
-                copies=self.config.redundancy_factor, exchange=self.config.exchange,
-                chunk_bytes=self.config.hash_chunk_bytes)
+                update_latest=save_latest)
         finally:
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()
@@ -233,9 +231,8 @@ class AdaCheckDeepSpeed:
                     set_rng_state(st.rank_objects["rng"])
             return obj.get("client_state") or {}
 
-        ckpt_dir, manifest, client_state = core.load(
-            comm, load_dir, tag, read, apply, verify=self.config.verify_on_load, on_corrupt=self.config.on_corrupt,
-            how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
+        ckpt_dir, manifest, client_state = self.checkpointer.load(
+            comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
         last = manifest.step
         if want_optim and load_lr_scheduler_states:
             from .online import recover

@@ -51,6 +51,20 @@ def online_of(optimizer):
     """The online mode recording this optimizer's steps, if one was attached."""
     return getattr(optimizer, ONLINE, None) if optimizer is not None else None
 
+
+# A job's checkpoint caches (references, exchange, plan) sit on its optimizer too (not on args,
+# which Megatron-LM pickles into its own checkpoints); a job without one shares the process's.
+CACHES = "adacheck_caches"
+
+
+def checkpointer(optimizer, config: AdaCheckConfig) -> core.Checkpointer:
+    """This job's Checkpointer with the options of ``config``."""
+    caches = getattr(optimizer, CACHES, None) if optimizer is not None else core.DEFAULT_CACHES
+    if caches is None:
+        caches = core.Caches()
+        setattr(optimizer, CACHES, caches)
+    return core.Checkpointer(options=core.Options.from_config(config), caches=caches)
+
 log = logging.getLogger("adacheck")
 
 def _args(args):
@@ -130,10 +144,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             rank_objects=rank_objects,
             layout=topo, framework=framework, step=int(iteration))
 
-    manifest = core.save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
-                         keep_last=cfg.keep_last or None, fsync=cfg.fsync,
-                         reference_previous=cfg.reference_previous, copies=cfg.redundancy_factor,
-                         exchange=cfg.exchange, chunk_bytes=cfg.hash_chunk_bytes)
+    manifest = checkpointer(optimizer, cfg).save(comm, save_dir, f"iter_{int(iteration):07d}", collect)
     if on is not None:
         on.saved(save_dir, manifest, int(iteration), time.perf_counter() - t0)
     if comm.rank == 0:
@@ -298,8 +309,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                           f"current values: {missing[:8]}")
         return objects
 
-    ckpt_dir, manifest, objects = core.load(comm, load_dir, tag, read, apply, verify=cfg.verify_on_load,
-                                            on_corrupt=cfg.on_corrupt, how_to_load=_how_to_load, undo=undo)
+    ckpt_dir, manifest, objects = checkpointer(optimizer, cfg).load(comm, load_dir, tag, read, apply,
+                                                                    how_to_load=_how_to_load, undo=undo)
     iteration = 0 if finetune else int(objects["iteration"])
     if load_optim and opt_param_scheduler is not None:
         iteration = recover_after_load(comm, ckpt_dir, manifest, objects, model, optimizer, opt_param_scheduler,

@@ -2,7 +2,7 @@ import pytest
 
 from adacheck.errors import StateError
 from adacheck.hashing import hash_tensor
-from adacheck.planner import plan_save
+from adacheck.planner import PlanCache, plan_save
 from adacheck.types import Box, ShardMeta
 import torch
 
@@ -117,19 +117,24 @@ def test_tiling_is_rechecked_when_the_structure_changes():
     def meta(box, h="a"):
         return ShardMeta("optim/x", "optim", "float32", (4,), box, h, replicated=False)
     good = [[meta(Box((0,), (2,)))], [meta(Box((2,), (2,)))]]
-    plan_save(good)
-    plan_save([[meta(Box((0,), (2,)), "b")], [meta(Box((2,), (2,)), "c")]])   # new hashes, same boxes
+    cache = PlanCache()
+    plan_save(good, cache=cache)
+    assert "optim/x" in cache.tiled
+    plan_save([[meta(Box((0,), (2,)), "b")], [meta(Box((2,), (2,)), "c")]], cache=cache)   # new hashes, same boxes
     with pytest.raises(Exception, match="cover 3 of 4"):
-        plan_save([[meta(Box((0,), (2,)))], [meta(Box((2,), (1,)))]])
+        plan_save([[meta(Box((0,), (2,)))], [meta(Box((2,), (1,)))]], cache=cache)
 
 
 def test_placement_is_reused_only_while_sizes_and_holders_stay_the_same():
     """The last assignment is kept for the next checkpoint when only hashes changed; a box
     whose holders changed is placed again (never on a rank that no longer holds it)."""
     a = [[meta("w", Box.full((8,)), (8,))], [meta("w", Box.full((8,)), (8,))], []]
-    first = plan_save(a)
-    again = plan_save([[meta("w", Box.full((8,)), (8,), h=H2)], [meta("w", Box.full((8,)), (8,), h=H2)], []])
+    cache = PlanCache()
+    first = plan_save(a, cache=cache)
+    again = plan_save([[meta("w", Box.full((8,)), (8,), h=H2)], [meta("w", Box.full((8,)), (8,), h=H2)], []],
+                      cache=cache)
     assert {r: [k for *_, k in w] for r, w in again.writes.items()} == \
         {r: [k for *_, k in w] for r, w in first.writes.items()}
-    moved = plan_save([[], [meta("w", Box.full((8,)), (8,))], [meta("w", Box.full((8,)), (8,))]])
+    assert cache.placed and cache.placed[1] is not None      # (kept for the next one)
+    moved = plan_save([[], [meta("w", Box.full((8,)), (8,))], [meta("w", Box.full((8,)), (8,))]], cache=cache)
     assert set(moved.writes) <= {1, 2} and len([k for w in moved.writes.values() for k in w]) == 1

@@ -141,3 +141,19 @@ def test_large_boxes_are_chunked_so_partial_changes_are_referenced(tmp_path):
     assert torch.equal(r.read("model/emb", Box((10, 3), (30, 5))), emb[10:40, 3:8])   # across chunks
     m3 = save(SoloComm(), str(tmp_path), "s3", lambda: st(3), chunk_bytes=0)     # 0: one box
     assert len(m3.tensors["model/emb"].boxes) == 1
+
+
+def test_exchange_sends_a_digest_only_for_an_unchanged_structure_of_the_same_job(tmp_path):
+    """A rank sends its structure again when its boxes changed, and a new job (another
+    Checkpointer) starts with nothing cached: it never trusts what another job sent."""
+    from adacheck.checkpoint import Checkpointer
+    g = torch.Generator().manual_seed(3)
+    frozen, trained = torch.randn(8, 4, generator=g), torch.randn(4, 6, generator=g)
+    job = Checkpointer()
+    sent = [job.save(SoloComm(), str(tmp_path / "a"), f"s{i}", lambda: state(fr, trained + i, i)).stats["exchange"]
+            for i, fr in enumerate([frozen, frozen, frozen[:6], frozen[:6]])]
+    assert [s["ranks_sent_digest_only"] for s in sent] == [0, 1, 0, 1]
+    other = Checkpointer().save(SoloComm(), str(tmp_path / "b"), "s", lambda: state(frozen, trained, 9))
+    assert other.stats["exchange"]["ranks_sent_digest_only"] == 0
+    # what was loaded from both is what was saved (the digest-only exchange lost nothing)
+    assert torch.equal(read_all(tmp_path / "a" / "s3")["model/frozen"], frozen[:6])

@@ -345,7 +345,7 @@ def test_redundancy_factor_two_survives_a_damaged_copy(tmp_path):
 def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
     """Both exchanges give the same manifests; after the first save, ranks whose boxes did not
     change send only a digest and their hashes (fewer bytes, same manifests); a rank whose
-    boxes changed (another model) sends its structure again."""
+    boxes changed sends its structure again (tests/test_core_references.py)."""
     d = str(tmp_path)
     c = dict(stage=1, dtype="bf16", frozen=["inp."])
     runs = [dict(c, adacheck={"enabled": True, "exchange": how},
@@ -361,7 +361,8 @@ def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
         ring, gather = (json.load(open(f"{d}/{how}/{t}/manifest.json")) for how in ("ring", "allgather"))
         assert ring["tensors"] == gather["tensors"] and ring["files"] == gather["files"], t
     ring, gather, other = (results(d)[i]["exchanges"] for i in range(3))
-    assert [e["ranks_sent_digest_only"] for e in ring + gather + other] == [0, 4, 4, 4, 0]
+    # caches are per job (engine): each engine's first save sends its structure
+    assert [e["ranks_sent_digest_only"] for e in ring + gather + other] == [0, 4, 0, 4, 0]
     assert ring[1]["bytes_received"] < ring[0]["bytes_received"] / 2, ring
     assert other[0]["bytes_received"] > ring[1]["bytes_received"]
 
