@@ -357,10 +357,15 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-             update_latest: bool = True) -> Manifest:
+             update_latest: bool = True, recorder=None) -> Manifest:
         """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest (its
-        ``stats`` also hold, in memory only, the exchange's cost and each step's seconds)."""
+        ``stats`` also hold, in memory only, the exchange's cost and each step's seconds).
+        ``recorder``: the job's :class:`~adacheck.online.OnlineRecorder`, if it records: its
+        chain is made complete up to this step first, and a checkpoint committed into its
+        directory is the base the deltas of the next steps belong to."""
         lifecycle.register()
+        if recorder is not None:
+            recorder.flush()
         prepared = self.prepare(comm, save_dir, tag, collect)
         t_hashed = time.perf_counter()
         exchanged = self.exchange(comm, prepared)
@@ -375,6 +380,10 @@ class Checkpointer:
         manifest.stats["seconds"] = {"hash": t_hashed - prepared.started, "prepare": t_prepare - prepared.started,
                                      "write": t_write - t_prepare, "commit": t_end - t_write,
                                      "total": t_end - prepared.started}
+        store = self.store
+        if recorder is not None and store.canonical(save_dir) == store.canonical(recorder.save_dir):
+            recorder.start_chain(tag, int(manifest.step), int(manifest.stats.get("file_bytes", 0)),
+                                 t_end - prepared.started)
         return manifest
 
     def prepare(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState]) -> Prepared:

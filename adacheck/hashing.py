@@ -20,6 +20,16 @@ ALGORITHM = "xxh3_128"
 _CHUNK = 64 << 20  # bytes handed to the hasher at once
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` have the same shape, dtype and bytes (NaN payloads and signed zeros
+    included): the proof that a weight is its master's cast, which lets a save store the cast
+    as a derivation instead of its bytes."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
+                            b.detach().contiguous().reshape(-1).view(torch.uint8)))
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Raw bytes of a contiguous CPU tensor, without copying."""
     if t.device.type != "cpu":

@@ -116,3 +116,29 @@ def tensor_refs(tree) -> List[str]:
 
     walk(tree)
     return out
+
+
+def saveable(tree, what: str, strict: bool = True, quiet: bool = False, tensors: bool = True):
+    """``tree`` if it can be saved (:func:`encode`).  Else a StateError (``strict``), or for a dict
+    the entries that can, each dropped one with a warning unless ``quiet``.  ``tensors=False``
+    also drops a dict's tensor entries (a record of plain values)."""
+    import warnings
+    try:
+        encode(tree, what)
+        if tensors or not isinstance(tree, dict):
+            return tree
+    except StateError:
+        if strict or not isinstance(tree, dict):
+            raise
+    kept = {}
+    for k, v in tree.items():
+        if not tensors and isinstance(v, torch.Tensor):
+            continue
+        try:
+            encode(v, f"{what}/{k}")
+            kept[k] = v
+        except StateError as e:
+            if not quiet:
+                warnings.warn(f"AdaCheck: not saving {what}[{k!r}]: {e}")
+    return kept
+

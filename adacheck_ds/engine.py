@@ -3,18 +3,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-import warnings
 from typing import Optional
 
 import torch
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck import lifecycle
+from adacheck import jsontree, lifecycle, recovery
 from adacheck.commit import has_checkpoint, latest_or_none
 from adacheck.config import AdaCheckConfig
-from adacheck.errors import StateError
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 
@@ -27,25 +24,6 @@ _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis
                   "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic",
                   "dynamic_loss_scale", "min_loss_scale")
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-
-
-def _json_or_skip(tree, what: str, strict: bool):
-    """Check ``tree`` is saveable; with strict=False drop what is not (with a warning)."""
-    from adacheck import jsontree
-    try:
-        jsontree.encode(tree, what)
-        return tree
-    except StateError:
-        if strict or not isinstance(tree, dict):
-            raise
-    kept = {}
-    for k, v in tree.items():
-        try:
-            jsontree.encode(v, f"{what}/{k}")
-            kept[k] = v
-        except StateError as e:
-            warnings.warn(f"AdaCheck: not saving {what}[{k!r}]: {e}")
-    return kept
 
 
 def native_load(engine, *args, **kwargs):
@@ -99,22 +77,15 @@ class AdaCheckDeepSpeed:
             raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
         opt = e.optimizer
-        if self.online is not None:
-            self.online.flush()   # the current chain stays complete up to this step
         if hasattr(opt, "checkpoint_event_prologue"):
             opt.checkpoint_event_prologue()
-        t0 = time.perf_counter()
         try:
             self.last_manifest = self.checkpointer.save(
                 default_comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
-                update_latest=save_latest)
+                update_latest=save_latest, recorder=self.online.recorder if self.online is not None else None)
         finally:
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()
-        if self.online is not None and os.path.abspath(save_dir) == os.path.abspath(self.online.save_dir):
-            # every committed save is a base: the deltas of the next steps belong to it
-            self.online.recorder.start_chain(tag, int(e.global_steps), int(self.last_manifest.stats.get("file_bytes", 0)),
-                                    time.perf_counter() - t0)
         return True
 
     def _collect(self, client_state, exclude_frozen):
@@ -129,10 +100,10 @@ class AdaCheckDeepSpeed:
             "counters": {k: int(getattr(e, k)) for k in _COUNTERS if hasattr(e, k)},
             "param_groups": ([{k: v for k, v in g.items() if k != "params"}
                               for g in lay.base_optimizer.param_groups] if lay.base_optimizer else None),
-            "lr_scheduler": (_json_or_skip(e.lr_scheduler.state_dict(), "lr_scheduler", strict)
+            "lr_scheduler": (jsontree.saveable(e.lr_scheduler.state_dict(), "lr_scheduler", strict)
                              if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict") else None),
             "loss_scaler": self.scaler_state(),
-            "client_state": _json_or_skip(dict(client_state or {}), "client_state", strict),
+            "client_state": jsontree.saveable(dict(client_state or {}), "client_state", strict),
             "model_spec": self._model_spec(lay),
         }
         import deepspeed
@@ -163,7 +134,7 @@ class AdaCheckDeepSpeed:
                 "buffers": [n for n, _ in e.module.named_buffers()],
                 "groups": lay.groups,
                 "optimizer": S.class_path(base) if base is not None else None,
-                "ds_config": _json_or_skip(cfg, "ds_config", False) if cfg is not None else None}
+                "ds_config": jsontree.saveable(cfg, "ds_config", False) if cfg is not None else None}
 
     def _scaler(self):
         """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;
@@ -233,16 +204,19 @@ class AdaCheckDeepSpeed:
 
         ckpt_dir, manifest, client_state = self.checkpointer.load(
             comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
-        last = manifest.step
         if want_optim and load_lr_scheduler_states:
-            from .online import recover
-            last = recover(self, ckpt_dir, manifest, latest=latest_or_none(load_dir) == manifest.tag,
-                           saved_optimizer=(loaded["objects"].get("model_spec") or {}).get("optimizer"))
+            from .online import Replay
+            saved_optimizer = (loaded["objects"].get("model_spec") or {}).get("optimizer")
+            done = recovery.recover(comm, ckpt_dir, manifest, Replay(self, saved_optimizer),
+                                    latest=latest_or_none(load_dir) == manifest.tag, until=self.replay_until,
+                                    strict=self.config.on_corrupt != "fallback", verify=self.config.verify_on_load,
+                                    recorder=self.online.recorder if self.online is not None else None)
+            if done.steps:
+                self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
+            last = done.step
         else:
-            from adacheck.deltas import step_dirs
-            if step_dirs(ckpt_dir):
-                log.warning("AdaCheck: %s has online gradient deltas; they are not replayed when the "
-                            "optimizer or scheduler state is not loaded (state of step %s)", ckpt_dir, manifest.step)
+            recovery.not_replayed(ckpt_dir, manifest.step, self.replay_until, "the optimizer and scheduler states")
+            last = manifest.step
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, last)
         return ckpt_dir, client_state
 

@@ -8,7 +8,8 @@ and clipping).  The post-step point is ``engine.step``: when it has advanced
 ``global_steps`` the step is complete (a step the loss scaler skipped has no calls and
 stores only its scalars).
 
-Replay (recovery) makes the same calls again, then refreshes the low-precision weights with
+Replay (recovery: :func:`adacheck.recovery.recover`, with :class:`Replay` saying how this
+engine replays) makes the same calls again, then refreshes the low-precision weights with
 DeepSpeed's own code for that optimizer (cast + all-gather for ZeRO 1/2, partition copy and
 persistent-parameter gather for ZeRO-3) and sets the counters, scheduler, loss scaler,
 hyper-parameters and RNG recorded after the last step.  No forward or backward pass runs.
@@ -16,21 +17,19 @@ Replay needs the saving ZeRO stage, optimizer wrapper and optimizer class.  ZeRO
 replicated optimizer replays on any number of data-parallel ranks; so do flat partitions
 (ZeRO 1-3, BF16_Optimizer): each base of an online chain records what every rank's partitions
 are made of, and a job on another data-parallel size rebuilds the saving ranks' partitions from
-the base and steps them with their own records (``_replay_partitions``).  Loading into another
+the base and steps them with their own records (``Replay._partitions``).  Loading into another
 layout (tensor parallelism, stage, optimizer) restores the base and says so.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import defaultdict
 from typing import Optional
 
 import torch
 
-from adacheck import online as O
-from adacheck.checkpoint import CheckpointReader
+from adacheck import online, recovery
 from adacheck.errors import ConfigError
 from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.planner import place
@@ -84,7 +83,7 @@ class OnlineDS:
             items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
             writers, _ = place(items, dp)
             mine = {k for k, w in writers.items() if w[0] == me}
-        self.recorder = O.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
+        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
                                          fsync=ac.config.fsync, mine=mine,
                                          preclip=lambda key, g, a: _preclip(e, g, a))
         self._orig_clip = None
@@ -181,7 +180,7 @@ def _optional_dict(v) -> bool:
 
 
 # the fields of a delta record that recover() restores (written by scalars())
-EXPECT = {"counters": (lambda v: isinstance(v, dict) and all(O.is_int(x) for x in v.values()),
+EXPECT = {"counters": (lambda v: isinstance(v, dict) and all(recovery.is_int(x) for x in v.values()),
                        "an object of integer counters"),
           "lr_scheduler": (_optional_dict, "the scheduler's state (an object) or null"),
           "loss_scaler": (_optional_dict, "the loss scaler's state (an object) or null")}
@@ -197,134 +196,91 @@ def scalars(ac) -> dict:
             "skipped": not getattr(e, "_step_applied", True)}
 
 
-def recover(ac, ckpt_dir: str, manifest, latest: bool, saved_optimizer: Optional[str] = None) -> Optional[int]:
-    """Replay the committed deltas of the base just loaded from ``ckpt_dir`` (collective).
-    ``saved_optimizer``: the class of the base optimizer that recorded them (None: not known).
-    Returns the step the engine is at afterwards."""
-    e = ac.engine
-    comm = ac.comm()
-    world = int(manifest.topology.get("world_size", 1))
-    strict = ac.config.on_corrupt != "fallback"
-    steps, why, damage = O.chain(comm, ckpt_dir, manifest.step, world, until=ac.replay_until, strict=strict)
-    refused = False
-    if steps:
-        lay = S.describe(e)
-        fw = manifest.framework
+class Replay:
+    """How this engine replays the deltas of a base it loaded (adacheck.recovery.Replaying)."""
+    expect = EXPECT
+
+    def __init__(self, ac, saved_optimizer: Optional[str] = None):
+        self.ac, self.engine, self.comm = ac, ac.engine, ac.comm()
+        self.lay = S.describe(ac.engine)
+        self.saved_optimizer = saved_optimizer   # the base optimizer's class that recorded (None: not known)
+        self.saving_world = 0
+
+    def plan(self, manifest) -> recovery.ReplayPlan:
+        lay, comm, fw = self.lay, self.comm, manifest.framework
+        world = self.saving_world = int(manifest.topology.get("world_size", 1))
         mine = S.class_path(lay.base_optimizer)
+        same = world == comm.world_size
         # the same optimizer code makes the same arithmetic: a ZeRO-Offload run (DeepSpeedCPUAdam)
         # resumed without offload (torch's or DeepSpeed's fused Adam) would not replay bit-exactly
-        same_optimizer = (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) == \
-            (lay.stage, lay.kind, lay.tp[1]) and saved_optimizer in (None, mine)
-        # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients, so its
-        # deltas replay on any data-parallel size; those of flat partitions (ZeRO 1-3, the BF16
-        # optimizer) on the saving ranks' partitions rebuilt here
-        maps = _partition_maps(manifest) if lay.kind in S.FLAT_PARTITIONS else None
-        if not same_optimizer or (world != comm.world_size and lay.kind not in _REPLICATED and maps is None):
-            log.warning("AdaCheck: %s has %d committed delta steps (to step %d), recorded by ZeRO-%s/%s with %s "
-                        "on %d ranks (TP=%s); they replay only with that layout and optimizer%s, so this %d-rank "
-                        "ZeRO-%d/%s engine with %s (TP=%d) is at the base's step %s. The deltas are kept: load "
-                        "with the saving configuration and save to reshape the newest state (or: adacheck "
-                        "convert SRC NEW --to adacheck).",
-                        ckpt_dir, len(steps), steps[-1].step, fw.get("zero_stage"), fw.get("optimizer"),
-                        saved_optimizer or "its optimizer", world, fw.get("tp_world_size", 1),
-                        " (ZeRO-0: on any data-parallel size)" if fw.get("optimizer") in _REPLICATED else
-                        " (ZeRO 1-3: on any data-parallel size when saved by this version)"
-                        if fw.get("optimizer") in S.FLAT_PARTITIONS else "",
-                        comm.world_size, lay.stage, lay.kind, mine, lay.tp[1], manifest.step)
-            steps, refused = [], True
-    last_step = manifest.step
-    result = None
-    if steps:
-        lay, tap = (ac.online.lay, ac.online.tap) if ac.online is not None else _tap(e)
-        t0 = time.perf_counter()
-        try:
-            if world != comm.world_size and lay.kind not in _REPLICATED:
-                result = _replay_partitions(ac, tap, lay, ckpt_dir, manifest, steps, maps)
-            else:
-                result = O.replay(comm, tap, ckpt_dir, steps, verify=ac.config.verify_on_load,
-                                  preclip=lambda key, g, a: _preclip(e, g, a),
-                                  record_rank=comm.rank if world == comm.world_size else
-                                  _record_rank(manifest.layout.get("ranks", []), lay.tp[0], S.data_parallel(e)[0]),
-                                  expect=EXPECT)
-        finally:
-            if ac.online is None:
-                tap.remove()
-        if result.last is not None:
-            _refresh_low_precision(e, lay)
-            ac.apply_scalars(result.last)
-            if comm.rank < world:   # (as the base load: a rank the saving job did not have keeps its RNG)
-                set_rng_state(result.last["rank_state"])
-            last_step = result.steps[-1].step
-            seconds = time.perf_counter() - t0
-            ac.last_replay = {"steps": len(result.steps), "seconds": seconds,
-                              "bytes": sum(s.bytes for s in result.steps)}
-            O.describe_replay(result.steps, manifest.step, seconds, why)
-    if ac.online is not None:
-        rec = ac.online.recorder
-        # continue that chain only where this job replayed it: going on after the base would
-        # replace the committed deltas it could not replay (the next step takes a base instead);
-        # a damaged chain is left as it is (the next step takes a base)
-        damaged = damage is not None or (result is not None and result.damage is not None)
-        if latest and not refused and not damaged and world == comm.world_size and \
-                os.path.abspath(os.path.dirname(ckpt_dir)) == os.path.abspath(ac.online.save_dir):
-            rec.start_chain(manifest.tag, int(manifest.step), resume_after=last_step)
-        else:
-            rec.base_step = None     # not the newest chain (or another world): the next step takes a base
-        ac.online.tap.reindex()
-    (result or O.Replayed([], None)).conclude(strict, ckpt_dir, manifest.step, damage)
-    return last_step
+        if (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) != \
+                (lay.stage, lay.kind, lay.tp[1]) or self.saved_optimizer not in (None, mine):
+            return recovery.ReplayPlan(same, refused=(
+                f"they were recorded by ZeRO-{fw.get('zero_stage')}/{fw.get('optimizer')} with "
+                f"{self.saved_optimizer or 'its optimizer'} (TP={fw.get('tp_world_size', 1)}), which this "
+                f"ZeRO-{lay.stage}/{lay.kind} engine with {mine} (TP={lay.tp[1]}) is not"))
+        if same:
+            return recovery.ReplayPlan(True)
+        saved = manifest.layout.get("ranks", [])
+        if lay.kind in _REPLICATED:
+            # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients: its
+            # deltas replay on any data-parallel size
+            mine_at = {"tp_rank": lay.tp[0], "dp_rank": S.data_parallel(self.engine)[0]}
+            return recovery.ReplayPlan(False, record_rank=recovery.follow_rank(saved, mine_at, ("tp_rank",)))
+        # those of flat partitions (ZeRO 1-3, the BF16 optimizer) on the saving ranks' partitions
+        # rebuilt here, from bases that record them
+        maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
+        if lay.kind in S.FLAT_PARTITIONS and maps and all(m is not None for m in maps):
+            return recovery.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps))
+        return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks and replay on another number "
+                                                  "of data-parallel ranks only from a base saved by this version")
 
+    def tap(self) -> OptimizerTap:
+        return _tap(self.engine)[1]
 
-def _partition_maps(manifest) -> Optional[list]:
-    """Every saving rank's partition map (``S.partition_map``), or None when the base has none."""
-    maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
-    return maps if maps and all(m is not None for m in maps) else None
+    def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
+        _preclip(self.engine, grad, args)
 
+    def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
+        _refresh_low_precision(self.engine, self.lay)
+        self.ac.apply_scalars(last)
+        if self.comm.rank < self.saving_world:   # (as the base load: a rank the saving job did not have keeps its RNG)
+            set_rng_state(last["rank_state"])
 
-def _replay_partitions(ac, tap: OptimizerTap, lay: S.Layout, ckpt_dir: str, manifest, steps, maps) -> dict:
-    """Replay deltas of flat-partitioned optimizers (ZeRO 1-3, the BF16 optimizer) recorded on
-    another number of data-parallel ranks (``O.replay_partitions``): the saving ranks'
-    partitions that overlap this rank's (same tensor-parallel rank) are rebuilt from the base,
-    stepped with their records, and the part this rank holds now is copied into its own
-    partition: master weights and optimizer state.  ``Replayed.last`` is the record of the last
-    step this rank follows (its own saving rank's, else the first of its TP rank)."""
-    e = ac.engine
-    verify = ac.config.verify_on_load
-    saved = manifest.layout.get("ranks", [])
-    opt = lay.base_optimizer
-    dev = lay.frags[0].base_param.device if lay.frags else torch.device("cpu")
-    saving = {r: {k: [O.Span(*p) for p in v["pieces"]] for k, v in pm.items()}
-              for r, pm in enumerate(maps) if saved[r].get("tp_rank", 0) == lay.tp[0]}
-    readers = []
+    def _partitions(self, saved: list, maps: list) -> recovery.Partitions:
+        """The saving ranks' flat partitions (ZeRO 1-3, the BF16 optimizer) at this rank's
+        tensor-parallel rank, rebuilt from the base: master weights and optimizer state."""
+        lay = self.lay
+        opt = lay.base_optimizer
+        dev = lay.frags[0].base_param.device if lay.frags else torch.device("cpu")
+        saving = {r: {k: [recovery.Span(*p) for p in v["pieces"]] for k, v in pm.items()}
+                  for r, pm in enumerate(maps) if saved[r].get("tp_rank", 0) == lay.tp[0]}
 
-    def rebuild(r: int) -> Shadow:
-        if not readers:
-            readers.append(CheckpointReader(ckpt_dir, manifest, verify=verify))
-        tensors, state = {}, defaultdict(dict)
-        for k, v in maps[r].items():
-            master, st = S.read_partition(readers[0], lay, int(v["numel"]), saving[r][k])
-            tensors[k] = master.to(dev)
-            state[tensors[k]] = {n: x.to(dev) if torch.is_tensor(x) and x.dim() else _as_live(opt, n, x)
-                                 for n, x in st.items()}
-        return Shadow.given(tensors, [state])
+        def rebuild(reader, r: int) -> Shadow:
+            tensors, state = {}, defaultdict(dict)
+            for k, v in maps[r].items():
+                master, st = S.read_partition(reader, lay, int(v["numel"]), saving[r][k])
+                tensors[k] = master.to(dev)
+                state[tensors[k]] = {n: x.to(dev) if torch.is_tensor(x) and x.dim() else _as_live(opt, n, x)
+                                     for n, x in st.items()}
+            return Shadow.given(tensors, [state])
 
-    @torch.no_grad()
-    def put(f: S.Frag, shadow: Shadow, key: str, src: int, at: int, n: int) -> None:
-        t = shadow.tensors[key]
-        f.master.narrow(0, at, n).copy_(t.narrow(0, src, n))
-        live = opt.state[f.base_param]
-        for name, v in shadow.state[0][t].items():
-            if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == t.numel():
-                if name not in live:    # the base had not stepped yet
-                    live[name] = torch.zeros_like(f.base_param)
-                live[name].view(-1).narrow(0, f.offset + at, n).copy_(v.view(-1).narrow(0, src, n))
-            else:                       # (every saving rank has the same step count)
-                live[name] = v.clone() if torch.is_tensor(v) else v
+        @torch.no_grad()
+        def put(f: S.Frag, shadow: Shadow, key: str, src: int, at: int, n: int) -> None:
+            t = shadow.tensors[key]
+            f.master.narrow(0, at, n).copy_(t.narrow(0, src, n))
+            live = opt.state[f.base_param]
+            for name, v in shadow.state[0][t].items():
+                if torch.is_tensor(v) and v.dim() >= 1 and v.numel() == t.numel():
+                    if name not in live:    # the base had not stepped yet
+                        live[name] = torch.zeros_like(f.base_param)
+                    live[name].view(-1).narrow(0, f.offset + at, n).copy_(v.view(-1).narrow(0, src, n))
+                else:                       # (every saving rank has the same step count)
+                    live[name] = v.clone() if torch.is_tensor(v) else v
 
-    held = [(O.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
-    return O.replay_partitions(ac.comm(), tap, ckpt_dir, steps, saving, held, rebuild, put,
-                               _record_rank(saved, lay.tp[0], S.data_parallel(e)[0]), verify=verify,
-                               preclip=lambda key, g, a: _preclip(e, g, a), expect=EXPECT)
+        held = [(recovery.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
+        mine_at = {"tp_rank": lay.tp[0], "dp_rank": S.data_parallel(self.engine)[0]}
+        return recovery.Partitions(saving, held, rebuild, put, recovery.follow_rank(saved, mine_at, ("tp_rank",)))
 
 
 def _as_live(opt, name: str, v):
@@ -365,10 +321,8 @@ def _clip_as_recorded(opt, grad: torch.Tensor, args: dict) -> None:
         # ZeRO-3 scales the .grad of its fp32 sub-group flat number ``sub``: let that be a
         # stand-in holding ``grad`` (a saving rank's partition may have another size than ours)
         sub, flats = args["sub"], opt.fp32_partitioned_groups_flat
-        holder = grad.view(grad.shape)
-        holder.grad = grad
         opt.fp32_partitioned_groups_flat = list(flats) + [None] * (sub + 1 - len(flats))
-        opt.fp32_partitioned_groups_flat[sub] = holder
+        opt.fp32_partitioned_groups_flat[sub] = recovery.holder(grad)
         try:
             clip(opt, sub, norm)
         finally:

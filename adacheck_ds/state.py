@@ -25,7 +25,8 @@ import torch
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
-from adacheck.online import Span
+from adacheck.hashing import same_bytes
+from adacheck.recovery import Span
 from adacheck.types import Box, torch_dtype
 
 
@@ -113,15 +114,6 @@ def _place_params(engine, lay: "Layout") -> None:
         offs[dim] = tp_rank * local[dim]
         lay.origin[n] = (tuple(full), Box(tuple(offs), local))
         lay.split[n] = dim
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.numel() == 0:
-        return True
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def class_path(obj) -> str:
@@ -261,7 +253,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
             lstart, lview = lay.lp_views[f.name]
             lo = f.start - lstart
             lp = lview.narrow(0, lo, f.numel)
-            proven[f.name] = proven[f.name] and _same_bytes(lp, f.master.to(lp.dtype))
+            proven[f.name] = proven[f.name] and same_bytes(lp, f.master.to(lp.dtype))
         state = lay.base_optimizer.state.get(f.base_param, {}) if lay.base_optimizer else {}
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel() == f.base_param.numel() and v.dim() >= 1:

@@ -31,7 +31,8 @@ import torch
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck.commit import latest_or_none, list_checkpoints
+from adacheck import recovery
+from adacheck.commit import has_checkpoint, latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.deltas import base_for_step
 from adacheck.errors import ConfigError
@@ -39,9 +40,9 @@ from adacheck.errors import ConfigError
 from . import parallel
 from . import state as S
 from .flags import config_from_args
-from .parallel import (SIZES, chunk_key, json_args, layout_name, load_scheduler, rank_state, set_rank_state,
-                       sharded_state_dict, sync_params, topology, unwrap)
-from .replay import is_same_layout, recover_after_load
+from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler, rank_state,
+                       set_rank_state, sharded_state_dict, sync_params, topology, unwrap)
+from .replay import Replay
 
 # The online mode of a job (adacheck_megatron.online) sits on its optimizer under this name.
 ONLINE = "adacheck_online"
@@ -101,8 +102,6 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     t0 = time.perf_counter()
     comm = parallel.comm()
     on = online_of(optimizer)
-    if on is not None:
-        on.recorder.flush()   # the current chain stays complete up to here
     sync_params(model)
 
     def collect():
@@ -144,9 +143,10 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             rank_objects=rank_objects,
             layout=topo, framework=framework, step=int(iteration))
 
-    manifest = checkpointer(optimizer, cfg).save(comm, save_dir, f"iter_{int(iteration):07d}", collect)
-    if on is not None:
-        on.saved(save_dir, manifest, int(iteration), time.perf_counter() - t0)
+    manifest = checkpointer(optimizer, cfg).save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
+                                                 recorder=on.recorder if on is not None else None)
+    if on is not None and on.recorder.base_tag == manifest.tag:
+        on.iteration = int(iteration)    # (the new base of its chain)
     if comm.rank == 0:
         st = manifest.stats
         log.info("AdaCheck: saved iteration %d to %s in %.2fs (%d bytes written, %d referenced)",
@@ -224,12 +224,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         if tag is not None:
             raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
         tag, until = base_for_step(load_dir, int(iteration)), int(iteration)
-    if tag is None and not os.path.exists(os.path.join(load_dir, "latest")) and not os.path.isfile(
-            os.path.join(load_dir, "manifest.json")):
-        complete = [t for t, m, _ in list_checkpoints(load_dir) if m is not None] if os.path.isdir(load_dir) else []
-        if complete:
-            raise ConfigError(f"{load_dir} holds AdaCheck checkpoints {complete} but no 'latest' "
-                              "file; pass one as tag")
+    if tag is None and not has_checkpoint(load_dir):
+        # (complete checkpoints without a 'latest': the load names them, see checkpoint.resolve)
         log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
         return (0, 0, {}) if return_extra_state else (0, 0)
     finetune = bool(getattr(args, "finetune", False))
@@ -312,14 +308,18 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     ckpt_dir, manifest, objects = checkpointer(optimizer, cfg).load(comm, load_dir, tag, read, apply,
                                                                     how_to_load=_how_to_load, undo=undo)
     iteration = 0 if finetune else int(objects["iteration"])
+    on = online_of(optimizer)
     if load_optim and opt_param_scheduler is not None:
-        iteration = recover_after_load(comm, ckpt_dir, manifest, objects, model, optimizer, opt_param_scheduler,
-                                       iteration, until, latest=latest_or_none(load_dir) == manifest.tag and until is None,
-                                       verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback",
-                                       on=online_of(optimizer))
-    elif until is not None and until != iteration:
-        raise ConfigError(f"iteration {until} is reached by replaying online deltas, which needs the optimizer "
-                          "state (not with --no-load-optim / --finetune)")
+        done = recovery.recover(comm, ckpt_dir, manifest, Replay(comm, model, optimizer, opt_param_scheduler, objects),
+                                latest=latest_or_none(load_dir) == manifest.tag, until=until,
+                                verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback",
+                                recorder=on.recorder if on is not None else None)
+        iteration = done.step if done.steps else iteration
+        if on is not None:
+            on.iteration = iteration
+    else:
+        recovery.not_replayed(ckpt_dir, manifest.step, until, "the optimizer state (not with --no-load-optim / "
+                                                               "--finetune)")
     flops = 0 if finetune else objects.get("num_floating_point_operations_so_far", 0)
     if comm.rank == 0:
         log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects["iteration"],

@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 import weakref
 from collections import defaultdict
@@ -39,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from adacheck import online as O
+from adacheck import online, recovery
 from adacheck.errors import ConfigError
 from adacheck.optimtap import OptimizerTap
 from adacheck.planner import place
@@ -47,7 +46,7 @@ from adacheck.planner import place
 from . import hooks, parallel
 from . import state as S
 from .checkpointing import ONLINE, online_of, save_checkpoint
-from .parallel import load_scheduler, rank_state, same_coords, topology
+from .parallel import load_scheduler, rank_state, topology
 from .replay import DENSE_COORDS, EXPERT_COORDS, distributed, grad_scalers, kind_of, make_tap, preclip
 
 log = logging.getLogger("adacheck")
@@ -85,7 +84,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
     me, mine = comm.rank, set(keys.pop(None, []))
     for kind, ks in keys.items():
         coords = DENSE_COORDS if kind == "dense" else EXPERT_COORDS
-        group = [r for r, (t, d) in enumerate(alls) if same_coords(t, alls[me][0], coords) and d.get(kind) == digest[kind]]
+        group = [r for r, (t, d) in enumerate(alls) if recovery.same_coords(t, alls[me][0], coords) and d.get(kind) == digest[kind]]
         if kind == "expert":    # (place() breaks ties towards a group's first rank: start at the other end)
             group.reverse()
         writers, _ = place([(tap.tensors[k].numel() * 4, k, list(range(len(group)))) for k in ks], len(group))
@@ -111,7 +110,7 @@ class OnlineMegatron:
         self.iteration = 0
         self.tap = make_tap(optimizer)
         mine = None if distributed(optimizer) else _replica_share(self.tap, optimizer, parallel.comm())
-        self.recorder = O.OnlineRecorder(self.tap, config.online, self.save_dir, parallel.comm, self._take_base,
+        self.recorder = online.OnlineRecorder(self.tap, config.online, self.save_dir, parallel.comm, self._take_base,
                                          fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip)
         _tap_clipping()
         _RECORDING.add(self)
@@ -126,12 +125,6 @@ class OnlineMegatron:
         _RECORDING.discard(self)
         if getattr(self.optimizer, ONLINE, None) is self:
             setattr(self.optimizer, ONLINE, None)
-
-    def saved(self, save_dir: str, manifest, iteration: int, seconds: float) -> None:
-        """save_checkpoint committed ``manifest``: in this mode's directory it is the new base."""
-        if os.path.abspath(save_dir) == os.path.abspath(self.save_dir):
-            self.iteration = iteration
-            self.recorder.start_chain(manifest.tag, iteration, int(manifest.stats.get("file_bytes", 0)), seconds)
 
     def _post_step(self, optimizer, update_successful: bool) -> None:
         if optimizer is not self.optimizer:

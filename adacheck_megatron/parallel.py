@@ -10,7 +10,6 @@ from typing import List
 import torch
 
 from adacheck import jsontree
-from adacheck.errors import StateError
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 
@@ -100,15 +99,7 @@ def _tracker_states() -> dict:
 
 def json_args(args) -> dict:
     """The arguments that are plain values (for the record and for `adacheck inspect`)."""
-    out = {}
-    for k, v in sorted(vars(args).items()):
-        try:
-            jsontree.encode(v, k)
-        except StateError:
-            continue
-        if not isinstance(v, torch.Tensor):
-            out[k] = v
-    return out
+    return jsontree.saveable(dict(sorted(vars(args).items())), "args", strict=False, quiet=True, tensors=False)
 
 
 def sync_params(model) -> None:
@@ -133,7 +124,7 @@ def load_scheduler(scheduler, state: dict) -> None:
 COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank", "etp_rank")
 
 
-def same_coords(lay: dict, topo: dict, coords) -> bool:
-    """``lay`` (a saving rank's topology) is at ``topo``'s ranks ``coords``; a coordinate the
-    saving job did not record (bases of earlier versions have no etp_rank) is not compared."""
-    return all(lay.get(c) == topo[c] for c in coords if c in lay)
+def is_same_layout(saved: List[dict], topo: dict, world: int) -> bool:
+    """The saving job's ranks (``manifest.layout["ranks"]``) ran this job's layout ``topo`` on
+    ``world`` ranks."""
+    return len(saved) == world and all(saved[0].get(k) == topo[k] for k in SIZES)

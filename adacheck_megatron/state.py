@@ -26,6 +26,7 @@ import torch
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
+from adacheck.hashing import same_bytes
 from adacheck.types import Box
 from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, merge,
                                                         nested_values)
@@ -79,12 +80,6 @@ def _sharded_tensors(sharded: dict) -> List[ShardedTensor]:
     return out
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(
-        a.contiguous().view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-        b.contiguous().view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8)))
-
-
 def describe(sharded_state_dict: dict) -> Tuple[List[LocalShard], Dict[str, object], dict]:
     """This rank's shards, its main-replica ShardedObjects (unique key -> data) and the
     common state of a sharded state dict built for saving (which this consumes)."""
@@ -132,7 +127,7 @@ def _no_counter_example(box: Box, t: torch.Tensor, masters) -> bool:
     that master cast to the model dtype."""
     for mbox, m in masters:
         inter = box.intersect(mbox)
-        if inter is not None and not _same_bytes(m.view(mbox.lengths)[inter.slices(mbox)].to(t.dtype),
+        if inter is not None and not same_bytes(m.view(mbox.lengths)[inter.slices(mbox)].to(t.dtype),
                                                  t[inter.slices(box)]):
             return False
     return True

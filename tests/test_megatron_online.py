@@ -244,7 +244,7 @@ def test_deltas_replay_on_another_number_of_data_parallel_ranks(tmp_path):
     rank steps the same optimizer; with it, each recovering rank rebuilds the saving ranks'
     shards that overlap its own from the base and steps them with their records: also exact,
     from DP=2 to 1 and from 1 to 2 (compared as checkpoints saved after the recovery and by an
-    uninterrupted run)."""
+    uninterrupted run).  In another tensor-parallel size they do not replay: the base loads."""
     d = str(tmp_path)
     dp = ["--bf16", "--global-batch-size", "4"]
     dist = dp + ["--use-distributed-optimizer"]
@@ -268,8 +268,14 @@ def test_deltas_replay_on_another_number_of_data_parallel_ranks(tmp_path):
     same_checkpoint(f"{d}/ref", f"{d}/one/out", "distributed optimizer, DP=2 -> 1")
     check(launch(2, {"runs": [
         {"argv": dist + ["--adacheck"], "actions": [["scramble"], ["load", f"{d}/one/dk"], ["save", f"{d}/two/out"]]},
+        # TP=2 is another layout, where these deltas do not replay: the job holds base 4, and
+        # asking for iteration 6 is an error that says why
+        {"argv": dp + ["--tensor-model-parallel-size", "2", "--adacheck"],
+         "actions": [["load", f"{d}/ck"], ["set_args", {"ckpt_step": 6}],
+                     ["expect_error", "step 6 is reached by replaying the online deltas", ["load", f"{d}/ck"]]]},
     ]}, f"{d}/two", script="megatron_worker.py"))
-    assert results(f"{d}/two")[0]["loaded"] == [6]
+    assert [r["loaded"] for r in results(f"{d}/two")] == [[6], [4]]
+    assert "in another layout (TP=1" in results(f"{d}/two")[1]["errors"][0]
     same_checkpoint(f"{d}/one/ref", f"{d}/two/out", "distributed optimizer, DP=1 -> 2")
 
 
