@@ -115,7 +115,7 @@ class AdaCheckDeepSpeed:
                      "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
                      "dp_world_size": layout["dp_world_size"], "tp_world_size": lay.tp[1]}
         rank_objects = {"rng": rng_state()}
-        if self.online is not None and lay.kind in S.FLAT_PARTITIONS:
+        if self.online is not None and lay.wrapper.flat_partitions:
             # what this rank's partitions are made of: its deltas replay on another DP size too
             rank_objects["partitions"] = S.partition_map(lay, self.online.tap.key_of)
         return core.LocalState(shards=shards, objects=objects, rank_objects=rank_objects,

@@ -36,34 +36,18 @@ from adacheck.planner import place
 from adacheck.rng import set_rng_state
 
 from . import state as S
+from .wrappers import Frag
 
 log = logging.getLogger("adacheck")
-
-_REPLICATED = ("plain", "fp16unfused")   # every DP rank applies the same full gradients
-
 
 def _tap(engine) -> tuple:
     lay = S.describe(engine)
     if lay.base_optimizer is None:
         raise ConfigError("adacheck.online needs an optimizer (the engine has none)")
-    # ZeRO-3 puts its fp32 sub-group flats into the groups only inside step()
-    extra = [list(getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or [])]
     # tensor-parallel ranks hold other slices under the same optimizer positions: keys carry the
     # TP rank, so equal keys mean the same tensor
     prefix = f"tp{lay.tp[0]}." if lay.tp[1] > 1 else ""
-    return lay, OptimizerTap([lay.base_optimizer], prefix=prefix, extra=extra)
-
-
-def _record_rank(saved: list, tp_rank: int, dp_rank: int) -> int:
-    """Whose record a rank of a replicated optimizer follows when the data-parallel size changed:
-    the saving rank at the same tensor-parallel rank, the same data-parallel rank if it had one."""
-    same = [r for r, lay in enumerate(saved) if lay.get("tp_rank", 0) == tp_rank]
-    return next((r for r in same if saved[r].get("dp_rank") == dp_rank), same[0] if same else 0)
-
-
-def _kept(norm):
-    """A gradient norm as recorded with a step (a copy: DeepSpeed may reuse the tensor)."""
-    return norm.detach().clone() if torch.is_tensor(norm) else norm
+    return lay, OptimizerTap([lay.base_optimizer], prefix=prefix, extra=[lay.wrapper.tap_tensors()])
 
 
 class OnlineDS:
@@ -78,69 +62,27 @@ class OnlineDS:
         self.save_dir = ac.config.save_dir
         self.lay, self.tap = _tap(e)
         mine = None
-        if self.lay.kind in _REPLICATED:   # stored once per data-parallel group, by a balanced choice
+        if self.lay.wrapper.replicated:   # stored once per data-parallel group, by a balanced choice
             me, dp = S.data_parallel(e)
             items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
             writers, _ = place(items, dp)
             mine = {k for k, w in writers.items() if w[0] == me}
         self.recorder = online.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
-                                         fsync=ac.config.fsync, mine=mine,
-                                         preclip=lambda key, g, a: _preclip(e, g, a))
-        self._orig_clip = None
-        if self.lay.kind in ("zero12", "zero3", "fp16unfused") and not e.fp16_enabled():
-            # record gradients before ZeRO unscales/clips them in place: they are exact bf16
-            # values where the clipped ones are not (a dynamic fp16 loss scale is not replayable)
-            self._orig_clip = e.optimizer.unscale_and_clip_grads
-            e.optimizer.unscale_and_clip_grads = self._clip_unfused if self.lay.kind == "fp16unfused" else self._clip
-        self._orig_norm_grads = None
-        if self.lay.kind == "bf16opt" and all(g.dtype == torch.float32 for g in
-                                              e.optimizer.fp32_groups_gradient_flat_partition):
-            # BF16_Optimizer clips its fp32 gradient partitions in place right after asking for
-            # them with for_clipping=True: record them before that (exact bf16 sums, 2 bytes each)
-            self._orig_norm_grads = e.optimizer.get_grads_for_norm
-            e.optimizer.get_grads_for_norm = self._bf16_norm_grads
+                                              fsync=ac.config.fsync, mine=mine,
+                                              preclip=lambda key, g, a: _preclip(self.lay.wrapper, g, a))
+        # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
+        # the clipped ones are not
+        self._unrecord = self.lay.wrapper.record_clipping(self._note)
         self._orig_step = e.step
         e.step = self._engine_step
         self._orig_destroy = getattr(e, "destroy", None)
         if self._orig_destroy is not None:
             e.destroy = self._destroy
 
-    def _clip_unfused(self, total_norm, apply_scale=True):
-        """FP16_UnfusedOptimizer.unscale_and_clip_grads(total_norm): scales every fp32 gradient."""
-        if apply_scale:
-            norm, clip = _kept(total_norm), float(self.engine.optimizer.clip_grad)
-            for group in self.engine.optimizer.fp32_groups:
-                for p in group:
-                    key = self.tap.key_of(p)
-                    if key is not None and p.grad is not None:
-                        self.recorder.note_preclip(key, p.grad, {"norm": norm, "clip": clip, "unfused": True})
-        return self._orig_clip(total_norm, apply_scale=apply_scale)
-
-    def _clip(self, first, total_norm, *rest, **kw):
-        norm, clip = _kept(total_norm), float(self.engine.optimizer.clip_grad)
-        if self.lay.kind == "zero12":
-            for g in first:
-                key = next((self.tap.key_of(f) for f in self.engine.optimizer.single_partition_of_fp32_groups
-                            if f.grad is g), None) if torch.is_tensor(g) else None
-                if key is not None:
-                    self.recorder.note_preclip(key, g, {"norm": norm, "clip": clip})
-        else:
-            flat = self.engine.optimizer.fp32_partitioned_groups_flat[first]
-            key = self.tap.key_of(flat)
-            if key is not None and flat.grad is not None:
-                self.recorder.note_preclip(key, flat.grad, {"norm": norm, "clip": clip, "sub": int(first)})
-        return self._orig_clip(first, total_norm, *rest, **kw)
-
-    def _bf16_norm_grads(self, for_clipping=False, *args, **kwargs):
-        out = self._orig_norm_grads(for_clipping, *args, **kwargs)
-        opt = self.engine.optimizer
-        if for_clipping and opt.clip_grad > 0:
-            norm, clip = _kept(opt._global_grad_norm), float(opt.clip_grad)
-            for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
-                key = self.tap.key_of(flat)
-                if key is not None:
-                    self.recorder.note_preclip(key, grad, {"norm": norm, "clip": clip, "bf16_clip": True})
-        return out
+    def _note(self, tensor: torch.Tensor, grad: torch.Tensor, args: dict) -> None:
+        key = self.tap.key_of(tensor)
+        if key is not None and grad is not None:
+            self.recorder.note_preclip(key, grad, args)
 
     def _engine_step(self, *args, **kwargs):
         e = self.engine
@@ -167,10 +109,8 @@ class OnlineDS:
     def close(self) -> None:
         self.recorder.close()
         self.engine.step = self._orig_step
-        if self._orig_clip is not None:
-            self.engine.optimizer.unscale_and_clip_grads = self._orig_clip
-        if self._orig_norm_grads is not None:
-            self.engine.optimizer.get_grads_for_norm = self._orig_norm_grads
+        if self._unrecord is not None:
+            self._unrecord()
         if self._orig_destroy is not None:
             self.engine.destroy = self._orig_destroy
 
@@ -222,7 +162,7 @@ class Replay:
         if same:
             return recovery.ReplayPlan(True)
         saved = manifest.layout.get("ranks", [])
-        if lay.kind in _REPLICATED:
+        if lay.wrapper.replicated:
             # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients: its
             # deltas replay on any data-parallel size
             mine_at = {"tp_rank": lay.tp[0], "dp_rank": S.data_parallel(self.engine)[0]}
@@ -230,7 +170,7 @@ class Replay:
         # those of flat partitions (ZeRO 1-3, the BF16 optimizer) on the saving ranks' partitions
         # rebuilt here, from bases that record them
         maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
-        if lay.kind in S.FLAT_PARTITIONS and maps and all(m is not None for m in maps):
+        if lay.wrapper.flat_partitions and maps and all(m is not None for m in maps):
             return recovery.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps))
         return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks and replay on another number "
                                                   "of data-parallel ranks only from a base saved by this version")
@@ -239,10 +179,10 @@ class Replay:
         return _tap(self.engine)[1]
 
     def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
-        _preclip(self.engine, grad, args)
+        _preclip(self.lay.wrapper, grad, args)
 
     def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
-        _refresh_low_precision(self.engine, self.lay)
+        self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
         self.ac.apply_scalars(last)
         if self.comm.rank < self.saving_world:   # (as the base load: a rank the saving job did not have keeps its RNG)
             set_rng_state(last["rank_state"])
@@ -266,7 +206,7 @@ class Replay:
             return Shadow.given(tensors, [state])
 
         @torch.no_grad()
-        def put(f: S.Frag, shadow: Shadow, key: str, src: int, at: int, n: int) -> None:
+        def put(f: Frag, shadow: Shadow, key: str, src: int, at: int, n: int) -> None:
             t = shadow.tensors[key]
             f.master.narrow(0, at, n).copy_(t.narrow(0, src, n))
             live = opt.state[f.base_param]
@@ -291,65 +231,16 @@ def _as_live(opt, name: str, v):
     return v
 
 
-def _preclip(engine, grad: torch.Tensor, args: dict) -> None:
-    """Unscale/clip ``grad`` in place exactly as ZeRO did while recording (its own code, with the
-    recorded ``gradient_clipping``: a job resumed with another value replays the recorded steps)."""
-    opt = engine.optimizer
+def _preclip(wrapper, grad: torch.Tensor, args: dict) -> None:
+    """Unscale/clip ``grad`` in place exactly as the wrapper did while recording (its own code,
+    with the recorded ``gradient_clipping``: a job resumed with another value replays the
+    recorded steps)."""
+    opt = wrapper.opt
     current = opt.clip_grad
     opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
+    if torch.is_tensor(args["norm"]):
+        args = dict(args, norm=args["norm"].to(grad.device))
     try:
-        _clip_as_recorded(opt, grad, args)
+        wrapper.clip_as_recorded(grad, args)
     finally:
         opt.clip_grad = current
-
-
-def _clip_as_recorded(opt, grad: torch.Tensor, args: dict) -> None:
-    norm = args["norm"]
-    if torch.is_tensor(norm):
-        norm = norm.to(grad.device)
-    if args.get("unfused"):      # FP16_UnfusedOptimizer: its scale for that norm, applied as it does
-        combined = type(opt).unscale_and_clip_grads(opt, norm, apply_scale=False)
-        grad.mul_(1. / combined)
-        return
-    if args.get("bf16_clip"):    # BF16_Optimizer.step's clipping, with the function it calls
-        from deepspeed.runtime import bf16_optimizer
-        bf16_optimizer.clip_tensors_by_global_norm(input_tensors=[grad], max_norm=opt.clip_grad,
-                                                   global_norm=norm, mpu=opt.mpu)
-        return
-    clip = type(opt).unscale_and_clip_grads     # the class's, not a recording wrapper
-    if "sub" in args:
-        # ZeRO-3 scales the .grad of its fp32 sub-group flat number ``sub``: let that be a
-        # stand-in holding ``grad`` (a saving rank's partition may have another size than ours)
-        sub, flats = args["sub"], opt.fp32_partitioned_groups_flat
-        opt.fp32_partitioned_groups_flat = list(flats) + [None] * (sub + 1 - len(flats))
-        opt.fp32_partitioned_groups_flat[sub] = recovery.holder(grad)
-        try:
-            clip(opt, sub, norm)
-        finally:
-            opt.fp32_partitioned_groups_flat = flats
-    else:
-        clip(opt, [grad], norm)
-
-
-@torch.no_grad()
-def _refresh_low_precision(engine, lay: S.Layout) -> None:
-    """Module weights from the master weights, with DeepSpeed's own code for the wrapper."""
-    opt = engine.optimizer
-    if lay.kind == "plain":
-        return
-    if lay.kind == "fp16unfused":
-        for lps, masters in zip(opt.fp16_groups, opt.fp32_groups):
-            for p, m in zip(lps, masters):
-                p.data.copy_(m.data)
-    elif lay.kind in ("zero12", "bf16opt"):
-        opt.update_lp_params()
-    elif lay.kind == "zero3":
-        opt._partition_all_parameters()
-        for i in range(len(opt.fp32_partitioned_groups_flat)):
-            opt._reassign_or_swap_out_partitioned_parameters(i)
-        if opt.persistent_parameters:      # small parameters stay gathered between steps
-            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
-        opt.invalidate_secondary_tensor()
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        opt._hp_optimizer_states_linked = False
-        opt._lazy_init_hp_params_optimizer_state()

@@ -29,43 +29,8 @@ from adacheck.hashing import same_bytes
 from adacheck.recovery import Span
 from adacheck.types import Box, torch_dtype
 
-
-@dataclass
-class Frag:
-    """What this rank holds of one parameter's master weights / optimizer state."""
-
-    name: str
-    param: torch.nn.Parameter
-    start: int                       # flat offset in the parameter
-    master: torch.Tensor             # 1-D fp32 view of [start, start+numel)
-    base_param: torch.Tensor         # the tensor the base optimizer steps (flat partition or param)
-    offset: int                      # where ``master`` starts inside ``base_param`` (flattened)
-
-    @property
-    def numel(self) -> int:
-        return self.master.numel()
-
-
-# optimizer wrappers whose base optimizer steps flat partitions on each data-parallel rank:
-# contiguous runs of parameters (+ zero padding), one per param group (ZeRO 1/2, BF16) or per
-# sub-group of each parameter's own slice (ZeRO-3)
-FLAT_PARTITIONS = ("zero12", "bf16opt", "zero3")
-
-
-@dataclass
-class Layout:
-    stage: int
-    kind: str                       # "plain", "fp16unfused", "zero12", "bf16opt", "zero3"
-    base_optimizer: torch.optim.Optimizer
-    frags: List[Frag] = field(default_factory=list)
-    lp_views: Dict[str, tuple] = field(default_factory=dict)   # name -> (start, 1-D view of module data)
-    trained: set = field(default_factory=set)   # names of parameters the optimizer updates (any rank)
-    groups: List[List[str]] = field(default_factory=list)   # parameter names per optimizer group, in
-    # the order DeepSpeed was given them (what a DeepSpeed engine of another layout is built from)
-    origin: Dict[str, Tuple[tuple, Box]] = field(default_factory=dict)   # name -> (logical shape,
-    # the box of the logical tensor this rank's parameter is: all of it without tensor parallelism)
-    tp: Tuple[int, int] = (0, 1)    # (tensor-parallel rank, size)
-    split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: partition dim
+from .wrappers import Frag, Layout, wrapper_of
+from .wrappers.base import relink
 
 
 def tensor_parallel(engine) -> Tuple[int, int]:
@@ -122,97 +87,11 @@ def class_path(obj) -> str:
 
 
 def describe(engine) -> Layout:
-    """Where this rank's part of every parameter lives in the engine, for any ZeRO stage."""
-    lay = _describe(engine)
-    _place_params(engine, lay)
-    return lay
-
-
-def _describe(engine) -> Layout:
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
+    """Where this rank's part of every parameter lives in the engine, for any ZeRO stage (its
+    optimizer wrapper's kind says: see adacheck_ds.wrappers)."""
     names = {p: n for n, p in engine.module.named_parameters()}
-    opt = engine.optimizer
-    stage = engine.zero_optimization_stage()
-    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
-        base = opt.optimizer
-        lay = Layout(stage, "zero3", base, groups=[[names[p] for p in g] for g in opt.fp16_groups])
-        for g, group in enumerate(opt.fp16_groups):
-            flat = opt.fp32_partitioned_groups_flat[g]
-            lay.trained.update(names[p] for p in group)
-            for p in group:
-                _, off, ps = opt.grad_position[opt.get_param_id(p)]
-                rank = torch.distributed.get_rank(group=p.ds_process_group)
-                start = rank * ps
-                valid = max(0, min(p.ds_numel - start, ps))
-                if valid:
-                    lay.frags.append(Frag(names[p], p, start, flat.narrow(0, off, valid), flat, off))
-        for p, n in names.items():
-            rank = torch.distributed.get_rank(group=p.ds_process_group)
-            ps = p.ds_tensor.ds_numel
-            start = min(rank * ps, p.ds_numel)   # trailing ranks may hold only padding
-            valid = max(0, min(p.ds_numel - start, ps))
-            lay.lp_views[n] = (start, p.ds_tensor.data.view(-1).narrow(0, 0, valid))
-        return lay
-    if isinstance(opt, DeepSpeedZeroOptimizer):
-        lay = Layout(stage, "zero12", opt.optimizer, groups=[[names[p] for p in g] for g in opt.bit16_groups])
-        for g, flat in enumerate(opt.single_partition_of_fp32_groups):
-            # The flat buffer holds the parameters in round_robin_bit16_groups order at
-            # round_robin_bit16_offsets (with round_robin_gradients or parameter_alignment these
-            # differ from bit16_groups, and DeepSpeed's own _hp_mapping is then wrong when no
-            # alignment padding is used), so the fragments are computed from them directly.
-            group_ranks = opt.real_dp_process_group[g]
-            lo = torch.distributed.get_rank(group=group_ranks) * opt.partition_size[g]
-            hi = lo + flat.numel()
-            for p, off in zip(opt.round_robin_bit16_groups[g], opt.round_robin_bit16_offsets[g]):
-                lay.trained.add(names[p])
-                a, b = max(off, lo), min(off + p.numel(), hi)
-                if a < b:
-                    lay.frags.append(Frag(names[p], p, a - off, flat.narrow(0, a - lo, b - a), flat, a - lo))
-        for p, n in names.items():
-            lay.lp_views[n] = (0, p.data.view(-1))
-        return lay
-    if isinstance(opt, BF16_Optimizer):
-        lay = Layout(stage, "bf16opt", opt.optimizer, groups=[[names[p] for p in g] for g in opt.bf16_groups])
-        for g, group in enumerate(opt.bf16_groups):
-            lay.trained.update(names[p] for p in group)
-            for p in group:
-                m = getattr(p, "_hp_mapping", None)
-                if m is not None:
-                    lay.frags.append(Frag(names[p], p, m.lp_fragment_address.start, m.hp_fragment.view(-1),
-                                          opt.fp32_groups_flat_partition[g], m.hp_fragment_address.start))
-        for p, n in names.items():
-            lay.lp_views[n] = (0, p.data.view(-1))
-        return lay
-    if opt is not None and type(opt).__name__ == "FP16_UnfusedOptimizer":
-        lay = Layout(stage, "fp16unfused", opt.optimizer, groups=[[names[p] for p in g] for g in opt.fp16_groups])
-        for lps, masters in zip(opt.fp16_groups, opt.fp32_groups):
-            for p, m in zip(lps, masters):
-                lay.frags.append(Frag(names[p], p, 0, m.data.view(-1), m, 0))
-                lay.trained.add(names[p])
-        for p, n in names.items():
-            lay.lp_views[n] = (0, p.data.view(-1))
-        return lay
-    base = getattr(opt, "optimizer", opt) if opt is not None else None
-    if base is not None and not isinstance(base, torch.optim.Optimizer):
-        raise StateError(f"AdaCheck does not know the optimizer wrapper {type(opt).__name__} "
-                         "(supported: ZeRO 1/2/3, DeepSpeed's BF16 optimizer, a plain torch optimizer)")
-    if opt is not None and opt is not base and any(p.dtype != torch.float32 for p in names):
-        raise StateError(f"{type(opt).__name__} keeps fp32 master weights in a layout AdaCheck does "
-                         "not know; supported without ZeRO: a plain torch optimizer and "
-                         "FP16_UnfusedOptimizer (use ZeRO stage 1-3 otherwise)")
-    lay = Layout(stage, "plain", base,
-                 groups=[[names[p] for p in g["params"] if p in names] for g in base.param_groups] if base else [])
-    for p, n in names.items():
-        lay.lp_views[n] = (0, p.data.view(-1))
-    if base is not None:
-        in_opt = {id(p) for g in base.param_groups for p in g["params"]}
-        for p, n in names.items():
-            if id(p) in in_opt:
-                lay.frags.append(Frag(n, p, 0, p.data.view(-1), p, 0))
-                lay.trained.add(n)
+    lay = wrapper_of(engine).describe(engine.zero_optimization_stage(), names)
+    _place_params(engine, lay)
     return lay
 
 
@@ -239,7 +118,7 @@ def _state_tensor(v) -> Optional[torch.Tensor]:
 
 def collect_shards(engine, lay: Layout) -> List[LocalShard]:
     shards: List[LocalShard] = []
-    has_master = lay.kind != "plain"
+    has_master = lay.wrapper.has_master
     proven = {n: True for n in lay.trained}   # this rank found no counter-example (yet)
     # declared replicas: a plain optimizer's state on every data-parallel rank, and what is not
     # split by tensor parallelism on every tensor-parallel rank
@@ -260,7 +139,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
                 view = v.detach().view(-1).narrow(0, f.offset, f.numel)
                 for b, t in _boxes_of(origin, f.start, view):
                     shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", shape, b, t,
-                                             replicated=lay.kind == "plain" or f.name in tp_copy))
+                                             replicated=lay.wrapper.optim_replicated(f.name, tp_copy)))
             else:
                 t = _state_tensor(v)
                 if t is None or t.dim() != 0:
@@ -276,7 +155,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
             raise StateError(f"{n} is {view.dtype} without fp32 master weights; unsupported layout")
         for b, t in _boxes_of(origin, start, view):
             shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
-                                     replicated=lay.kind != "zero3" or n in tp_copy))
+                                     replicated=lay.wrapper.model_replicated(n, tp_copy)))
     for n, buf in engine.module.named_buffers():
         if buf is not None:
             shards.append(LocalShard(f"buffer/{n}", "buffer", tuple(buf.shape), Box.full(buf.shape),
@@ -358,25 +237,9 @@ def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: 
         if buf is not None and r.has(f"buffer/{n}"):
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
     if lay.base_optimizer is not None and load_optimizer_states:
-        with _zero3_groups(engine):
+        with lay.wrapper.stepping():
             st.optim_state = _stage_optimizer(lay, r, param_groups_saved)
     return st
-
-
-class _zero3_groups:
-    """ZeRO-3 lists its fp32 partitions in the base optimizer's groups only around step()."""
-
-    def __init__(self, engine):
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-        self.opt = engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3) else None
-
-    def __enter__(self):
-        if self.opt is not None:
-            self.opt._set_fp32_optimizer_param_groups()
-
-    def __exit__(self, *exc):
-        if self.opt is not None:
-            self.opt._clear_fp32_optimizer_param_groups()
 
 
 def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional[dict]:
@@ -480,12 +343,7 @@ def apply_load(engine, lay: Layout, st: Staged) -> None:
         for n, t in st.buffers.items():
             named_buffers[n].copy_(t)
     if st.optim_state is not None:
-        with _zero3_groups(engine):
+        with lay.wrapper.stepping():
             lay.base_optimizer.load_state_dict(st.optim_state)
-        opt = engine.optimizer
-        if st.optim_state["state"] and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-            # DeepSpeed keeps views into the optimizer state per parameter fragment
-            # (safe_get_full_optimizer_state, universal checkpoints); the loaded state
-            # replaced those tensors, so link the views again.
-            opt._hp_optimizer_states_linked = False
-            opt._lazy_init_hp_params_optimizer_state()
+        if st.optim_state["state"]:
+            relink(engine.optimizer)

@@ -1,0 +1,148 @@
+"""What every kind of DeepSpeed optimizer wrapper provides (:class:`Wrapper`), and the layout it
+describes (:class:`Layout`: which fragments of which parameters this rank's optimizer holds).
+
+``engine.optimizer`` is a *wrapper* (ZeRO-1/2, ZeRO-3, the BF16 optimizer, the fp16 unfused
+optimizer, or a plain torch optimizer) around the *base optimizer*, the torch optimizer that
+turns gradients into new master weights and moments.  A wrapper kind says where the master
+weights and optimizer state of each parameter live on this rank (:meth:`Wrapper.describe`), how
+the module's low-precision weights are made from them again (:meth:`Wrapper.refresh`), and how
+it clips gradients (recorded by the online mode before it does, applied again on replay).
+Adding a kind is one new module in this package, listed in ``KINDS``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
+
+import torch
+
+from adacheck.types import Box
+
+# the online mode's note of a gradient about to be clipped in place: (the tensor the base
+# optimizer steps, its gradient now, the arguments to clip it again on replay)
+Note = Callable[[torch.Tensor, torch.Tensor, dict], None]
+
+
+@dataclass
+class Frag:
+    """What this rank holds of one parameter's master weights / optimizer state."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int                       # flat offset in the parameter
+    master: torch.Tensor             # 1-D fp32 view of [start, start+numel)
+    base_param: torch.Tensor         # the tensor the base optimizer steps (flat partition or param)
+    offset: int                      # where ``master`` starts inside ``base_param`` (flattened)
+
+    @property
+    def numel(self) -> int:
+        return self.master.numel()
+
+
+@dataclass
+class Layout:
+    """Where this rank's part of every parameter lives in one engine."""
+    stage: int                      # the ZeRO stage
+    wrapper: "Wrapper"
+    base_optimizer: Optional[torch.optim.Optimizer]
+    frags: List[Frag] = field(default_factory=list)
+    lp_views: Dict[str, tuple] = field(default_factory=dict)   # name -> (start, 1-D view of module data)
+    trained: set = field(default_factory=set)   # names of parameters the optimizer updates (any rank)
+    groups: List[List[str]] = field(default_factory=list)   # parameter names per optimizer group, in
+    # the order DeepSpeed was given them (what a DeepSpeed engine of another layout is built from)
+    origin: Dict[str, Tuple[tuple, Box]] = field(default_factory=dict)   # name -> (logical shape,
+    # the box of the logical tensor this rank's parameter is: all of it without tensor parallelism)
+    tp: Tuple[int, int] = (0, 1)    # (tensor-parallel rank, size)
+    split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: partition dim
+
+    @property
+    def kind(self) -> str:
+        """The wrapper kind as checkpoints record it."""
+        return self.wrapper.name
+
+
+def kept(norm):
+    """A gradient norm as recorded with a step (a copy: DeepSpeed may reuse the tensor)."""
+    return norm.detach().clone() if torch.is_tensor(norm) else norm
+
+
+class Wrapper:
+    """One kind of optimizer wrapper, bound to one engine (``self.engine``, ``self.opt``: its
+    ``engine.optimizer``)."""
+
+    #: the kind as checkpoints record it (``framework.optimizer``); never renamed
+    name: ClassVar[str]
+    #: every data-parallel rank applies the same full gradients to a full copy of the state
+    #: (its deltas replay on any data-parallel size, following one saving rank's record)
+    replicated: ClassVar[bool] = False
+    #: the base optimizer steps flat partitions, one set per data-parallel rank (its deltas
+    #: replay on another data-parallel size by rebuilding the saving ranks' partitions)
+    flat_partitions: ClassVar[bool] = False
+    #: the optimizer keeps fp32 master weights apart from the module's weights
+    has_master: ClassVar[bool] = True
+
+    def __init__(self, engine):
+        self.engine, self.opt = engine, engine.optimizer
+
+    @staticmethod
+    def matches(opt) -> bool:
+        """``opt`` (an ``engine.optimizer``) is this kind."""
+        raise NotImplementedError
+
+    def describe(self, stage: int, names: Dict[torch.nn.Parameter, str]) -> Layout:
+        """This rank's fragments of every parameter (``names``: parameter -> its module name)."""
+        raise NotImplementedError
+
+    def model_replicated(self, name: str, tp_copy: set) -> bool:
+        """The layout puts the same box of module weight ``name`` on other ranks too
+        (``tp_copy``: the parameters every tensor-parallel rank holds whole)."""
+        return True
+
+    def optim_replicated(self, name: str, tp_copy: set) -> bool:
+        """The same, for the master weights and optimizer state of ``name``."""
+        return name in tp_copy
+
+    def tap_tensors(self) -> list:
+        """Tensors the base optimizer steps that are not in its param groups between steps."""
+        return []
+
+    def stepping(self):
+        """A context in which the base optimizer's param groups list what it steps."""
+        return contextlib.nullcontext()
+
+    def refresh(self) -> None:
+        """The module's weights from the master weights, with DeepSpeed's own code (after a
+        replay changed the master weights)."""
+
+    def record_clipping(self, note: Note) -> Optional[Callable[[], None]]:
+        """Make the wrapper call ``note`` for each gradient just before it unscales / clips it
+        in place (the online mode records it as it was: exact where the clipped one is not);
+        returns the function that takes this back, or None where nothing is recorded."""
+        return None
+
+    def clip_as_recorded(self, grad: torch.Tensor, args: dict) -> None:
+        """Unscale / clip ``grad`` in place as the wrapper did while recording (``args``: what
+        ``note`` was given), with the wrapper's own code."""
+        raise NotImplementedError(f"{self.name} records no clipping")
+
+    def _wrap(self, method: str, replacement: Callable) -> Callable[[], None]:
+        """Replace the optimizer's ``method``; returns the function that puts it back."""
+        original = getattr(self.opt, method)
+        setattr(self.opt, method, replacement(original))
+        return lambda: setattr(self.opt, method, original)
+
+
+def lp_views_whole(lay: Layout, names: Dict[torch.nn.Parameter, str]) -> None:
+    """Every parameter's module weights as one flat view (every kind but ZeRO-3)."""
+    for p, n in names.items():
+        lay.lp_views[n] = (0, p.data.view(-1))
+
+
+def relink(opt) -> None:
+    """DeepSpeed keeps views into the optimizer state per parameter fragment
+    (safe_get_full_optimizer_state, universal checkpoints): link them again after the state's
+    tensors were replaced."""
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
