@@ -35,14 +35,12 @@ from . import deltas
 from .errors import AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, StateError
 from .exchange import Comm, agree
 from .optimtap import OptimizerTap, Shadow
+from .records import Expect, check_fields
 from .checkpoint import CheckpointReader
 from .storage import LOCAL, Storage
 from .types import Manifest
 
 log = logging.getLogger("adacheck")
-
-Expect = Dict[str, Tuple[Callable[[object], bool], str]]   # record field -> (test, what it must be)
-
 
 @dataclass(frozen=True)
 class Span:
@@ -287,26 +285,12 @@ class Replayed:
                       f"newest (on_corrupt: fallback): {damage}", CorruptCheckpointWarning, stacklevel=2)
 
 
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 # what every record holds (OnlineRecorder.after_step), besides the integration's own scalars
 COMMON: Expect = {"calls": (lambda v: isinstance(v, list), "a list of optimizer calls"),
                   "param_groups": (lambda v: isinstance(v, list) and all(
                       isinstance(g, list) and all(isinstance(x, dict) for x in g) for g in v),
                       "a list of param-group lists"),
                   "rank_state": (lambda v: isinstance(v, dict), "an object (the RNG states)")}
-
-
-def check_fields(tree, expect: Expect, where: str) -> None:
-    """Raise FormatError unless the record ``tree`` holds each field of ``expect`` as described."""
-    if not isinstance(tree, dict):
-        raise FormatError(f"{where}: the record is not an object")
-    for key, (ok, what) in expect.items():
-        if not ok(tree.get(key)):
-            raise FormatError(f"{where}: {key} is {str(tree.get(key))[:60]}, expected {what}; the delta record is "
-                              "damaged or was written by another integration")
 
 
 def check_steps(tap: OptimizerTap, ckpt_dir: str, steps: List[deltas.Step], rank: int, verify: bool, files: dict,

@@ -86,14 +86,6 @@ def _check_cpu(tensors: Dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{key}: write_safetensors needs contiguous CPU tensors")
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 BLOCK = 4096           # O_DIRECT: file offsets, lengths and memory addresses in multiples of this
 _DIRECT_CHUNK = 16 << 20
 _ALIGN_DATA_FROM = 1 << 20   # files with at least this many tensor bytes start their data on a block

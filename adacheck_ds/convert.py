@@ -28,6 +28,8 @@ from adacheck.checkpoint import CheckpointReader, resolve
 from adacheck.errors import ConfigError, StateError
 from adacheck.types import torch_dtype
 
+from .saved import Objects
+
 
 def _params(r: CheckpointReader):
     names = sorted(n[len("model/"):] for n in r.manifest.tensors if n.startswith("model/"))
@@ -48,7 +50,8 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     if m.framework.get("name") != "deepspeed":
         raise StateError(f"{ckpt} was saved by {m.framework.get('name')!r}, not DeepSpeed; "
                          "universal conversion needs a DeepSpeed checkpoint")
-    objects = r.objects()
+    objects = Objects.of(r.objects(), f"the objects of {ckpt}")
+    model = objects.model(ckpt)
     out_tag = m.tag
     final = os.path.join(out_dir, out_tag)
     if os.path.exists(final):
@@ -59,7 +62,7 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     names = _params(r)
     keys = sorted({n.split("/")[1] for n in m.tensors if n.startswith("optim/")})
     # tensor-parallel parameters: a TP engine's load_universal cuts its slice along cat_dim
-    split = ((objects.get("model_spec") or {}).get("tensor_parallel") or {}).get("partition_dims") or {}
+    split = model.partition_dims if model is not None else {}
     done, total = 0, len(names)
     try:
         steps = set()
@@ -89,7 +92,7 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
         if len(steps) > 1:
             raise StateError(f"parameters have different optimizer steps {sorted(steps)}; DeepSpeed's "
                              "universal format keeps one step per parameter group")
-        groups = objects.get("param_groups") or []
+        groups = objects.param_groups or []
         step = next((r.read(f"optim/step/{n}") for n in names if r.has(f"optim/step/{n}")), None)
         torch.save({"param_groups": [dict(g) for g in groups], "ds_version": deepspeed.__version__,
                     "optimizer_state_dict": {"state": {0: {"step": step}},
@@ -101,10 +104,10 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
             module[name] = r.read(f"model/{name}", dtype=torch_dtype(e.dtype))
         for n in sorted(x for x in m.tensors if x.startswith("buffer/")):
             module[n[len("buffer/"):]] = r.read(n)
-        counters = objects.get("counters", {})
+        counters = objects.counters
         dp = m.framework.get("dp_world_size", m.topology.get("world_size", 1))
-        states = dict(objects.get("client_state") or {})
-        states.update({"module": module, "lr_scheduler": objects.get("lr_scheduler"),
+        states = dict(objects.client_state)
+        states.update({"module": module, "lr_scheduler": objects.lr_scheduler,
                        "global_steps": counters.get("global_steps", m.step or 0),
                        "global_samples": counters.get("global_samples", 0),
                        "skipped_steps": counters.get("skipped_steps", 0),

@@ -15,7 +15,8 @@ from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 
-from . import state as S
+from .saved import Objects, RankObjects, SavedModel, Scalars, counters_of
+from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
 
 log = logging.getLogger("adacheck")
 
@@ -23,7 +24,6 @@ log = logging.getLogger("adacheck")
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
                   "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic",
                   "dynamic_loss_scale", "min_loss_scale")
-_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 def native_load(engine, *args, **kwargs):
@@ -90,38 +90,37 @@ class AdaCheckDeepSpeed:
 
     def _collect(self, client_state, exclude_frozen):
         e = self.engine
-        lay = S.describe(e)
-        shards = S.collect_shards(e, lay)
+        lay = describe(e)
+        shards = collect_shards(e, lay)
         if exclude_frozen:
             frozen = {f"model/{n}" for n, p in e.module.named_parameters() if not p.requires_grad}
             shards = [s for s in shards if s.name not in frozen]
         strict = self.config.strict_objects
-        objects = {
-            "counters": {k: int(getattr(e, k)) for k in _COUNTERS if hasattr(e, k)},
-            "param_groups": ([{k: v for k, v in g.items() if k != "params"}
-                              for g in lay.base_optimizer.param_groups] if lay.base_optimizer else None),
-            "lr_scheduler": (jsontree.saveable(e.lr_scheduler.state_dict(), "lr_scheduler", strict)
-                             if e.lr_scheduler is not None and hasattr(e.lr_scheduler, "state_dict") else None),
-            "loss_scaler": self.scaler_state(),
-            "client_state": jsontree.saveable(dict(client_state or {}), "client_state", strict),
-            "model_spec": self._model_spec(lay),
-        }
+        now = self.scalars()
+        objects = Objects(
+            counters=now.counters, loss_scaler=now.loss_scaler,
+            lr_scheduler=(jsontree.saveable(now.lr_scheduler, "lr_scheduler", strict)
+                          if now.lr_scheduler is not None else None),
+            param_groups=([{k: v for k, v in g.items() if k != "params"}
+                           for g in lay.base_optimizer.param_groups] if lay.base_optimizer else None),
+            client_state=jsontree.saveable(dict(client_state or {}), "client_state", strict),
+            model_spec=self._model_spec(lay).tree())
         import deepspeed
-        dp_rank, dp_size = S.data_parallel(e)
+        dp_rank, dp_size = data_parallel(e)
         layout = {"zero_stage": lay.stage, "optimizer": lay.kind, "dp_rank": dp_rank, "dp_world_size": dp_size,
                   "tp_rank": lay.tp[0], "tp_world_size": lay.tp[1]}
         framework = {"name": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
                      "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,
                      "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
                      "dp_world_size": layout["dp_world_size"], "tp_world_size": lay.tp[1]}
-        rank_objects = {"rng": rng_state()}
+        rank_objects = RankObjects(rng=rng_state())
         if self.online is not None and lay.wrapper.flat_partitions:
             # what this rank's partitions are made of: its deltas replay on another DP size too
-            rank_objects["partitions"] = S.partition_map(lay, self.online.tap.key_of)
-        return core.LocalState(shards=shards, objects=objects, rank_objects=rank_objects,
+            rank_objects.partitions = partition_map(lay, self.online.tap.key_of)
+        return core.LocalState(shards=shards, objects=objects.tree(), rank_objects=rank_objects.tree(),
                                layout=layout, framework=framework, step=int(e.global_steps))
 
-    def _model_spec(self, lay) -> dict:
+    def _model_spec(self, lay) -> SavedModel:
         """What a DeepSpeed engine of another layout is built from (adacheck_ds.native): the
         parameters in module order with their trainability, the buffers, the optimizer groups
         as DeepSpeed was given them, the optimizer class and the DeepSpeed config."""
@@ -129,12 +128,12 @@ class AdaCheckDeepSpeed:
         base = lay.base_optimizer
         raw = getattr(getattr(e, "_config", None), "_param_dict", None)
         cfg = {k: v for k, v in raw.items() if k != "adacheck"} if isinstance(raw, dict) else None
-        return {"parameters": [[n, bool(p.requires_grad)] for n, p in e.module.named_parameters()],
-                "tensor_parallel": {"size": lay.tp[1], "partition_dims": dict(sorted(lay.split.items()))},
-                "buffers": [n for n, _ in e.module.named_buffers()],
-                "groups": lay.groups,
-                "optimizer": S.class_path(base) if base is not None else None,
-                "ds_config": jsontree.saveable(cfg, "ds_config", False) if cfg is not None else None}
+        return SavedModel(parameters=[[n, bool(p.requires_grad)] for n, p in e.module.named_parameters()],
+                          tensor_parallel={"size": lay.tp[1], "partition_dims": dict(sorted(lay.split.items()))},
+                          buffers=[n for n, _ in e.module.named_buffers()],
+                          groups=lay.groups,
+                          optimizer=class_path(base) if base is not None else None,
+                          ds_config=jsontree.saveable(cfg, "ds_config", False) if cfg is not None else None)
 
     def _scaler(self):
         """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;
@@ -142,6 +141,12 @@ class AdaCheckDeepSpeed:
         opt = self.engine.optimizer
         sc = getattr(opt, "loss_scaler", None)
         return sc if sc is not None else getattr(opt, "loss_scale_config", None)
+
+    def scalars(self) -> Scalars:
+        """The engine's counters, LR scheduler state and loss scaler state now."""
+        sched = self.engine.lr_scheduler
+        return Scalars(counters=counters_of(self.engine), loss_scaler=self.scaler_state(),
+                       lr_scheduler=sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None)
 
     def scaler_state(self):
         sc = self._scaler()
@@ -178,12 +183,13 @@ class AdaCheckDeepSpeed:
         want_optim = load_optimizer_states and not load_module_only
 
         def read(r: core.CheckpointReader):
-            lay = S.describe(e)
-            objects = r.objects()
-            st = S.stage_load(e, lay, r, want_optim, objects.get("param_groups"), strict=load_module_strict)
+            lay = describe(e)
+            objects = Objects.of(r.objects(), f"the objects of {r.dir}")
+            st = stage_load(e, lay, r, want_optim, objects.param_groups, strict=load_module_strict)
             st.objects = objects
             ranks = r.manifest.topology.get("world_size", 1)
-            st.rank_objects = r.objects(comm.rank) if comm.rank < ranks else None
+            if comm.rank < ranks:
+                st.rank_objects = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}")
             return lay, st
 
         loaded = {}
@@ -192,21 +198,22 @@ class AdaCheckDeepSpeed:
             lay, st = staged
             if hasattr(opt, "checkpoint_event_prologue"):
                 opt.checkpoint_event_prologue()
-            S.apply_load(e, lay, st)
+            apply_load(e, lay, st)
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()
             obj = loaded["objects"] = st.objects
             if not load_module_only:
                 self.apply_scalars(obj, load_lr_scheduler_states)
                 if st.rank_objects is not None:
-                    set_rng_state(st.rank_objects["rng"])
-            return obj.get("client_state") or {}
+                    set_rng_state(st.rank_objects.rng)
+            return obj.client_state
 
         ckpt_dir, manifest, client_state = self.checkpointer.load(
             comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
         if want_optim and load_lr_scheduler_states:
             from .online import Replay
-            saved_optimizer = (loaded["objects"].get("model_spec") or {}).get("optimizer")
+            model = loaded["objects"].model(ckpt_dir)
+            saved_optimizer = model.optimizer if model is not None else None
             done = recovery.recover(comm, ckpt_dir, manifest, Replay(self, saved_optimizer),
                                     latest=latest_or_none(load_dir) == manifest.tag, until=self.replay_until,
                                     strict=self.config.on_corrupt != "fallback", verify=self.config.verify_on_load,
@@ -220,16 +227,16 @@ class AdaCheckDeepSpeed:
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, last)
         return ckpt_dir, client_state
 
-    def apply_scalars(self, obj: dict, with_scheduler: bool = True) -> None:
-        """Counters, LR scheduler and loss scaler from a checkpoint's (or delta's) objects."""
+    def apply_scalars(self, saved: Scalars, with_scheduler: bool = True) -> None:
+        """Counters, LR scheduler and loss scaler from a checkpoint's (or delta's) scalars."""
         e = self.engine
-        for k, v in obj["counters"].items():
+        for k, v in saved.counters.items():
             setattr(e, k, v)
-        if with_scheduler and e.lr_scheduler is not None and obj.get("lr_scheduler"):
-            e.lr_scheduler.load_state_dict(obj["lr_scheduler"])
+        if with_scheduler and e.lr_scheduler is not None and saved.lr_scheduler:
+            e.lr_scheduler.load_state_dict(saved.lr_scheduler)
         sc = self._scaler()
-        if sc is not None and obj.get("loss_scaler"):
-            for k, v in obj["loss_scaler"].items():
+        if sc is not None and saved.loss_scaler:
+            for k, v in saved.loss_scaler.items():
                 if not hasattr(sc, k):   # saved by the other kind of scaler (another ZeRO stage)
                     continue
                 cur = getattr(sc, k)

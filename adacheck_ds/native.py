@@ -46,18 +46,16 @@ import os
 import pickle
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from adacheck import commit, deltas
+from adacheck import commit, deltas, local_ranks
 from adacheck.checkpoint import CheckpointReader, resolve
 from adacheck.errors import ConfigError, StateError
 from adacheck.types import torch_dtype
+from .saved import Objects
 
 DIRECTIONS = ("to-native", "from-native", "materialise")
 # keys DeepSpeed writes into its model-states dict; some versions hand some of them back as
@@ -96,17 +94,17 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
         raise StateError(f"{ckpt_dir} was saved by {m.framework.get('name')!r}, not DeepSpeed; this "
                          "conversion rebuilds DeepSpeed engines (Megatron: --to torch-dist, or load in the "
                          "training job and save to materialise online deltas)")
-    objects = r.objects()
-    ms = objects.get("model_spec")
-    if not ms:
+    objects = Objects.of(r.objects(), f"the objects of {ckpt_dir}")
+    saved = objects.model(ckpt_dir)
+    if saved is None:
         raise StateError(f"{ckpt_dir} was saved by an AdaCheck version that did not record the model "
                          "description (model_spec); convert it with --to deepspeed-universal, or load it "
                          "in the training job and save once")
-    cfg = ds_config if ds_config is not None else ms.get("ds_config")
+    cfg = ds_config if ds_config is not None else saved.ds_config
     if not isinstance(cfg, dict):
         raise ConfigError(f"{ckpt_dir} does not hold the run's DeepSpeed config; pass it with --ds-config FILE")
     params, missing = [], []
-    for name, trainable in ms["parameters"]:
+    for name, trainable in saved.parameters:
         e = m.tensors.get(f"model/{name}")
         if e is None:
             missing.append(name)
@@ -116,13 +114,11 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
         raise StateError(f"{ckpt_dir} does not hold the parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          "(saved with exclude_frozen_parameters?); a native checkpoint needs every parameter")
     buffers = [(n, tuple(m.tensors[f"buffer/{n}"].shape), m.tensors[f"buffer/{n}"].dtype)
-               for n in ms["buffers"] if f"buffer/{n}" in m.tensors]
-    tp = ms.get("tensor_parallel") or {}
-    return ModelSpec(params, buffers, ms["groups"], ms.get("optimizer"), cfg,
-                     lr_scheduler=objects.get("lr_scheduler") if "scheduler" not in cfg else None,
+               for n in saved.buffers if f"buffer/{n}" in m.tensors]
+    return ModelSpec(params, buffers, saved.groups, saved.optimizer, cfg,
+                     lr_scheduler=objects.lr_scheduler if "scheduler" not in cfg else None,
                      stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)),
-                     tp=int(tp.get("size", 1)),
-                     split={n: int(d) for n, d in (tp.get("partition_dims") or {}).items()}), m
+                     tp=int(saved.tensor_parallel.get("size", 1)), split=saved.partition_dims), m
 
 
 _UNSUPPORTED_SPLITS = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
@@ -438,57 +434,14 @@ def _read_json(path: str) -> dict:
         raise ConfigError(f"cannot read the DeepSpeed config {path}: {e}") from None
 
 
-# ------------------------------------------------------------------ starting the ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(world: int, argv: List[str], grace: float = 60.0) -> None:
+def spawn(world: int, argv: List[str]) -> None:
     """Run ``python -m adacheck_ds.native ARGV`` on ``world`` local ranks; raise if any fails."""
-    port = _free_port()
-    logs_dir = tempfile.mkdtemp(prefix="adacheck-convert-logs-")
-    env0 = dict(os.environ)
-    if "DS_ACCELERATOR" not in env0:
-        try:
-            import torch
-            if not torch.cuda.is_available():
-                env0["DS_ACCELERATOR"] = "cpu"
-        except ImportError:  # pragma: no cover
-            pass
-    procs, logs = [], []
-    for r in range(world):
-        env = dict(env0, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        log = open(os.path.join(logs_dir, f"rank{r}.log"), "w+")
-        procs.append(subprocess.Popen([sys.executable, "-m", "adacheck_ds.native", *argv], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
-    first_exit, first_failed = None, None
-    while any(p.poll() is None for p in procs):
-        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-        if failed and first_exit is None:
-            first_exit, first_failed = time.monotonic(), failed[0]
-        if first_exit is not None and time.monotonic() - first_exit > grace:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        time.sleep(0.2)
-    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    tails = {}
-    for r, log in enumerate(logs):
-        log.seek(0)
-        tails[r] = log.read()
-        log.close()
-    if bad:
-        # the rank that failed first names the cause; the others lost their peer
-        r, rc = next(((r, rc) for r, rc in bad if r == first_failed), bad[0])
-        lines = [ln for ln in tails[r].splitlines() if ln.strip()]
-        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-        raise StateError(f"conversion rank {r} failed (exit {rc}): "
-                         f"{(errors or lines or ['no output'])[-1].strip()} (all logs: {logs_dir})")
-    shutil.rmtree(logs_dir, ignore_errors=True)
+    env = {}
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+        if not torch.cuda.is_available():
+            env["DS_ACCELERATOR"] = "cpu"
+    local_ranks.run("adacheck_ds.native", world, argv, env=env)
 
 
 def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_stage: Optional[int] = None,

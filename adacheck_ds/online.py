@@ -35,13 +35,14 @@ from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.planner import place
 from adacheck.rng import set_rng_state
 
-from . import state as S
+from .saved import RankObjects, StepScalars
+from .state import class_path, data_parallel, describe, read_partition
 from .wrappers import Frag
 
 log = logging.getLogger("adacheck")
 
 def _tap(engine) -> tuple:
-    lay = S.describe(engine)
+    lay = describe(engine)
     if lay.base_optimizer is None:
         raise ConfigError("adacheck.online needs an optimizer (the engine has none)")
     # tensor-parallel ranks hold other slices under the same optimizer positions: keys carry the
@@ -63,7 +64,7 @@ class OnlineDS:
         self.lay, self.tap = _tap(e)
         mine = None
         if self.lay.wrapper.replicated:   # stored once per data-parallel group, by a balanced choice
-            me, dp = S.data_parallel(e)
+            me, dp = data_parallel(e)
             items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
             writers, _ = place(items, dp)
             mine = {k for k, w in writers.items() if w[0] == me}
@@ -90,7 +91,8 @@ class OnlineDS:
         self.recorder.expect(before + 1)
         out = self._orig_step(*args, **kwargs)
         if e.global_steps != before:
-            self.recorder.after_step(int(e.global_steps), scalars(self.ac))
+            self.recorder.after_step(int(e.global_steps), StepScalars(
+                **self.ac.scalars().tree(), skipped=not getattr(e, "_step_applied", True)).tree())
         return out
 
     def _take_base(self) -> None:
@@ -115,41 +117,20 @@ class OnlineDS:
             self.engine.destroy = self._orig_destroy
 
 
-def _optional_dict(v) -> bool:
-    return v is None or isinstance(v, dict)
-
-
-# the fields of a delta record that recover() restores (written by scalars())
-EXPECT = {"counters": (lambda v: isinstance(v, dict) and all(recovery.is_int(x) for x in v.values()),
-                       "an object of integer counters"),
-          "lr_scheduler": (_optional_dict, "the scheduler's state (an object) or null"),
-          "loss_scaler": (_optional_dict, "the loss scaler's state (an object) or null")}
-
-
-def scalars(ac) -> dict:
-    e = ac.engine
-    return {"counters": {k: int(getattr(e, k)) for k in ("global_steps", "global_samples", "skipped_steps",
-                                                          "micro_steps") if hasattr(e, k)},
-            "lr_scheduler": (e.lr_scheduler.state_dict() if e.lr_scheduler is not None
-                             and hasattr(e.lr_scheduler, "state_dict") else None),
-            "loss_scaler": ac.scaler_state(),
-            "skipped": not getattr(e, "_step_applied", True)}
-
-
 class Replay:
     """How this engine replays the deltas of a base it loaded (adacheck.recovery.Replaying)."""
-    expect = EXPECT
+    expect = StepScalars.expect()     # the fields of a delta record restore() uses
 
     def __init__(self, ac, saved_optimizer: Optional[str] = None):
         self.ac, self.engine, self.comm = ac, ac.engine, ac.comm()
-        self.lay = S.describe(ac.engine)
+        self.lay = describe(ac.engine)
         self.saved_optimizer = saved_optimizer   # the base optimizer's class that recorded (None: not known)
         self.saving_world = 0
 
     def plan(self, manifest) -> recovery.ReplayPlan:
         lay, comm, fw = self.lay, self.comm, manifest.framework
         world = self.saving_world = int(manifest.topology.get("world_size", 1))
-        mine = S.class_path(lay.base_optimizer)
+        mine = class_path(lay.base_optimizer)
         same = world == comm.world_size
         # the same optimizer code makes the same arithmetic: a ZeRO-Offload run (DeepSpeedCPUAdam)
         # resumed without offload (torch's or DeepSpeed's fused Adam) would not replay bit-exactly
@@ -165,11 +146,12 @@ class Replay:
         if lay.wrapper.replicated:
             # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients: its
             # deltas replay on any data-parallel size
-            mine_at = {"tp_rank": lay.tp[0], "dp_rank": S.data_parallel(self.engine)[0]}
+            mine_at = {"tp_rank": lay.tp[0], "dp_rank": data_parallel(self.engine)[0]}
             return recovery.ReplayPlan(False, record_rank=recovery.follow_rank(saved, mine_at, ("tp_rank",)))
         # those of flat partitions (ZeRO 1-3, the BF16 optimizer) on the saving ranks' partitions
         # rebuilt here, from bases that record them
-        maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
+        maps = [RankObjects.of(ro, f"rank {r}'s objects of the base").partitions if ro else None
+                for r, ro in enumerate(manifest.rank_objects)]
         if lay.wrapper.flat_partitions and maps and all(m is not None for m in maps):
             return recovery.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps))
         return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks and replay on another number "
@@ -183,7 +165,7 @@ class Replay:
 
     def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
         self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
-        self.ac.apply_scalars(last)
+        self.ac.apply_scalars(StepScalars.of(last, "the last delta record"))
         if self.comm.rank < self.saving_world:   # (as the base load: a rank the saving job did not have keeps its RNG)
             set_rng_state(last["rank_state"])
 
@@ -199,7 +181,7 @@ class Replay:
         def rebuild(reader, r: int) -> Shadow:
             tensors, state = {}, defaultdict(dict)
             for k, v in maps[r].items():
-                master, st = S.read_partition(reader, lay, int(v["numel"]), saving[r][k])
+                master, st = read_partition(reader, lay, int(v["numel"]), saving[r][k])
                 tensors[k] = master.to(dev)
                 state[tensors[k]] = {n: x.to(dev) if torch.is_tensor(x) and x.dim() else _as_live(opt, n, x)
                                      for n, x in st.items()}
@@ -219,7 +201,7 @@ class Replay:
                     live[name] = v.clone() if torch.is_tensor(v) else v
 
         held = [(recovery.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
-        mine_at = {"tp_rank": lay.tp[0], "dp_rank": S.data_parallel(self.engine)[0]}
+        mine_at = {"tp_rank": lay.tp[0], "dp_rank": data_parallel(self.engine)[0]}
         return recovery.Partitions(saving, held, rebuild, put, recovery.follow_rank(saved, mine_at, ("tp_rank",)))
 
 

@@ -29,6 +29,7 @@ from adacheck.hashing import same_bytes
 from adacheck.recovery import Span
 from adacheck.types import Box, torch_dtype
 
+from .saved import Objects, RankObjects
 from .wrappers import Frag, Layout, wrapper_of
 from .wrappers.base import relink
 
@@ -170,8 +171,8 @@ class Staged:
     lp: Dict[str, torch.Tensor] = field(default_factory=dict)        # per lp view (1-D)
     optim_state: Optional[dict] = None                               # base optimizer state_dict
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
-    objects: dict = field(default_factory=dict)
-    rank_objects: Optional[dict] = None
+    objects: Optional[Objects] = None
+    rank_objects: Optional[RankObjects] = None      # (None: a rank the saving job did not have)
 
 
 def _master_source(r: CheckpointReader, n: str) -> str:

@@ -38,7 +38,9 @@ from adacheck.deltas import base_for_step
 from adacheck.errors import ConfigError
 
 from . import parallel
-from . import state as S
+from .saved import Objects, RankObjects
+from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map,
+                    distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped, stage_load)
 from .flags import config_from_args
 from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler, rank_state,
                        set_rank_state, sharded_state_dict, sync_params, topology, unwrap)
@@ -108,23 +110,17 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         topo = topology()
         sd = sharded_state_dict(model, optimizer, is_loading=False)
         distopt = None
-        if optimizer is not None and S.distributed_optimizers(optimizer):
-            dshards, distopt = S.distopt_describe(optimizer, sd)
-        shards, sharded_objects, common = S.describe(sd)
+        if optimizer is not None and distributed_optimizers(optimizer):
+            dshards, distopt = distopt_describe(optimizer, sd)
+        shards, sharded_objects, common = describe(sd)
         if distopt is not None:
             shards += dshards
-        objects = {
-            "common": common,
-            "iteration": int(iteration),
-            "opt_param_scheduler": (opt_param_scheduler.state_dict()
-                                    if opt_param_scheduler is not None else None),
-            "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
-            "args": json_args(args),
-            "extra_state": extra_state or {},
-            "distributed_optimizer": distopt,   # per sub-optimizer: param groups, step, scaler
-            # per torch optimizer: no update applied yet (its state is empty, not zeros)
-            "optimizer_never_stepped": S.never_stepped(optimizer) if optimizer is not None else [],
-        }
+        objects = Objects(
+            common=common, iteration=int(iteration),
+            opt_param_scheduler=opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+            num_floating_point_operations_so_far=float(num_floating_point_operations_so_far),
+            args=json_args(args), extra_state=extra_state or {}, distributed_optimizer=distopt,
+            optimizer_never_stepped=never_stepped(optimizer) if optimizer is not None else [])
         import megatron.core
         framework = {"name": "megatron", "megatron_core": megatron.core.__version__,
                      "torch": torch.__version__, "adacheck": adacheck.__version__,
@@ -133,14 +129,14 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                               "fp16" if getattr(args, "fp16", False) else "fp32",
                      "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
                      "model_chunks": len(list(model)),
-                     "names": {"model": "", "master": S.MASTER_PREFIX}}
-        rank_objects = {"rng": rank_state(), "sharded_objects": sharded_objects}
+                     "names": {"model": "", "master": MASTER_PREFIX}}
+        rank_objects = RankObjects(rng=rank_state(), sharded_objects=sharded_objects)
         if distopt is not None and on is not None:
             # what this rank's shards are: its deltas replay on another data-parallel size too
-            rank_objects["partitions"] = S.distopt_partition_map(optimizer, sd, on.tap.key_of)
+            rank_objects.partitions = distopt_partition_map(optimizer, sd, on.tap.key_of)
         return core.LocalState(
-            shards=shards, objects=objects,
-            rank_objects=rank_objects,
+            shards=shards, objects=objects.tree(),
+            rank_objects=rank_objects.tree(),
             layout=topo, framework=framework, step=int(iteration))
 
     manifest = checkpointer(optimizer, cfg).save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
@@ -248,30 +244,30 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 o.state.pop(p, None)
 
     def read(r: core.CheckpointReader):
-        objects = r.objects()
+        objects = Objects.of(r.objects(), f"the objects of {r.dir}")
         saved_layout = r.manifest.layout.get("ranks", [])
         sharded_objects = {}
         for i in range(len(r.manifest.rank_objects)):
-            sharded_objects.update(r.objects(i).get("sharded_objects", {}))
+            sharded_objects.update(RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}").sharded_objects)
         sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
-        dist = load_optim and optimizer is not None and bool(S.distributed_optimizers(optimizer))
-        saved_dist = objects.get("distributed_optimizer") is not None
+        dist = load_optim and optimizer is not None and bool(distributed_optimizers(optimizer))
+        saved_dist = objects.distributed_optimizer is not None
         if load_optim and optimizer is not None and dist != saved_dist:
             raise ConfigError(
                 f"{r.dir} was saved {'with' if saved_dist else 'without'} the distributed optimizer "
                 f"and this job runs {'with' if dist else 'without'} it; their optimizer states are "
                 "laid out differently (not supported yet): match --use-distributed-optimizer, or "
                 "load the weights only with --no-load-optim")
-        dstaged = S.distopt_stage_load(optimizer, sd, r, objects["distributed_optimizer"]) if dist else None
+        dstaged = distopt_stage_load(optimizer, sd, r, objects.distributed_optimizer) if dist else None
         # an optimizer that had applied no update when saved has no moments in the checkpoint;
         # the state Megatron creates for loading is dropped again in apply()
-        fresh = load_optim and not dist and any(objects.get("optimizer_never_stepped") or [])
-        state, missing = S.stage_load(sd, r, objects["common"], sharded_objects, strict=strict,
+        fresh = load_optim and not dist and any(objects.optimizer_never_stepped)
+        state, missing = stage_load(sd, r, objects.common, sharded_objects, strict=strict,
                                       absent=("optimizer.state.",) if fresh else ())
         rng = None
         if load_rng:
             if is_same_layout(saved_layout, topology(), comm.world_size):
-                rng = r.objects(comm.rank).get("rng")
+                rng = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}").rng
             elif comm.rank == 0:
                 saved = layout_name(saved_layout[0]) if saved_layout else "?"
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
@@ -289,15 +285,13 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
             optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM
         if load_optim and optimizer is not None:
             if dstaged is not None:
-                S.distopt_apply(optimizer, dstaged, objects["distributed_optimizer"],
-                                objects.get("optimizer_never_stepped"))
+                distopt_apply(optimizer, dstaged, objects.distributed_optimizer, objects.optimizer_never_stepped)
             else:
-                never = objects.get("optimizer_never_stepped") or []
-                if any(never):     # exactly as saved: the first update creates the state
-                    S.drop_fresh_state(state["optimizer"], never)
+                if any(objects.optimizer_never_stepped):     # exactly as saved: the first update creates the state
+                    drop_fresh_state(state["optimizer"], objects.optimizer_never_stepped)
                 optimizer.load_state_dict(state["optimizer"])
-            if opt_param_scheduler is not None and objects.get("opt_param_scheduler") is not None:
-                load_scheduler(opt_param_scheduler, objects["opt_param_scheduler"])
+            if opt_param_scheduler is not None and objects.opt_param_scheduler is not None:
+                load_scheduler(opt_param_scheduler, objects.opt_param_scheduler)
         if rng is not None:
             set_rank_state(rng)
         if missing and comm.rank == 0:
@@ -307,7 +301,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
 
     ckpt_dir, manifest, objects = checkpointer(optimizer, cfg).load(comm, load_dir, tag, read, apply,
                                                                     how_to_load=_how_to_load, undo=undo)
-    iteration = 0 if finetune else int(objects["iteration"])
+    iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
     if load_optim and opt_param_scheduler is not None:
         done = recovery.recover(comm, ckpt_dir, manifest, Replay(comm, model, optimizer, opt_param_scheduler, objects),
@@ -320,10 +314,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     else:
         recovery.not_replayed(ckpt_dir, manifest.step, until, "the optimizer state (not with --no-load-optim / "
                                                                "--finetune)")
-    flops = 0 if finetune else objects.get("num_floating_point_operations_so_far", 0)
+    flops = 0 if finetune else objects.num_floating_point_operations_so_far
     if comm.rank == 0:
-        log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects["iteration"],
+        log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects.iteration,
                  time.perf_counter() - t0)
     if return_extra_state:
-        return iteration, flops, objects.get("extra_state") or {}
+        return iteration, flops, objects.extra_state
     return iteration, flops

@@ -30,13 +30,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import os
 import warnings
 import shutil
 import tempfile
 from typing import Callable, Optional
 
+import megatron.core
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from adacheck import checkpoint as core
 from adacheck import jsontree
@@ -45,6 +56,7 @@ from adacheck.exchange import SoloComm
 
 from adacheck.types import Box, torch_dtype
 
+from .saved import Objects, RankObjects
 from .parallel import json_args
 from .state import MASTER_PREFIX
 
@@ -55,7 +67,6 @@ _TOP_LEVEL = ("iteration", "opt_param_scheduler", "num_floating_point_operations
 
 def _solo_group():
     """dist_checkpointing needs a process group: a one-process gloo group if there is none."""
-    import torch.distributed as dist
     if not torch.cuda.is_available():   # dist_checkpointing synchronizes CUDA even offline
         from .cpu import enable_cpu
         enable_cpu()
@@ -70,7 +81,6 @@ def _solo_group():
 
 
 def _done(store):
-    import torch.distributed as dist
     if store is not None:
         dist.destroy_process_group()
         shutil.rmtree(store, ignore_errors=True)
@@ -90,14 +100,7 @@ def _streaming_strategy(load: Callable[[str], torch.Tensor]):
     The files are PyTorch DCP's, as megatron-core's own torch_dist strategy writes them (tensors
     under their sharded keys, sharded objects as pickled lists under their unique keys; one
     file per item), so megatron-core's loader reads them into any layout."""
-    import io
 
-    import torch.distributed.checkpoint as dcp
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import WriteItemType
 
     class Planner(DefaultSavePlanner):
         def resolve_data(self, item):
@@ -137,24 +140,22 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
                   progress: Optional[Callable[[int, int], None]] = None) -> str:
     """Convert AdaCheck checkpoint ``src`` to a torch_dist checkpoint ``<out_dir>/iter_NNNNNNN``
     (plus Megatron-LM's ``latest_checkpointed_iteration.txt``); returns that directory."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     r = core.CheckpointReader(core.resolve(src, tag), verify=verify, cache_bytes=32 << 20)   # streams
     _megatron(r)
-    objects = r.objects()
-    iteration = int(objects["iteration"])
+    objects = Objects.of(r.objects(), f"the objects of {r.dir}")
+    iteration = objects.iteration
     final = os.path.join(out_dir, f"iter_{iteration:07d}")
     if os.path.exists(final):
         raise ConfigError(f"{final} already exists; choose another output directory (nothing was written)")
-    distopt = objects.get("distributed_optimizer")
-    common = dict(objects["common"])
+    distopt = objects.distributed_optimizer
+    common = dict(objects.common)
     if distopt is not None:   # DistributedOptimizer, as its 'fully_reshardable' state dict
         opt = [dict(d, param_state_sharding_type="fully_reshardable") for d in distopt]
         common["optimizer"] = opt[0] if len(opt) == 1 else dict(enumerate(opt))
-    state = dict(common, iteration=iteration, opt_param_scheduler=objects.get("opt_param_scheduler"),
-                 num_floating_point_operations_so_far=objects.get("num_floating_point_operations_so_far", 0),
-                 args=argparse.Namespace(**objects.get("args", {})), checkpoint_version=3.0)
+    state = dict(common, iteration=iteration, opt_param_scheduler=objects.opt_param_scheduler,
+                 num_floating_point_operations_so_far=objects.num_floating_point_operations_so_far,
+                 args=argparse.Namespace(**objects.args), checkpoint_version=3.0)
     names = sorted(n for n, e in r.manifest.tensors.items() if e.kind in ("model", "master", "optim"))
     tensors, sources = {}, {}
     for n in names:
@@ -175,10 +176,9 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
         if progress:
             progress(done[0], len(names))
         return t
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
     objs = {}
     for i in range(len(r.manifest.rank_objects)):
-        objs.update(r.objects(i).get("sharded_objects", {}))
+        objs.update(RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}").sharded_objects)
     state["adacheck_objects"] = {uk: dataclasses.replace(ShardedObject.empty_from_unique_key(uk), data=v)
                                  for uk, v in sorted(objs.items())}
     tmp = final + ".tmp"
@@ -202,8 +202,6 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
     """Convert the torch_dist checkpoint directory ``src`` (``iter_NNNNNNN``, or a save dir
     with Megatron-LM's latest_checkpointed_iteration.txt) into an AdaCheck checkpoint under
     ``save_dir``; returns its manifest."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     tracker = os.path.join(src, "latest_checkpointed_iteration.txt")
     if os.path.isfile(tracker):
@@ -231,8 +229,6 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
             distopt = [{k: v for k, v in d.items() if k not in ("param_state_sharding_type", "param_state")}
                        for d in subs]
         sharded_objects, skipped = {}, []
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-        from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
         want = {v.unique_key: ShardedObject.empty_from_unique_key(v.unique_key)
                 for v in load_sharded_metadata(src).values()
                 # (RNG states are per rank and layout: not converted)
@@ -289,16 +285,15 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
         rest.pop("optimizer", None)
     args = common.get("args")
     iteration = int(common.get("iteration", 0))
-    objects = {"common": rest, "iteration": iteration,
-               "opt_param_scheduler": common.get("opt_param_scheduler"),
-               "num_floating_point_operations_so_far": float(common.get("num_floating_point_operations_so_far", 0)),
-               "args": json_args(args) if isinstance(args, argparse.Namespace) else {},
-               "extra_state": {}, "distributed_optimizer": distopt}
-    import megatron.core
+    objects = Objects(common=rest, iteration=iteration, opt_param_scheduler=common.get("opt_param_scheduler"),
+                      num_floating_point_operations_so_far=float(common.get("num_floating_point_operations_so_far", 0)),
+                      args=json_args(args) if isinstance(args, argparse.Namespace) else {},
+                      distributed_optimizer=distopt)
     framework = {"name": "megatron", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
                  "converted_from": os.path.abspath(src), "distributed_optimizer": distopt is not None,
                  "layout": {}, "names": {"model": "", "master": MASTER_PREFIX}}
-    state = core.LocalState(shards=shards, objects=objects, rank_objects={"sharded_objects": sharded_objects},
+    state = core.LocalState(shards=shards, objects=objects.tree(),
+                            rank_objects=RankObjects(sharded_objects=sharded_objects).tree(),
                             layout={}, framework=framework, step=iteration)
     try:   # the save reads each tensor from src when it hashes it and again when it writes it
         return core.save(SoloComm(), save_dir, f"iter_{iteration:07d}", lambda: state, fsync=fsync,

@@ -44,7 +44,8 @@ from adacheck.optimtap import OptimizerTap
 from adacheck.planner import place
 
 from . import hooks, parallel
-from . import state as S
+from .saved import StepScalars
+from .state import optimizer_parts
 from .checkpointing import ONLINE, online_of, save_checkpoint
 from .parallel import load_scheduler, rank_state, topology
 from .replay import DENSE_COORDS, EXPERT_COORDS, distributed, grad_scalers, kind_of, make_tap, preclip
@@ -70,7 +71,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
     same names and sizes (checked: a digest per kind).  An optimizer that is neither kind (its
     param groups not marked) is not split: each rank writes all of its gradients."""
     kinds = {}
-    for o in S.parts(optimizer):
+    for o in optimizer_parts(optimizer):
         kind = kind_of(o)
         for g in o.optimizer.param_groups:
             for p in g["params"]:
@@ -97,7 +98,7 @@ class OnlineMegatron:
         if not (config.save_dir or getattr(args, "save", None)):
             raise ConfigError("--adacheck-online needs --adacheck-dir or --save: deltas are written after "
                               "every iteration")
-        for o in S.parts(optimizer):
+        for o in optimizer_parts(optimizer):
             if getattr(getattr(o, "config", None), "use_precision_aware_optimizer", False):
                 raise ConfigError("--adacheck-online does not support --use-precision-aware-optimizer (nor "
                                   "--optimizer-cpu-offload, which needs it): that optimizer takes its gradients "
@@ -131,11 +132,11 @@ class OnlineMegatron:
             return
         self.iteration += 1
         self._ok = update_successful
-        scalars = {"iteration": self.iteration, "update_successful": bool(update_successful),
-                   "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                   "increment": self.increment if update_successful else 0,
-                   "grad_scalers": grad_scalers(optimizer)}
-        self.recorder.after_step(self.iteration, scalars)
+        scalars = StepScalars(iteration=self.iteration, update_successful=bool(update_successful),
+                              scheduler=self.scheduler.state_dict() if self.scheduler is not None else None,
+                              increment=self.increment if update_successful else 0,
+                              grad_scalers=grad_scalers(optimizer))
+        self.recorder.after_step(self.iteration, scalars.tree())
 
     def before_clip(self, params, max_norm, total_norm) -> None:
         """Megatron is about to clip these main gradients in place: record them as they are

@@ -13,7 +13,7 @@ from adacheck import jsontree
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 
-from . import state as S
+from .state import distributed_optimizers
 
 comm = default_comm      # torch.distributed's world when it is initialized, else a world of one
 
@@ -67,7 +67,7 @@ def sharded_state_dict(model: List, optimizer, is_loading: bool, with_optimizer:
         sd[chunk_key(i, len(model))] = unwrap(chunk).sharded_state_dict()
     if len(model) > 1:
         ps.set_virtual_pipeline_model_parallel_rank(0)
-    if with_optimizer and optimizer is not None and not S.distributed_optimizers(optimizer):
+    if with_optimizer and optimizer is not None and not distributed_optimizers(optimizer):
         model_sd = sd if len(model) > 1 else sd["model"]
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                        metadata=dict(OPTIMIZER_METADATA))

@@ -16,7 +16,9 @@ from adacheck import recovery
 from adacheck.errors import StateError
 from adacheck.optimtap import OptimizerTap, Shadow
 
-from . import state as S
+from .saved import Objects, RankObjects, StepScalars
+from .state import (distopt_read_shard, distributed_optimizers, init_empty_state, local_ranges, model_meta,
+                    optimizer_parts, param_ident, param_to_sharded)
 from .parallel import (COORDS, SIZES, is_same_layout, layout_name, load_scheduler, set_rank_state,
                        sharded_state_dict, topology)
 
@@ -25,7 +27,7 @@ log = logging.getLogger("adacheck")
 
 def distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    return any(isinstance(o, DistributedOptimizer) for o in S.parts(optimizer))
+    return any(isinstance(o, DistributedOptimizer) for o in optimizer_parts(optimizer))
 
 
 def kind_of(part) -> Optional[str]:
@@ -48,7 +50,7 @@ def make_tap(optimizer) -> OptimizerTap:
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     ep, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     old = f"tp{tp}.pp{pp}.ep{ep}."
-    parts = S.parts(optimizer)
+    parts = optimizer_parts(optimizer)
     if distributed(optimizer):
         return OptimizerTap([o.optimizer for o in parts], prefix=old + f"dp{ps.get_data_parallel_rank()}.")
     names = {"dense": f"tp{tp}.pp{pp}.", "expert": f"pp{pp}.ep{ep}.etp{etp}."}
@@ -67,23 +69,14 @@ def grad_scalers(optimizer) -> list:
     """fp16: each part's loss scale and its growth / hysteresis trackers after the step (a skipped
     step changes only these), to be set again after replay."""
     return [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) is not None else None
-            for o in S.parts(optimizer)]
+            for o in optimizer_parts(optimizer)]
 
 
 def set_grad_scalers(optimizer, saved) -> None:
-    for o, sd in zip(S.parts(optimizer), saved or []):
+    for o, sd in zip(optimizer_parts(optimizer), saved or []):
         if sd is not None and getattr(o, "grad_scaler", None) is not None:
             o.grad_scaler.load_state_dict(sd)
 
-
-def _optional(kind):
-    return lambda v: v is None or isinstance(v, kind)
-
-
-# the fields of a delta record that recover() restores (written by OnlineMegatron._post_step)
-EXPECT = {"iteration": (recovery.is_int, "an integer"), "increment": (recovery.is_int, "an integer"),
-          "scheduler": (_optional(dict), "the scheduler's state (an object) or null"),
-          "grad_scalers": (_optional(list), "a list of loss-scaler states or null")}
 
 DENSE_COORDS = ("tp_rank", "pp_rank", "cp_rank")
 EXPERT_COORDS = ("pp_rank", "ep_rank", "etp_rank")
@@ -95,7 +88,7 @@ def _refresh_model_params(optimizer) -> None:
     distributed optimizer's parameter all-gather)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import FP32Optimizer
-    for o in S.parts(optimizer):
+    for o in optimizer_parts(optimizer):
         if isinstance(o, FP32Optimizer):
             continue
         o._copy_main_params_to_model_params()
@@ -109,9 +102,9 @@ class Replay:
     saving layout; on another number of data-parallel ranks following a saving rank's record
     (every data-parallel rank ran the same, not distributed, optimizer); or with the
     distributed optimizer, rebuilding the saving ranks' shards (:meth:`_shards`)."""
-    expect = EXPECT
+    expect = StepScalars.expect()     # the fields of a delta record restore() uses
 
-    def __init__(self, comm, model, optimizer, opt_param_scheduler, objects: dict):
+    def __init__(self, comm, model, optimizer, opt_param_scheduler, objects: Objects):
         self.comm, self.model, self.optimizer, self.scheduler = comm, model, optimizer, opt_param_scheduler
         self.objects = objects        # the base's (loaded)
 
@@ -122,8 +115,9 @@ class Replay:
         if is_same_layout(saved, topo, self.comm.world_size):
             return recovery.ReplayPlan(True)
         only_dp = bool(saved) and all(saved[0].get(k) == topo[k] for k in SIZES if k != "dp")
-        maps = [(ro or {}).get("partitions") for ro in manifest.rank_objects]
-        if self.objects.get("distributed_optimizer") is None and not S.distributed_optimizers(self.optimizer):
+        maps = [RankObjects.of(ro, f"rank {r}'s objects of the base").partitions if ro else None
+                for r, ro in enumerate(manifest.rank_objects)]
+        if self.objects.distributed_optimizer is None and not distributed_optimizers(self.optimizer):
             # every data-parallel rank ran the same optimizer on the same gradients
             follow = recovery.follow_rank(saved, topo, COORDS) if only_dp else None
             if follow is not None:
@@ -134,7 +128,7 @@ class Replay:
             # distributed optimizer on another data-parallel size: shards rebuilt from the base
             # (with expert parallelism: from bases that say which shards are experts' and, with
             # expert tensor parallelism, each saving rank's expert-TP rank)
-            return recovery.ReplayPlan(False, partitions=lambda: self._shards(manifest))
+            return recovery.ReplayPlan(False, partitions=lambda: self._shards(manifest, maps))
         return recovery.ReplayPlan(False, refused=(
             f"they were recorded in another layout ({layout_name(saved[0]) if saved else '?'} on {world} ranks) and "
             "replay only in it or on another number of data-parallel ranks (with the distributed optimizer: from "
@@ -149,33 +143,34 @@ class Replay:
 
     def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
         _refresh_model_params(self.optimizer)
-        set_grad_scalers(self.optimizer, last.get("grad_scalers"))
-        if self.scheduler is not None and last.get("scheduler") is not None:
-            load_scheduler(self.scheduler, last["scheduler"])
-            if last["increment"]:
-                self.scheduler.step(increment=last["increment"])
+        scalars = StepScalars.of(last, "the last delta record")
+        set_grad_scalers(self.optimizer, scalars.grad_scalers)
+        if self.scheduler is not None and scalars.scheduler is not None:
+            load_scheduler(self.scheduler, scalars.scheduler)
+            if scalars.increment:
+                self.scheduler.step(increment=scalars.increment)
         if plan.same_layout:   # (as the base load: RNG states belong to the saving layout)
             set_rank_state(last["rank_state"])
 
-    def _shards(self, manifest) -> recovery.Partitions:
+    def _shards(self, manifest, maps: list) -> recovery.Partitions:
         """The distributed optimizer's shards of the saving ranks that held the same replicas as
         this rank, rebuilt from the base: main weights and optimizer state."""
         model, optimizer = self.model, self.optimizer
         topo = topology()
         saved = manifest.layout.get("ranks", [])
-        subs = S.distributed_optimizers(optimizer)
-        by_param = S.param_to_sharded(sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=False))
-        metas = {S.param_ident(m): m for m in by_param.values()}
-        held = [(recovery.Span((oi, S.param_ident(S.model_meta(by_param, model_param))), a, b - a, 0),
-                 (oi, model_param)) for oi, opt in enumerate(subs) for model_param, a, b in S.local_ranges(opt)]
+        subs = distributed_optimizers(optimizer)
+        by_param = param_to_sharded(sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=False))
+        metas = {param_ident(m): m for m in by_param.values()}
+        held = [(recovery.Span((oi, param_ident(model_meta(by_param, model_param))), a, b - a, 0),
+                 (oi, model_param)) for oi, opt in enumerate(subs) for model_param, a, b in local_ranges(opt)]
         # the saving ranks that held the same replicas: for dense parameters those at this rank's
         # tensor / pipeline / context-parallel ranks (over every expert-parallel rank: the dense
         # data-parallel group spans them), for expert-parallel ones those at its pipeline,
         # expert-parallel and expert-tensor-parallel ranks (the expert grid is laid out apart from
         # the dense one: a rank's tensor- and expert-tensor-parallel ranks may differ)
         saving = {}
-        for r, ro in enumerate(manifest.rank_objects):
-            got = {k: [_shard_span(v)] for k, v in ro["partitions"].items()
+        for r, partitions in enumerate(maps):
+            got = {k: [_shard_span(v)] for k, v in partitions.items()
                    if recovery.same_coords(saved[r], topo, EXPERT_COORDS if v.get("expert") else DENSE_COORDS)}
             if got:
                 saving[r] = got
@@ -188,14 +183,14 @@ class Replay:
         device = next(p for g in optimizer.param_groups for p in g["params"]).device
 
         def rebuild(reader, r: int) -> Shadow:
-            never = reader.objects().get("optimizer_never_stepped") or []
+            never = Objects.of(reader.objects(), f"the objects of {reader.dir}").optimizer_never_stepped
             tensors, state = {}, [defaultdict(dict) for _ in subs]
             for k, (sp,) in saving[r].items():
                 oi, name = sp.name
                 if name not in metas:
                     raise StateError(f"saving rank {r}'s optimizer shard of {name} is not a parameter of this model")
                 fresh = never[oi] if oi < len(never) else False
-                got = S.distopt_read_shard(reader, metas[name], sp.start, sp.start + sp.numel,
+                got = distopt_read_shard(reader, metas[name], sp.start, sp.start + sp.numel,
                                            ["param"] + ([] if fresh else names[oi]))
                 tensors[k] = got.pop("param").to(device)
                 if got:
@@ -209,7 +204,7 @@ class Replay:
             st = shadow.state[oi].get(t, {})
             live = subs[oi]._get_main_param_and_optimizer_states(model_param)
             if st and "exp_avg" not in live:      # the base had applied no update yet
-                S.init_empty_state([subs[oi]])
+                init_empty_state([subs[oi]])
                 live = subs[oi]._get_main_param_and_optimizer_states(model_param)
             for x in live:
                 value = t if x == "param" else st.get(x)
@@ -222,7 +217,7 @@ class Replay:
 
 
 def _shard_span(v: dict) -> recovery.Span:
-    """A saved shard (``S.distopt_partition_map``: one range of one parameter), named by its
+    """A saved shard (``state.distopt_partition_map``: one range of one parameter), named by its
     optimizer and parameter."""
     (name, start, numel, offset), = v["pieces"]
     return recovery.Span((int(v["optimizer"]), name), start, numel, offset)

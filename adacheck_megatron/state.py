@@ -200,7 +200,7 @@ def reconcile_common(saved: dict, target: dict) -> dict:
     return out
 
 
-def parts(optimizer) -> list:
+def optimizer_parts(optimizer) -> list:
     """The Megatron optimizers a (possibly chained) Megatron optimizer steps, in order."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
@@ -212,7 +212,7 @@ def _fresh(torch_optimizer) -> bool:
 
 def never_stepped(optimizer) -> List[bool]:
     """Per torch optimizer inside a Megatron optimizer: it has no state yet."""
-    return [_fresh(o.optimizer) for o in parts(optimizer) if getattr(o, "optimizer", None) is not None]
+    return [_fresh(o.optimizer) for o in optimizer_parts(optimizer) if getattr(o, "optimizer", None) is not None]
 
 
 def drop_fresh_state(state_dict, never: List[bool]) -> None:

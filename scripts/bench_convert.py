@@ -90,7 +90,7 @@ def worker(a) -> None:
 def megatron_worker(a) -> None:
     """One megatron-core training process: two iterations, then an AdaCheck and a native save."""
     import torch
-    import pretrain_gpt as P
+    import pretrain_gpt
     import adacheck_megatron
     from adacheck.config import AdaCheckConfig
     from adacheck_megatron.cpu import enable_cpu
@@ -99,19 +99,19 @@ def megatron_worker(a) -> None:
     torch.distributed.init_process_group("gloo")
     rows = []
     for hidden in a.megatron_hidden:
-        args = P.parse_args(argv=[
+        args = pretrain_gpt.parse_args(argv=[
             "--num-layers", str(a.megatron_layers), "--hidden-size", str(hidden), "--num-attention-heads", "8",
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
             "--global-batch-size", "1", "--vocab-size", str(a.vocab), "--lr", "1e-3", "--train-iters", "10",
             "--bf16"])
-        P.initialize_parallel(args)
-        model, config = P.build_model(args)
-        optimizer, scheduler = P.build_optimizer(args, model, config)
+        pretrain_gpt.initialize_parallel(args)
+        model, config = pretrain_gpt.build_model(args)
+        optimizer, scheduler = pretrain_gpt.build_optimizer(args, model, config)
         for it in (1, 2):
-            P.train_step(args, it, model, optimizer, scheduler)
+            pretrain_gpt.train_step(args, it, model, optimizer, scheduler)
         work = os.path.join(a.work, f"megatron-h{hidden}")
         args.adacheck, args.save = False, os.path.join(work, "native")
-        P.save_checkpoint(2, model, optimizer, scheduler, args)
+        pretrain_gpt.save_checkpoint(2, model, optimizer, scheduler, args)
         adacheck_megatron.save_checkpoint(2, model, optimizer, scheduler, args=args, config=AdaCheckConfig.from_dict(
             {"enabled": True, "reference_previous": False, "save_dir": os.path.join(work, "adacheck")}))
         rows.append({"hidden": hidden, "params": sum(p.numel() for m in model for p in m.parameters()),

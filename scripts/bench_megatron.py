@@ -70,7 +70,7 @@ def unique_bytes(model) -> int:
 
 def worker(a) -> None:
     import torch
-    import pretrain_gpt as P
+    import pretrain_gpt
     from megatron.core import parallel_state
     from adacheck.config import AdaCheckConfig
     import adacheck_megatron
@@ -99,12 +99,12 @@ def worker(a) -> None:
                 "--train-iters", "10"] + [f for f in flags if f != "--fp32"]
         if "--fp32" not in flags:
             argv.append("--bf16")
-        args = P.parse_args(argv=argv)
-        P.initialize_parallel(args)
-        model, config = P.build_model(args)
-        optimizer, scheduler = P.build_optimizer(args, model, config)
+        args = pretrain_gpt.parse_args(argv=argv)
+        pretrain_gpt.initialize_parallel(args)
+        model, config = pretrain_gpt.build_model(args)
+        optimizer, scheduler = pretrain_gpt.build_optimizer(args, model, config)
         for it in (1, 2):
-            P.train_step(args, it, model, optimizer, scheduler)
+            pretrain_gpt.train_step(args, it, model, optimizer, scheduler)
         unique = unique_bytes(model)
         nparams = unique // 12
         work = os.path.join(a.work, name)
@@ -114,11 +114,11 @@ def worker(a) -> None:
 
         def native_save(i):
             args.adacheck, args.save = False, os.path.join(work, f"native{i}")
-            P.save_checkpoint(2, model, optimizer, scheduler, args)
+            pretrain_gpt.save_checkpoint(2, model, optimizer, scheduler, args)
 
         def native_load(i):
             args.adacheck, args.load = False, os.path.join(work, f"native{i}")
-            P.load_checkpoint(model, optimizer, scheduler, args)
+            pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
 
         def ada_save(i, c, suffix=""):
             adacheck_megatron.save_checkpoint(2, model, optimizer, scheduler, args=args,

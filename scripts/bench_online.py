@@ -57,7 +57,7 @@ def worker(a) -> None:
     import torch
 
     import adacheck_ds
-    from adacheck import deltas as D
+    from adacheck import deltas
     from demo_train import TinyLM
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -130,10 +130,10 @@ def worker(a) -> None:
             native = os.path.join(work, "native")
             adacheck_ds.save_native(on, native, tag="n")
             base_dir = os.path.join(ck, "global_step1")
-            steps, _ = D.committed_steps(base_dir, 1, dist.get_world_size())
+            steps, _ = deltas.committed_steps(base_dir, 1, dist.get_world_size())
             total_steps = 2 + a.blocks * a.steps
             assert [s.step for s in steps] == list(range(2, total_steps + 1)), [s.step for s in steps]
-            elems = D.stored_elements(steps)
+            elems = deltas.stored_elements(steps)
             delta_bytes = statistics.mean(s.bytes for s in steps)
             manifest = on.adacheck.last_manifest
             rec_engine = engine_for(stage, dtype, {"enabled": True})

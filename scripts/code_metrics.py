@@ -25,24 +25,31 @@ PACKAGES = ("adacheck", "adacheck_ds", "adacheck_megatron")
 
 
 def modules():
-    """module name -> (path, parsed tree) for every module of the packages."""
+    """module name -> (path, parsed tree) for every module of the packages and their subpackages."""
     out = {}
     for pkg in PACKAGES:
-        for name in sorted(os.listdir(os.path.join(ROOT, pkg))):
-            if name.endswith(".py"):
-                path = os.path.join(ROOT, pkg, name)
-                mod = pkg if name == "__init__.py" else f"{pkg}.{name[:-3]}"
-                with open(path, encoding="utf-8") as f:
-                    out[mod] = (path, ast.parse(f.read(), path))
+        top = os.path.join(ROOT, pkg)
+        for folder, dirs, files in os.walk(top):
+            dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+            prefix = ".".join([pkg] + os.path.relpath(folder, top).split(os.sep)[1 if folder == top else 0:])
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    mod = prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"
+                    with open(path, encoding="utf-8") as f:
+                        out[mod] = (path, ast.parse(f.read(), path))
     return out
+
+
+def _is_package(mod: str) -> bool:
+    return os.path.isfile(os.path.join(ROOT, *mod.split("."), "__init__.py"))
 
 
 def _resolve(mod: str, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     base = mod.split(".")
-    is_pkg = mod in PACKAGES
-    parent = base if is_pkg else base[:-1]
+    parent = base if _is_package(mod) else base[:-1]
     parent = parent[: len(parent) - (node.level - 1)]
     return ".".join(parent + ([node.module] if node.module else []))
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import torch  # noqa: E402
 
-import pretrain_gpt as P  # noqa: E402
+import pretrain_gpt  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -41,10 +41,10 @@ def last_stage_value(v):
 
 def run_one(run, out):
     argv = BASE + list(run["argv"])
-    args = P.parse_args(argv=argv)
-    P.initialize_parallel(args)
-    model, config = P.build_model(args)
-    optimizer, scheduler = P.build_optimizer(args, model, config)
+    args = pretrain_gpt.parse_args(argv=argv)
+    pretrain_gpt.initialize_parallel(args)
+    model, config = pretrain_gpt.build_model(args)
+    optimizer, scheduler = pretrain_gpt.build_optimizer(args, model, config)
     iteration = 0
     res = {"losses": [], "loaded": [], "errors": []}
 
@@ -56,7 +56,7 @@ def run_one(run, out):
             # iteration dump PREFIX<iteration> (and touch MARKER<iteration>-rank<r>)
             for _ in range(rest[0] - iteration if kind == "train_to" else rest[0]):
                 iteration += 1
-                loss, _, _, ok = P.train_step(args, iteration, model, optimizer, scheduler)
+                loss, _, _, ok = pretrain_gpt.train_step(args, iteration, model, optimizer, scheduler)
                 res["losses"].append(last_stage_value(loss))
                 if not ok:
                     res.setdefault("skipped", []).append(iteration)
@@ -79,7 +79,7 @@ def run_one(run, out):
             prefix = (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}."
                       f"ep{ps.get_expert_model_parallel_rank()}.")
             saved = online.make_tap, online._replica_share
-            online.make_tap = lambda opt: OptimizerTap([o.optimizer for o in state.parts(opt)], prefix=prefix)
+            online.make_tap = lambda opt: OptimizerTap([o.optimizer for o in state.optimizer_parts(opt)], prefix=prefix)
             online._replica_share = lambda tap, opt, comm: set(tap.tensors)
             try:
                 online.attach(model, optimizer, scheduler, args, args.adacheck_config)
@@ -127,19 +127,19 @@ def run_one(run, out):
                         p.add_(torch.randn_like(p))
         elif kind == "save":
             args.adacheck, args.save = True, rest[0]
-            P.save_checkpoint(iteration, model, optimizer, scheduler, args)
+            pretrain_gpt.save_checkpoint(iteration, model, optimizer, scheduler, args)
         elif kind == "load":
             args.adacheck, args.load = True, rest[0]
-            iteration = P.load_checkpoint(model, optimizer, scheduler, args)
+            iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
         elif kind == "save_native":
             args.adacheck, args.save = False, rest[0]
-            P.save_checkpoint(iteration, model, optimizer, scheduler, args)
+            pretrain_gpt.save_checkpoint(iteration, model, optimizer, scheduler, args)
         elif kind == "load_native":   # [DIR, {"no_load_rng": true, ...}]
             args.adacheck, args.load = False, rest[0]
             for k, v in (rest[1] if len(rest) > 1 else {}).items():
                 setattr(args, k, v)
-            iteration = P.load_checkpoint(model, optimizer, scheduler, args)
+            iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
         elif kind == "expect_error":
             try:

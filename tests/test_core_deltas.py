@@ -6,12 +6,12 @@ import threading
 import pytest
 import torch
 
-from adacheck import deltas as D
+from adacheck import deltas
 from adacheck.errors import FormatError, IntegrityError, StateError
 
 
 def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
-    logs = [D.DeltaLog(ckpt, r, nonce, fsync=False, **kw) for r in range(world)]
+    logs = [deltas.DeltaLog(ckpt, r, nonce, fsync=False, **kw) for r in range(world)]
     for s in steps:
         for r, lg in enumerate(logs):
             lg.begin(s)
@@ -26,30 +26,30 @@ def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
 def test_committed_steps_stop_at_the_first_incomplete_or_missing_step(tmp_path):
     ck = str(tmp_path)
     write_steps(ck, [2, 3, 4, 5, 7])
-    steps, why = D.committed_steps(ck, 1, 2)
+    steps, why = deltas.committed_steps(ck, 1, 2)
     assert [s.step for s in steps] == [2, 3, 4, 5] and why == "step 6 was never written"
-    os.remove(os.path.join(D.step_dir(ck, 4), "rank1.json"))
-    steps, why = D.committed_steps(ck, 1, 2)
+    os.remove(os.path.join(deltas.step_dir(ck, 4), "rank1.json"))
+    steps, why = deltas.committed_steps(ck, 1, 2)
     assert [s.step for s in steps] == [2, 3] and "step 4 is incomplete (rank 1" in why
-    with open(os.path.join(D.step_dir(ck, 3), "rank0.json"), "w") as f:
+    with open(os.path.join(deltas.step_dir(ck, 3), "rank0.json"), "w") as f:
         f.write('{"version": 1, "step": 3, "tens')    # a damaged record (records appear by rename, whole)
     with pytest.raises(FormatError, match=r"rank0.json: not valid JSON.*damaged at step 3: to recover step 2"):
-        D.committed_steps(ck, 1, 2)
-    steps, why = D.committed_steps(ck, 1, 2, strict=False)
+        deltas.committed_steps(ck, 1, 2)
+    steps, why = deltas.committed_steps(ck, 1, 2, strict=False)
     assert [s.step for s in steps] == [2] and why.startswith("step 3 is damaged: ")
-    assert D.remove_steps_after(ck, 2) == [3, 4, 5, 7] and D.step_dirs(ck) == [2]
+    assert deltas.remove_steps_after(ck, 2) == [3, 4, 5, 7] and deltas.step_dirs(ck) == [2]
 
 
 def test_records_of_two_runs_never_combine(tmp_path):
     ck = str(tmp_path)
     write_steps(ck, [2, 3])
-    os.remove(os.path.join(D.step_dir(ck, 3), "rank1.json"))
+    os.remove(os.path.join(deltas.step_dir(ck, 3), "rank1.json"))
     write_steps(ck, [3], world=1, nonce="other")    # only rank 0 of a later run wrote step 3
-    lg = D.DeltaLog(ck, 1, "n1", fsync=False)       # rank 1 of the old run, late
+    lg = deltas.DeltaLog(ck, 1, "n1", fsync=False)       # rank 1 of the old run, late
     lg.begin(3)
     lg.submit(3, {})
     lg.close()
-    steps, why = D.committed_steps(ck, 1, 2)
+    steps, why = deltas.committed_steps(ck, 1, 2)
     assert [s.step for s in steps] == [2] and "mixes records of different runs" in why
 
 
@@ -60,14 +60,14 @@ def test_narrowest_exact_dtype_and_round_trip(tmp_path):
     inexact[5] += 1e-6
     half = torch.randn(8).half()
     write_steps(ck, [1], world=1, grads={"e": exact, "i": inexact, "h": half})
-    (st,), _ = D.committed_steps(ck, 0, 1)
+    (st,), _ = deltas.committed_steps(ck, 0, 1)
     meta = st.records[0]["tensors"]
     assert (meta["e"]["stored"], meta["i"]["stored"], meta["h"]["stored"]) == ("bfloat16", "float32", "float16")
     for k, t in (("e", exact), ("i", inexact), ("h", half)):
-        got = D.read_grad(ck, st, k, 0)
+        got = deltas.read_grad(ck, st, k, 0)
         assert got.dtype == t.dtype and torch.equal(got, t)
     assert not st.lossy
-    info = D.summary(ck, 0, 1)      # what `adacheck inspect` shows
+    info = deltas.summary(ck, 0, 1)      # what `adacheck inspect` shows
     assert info["stored_elements"] == {"bfloat16": 64, "float32": 64, "float16": 8}
     assert info["bf16_share"] == 64 / 136
 
@@ -76,31 +76,31 @@ def test_compact_is_lossy_and_says_by_how_much(tmp_path):
     ck = str(tmp_path)
     g = torch.randn(100)
     write_steps(ck, [1], world=1, grads={"g": g}, compact=True)
-    (st,), _ = D.committed_steps(ck, 0, 1)
-    got = D.read_grad(ck, st, "g", 0)
+    (st,), _ = deltas.committed_steps(ck, 0, 1)
+    got = deltas.read_grad(ck, st, "g", 0)
     err = (got - g).abs().max().item()
     assert st.lossy and err > 0 and st.max_abs_error() == pytest.approx(err)
-    assert D.summary(ck, 0, 1)["lossy"]
+    assert deltas.summary(ck, 0, 1)["lossy"]
 
 
 def test_a_corrupted_gradient_is_refused(tmp_path):
     ck = str(tmp_path)
     write_steps(ck, [1], world=1, grads={"g": torch.randn(1000)})
-    path = os.path.join(D.step_dir(ck, 1), "rank0.safetensors")
+    path = os.path.join(deltas.step_dir(ck, 1), "rank0.safetensors")
     data = bytearray(open(path, "rb").read())
     data[-3] ^= 0x10
     open(path, "wb").write(bytes(data))
-    (st,), _ = D.committed_steps(ck, 0, 1)
+    (st,), _ = deltas.committed_steps(ck, 0, 1)
     # the error says what can still be recovered, and how
     with pytest.raises(IntegrityError, match=r"does not match its recorded hash \(corrupted, or not what the record says it is\); to recover "
                                              r"step 0 instead, remove .*0000000001 and the step directories"):
-        D.read_grad(ck, st, "g", 0)
+        deltas.read_grad(ck, st, "g", 0)
 
 
 def test_staging_is_bounded_by_queue_depth(tmp_path):
     """With queue_depth=1 the second step waits until the writer has finished the first."""
     ck = str(tmp_path)
-    lg = D.DeltaLog(ck, 0, "n", fsync=False, queue_depth=1)
+    lg = deltas.DeltaLog(ck, 0, "n", fsync=False, queue_depth=1)
     gate = threading.Event()
     orig = lg._write
 
@@ -126,14 +126,14 @@ def test_staging_is_bounded_by_queue_depth(tmp_path):
     lg.add("g", torch.ones(4))
     lg.submit(2, {})
     lg.close()
-    assert [s.step for s in D.committed_steps(ck, 0, 1)[0]] == [1, 2]
+    assert [s.step for s in deltas.committed_steps(ck, 0, 1)[0]] == [1, 2]
 
 
 def test_write_error_disables_or_raises(tmp_path):
     blocker = tmp_path / "ck"
     blocker.write_text("a file where the checkpoint directory should be")
     for on_error in ("disable", "raise"):
-        lg = D.DeltaLog(str(blocker), 0, "n", fsync=False, on_error=on_error)
+        lg = deltas.DeltaLog(str(blocker), 0, "n", fsync=False, on_error=on_error)
         lg.begin(1)
         lg.add("g", torch.ones(4))
         lg.submit(1, {})
@@ -160,7 +160,7 @@ def test_write_error_disables_or_raises(tmp_path):
     (1000, 1.0, 0, 0.0, 100000),     # free deltas: capped
 ])
 def test_auto_base_rule(base_bytes, base_s, delta_bytes, replay_s, want):
-    n = D.auto_interval(base_bytes, base_s, delta_bytes, replay_s)
+    n = deltas.auto_interval(base_bytes, base_s, delta_bytes, replay_s)
     assert n == want
     if want < 100000:    # n deltas stay within a base's bytes and time, n + 1 would not (unless n = 1)
         assert n == 1 or (n * delta_bytes <= base_bytes and n * replay_s <= base_s)
@@ -216,7 +216,7 @@ def test_the_shadow_of_a_compact_chain_is_the_state_replay_reaches():
         opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
         opt.step()
         calls = tap.take_calls()
-        stored = {k: D.compact_form(g).float() for k, g in grads.items()}
+        stored = {k: deltas.compact_form(g).float() for k, g in grads.items()}
         before = ([t.clone() for t in tap.tensors.values()],
                   {id(p): {n: v.clone() for n, v in s.items()} for p, s in opt.state.items()},
                   dict(opt.param_groups[0], params=None))
@@ -300,7 +300,7 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
     CUDA event, not read the buffer early (it held the previous step's values, or nothing).
     The file holds exactly the gradient, at every step; the training stream is never
     synchronized by the staging (the step returns before the kernel ends)."""
-    lg = D.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
+    lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
     try:
         for step in (1, 2, 3):
             torch.cuda._sleep(int(2e8))                     # ~0.1-0.2 s of GPU time ahead of the gradient
@@ -312,8 +312,8 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
         lg.flush()
     finally:
         lg.close()
-    steps, _ = D.committed_steps(str(tmp_path), 0, 1)
+    steps, _ = deltas.committed_steps(str(tmp_path), 0, 1)
     for st in steps:
-        got = D.read_grad(str(tmp_path), st, "w", 0)
+        got = deltas.read_grad(str(tmp_path), st, "w", 0)
         assert torch.equal(got, torch.full((1 << 22,), 3.0 * st.step)), st.step
-        assert D.read_extra(str(tmp_path), st, 0)["step"] == st.step
+        assert deltas.read_extra(str(tmp_path), st, 0)["step"] == st.step

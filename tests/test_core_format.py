@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adacheck import deltas as D
+from adacheck import deltas
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import (CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
                                  resolve, save)
@@ -410,7 +410,7 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
     sizes that would misalign a view keep separate buffers."""
     from adacheck.writer import data_alignment, write_safetensors
     g = torch.Generator().manual_seed(1)
-    lg = D.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=1)
+    lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=1)
     shapes = {"w1": (300, 1000), "b1": (1000,), "w0": (1000, 300), "s": ()}
     try:
         for step in (1, 2, 3, 4):
@@ -424,7 +424,7 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
             lg.submit(step, {"step": step}, {"rng": torch.arange(5)})
             lg.flush()
             copied = lg._file_writer.copied - copied
-            path = os.path.join(D.step_dir(str(tmp_path), step), "rank0.safetensors")
+            path = os.path.join(deltas.step_dir(str(tmp_path), step), "rank0.safetensors")
             stored = {f"grad/{k}": v for k, v in grads.items()}
             stored["rng"] = torch.arange(5)
             ref = str(tmp_path / f"ref{step}")
@@ -442,9 +442,9 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
     assert [k for k, _, _ in slot.layout] == ["b1", "s", "w0", "w1"] and slot.layout[0][2] == (999,)
     start = slot.buffers["b1"].data_ptr()
     assert start % 4096 == 0 and slot.buffers["w1"].data_ptr() == start + 4 * (999 + 1 + 300_000)
-    mixed = D._Slot(buffers={"a": torch.zeros(1, dtype=torch.int8), "b": torch.zeros(3)}, keys=["a", "b"])
+    mixed = deltas._Slot(buffers={"a": torch.zeros(1, dtype=torch.int8), "b": torch.zeros(3)}, keys=["a", "b"])
     before = dict(mixed.buffers)
-    D._arrange(mixed)                   # b would start at byte 1
+    deltas._arrange(mixed)                   # b would start at byte 1
     assert mixed.layout == () and all(mixed.buffers[k] is v for k, v in before.items())
 
 
@@ -457,3 +457,30 @@ def _fs_type(path) -> str:
             if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
                 best = (mnt, kind)
     return best[1]
+
+
+def test_typed_records_name_the_field_that_is_wrong():
+    """An integration's objects (adacheck.records) as JSON trees written by hand: a field of the
+    wrong kind is a FormatError naming it, a field with a default may be absent (an older
+    writer), a key the record does not declare is ignored (a newer one)."""
+    from dataclasses import dataclass
+    from typing import Optional
+
+    from adacheck.records import Record, entry, is_int, optional
+
+    @dataclass
+    class Saved(Record):
+        iteration: int = entry(is_int, "an integer")
+        scheduler: Optional[dict] = entry(optional(dict), "an object or null", default=None)
+
+    assert Saved.of({"iteration": 3, "newer": 1}, "x") == Saved(3, None)
+    assert json.loads(json.dumps(Saved(4, {"lr": 0.1}).tree())) == {"iteration": 4, "scheduler": {"lr": 0.1}}
+    for tree, field in (({"iteration": True}, "iteration"), ({}, "iteration"),
+                        ({"iteration": 1, "scheduler": [1]}, "scheduler")):
+        with pytest.raises(FormatError, match=f"ckpt/x: {field} is .*expected"):
+            Saved.of(tree, "ckpt/x")
+    with pytest.raises(FormatError, match="expected an object"):
+        Saved.of([1], "ckpt/x")
+    # the record's checks, as the online replay checks every delta record before applying one
+    expect = Saved.expect()
+    assert expect["iteration"][0](2) and not expect["iteration"][0](None) and expect["scheduler"][0](None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adacheck import commit
-from adacheck import deltas as D
+from adacheck import deltas
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, find_intact, save, verify_part
 from adacheck.errors import FormatError, IntegrityError
@@ -109,7 +109,7 @@ def test_damage_on_an_object_store_is_found_and_the_intact_one_named(memory):
 
 def test_delta_log_on_an_object_store(memory):
     store, ckpt = memory, "memory://ckpts/job/s1"
-    lg = D.DeltaLog(ckpt, 0, "n", fsync=False, store=store)
+    lg = deltas.DeltaLog(ckpt, 0, "n", fsync=False, store=store)
     try:
         for step in (2, 3):
             lg.begin(step)
@@ -118,11 +118,11 @@ def test_delta_log_on_an_object_store(memory):
         lg.flush()
     finally:
         lg.close()
-    steps, why = D.committed_steps(ckpt, 1, 1, store=store)
+    steps, why = deltas.committed_steps(ckpt, 1, 1, store=store)
     assert [s.step for s in steps] == [2, 3] and why == "end of the log"
-    assert torch.equal(D.read_grad(ckpt, steps[1], "g", 0), torch.full((5,), 3.0))
-    assert D.read_extra(ckpt, steps[0], 0)["step"] == 2
-    assert D.remove_steps_after(ckpt, 2, store) == [3] and D.step_dirs(ckpt, store) == [2]
+    assert torch.equal(deltas.read_grad(ckpt, steps[1], "g", 0), torch.full((5,), 3.0))
+    assert deltas.read_extra(ckpt, steps[0], 0)["step"] == 2
+    assert deltas.remove_steps_after(ckpt, 2, store) == [3] and deltas.step_dirs(ckpt, store) == [2]
 
 
 def test_open_storage_picks_the_backend_and_refuses_options_for_local_paths(tmp_path):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from launch import check, kill_at_marker, launch
 from test_ds_integration import LAYOUTS, assert_same, results
 
-from adacheck import deltas as D
+from adacheck import deltas
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -50,9 +50,9 @@ def test_recovery_replays_deltas_bit_exactly_for_every_stage_and_dtype(tmp_path)
         assert sorted(t for t in os.listdir(ck) if t != "latest") == ["global_step1", "global_step4",
                                                                         "global_step7"]
         assert open(f"{ck}/latest").read().strip() == "global_step7"
-        assert D.step_dirs(f"{ck}/global_step1") == [2, 3]
-        assert D.step_dirs(f"{ck}/global_step7") == [8]
-        steps, why = D.committed_steps(f"{ck}/global_step4", 4, 2)
+        assert deltas.step_dirs(f"{ck}/global_step1") == [2, 3]
+        assert deltas.step_dirs(f"{ck}/global_step7") == [8]
+        steps, why = deltas.committed_steps(f"{ck}/global_step4", 4, 2)
         assert [s.step for s in steps] == [5, 6] and why == "end of the log", why
         rec0 = steps[0].records
         if stage == 0:   # gradients replicated over DP are stored once: the two ranks split them
@@ -90,13 +90,13 @@ def test_bf16_gradients_stay_exact_when_clipping_scales_them(tmp_path):
         assert res[2 * i + 1]["steps"][0] == 5, stage
         assert_same(dump(d, f"A{stage}_5"), dump(d, f"B{stage}"))
         ck = f"{d}/ck{stage}"
-        steps = D.committed_steps(f"{ck}/global_step1", 1, 2)[0] + D.committed_steps(f"{ck}/global_step4", 4, 2)[0]
+        steps = deltas.committed_steps(f"{ck}/global_step1", 1, 2)[0] + deltas.committed_steps(f"{ck}/global_step4", 4, 2)[0]
         assert [s.step for s in steps] == [2, 3, 5], stage
         for st in steps:
             stored = {m["stored"] for r in st.records.values() for m in r["tensors"].values()}
             assert stored == {"bfloat16"}, (stage, st.step, stored)
             for r in (0, 1):
-                pre = D.read_extra(f"{ck}/global_step{st.step - (st.step - 1) % 3}", st, r)["preclip"]
+                pre = deltas.read_extra(f"{ck}/global_step{st.step - (st.step - 1) % 3}", st, r)["preclip"]
                 assert pre and all(float(a["norm"]) > 1e-3 and a["clip"] == 1e-3 for a in pre.values()), \
                     (stage, st.step)   # it clipped
 
@@ -188,7 +188,7 @@ def test_zero_offload_and_gradient_accumulation_replay_exactly(tmp_path):
     assert_same(o4, dump(d, "N"), [k for k in o4 if k.startswith(("model/", "master/", "optim/"))])
     assert "recorded by ZeRO-2/zero12 with deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam" in out[0][1]
     assert "engine with torch.optim.adamw.AdamW" in out[0][1] and "The deltas are kept" in out[0][1]
-    assert D.step_dirs(f"{d}/other/global_step4") == [5, 6]
+    assert deltas.step_dirs(f"{d}/other/global_step4") == [5, 6]
     assert os.path.isdir(f"{d}/other/global_step5")     # its next step took a base instead
 
 
@@ -221,7 +221,7 @@ def test_deltas_replay_on_another_number_of_ranks(tmp_path):
         assert res[i]["steps"][0] == 6, (s, t)
         assert_same(dump(d, f"A{s}{t}_6"), dump(f"{d}/one", f"B{s}{t}"))
         # the 1-rank job does not continue the 2-rank chain: its next step is a new base
-        assert D.step_dirs(f"{d}/ck{s}{t}/global_step4") == [5, 6]
+        assert deltas.step_dirs(f"{d}/ck{s}{t}/global_step4") == [5, 6]
         assert os.path.isdir(f"{d}/ck{s}{t}/global_step7")
     check(launch(2, {"runs": [recover(s, t, x, f"{d}/one/ck{s}{t}", f"C{s}{t}") for s, t, x in one]}, f"{d}/two"))
     res = results(f"{d}/two")
@@ -239,7 +239,7 @@ def test_a_step_not_committed_on_every_rank_is_not_replayed(tmp_path):
     ac = online(ck, base_interval=100)
     check(launch(2, {"runs": [{"stage": 2, "dtype": "bf16", "adacheck": ac,
                                "actions": [["train_dump", 6, "A"]]}]}, d))
-    os.remove(os.path.join(D.step_dir(f"{ck}/global_step1", 5), "rank1.json"))
+    os.remove(os.path.join(deltas.step_dir(f"{ck}/global_step1", 5), "rank1.json"))
     check(launch(2, {"runs": [{"stage": 2, "dtype": "bf16", "seed": 3, "adacheck": ac,
                                "actions": [["load", ck], ["steps"], ["dump", "B"], ["train_dump", 2, "B_"]]},
                               {"stage": 2, "dtype": "bf16", "seed": 4, "adacheck": ac,
@@ -342,7 +342,7 @@ def test_compact_and_auto_bases(tmp_path):
                          r"replay ~([\d.]+)s\)", log0)
     assert decided, log0[-3000:]
     for n, bb, bs, db, rs in decided:   # each chain's interval is the rule applied to its numbers
-        assert int(n) == D.auto_interval(int(bb), float(bs), int(db), float(rs))
+        assert int(n) == deltas.auto_interval(int(bb), float(bs), int(db), float(rs))
     # the bases: the first step, then (per chain, decided after its second delta) every n steps
     expect, base, interval, ns = [1], 1, None, [int(x[0]) for x in decided]
     for step in range(2, 10):

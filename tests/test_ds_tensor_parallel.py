@@ -92,7 +92,7 @@ def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
     deltas 5, 6 to exactly the uninterrupted run's state; ZeRO-0's replicated gradients are
     written once per data-parallel group; both replay on TP=2 x DP=1 (ZeRO-1: each rank rebuilds
     the partitions its TP rank had on the two DP ranks and steps them with their records)."""
-    from adacheck import deltas as D
+    from adacheck import deltas
     d = str(tmp_path)
     layouts = [(1, "bf16"), (0, "fp32")]
     runs = []
@@ -107,7 +107,7 @@ def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
     for i, (stage, dt) in enumerate(layouts):
         assert res[2 * i + 1]["steps"][0] == 6, (stage, dt)
         assert_same(load_file(f"{d}/A{stage}{dt}_6.safetensors"), load_file(f"{d}/B{stage}{dt}.safetensors"))
-    steps, _ = D.committed_steps(f"{d}/ck0fp32/global_step4", 4, 4)
+    steps, _ = deltas.committed_steps(f"{d}/ck0fp32/global_step4", 4, 4)
     recs = steps[0].records
     # keys name the TP rank; each DP group (ranks 0,2 and 1,3) writes its gradients once
     for tp in range(2):

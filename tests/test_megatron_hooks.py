@@ -20,18 +20,18 @@ CHILD = r'''
 import json, os, sys
 sys.path.insert(0, os.path.join(os.environ["ADACHECK_ROOT"], "scripts"))
 import torch
-import pretrain_gpt as P
+import pretrain_gpt
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from adacheck_megatron import hooks
 
 out = {}
-args = P.parse_args(argv=["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+args = pretrain_gpt.parse_args(argv=["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
                           "--seq-length", "8", "--max-position-embeddings", "8", "--micro-batch-size", "2",
                           "--global-batch-size", "2", "--vocab-size", "64", "--make-vocab-size-divisible-by",
                           "16", "--lr", "1e-3", "--train-iters", "4", "--bf16"])
-P.initialize(args)
-model, config = P.build_model(args)
-optimizer, scheduler = P.build_optimizer(args, model, config)
+pretrain_gpt.initialize(args)
+model, config = pretrain_gpt.build_model(args)
+optimizer, scheduler = pretrain_gpt.build_optimizer(args, model, config)
 out["script_wraps"] = hooks.is_wrapped(optimizer)
 out["optimizer_type"] = type(optimizer).__name__
 
@@ -42,7 +42,7 @@ def record(opt, ok):
 hooks.add_post_step_hook(record)
 
 # the script's own training step: one successful update, one hook call
-loss, grad_norm, lr, ok = P.train_step(args, 1, model, optimizer, scheduler)
+loss, grad_norm, lr, ok = pretrain_gpt.train_step(args, 1, model, optimizer, scheduler)
 out["script_step"] = [ok, grad_norm is not None and grad_norm > 0]
 out["after_script_step"] = list(calls)
 
@@ -56,7 +56,7 @@ hooks.wrap_optimizer_step(other)
 out["idempotent"] = [wrapped is not original, other.step is wrapped]
 
 calls.clear()
-P.train_step(args, 2, model, other, scheduler)                    # successful
+pretrain_gpt.train_step(args, 2, model, other, scheduler)                    # successful
 for chunk in model:
     chunk.zero_grad_buffer()
 next(p for p in model[0].parameters()).main_grad.fill_(float("inf"))
@@ -67,8 +67,8 @@ out["calls"] = list(calls)
 out["removed"] = hooks.remove_post_step_hook(record)
 out["removed_again"] = hooks.remove_post_step_hook(record)
 calls.clear()
-P.train_step(args, 3, model, other, scheduler)
-P.train_step(args, 3, model, optimizer, scheduler)
+pretrain_gpt.train_step(args, 3, model, other, scheduler)
+pretrain_gpt.train_step(args, 3, model, optimizer, scheduler)
 out["calls_after_remove"] = list(calls)
 print("RESULT " + json.dumps(out), flush=True)
 torch.distributed.destroy_process_group()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from adacheck.types import torch_dtype
 from launch import ROOT, check, free_port, kill_at_marker, launch
-from megatron_worker import BASE, P
+from megatron_worker import BASE, pretrain_gpt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -85,7 +85,7 @@ def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
     training goes on with its losses, and the distributed optimizer's deltas also replay on one
     rank (the shards rebuilt and clipped) to the state of an uninterrupted run's checkpoint
     (iteration 6 of the chain that the resumed job extended to 8)."""
-    from adacheck import deltas as D
+    from adacheck import deltas
     d = str(tmp_path)
     layouts = {"distopt": ["--use-distributed-optimizer", "--bf16", "--grad-reduce-in-bf16", "--global-batch-size", "4"],
                "pp2": ["--pipeline-model-parallel-size", "2", "--bf16", "--grad-reduce-in-bf16",
@@ -96,14 +96,14 @@ def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
     for i, name in enumerate(layouts):
         _check_resumed(d, name, i)
         ck = f"{d}/ck-{name}/iter_0000004"
-        steps, _ = D.committed_steps(ck, 4, 2)
+        steps, _ = deltas.committed_steps(ck, 4, 2)
         assert [s.step for s in steps] == [5, 6], name
-        assert D.summary(ck, 4, 2)["bf16_share"] == 1.0, name      # (what `adacheck inspect` shows)
+        assert deltas.summary(ck, 4, 2)["bf16_share"] == 1.0, name      # (what `adacheck inspect` shows)
         for st in steps:
             metas = [m for r in (0, 1) for m in st.records[r]["tensors"].values()]
             assert metas and {(m["dtype"], m["stored"]) for m in metas} == {("float32", "bfloat16")}, (name, st.step)
             for r in (0, 1):
-                pre = D.read_extra(ck, st, r)["preclip"]
+                pre = deltas.read_extra(ck, st, r)["preclip"]
                 assert set(pre) >= set(st.records[r]["tensors"]), (name, st.step, r)
                 assert all(v["norm"] > v["clip"] for v in pre.values()), (name, st.step, r)   # it did clip
     check(launch(1, {"runs": [{"argv": layouts["distopt"] + ["--adacheck", "--ckpt-step", "6"],
@@ -114,9 +114,9 @@ def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
 
 
 def test_grad_reduce_in_bf16_needs_bf16(capsys):
-    assert P.parse_args(argv=BASE + ["--global-batch-size", "4", "--bf16", "--grad-reduce-in-bf16"]).grad_reduce_in_bf16
+    assert pretrain_gpt.parse_args(argv=BASE + ["--global-batch-size", "4", "--bf16", "--grad-reduce-in-bf16"]).grad_reduce_in_bf16
     with pytest.raises(SystemExit):
-        P.parse_args(argv=BASE + ["--global-batch-size", "4", "--grad-reduce-in-bf16"])
+        pretrain_gpt.parse_args(argv=BASE + ["--global-batch-size", "4", "--grad-reduce-in-bf16"])
     assert "--grad-reduce-in-bf16 needs --bf16" in capsys.readouterr().err
 
 
@@ -317,7 +317,7 @@ def _record_and_recover(d, argv, what, half=True):
     from d/ck and saves (d/same/out); then (``half``) a 2-rank job that recovers from d/ck and
     saves (d/half/out). Both must equal d/ref. Returns the committed delta steps of base 4
     (5 and 6)."""
-    from adacheck import deltas as D
+    from adacheck import deltas
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
     check(launch(4, {"runs": [
         {"argv": argv + on, "actions": [["online"], ["train", 6], ["online", False]]},
@@ -326,7 +326,7 @@ def _record_and_recover(d, argv, what, half=True):
     ]}, d, script="megatron_worker.py"))
     assert results(d)[2]["loaded"] == [6]
     same_checkpoint(f"{d}/ref", f"{d}/same/out", what + ", same layout")
-    steps, _ = D.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
+    steps, _ = deltas.committed_steps(f"{d}/ck/iter_0000004", 4, 4)
     assert [s.step for s in steps] == [5, 6]
     if not half:
         return steps
@@ -398,7 +398,7 @@ def test_replicated_moe_deltas_recorded_under_the_old_names_still_replay(tmp_pat
     names' aliases) and trains on, appending deltas 7 and 8 under today's names to the same
     chain, with the uninterrupted run's losses. That mixed chain recovers on 4 and on 2 ranks
     to the uninterrupted run's checkpoint at iteration 8."""
-    from adacheck import deltas as D
+    from adacheck import deltas
     d = str(tmp_path)
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "4"]
     check(launch(4, {"runs": [
@@ -411,7 +411,7 @@ def test_replicated_moe_deltas_recorded_under_the_old_names_still_replay(tmp_pat
     res = results(d)
     assert res[2]["loaded"] == [6] and res[2]["losses"] == res[1]["losses"][6:] and res[3]["loaded"] == [8]
     same_checkpoint(f"{d}/ref", f"{d}/same/out", "MoE EP=2, old and new gradient names, same layout")
-    steps, _ = D.committed_steps(f"{d}/ck/iter_0000005", 5, 4)
+    steps, _ = deltas.committed_steps(f"{d}/ck/iter_0000005", 5, 4)
     assert [s.step for s in steps] == [6, 7, 8]
     old = [set(steps[0].records[r]["tensors"]) for r in range(4)]
     assert all(k.startswith("tp0.pp0.ep") for k in set().union(*old))

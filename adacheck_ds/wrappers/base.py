@@ -126,6 +126,11 @@ class Wrapper:
         ``note`` was given), with the wrapper's own code."""
         raise NotImplementedError(f"{self.name} records no clipping")
 
+    def _wrap_clipping(self, replacement: Callable) -> Optional[Callable[[], None]]:
+        """Replace the optimizer's ``unscale_and_clip_grads`` (:meth:`_wrap`); not with fp16, whose
+        dynamic loss scale is not replayable (the clipped gradients are recorded instead)."""
+        return None if self.engine.fp16_enabled() else self._wrap("unscale_and_clip_grads", replacement)
+
     def _wrap(self, method: str, replacement: Callable) -> Callable[[], None]:
         """Replace the optimizer's ``method``; returns the function that puts it back."""
         original = getattr(self.opt, method)

@@ -30,8 +30,6 @@ class FP16Unfused(Wrapper):
         relink(self.opt)
 
     def record_clipping(self, note):
-        if self.engine.fp16_enabled():   # (a dynamic fp16 loss scale is not replayable: clipped ones are recorded)
-            return None
         opt = self.opt
 
         def wrapper(original):
@@ -45,7 +43,7 @@ class FP16Unfused(Wrapper):
                                 note(p, p.grad, args)
                 return original(total_norm, apply_scale=apply_scale)
             return unscale_and_clip_grads
-        return self._wrap("unscale_and_clip_grads", wrapper)
+        return self._wrap_clipping(wrapper)
 
     def clip_as_recorded(self, grad, args) -> None:
         combined = type(self.opt).unscale_and_clip_grads(self.opt, args["norm"], apply_scale=False)

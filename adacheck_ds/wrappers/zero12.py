@@ -40,8 +40,6 @@ class Zero12(Wrapper):
         relink(self.opt)
 
     def record_clipping(self, note):
-        if self.engine.fp16_enabled():   # (a dynamic fp16 loss scale is not replayable: clipped ones are recorded)
-            return None
         opt = self.opt
 
         def wrapper(original):
@@ -54,7 +52,7 @@ class Zero12(Wrapper):
                         note(flat, g, args)
                 return original(grad_groups_flat, total_norm, *rest, **kw)
             return unscale_and_clip_grads
-        return self._wrap("unscale_and_clip_grads", wrapper)
+        return self._wrap_clipping(wrapper)
 
     def clip_as_recorded(self, grad, args) -> None:
         type(self.opt).unscale_and_clip_grads(self.opt, [grad], args["norm"])   # the class's, not a wrapper

@@ -66,8 +66,6 @@ class Zero3(Wrapper):
         relink(opt)
 
     def record_clipping(self, note):
-        if self.engine.fp16_enabled():   # (a dynamic fp16 loss scale is not replayable: clipped ones are recorded)
-            return None
         opt = self.opt
 
         def wrapper(original):
@@ -78,7 +76,7 @@ class Zero3(Wrapper):
                                            "sub": int(sub_group_id)})
                 return original(sub_group_id, total_norm, *rest, **kw)
             return unscale_and_clip_grads
-        return self._wrap("unscale_and_clip_grads", wrapper)
+        return self._wrap_clipping(wrapper)
 
     def clip_as_recorded(self, grad, args) -> None:
         # ZeRO-3 scales the .grad of its fp32 sub-group flat number ``sub``: let that be a

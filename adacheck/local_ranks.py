@@ -1,0 +1,64 @@
+"""Run the ranks of a job on this machine: ``python -m MODULE ARGV`` as ``world`` processes
+with torch.distributed's environment (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT, ...), for the
+conversions that need a framework's engines on as many ranks as a checkpoint was saved by."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from .errors import StateError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] = None,
+        grace: float = 60.0, what: str = "conversion") -> None:
+    """Run ``python -m module argv`` on ``world`` local ranks and wait for all of them.  When a
+    rank fails, the others get ``grace`` seconds (they may be waiting on it) before they are
+    killed; the error names the rank that failed first and its last error line, and keeps every
+    rank's log.  ``env``: added to this process's environment."""
+    port = free_port()
+    logs_dir = tempfile.mkdtemp(prefix=f"adacheck-{what}-logs-")
+    base = dict(os.environ, **(env or {}))
+    procs, logs = [], []
+    for r in range(world):
+        rank_env = dict(base, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(os.path.join(logs_dir, f"rank{r}.log"), "w+")
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=rank_env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    first_exit, first_failed = None, None
+    while any(p.poll() is None for p in procs):
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed and first_exit is None:
+            first_exit, first_failed = time.monotonic(), failed[0]
+        if first_exit is not None and time.monotonic() - first_exit > grace:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    tails = {}
+    for r, log in enumerate(logs):
+        log.seek(0)
+        tails[r] = log.read()
+        log.close()
+    if bad:
+        # the rank that failed first names the cause; the others lost their peer
+        r, rc = next(((r, rc) for r, rc in bad if r == first_failed), bad[0])
+        lines = [ln for ln in tails[r].splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+        raise StateError(f"{what} rank {r} failed (exit {rc}): "
+                         f"{(errors or lines or ['no output'])[-1].strip()} (all logs: {logs_dir})")
+    shutil.rmtree(logs_dir, ignore_errors=True)

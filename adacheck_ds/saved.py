@@ -1,0 +1,71 @@
+"""What a DeepSpeed checkpoint keeps besides its tensors, as typed records (adacheck.records):
+the engine's objects (saved once per checkpoint), each saving rank's objects, and the scalars of
+one online step.  engine.py and online.py write them; engine.py, online.py, native.py and
+convert.py read them, all through these classes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from adacheck.records import Record, entry, int_map, of_kind, optional
+
+
+@dataclass
+class Scalars(Record):
+    """What a step changes besides tensors: in every checkpoint and every online delta record."""
+    counters: Dict[str, int] = entry(int_map, "an object of integer counters (global_steps, ...)")
+    lr_scheduler: Optional[dict] = entry(optional(dict), "the LR scheduler's state (an object) or null",
+                                         default=None)
+    loss_scaler: Optional[dict] = entry(optional(dict), "the loss scaler's state (an object) or null",
+                                        default=None)
+
+
+@dataclass
+class StepScalars(Scalars):
+    """An online step's scalars (its delta record): ``skipped`` when the optimizer skipped the
+    update (an fp16 overflow)."""
+    skipped: bool = entry(of_kind(bool), "true or false", default=False)
+
+
+@dataclass
+class SavedModel(Record):
+    """What a DeepSpeed engine of another layout is built from (adacheck_ds.native)."""
+    parameters: List[list] = entry(of_kind(list), "a list of [name, trainable] pairs in module order")
+    buffers: List[str] = entry(of_kind(list), "a list of buffer names")
+    groups: List[List[str]] = entry(of_kind(list), "a list of parameter-name lists, one per optimizer group")
+    optimizer: Optional[str] = entry(optional(str), "the optimizer's class path or null", default=None)
+    tensor_parallel: dict = entry(of_kind(dict), "an object {size, partition_dims}",
+                                  default_factory=lambda: {"size": 1, "partition_dims": {}})
+    ds_config: Optional[dict] = entry(optional(dict), "the DeepSpeed config (an object) or null", default=None)
+
+    @property
+    def partition_dims(self) -> Dict[str, int]:
+        """Tensor-parallel parameters: the dimension each is split along."""
+        return {n: int(d) for n, d in (self.tensor_parallel.get("partition_dims") or {}).items()}
+
+
+@dataclass
+class Objects(Scalars):
+    """A checkpoint's objects."""
+    param_groups: Optional[List[dict]] = entry(optional(list), "the optimizer's param groups (a list) or null",
+                                               default=None)
+    client_state: dict = entry(of_kind(dict), "the client state (an object)", default_factory=dict)
+    model_spec: Optional[dict] = entry(optional(dict), "the model description (an object) or null", default=None)
+
+    def model(self, where: str) -> Optional[SavedModel]:
+        return SavedModel.of(self.model_spec, f"{where}: model_spec") if self.model_spec else None
+
+
+@dataclass
+class RankObjects(Record):
+    """A saving rank's objects: its RNG states, and with an online base of a partitioned optimizer
+    what its partitions are made of (state.partition_map)."""
+    rng: dict = entry(of_kind(dict), "the rank's RNG states (an object)")
+    partitions: Optional[dict] = entry(optional(dict), "the rank's partition map (an object) or null",
+                                       default=None)
+
+
+def counters_of(engine) -> Dict[str, int]:
+    return {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+            if hasattr(engine, k)}
+
