@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import List
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 
 from adacheck import jsontree
 from adacheck.exchange import default_comm
@@ -25,7 +27,6 @@ OPTIMIZER_METADATA = {"chained_optim_avoid_prefix": True}
 
 def topology() -> dict:
     """This rank's place in megatron-core's parallel state."""
-    from megatron.core import parallel_state as ps
     vp = ps.get_virtual_pipeline_model_parallel_world_size()
     return {
         "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
@@ -58,7 +59,6 @@ def unwrap(chunk):
 def sharded_state_dict(model: List, optimizer, is_loading: bool, with_optimizer: bool = True) -> dict:
     """{"model" | "model<i>": ..., "optimizer": ...} as Megatron-LM builds it; without the
     optimizer when it is a DistributedOptimizer (see state.distopt_describe)."""
-    from megatron.core import parallel_state as ps
     model = list(model)
     sd = {}
     for i, chunk in enumerate(model):
@@ -88,12 +88,10 @@ def rank_state() -> dict:
 
 def set_rank_state(state: dict) -> None:
     set_rng_state(state, device=_device())
-    from megatron.core import tensor_parallel
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _tracker_states() -> dict:
-    from megatron.core import tensor_parallel
     return {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
 
 

@@ -11,6 +11,10 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer
 
 from adacheck import recovery
 from adacheck.errors import StateError
@@ -26,7 +30,6 @@ log = logging.getLogger("adacheck")
 
 
 def distributed(optimizer) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     return any(isinstance(o, DistributedOptimizer) for o in optimizer_parts(optimizer))
 
 
@@ -46,7 +49,6 @@ def make_tap(optimizer) -> OptimizerTap:
     expert grid is laid out apart from the dense one).  An optimizer that is neither, and every
     one in records of versions before this naming, uses ``tp.pp.ep`` (kept as the alias that
     reads those records)."""
-    from megatron.core import parallel_state as ps
     tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     ep, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     old = f"tp{tp}.pp{pp}.ep{ep}."
@@ -61,7 +63,6 @@ def make_tap(optimizer) -> OptimizerTap:
 def preclip(key: str, grad: torch.Tensor, args: dict) -> None:
     """Clip a recorded pre-clip gradient in place as Megatron did (its own function, with the
     recorded norm and limit; elementwise, so one tensor at a time gives the same bits)."""
-    from megatron.core.optimizer import clip_grads
     clip_grads.clip_grad_by_total_norm_fp32([recovery.holder(grad)], args["clip"], args["norm"])
 
 
@@ -86,8 +87,6 @@ EXPERT_COORDS = ("pp_rank", "ep_rank", "etp_rank")
 def _refresh_model_params(optimizer) -> None:
     """Model weights from the main weights, with megatron-core's own code (and the
     distributed optimizer's parameter all-gather)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import FP32Optimizer
     for o in optimizer_parts(optimizer):
         if isinstance(o, FP32Optimizer):
             continue
