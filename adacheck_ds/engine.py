@@ -15,7 +15,7 @@ from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 
-from .saved import Objects, RankObjects, SavedModel, Scalars, counters_of
+from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
 
 log = logging.getLogger("adacheck")
@@ -24,6 +24,12 @@ log = logging.getLogger("adacheck")
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
                   "scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis", "dynamic",
                   "dynamic_loss_scale", "min_loss_scale")
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+def _plain(v):
+    """A one-element tensor of a loss scaler as the number it holds."""
+    return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
 
 
 def native_load(engine, *args, **kwargs):
@@ -144,20 +150,12 @@ class AdaCheckDeepSpeed:
 
     def scalars(self) -> Scalars:
         """The engine's counters, LR scheduler state and loss scaler state now."""
-        sched = self.engine.lr_scheduler
-        return Scalars(counters=counters_of(self.engine), loss_scaler=self.scaler_state(),
-                       lr_scheduler=sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None)
-
-    def scaler_state(self):
-        sc = self._scaler()
-        if sc is None:
-            return None
-        out = {}
-        for k in _SCALER_FIELDS:
-            if hasattr(sc, k):
-                v = getattr(sc, k)
-                out[k] = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-        return out
+        e, sc = self.engine, self._scaler()
+        sched = e.lr_scheduler
+        return Scalars(
+            counters={k: int(getattr(e, k)) for k in _COUNTERS if hasattr(e, k)},
+            lr_scheduler=sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            loss_scaler=None if sc is None else {k: _plain(getattr(sc, k)) for k in _SCALER_FIELDS if hasattr(sc, k)})
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,

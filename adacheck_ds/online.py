@@ -41,6 +41,7 @@ from .wrappers import Frag
 
 log = logging.getLogger("adacheck")
 
+
 def _tap(engine) -> tuple:
     lay = describe(engine)
     if lay.base_optimizer is None:
@@ -70,7 +71,7 @@ class OnlineDS:
             mine = {k for k, w in writers.items() if w[0] == me}
         self.recorder = online.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
                                               fsync=ac.config.fsync, mine=mine,
-                                              preclip=lambda key, g, a: _preclip(self.lay.wrapper, g, a))
+                                              preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not
         self._unrecord = self.lay.wrapper.record_clipping(self._note)
@@ -161,7 +162,7 @@ class Replay:
         return _tap(self.engine)[1]
 
     def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
-        _preclip(self.lay.wrapper, grad, args)
+        self.lay.wrapper.preclip(grad, args)
 
     def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
         self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
@@ -211,18 +212,3 @@ def _as_live(opt, name: str, v):
     if torch.is_tensor(v) and torch.is_tensor(ref):
         return v.to(device=ref.device, dtype=ref.dtype)
     return v
-
-
-def _preclip(wrapper, grad: torch.Tensor, args: dict) -> None:
-    """Unscale/clip ``grad`` in place exactly as the wrapper did while recording (its own code,
-    with the recorded ``gradient_clipping``: a job resumed with another value replays the
-    recorded steps)."""
-    opt = wrapper.opt
-    current = opt.clip_grad
-    opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
-    if torch.is_tensor(args["norm"]):
-        args = dict(args, norm=args["norm"].to(grad.device))
-    try:
-        wrapper.clip_as_recorded(grad, args)
-    finally:
-        opt.clip_grad = current

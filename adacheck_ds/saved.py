@@ -64,8 +64,3 @@ class RankObjects(Record):
     partitions: Optional[dict] = entry(optional(dict), "the rank's partition map (an object) or null",
                                        default=None)
 
-
-def counters_of(engine) -> Dict[str, int]:
-    return {k: int(getattr(engine, k)) for k in ("global_steps", "global_samples", "skipped_steps", "micro_steps")
-            if hasattr(engine, k)}
-

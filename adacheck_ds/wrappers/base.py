@@ -126,6 +126,18 @@ class Wrapper:
         ``note`` was given), with the wrapper's own code."""
         raise NotImplementedError(f"{self.name} records no clipping")
 
+    def preclip(self, grad: torch.Tensor, args: dict) -> None:
+        """Replay of a recorded pre-clip gradient: :meth:`clip_as_recorded` with the recorded
+        ``gradient_clipping`` (a job resumed with another value replays the recorded steps)."""
+        current = self.opt.clip_grad
+        self.opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
+        if torch.is_tensor(args["norm"]):
+            args = dict(args, norm=args["norm"].to(grad.device))
+        try:
+            self.clip_as_recorded(grad, args)
+        finally:
+            self.opt.clip_grad = current
+
     def _wrap_clipping(self, replacement: Callable) -> Optional[Callable[[], None]]:
         """Replace the optimizer's ``unscale_and_clip_grads`` (:meth:`_wrap`); not with fp16, whose
         dynamic loss scale is not replayable (the clipped gradients are recorded instead)."""

@@ -7,6 +7,8 @@ import contextlib
 
 import torch
 
+from adacheck.recovery import holder
+
 from .base import Frag, Layout, Wrapper, kept, relink
 
 
@@ -81,7 +83,6 @@ class Zero3(Wrapper):
     def clip_as_recorded(self, grad, args) -> None:
         # ZeRO-3 scales the .grad of its fp32 sub-group flat number ``sub``: let that be a
         # stand-in holding ``grad`` (a saving rank's partition may have another size than ours)
-        from adacheck.recovery import holder
         opt, sub = self.opt, args["sub"]
         flats = opt.fp32_partitioned_groups_flat
         opt.fp32_partitioned_groups_flat = list(flats) + [None] * (sub + 1 - len(flats))
