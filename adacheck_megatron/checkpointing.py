@@ -246,9 +246,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     def read(r: core.CheckpointReader):
         objects = Objects.of(r.objects(), f"the objects of {r.dir}")
         saved_layout = r.manifest.layout.get("ranks", [])
+        saving_ranks = [RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}")
+                        for i in range(len(r.manifest.rank_objects))]
         sharded_objects = {}
-        for i in range(len(r.manifest.rank_objects)):
-            sharded_objects.update(RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}").sharded_objects)
+        for saved_rank in saving_ranks:
+            sharded_objects.update(saved_rank.sharded_objects)
         sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
         dist = load_optim and optimizer is not None and bool(distributed_optimizers(optimizer))
         saved_dist = objects.distributed_optimizer is not None
@@ -267,7 +269,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         rng = None
         if load_rng:
             if is_same_layout(saved_layout, topology(), comm.world_size):
-                rng = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}").rng
+                rng = saving_ranks[comm.rank].rng
             elif comm.rank == 0:
                 saved = layout_name(saved_layout[0]) if saved_layout else "?"
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "

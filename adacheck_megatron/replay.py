@@ -182,7 +182,7 @@ class Replay:
         device = next(p for g in optimizer.param_groups for p in g["params"]).device
 
         def rebuild(reader, r: int) -> Shadow:
-            never = Objects.of(reader.objects(), f"the objects of {reader.dir}").optimizer_never_stepped
+            never = self.objects.optimizer_never_stepped     # (of the base that reader reads)
             tensors, state = {}, [defaultdict(dict) for _ in subs]
             for k, (sp,) in saving[r].items():
                 oi, name = sp.name
