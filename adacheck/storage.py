@@ -108,7 +108,14 @@ class Storage:
         raise NotImplementedError
 
     def write_atomic(self, path: str, data: bytes, fsync: bool = True) -> None:
-        raise NotImplementedError
+        """Small metadata, whole: through :meth:`open_writer` (its commit is the atomic step)."""
+        fw = self.open_writer(path, fsync=fsync)
+        try:
+            fw.write(data)
+            fw.commit()
+        except BaseException:
+            fw.abort()
+            raise
 
     def write_tensors(self, path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[dict] = None,
                       fsync: bool = True, writer=None) -> int:
@@ -246,17 +253,6 @@ class PosixStorage(Storage):
 
     def open_writer(self, path, fsync=True):
         return _PosixWriter(path, fsync)
-
-    def write_atomic(self, path, data, fsync=True):
-        tmp = path + self.TMP_SUFFIX
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if fsync:
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
     def write_tensors(self, path, tensors, metadata=None, fsync=True, writer=None):
         if writer is None:
