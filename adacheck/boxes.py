@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, List
+from typing import Iterable, List, Tuple
 
 import torch
 
@@ -50,6 +50,17 @@ def flat_range_to_boxes(shape, start: int, stop: int) -> List[Box]:
         out += partial(last, 0, stop % inner)
     else:
         out += rows(first, last + 1)
+    return out
+
+
+def flat_pieces(region: Box, start: int, stop: int) -> List[Tuple[Box, slice]]:
+    """Elements ``[start, stop)`` of the box ``region`` of a tensor, flattened on its own (e.g.
+    one rank's slice of a logical tensor): for each piece, its box in the tensor's coordinates
+    and its range in the flat run."""
+    out, pos = [], 0
+    for b in flat_range_to_boxes(region.lengths, start, stop):
+        out.append((b.shifted(region.offsets), slice(pos, pos + b.numel)))
+        pos += b.numel
     return out
 
 

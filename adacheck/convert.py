@@ -17,15 +17,19 @@ existing files are never overwritten unless ``overwrite``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import commit
 from .checkpoint import CheckpointReader
 from .errors import ConfigError, NotFoundError
 from .types import torch_dtype
-from .storage import LOCAL
+from .storage import LOCAL, Storage
 from .writer import write_safetensors_to
 
 CONVERTERS = "adacheck.converters"     # the entry-point group
@@ -82,6 +86,38 @@ def converter(name: str) -> Converter:
     return conv
 
 
+# ------------------------------------------------------------------ a format's output directory
+def refuse_existing(path: str, barrier: Optional[Callable[[], None]] = None) -> None:
+    """A conversion never writes over a checkpoint: a ConfigError if ``path`` exists.  With
+    ``barrier`` (the ranks of a collective conversion), every rank looks before any rank writes
+    and all of them raise alike."""
+    exists = os.path.exists(path)
+    if barrier is not None:
+        barrier()
+    if exists:
+        raise ConfigError(f"{path} already exists; nothing was written (choose another output directory)")
+
+
+@contextlib.contextmanager
+def output_dir(final: str, tracker: Optional[str] = None, tag: str = ""):
+    """The checkpoint directory ``final`` that a framework's own code writes (local files):
+    refused if it exists; the block fills ``<final>.tmp`` (yielded), which is renamed to
+    ``final`` when the block succeeds and removed when it fails; then the format's ``tracker``
+    file (its 'latest', if any) names ``tag``."""
+    refuse_existing(final)
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if tracker is not None:
+        commit.atomic_write_text(tracker, tag)
+
+
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -113,8 +149,10 @@ def weight_sources(r: CheckpointReader, dtype: str) -> Dict[str, tuple]:
 
 def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_bytes: Optional[int] = None,
                    overwrite: bool = False, verify: bool = True,
-                   progress: Optional[Callable[[int, int], None]] = None) -> dict:
-    r = CheckpointReader(ckpt_dir, verify=verify, cache_bytes=256 << 20)
+                   progress: Optional[Callable[[int, int], None]] = None, source: Storage = LOCAL) -> dict:
+    """Full model weights of checkpoint ``ckpt_dir`` (on ``source``) as safetensors files in the local
+    ``out_dir``."""
+    r = CheckpointReader(ckpt_dir, verify=verify, cache_bytes=256 << 20, store=source)
     sources = weight_sources(r, dtype)
     sizes = {k: r.entry(src).numel * torch.empty((), dtype=dt).element_size() for k, (src, dt) in sources.items()}
     shards: List[List[str]] = [[]]

@@ -1,6 +1,7 @@
 """Run the ranks of a job on this machine: ``python -m MODULE ARGV`` as ``world`` processes
 with torch.distributed's environment (RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT, ...), for the
-conversions that need a framework's engines on as many ranks as a checkpoint was saved by."""
+conversions that need a framework's engines on as many ranks as a checkpoint was saved by; and
+the end of such a rank (``exit_rank``)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+import traceback
+from typing import Callable, Dict, List, Optional
 
 from .errors import StateError
 
@@ -62,3 +64,19 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
         raise StateError(f"{what} rank {r} failed (exit {rc}): "
                          f"{(errors or lines or ['no output'])[-1].strip()} (all logs: {logs_dir})")
     shutil.rmtree(logs_dir, ignore_errors=True)
+
+
+def exit_rank(work: Callable[[], None]) -> None:
+    """Run one rank's ``work`` (a process that :func:`run` or torchrun started) and end the
+    process: exit status 0, or 1 after printing the error.  It leaves without running interpreter
+    teardown: DeepSpeed's and gloo's C++ threads can abort the process there ("terminate called
+    without an active exception") after the work succeeded, which would read as a failed rank."""
+    code = 0
+    try:
+        work()
+    except BaseException:  # noqa: BLE001 - reported, then the rank exits non-zero
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 from . import deltas, jsontree
 from .config import OnlineConfig
 from .errors import StateError
 from .exchange import Comm
 from .optimtap import OptimizerTap, Shadow
+from .planner import place
 from .rng import rng_state
 from .storage import LOCAL, Storage
 
@@ -181,3 +182,11 @@ class OnlineRecorder:
                               compact=self.config.compact, on_error=self.config.on_error, store=self.store)
         self._stored = {}
         self.shadow = Shadow(self.tap) if self.config.compact else None
+
+
+def replica_share(tap: OptimizerTap, keys: List[str], group: List[int], me: int) -> set:
+    """The gradients (of ``keys``) rank ``me`` writes when the ranks of ``group`` all hold them,
+    under the same keys: each is written by one rank of the group, balanced by size (the
+    planner's placement); the recorder's ``mine``."""
+    writers, _ = place([(tap.tensors[k].numel() * 4, k, list(range(len(group)))) for k in keys], len(group))
+    return {k for k, w in writers.items() if group[w[0]] == me}

@@ -19,16 +19,17 @@ existing ``<out>/<tag>`` is never overwritten.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Callable, Optional
 
 import torch
 
 from adacheck.checkpoint import CheckpointReader, resolve
-from adacheck.errors import ConfigError, StateError
+from adacheck.convert import output_dir
+from adacheck.errors import StateError
 from adacheck.types import torch_dtype
 
 from .saved import Objects
+from .state import state_keys
 
 
 def _params(r: CheckpointReader):
@@ -52,19 +53,14 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                          "universal conversion needs a DeepSpeed checkpoint")
     objects = Objects.of(r.objects(), f"the objects of {ckpt}")
     model = objects.model(ckpt)
-    out_tag = m.tag
-    final = os.path.join(out_dir, out_tag)
-    if os.path.exists(final):
-        raise ConfigError(f"{final} already exists; choose another output directory (nothing was written)")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(os.path.join(tmp, "zero"))
+    final = os.path.join(out_dir, m.tag)
     names = _params(r)
-    keys = sorted({n.split("/")[1] for n in m.tensors if n.startswith("optim/")})
+    keys = state_keys(r)
     # tensor-parallel parameters: a TP engine's load_universal cuts its slice along cat_dim
     split = model.partition_dims if model is not None else {}
     done, total = 0, len(names)
-    try:
+    with output_dir(final, os.path.join(out_dir, "latest_universal"), m.tag) as tmp:
+        os.makedirs(os.path.join(tmp, "zero"))
         steps = set()
         for name in names:
             folder = os.path.join(tmp, "zero", name)
@@ -116,12 +112,4 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                        "optimizer": None})
         for fname in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
             torch.save(states, os.path.join(tmp, fname))
-        os.replace(tmp, final)
-        latest = os.path.join(out_dir, "latest_universal")
-        with open(latest + ".tmp", "w") as f:
-            f.write(out_tag)
-        os.replace(latest + ".tmp", latest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final

@@ -13,6 +13,8 @@ import sys
 from adacheck.convert import Converter
 from adacheck.errors import ConfigError
 
+from . import native
+
 
 class NativeDeepSpeed(Converter):
     name = "deepspeed"
@@ -21,21 +23,7 @@ class NativeDeepSpeed(Converter):
     framework = "deepspeed"
 
     def add_arguments(self, parser) -> None:
-        parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                            help="--to deepspeed: the ZeRO stage of the native files (default: the saving one)")
-        parser.add_argument("--dp", type=int, default=None,
-                            help="--to deepspeed: the data-parallel size of the native files (default: the saving one)")
-        parser.add_argument("--tp", type=int, default=None,
-                            help="--to deepspeed: the tensor-parallel size (mp_rank_XX files, Megatron-DeepSpeed "
-                                 "style) of the native files (default: the saving one)")
-        parser.add_argument("--step", type=int, default=None,
-                            help="--to deepspeed / adacheck: the step to materialise: a base's step or one of its "
-                                 "committed online steps (default: the newest; the base is found in SRC)")
-        parser.add_argument("--ds-config", default=None, metavar="JSON",
-                            help="DeepSpeed config to build the conversion engines with (default: the recorded one)")
-        parser.add_argument("--optimizer", default=None, metavar="CLASS",
-                            help="--from deepspeed: the client optimizer class (e.g. torch.optim.AdamW) when the "
-                                 "DeepSpeed config has no optimizer block")
+        native.add_arguments(parser)
 
     def write(self, ckpt_dir, out, options, progress):
         return self._run("to-native", options.src, out, options)
@@ -47,7 +35,6 @@ class NativeDeepSpeed(Converter):
         return self._run("materialise", src, out, options)
 
     def _run(self, direction: str, src: str, out: str, options):
-        from . import native
         if (options.zero_stage is not None or options.dp is not None or options.tp is not None) \
                 and direction != "to-native":
             raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with "

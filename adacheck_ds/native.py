@@ -53,6 +53,7 @@ from typing import Dict, List, Optional
 
 from adacheck import commit, deltas, local_ranks
 from adacheck.checkpoint import CheckpointReader, resolve
+from adacheck.convert import refuse_existing
 from adacheck.errors import ConfigError, StateError
 from adacheck.types import torch_dtype
 from .saved import Objects
@@ -156,8 +157,8 @@ def reach(ckpt_dir: str, m, world: int, step: Optional[int] = None):
 
 
 def _native_dir(src: str, tag: Optional[str]) -> str:
-    if tag is None and os.path.isfile(os.path.join(src, "latest")):
-        tag = open(os.path.join(src, "latest"), encoding="utf-8").read().strip()
+    if tag is None:
+        tag = commit.read_latest(src)
     d = os.path.join(src, tag) if tag is not None else src
     if not glob.glob(os.path.join(d, "*model_states.pt")):
         raise ConfigError(f"{d} is not a native DeepSpeed checkpoint (no *model_states.pt); pass the "
@@ -180,8 +181,7 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                          "and save once instead") from None
     cfg = ds_config if ds_config is not None else sd.get("ds_config")
     if isinstance(cfg, str) and os.path.isfile(cfg):
-        with open(cfg, encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = _read_json(cfg)
     if not isinstance(cfg, dict):
         raise ConfigError(f"{files[0]} does not hold the run's DeepSpeed config as a dict; pass it with --ds-config FILE")
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
@@ -370,8 +370,7 @@ def run_rank(a) -> None:
             if world != spec.world:
                 raise ConfigError(f"{src} was saved by {spec.dp} data-parallel x {spec.tp} tensor-parallel ranks; "
                                   f"DeepSpeed loads it only into as many, not {world} (run {spec.world} ranks)")
-            _refuse_existing(os.path.join(a.out, os.path.basename(src)))
-            torch.distributed.barrier()   # every rank checked before any writes
+            refuse_existing(os.path.join(a.out, os.path.basename(src)), barrier=torch.distributed.barrier)
             engine = build_engine(spec, spec.stage, spec.tp)
             _, client_state = adacheck_ds.load_native(engine, os.path.dirname(src), tag=os.path.basename(src))
             # DeepSpeed returns some of its own metadata among the client state; it is not the user's
@@ -395,8 +394,7 @@ def run_rank(a) -> None:
                               f"layout ({saving}): run 'materialise' there first "
                               "(adacheck convert --to deepspeed does both)")
         out_tag = a.out_tag or out_tag
-        _refuse_existing(os.path.join(a.out, out_tag))
-        torch.distributed.barrier()   # every rank checked before any writes
+        refuse_existing(os.path.join(a.out, out_tag), barrier=torch.distributed.barrier)
         engine = build_engine(spec, stage, tp)
         ac = adacheck_ds.attach(engine, {"enabled": True, "verify_on_load": not a.no_verify})
         ac.replay_until = last
@@ -419,8 +417,7 @@ def run_rank(a) -> None:
 
 def _publish_native(tmp: str, out: str, tag: str) -> None:
     final = os.path.join(out, tag)
-    if os.path.exists(final):
-        raise ConfigError(f"{final} already exists; nothing was overwritten (choose another output directory)")
+    refuse_existing(final)
     os.replace(os.path.join(tmp, tag), final)
     commit.atomic_write_text(os.path.join(out, "latest"), tag)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -458,7 +455,7 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
         src_dir = _native_dir(src, tag)
         spec = spec_from_native(src_dir, _read_json(ds_config) if ds_config else None, optimizer)
         final = os.path.join(out, os.path.basename(src_dir))
-        _refuse_existing(final)
+        refuse_existing(final)
         spawn(spec.world, ["from-native", src, out, *base])
         return final
     if step is not None and tag is None and not os.path.isfile(os.path.join(src, commit.MANIFEST_NAME)):
@@ -474,7 +471,7 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     if step is not None:
         base += ["--step", str(step)]
     final = os.path.join(out, out_tag)
-    _refuse_existing(final)
+    refuse_existing(final)
     if direction == "materialise":
         spawn(spec.world, ["materialise", src_dir, out, *base])
         return final
@@ -493,10 +490,28 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     return final
 
 
-def _refuse_existing(final: str) -> None:
-    if os.path.exists(final):
-        raise ConfigError(f"{final} already exists; nothing was written (choose another output directory)")
-
+def add_arguments(parser) -> None:
+    """The options that choose the layout and the inputs of a conversion (``adacheck convert``'s
+    and this module's)."""
+    parser.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                        help="--to deepspeed (to-native): the ZeRO stage of the native files "
+                             "(default: the saving one)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="--to deepspeed (to-native): the data-parallel size of the native files "
+                             "(default: the saving one)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="--to deepspeed (to-native): the tensor-parallel size (mp_rank_XX files, "
+                             "Megatron-DeepSpeed style) of the native files (default: the saving one); under "
+                             "torchrun the world is DP x TP")
+    parser.add_argument("--step", type=int, default=None,
+                        help="--to deepspeed / adacheck (to-native, materialise): the step to materialise: a "
+                             "base's step or one of its committed online steps (default: the newest; the base is "
+                             "found in SRC)")
+    parser.add_argument("--ds-config", default=None, metavar="JSON",
+                        help="DeepSpeed config to build the conversion engines with (default: the recorded one)")
+    parser.add_argument("--optimizer", default=None, metavar="CLASS",
+                        help="--from deepspeed (from-native): the client optimizer class (e.g. torch.optim.AdamW) "
+                             "when the DeepSpeed config has no optimizer block")
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m adacheck_ds.native", description=__doc__.split("\n\n")[0])
@@ -504,39 +519,21 @@ def main(argv=None) -> int:
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--tag", default=None, help="source tag (default: the one 'latest' names)")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="target ZeRO stage (default: the saving one)")
-    p.add_argument("--dp", type=int, default=None, help="target data-parallel size (default: the saving one)")
-    p.add_argument("--tp", type=int, default=None,
-                   help="target tensor-parallel size, Megatron-DeepSpeed style mp ranks (default: the saving one); "
-                        "under torchrun the world is DP x TP")
-    p.add_argument("--ds-config", default=None, help="DeepSpeed JSON to use instead of the recorded one")
-    p.add_argument("--optimizer", default=None, help="client optimizer class, e.g. torch.optim.AdamW")
     p.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
-    p.add_argument("--step", type=int, default=None,
-                   help="materialise this step (a base's step or one of its committed online steps)")
+    add_arguments(p)
     p.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-tag", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:   # one rank (torchrun or spawn)
         if a.direction == "to-native" and a.tmp is None:
             a.tmp = os.path.join(a.out, f".adacheck-convert-{os.environ.get('MASTER_PORT', 'x')}")
-        code = 0
-        try:
-            run_rank(a)
+
+        def work():
             import torch.distributed as dist
+            run_rank(a)
             dist.barrier()
             dist.destroy_process_group()
-        except BaseException:  # noqa: BLE001 - reported, then the rank exits non-zero
-            import traceback
-            traceback.print_exc()
-            code = 1
-        # Leave without running interpreter teardown: DeepSpeed's and gloo's C++ threads can
-        # abort the process there ("terminate called without an active exception") after the
-        # conversion succeeded, which would read as a failed rank.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        local_ranks.exit_rank(work)
     print(convert(a.direction, a.src, a.out, a.dp, a.zero_stage, a.tag, a.ds_config, a.optimizer,
                   not a.no_verify, a.step, a.tp))
     return 0

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from adacheck.boxes import flat_range_to_boxes
+from adacheck.boxes import flat_pieces
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
 from adacheck.hashing import same_bytes
@@ -99,10 +99,7 @@ def describe(engine) -> Layout:
 def _boxes_of(origin: Box, start: int, flat: torch.Tensor):
     """Cut a 1-D run [start, start+len) of this rank's parameter (the ``origin`` box of the
     logical tensor) into (logical box, tensor) pieces."""
-    pos = 0
-    for b in flat_range_to_boxes(origin.lengths, start, start + flat.numel()):
-        yield b.shifted(origin.offsets), flat.narrow(0, pos, b.numel).view(b.lengths)
-        pos += b.numel
+    return [(b, flat[run].view(b.lengths)) for b, run in flat_pieces(origin, start, start + flat.numel())]
 
 
 def _state_tensor(v) -> Optional[torch.Tensor]:

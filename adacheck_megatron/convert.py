@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from adacheck import checkpoint as core
 from adacheck import jsontree
+from adacheck.convert import output_dir
 from adacheck.errors import ConfigError, StateError
 from adacheck.exchange import SoloComm
 
@@ -58,7 +59,7 @@ from adacheck.types import Box, torch_dtype
 
 from .saved import Objects, RankObjects
 from .parallel import json_args
-from .state import MASTER_PREFIX
+from .state import MASTER_PREFIX, kind_of
 
 _DISTOPT_PARAM = "optimizer.state.param."
 _TOP_LEVEL = ("iteration", "opt_param_scheduler", "num_floating_point_operations_so_far", "args",
@@ -146,8 +147,6 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
     objects = Objects.of(r.objects(), f"the objects of {r.dir}")
     iteration = objects.iteration
     final = os.path.join(out_dir, f"iter_{iteration:07d}")
-    if os.path.exists(final):
-        raise ConfigError(f"{final} already exists; choose another output directory (nothing was written)")
     distopt = objects.distributed_optimizer
     common = dict(objects.common)
     if distopt is not None:   # DistributedOptimizer, as its 'fully_reshardable' state dict
@@ -181,19 +180,12 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
         objs.update(RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}").sharded_objects)
     state["adacheck_objects"] = {uk: dataclasses.replace(ShardedObject.empty_from_unique_key(uk), data=v)
                                  for uk, v in sorted(objs.items())}
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     store = _solo_group()
     try:
-        dist_checkpointing.save(state, tmp, sharded_strategy=_streaming_strategy(load))
+        with output_dir(final, os.path.join(out_dir, "latest_checkpointed_iteration.txt"), str(iteration)) as tmp:
+            dist_checkpointing.save(state, tmp, sharded_strategy=_streaming_strategy(load))
     finally:
         _done(store)
-    os.replace(tmp, final)
-    tracker = os.path.join(out_dir, "latest_checkpointed_iteration.txt")
-    with open(tracker + ".tmp", "w") as f:
-        f.write(str(iteration))
-    os.replace(tracker + ".tmp", tracker)
     return final
 
 
@@ -261,7 +253,7 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
         plan = []   # (name, shape, kind, its master, compare them?)
         for name in sorted(key_of):
             shape = tuple(meta[key_of[name]].global_shape)
-            kind = "master" if name.startswith(MASTER_PREFIX) else "optim" if name.startswith("optimizer.") else "model"
+            kind = kind_of(name)
             master = MASTER_PREFIX + name if kind == "model" and MASTER_PREFIX + name in key_of else None
             plan.append((name, shape, kind, master,
                          master is not None and tuple(meta[key_of[master]].global_shape) == shape))

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from adacheck.boxes import flat_range_to_boxes
+from adacheck.boxes import flat_pieces
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
 from adacheck.hashing import same_bytes
@@ -61,13 +61,7 @@ def _pieces(st: ShardedTensor) -> List[Tuple[Box, slice]]:
     full = _global_box(st)
     if st.flattened_range is None:
         return [(full, slice(0, full.numel))]
-    fr = st.flattened_range
-    out, pos = [], 0
-    for b in flat_range_to_boxes(full.lengths, fr.start, fr.stop):
-        g = Box(tuple(o + f for o, f in zip(b.offsets, full.offsets)), b.lengths)
-        out.append((g, slice(pos, pos + b.numel)))
-        pos += b.numel
-    return out
+    return flat_pieces(full, st.flattened_range.start, st.flattened_range.stop)
 
 
 def _sharded_tensors(sharded: dict) -> List[ShardedTensor]:
@@ -142,34 +136,18 @@ def _shape_of(tree):
     return None
 
 
+def _dicts(tree):
+    """Every dict inside ``tree``, ``tree`` included (depth first)."""
+    if isinstance(tree, dict):
+        yield tree
+    if isinstance(tree, (dict, list, tuple)):
+        for v in (tree.values() if isinstance(tree, dict) else tree):
+            yield from _dicts(v)
+
+
 def _find(tree, key):
-    """The first value stored under ``key`` anywhere in ``tree`` (depth first), else None."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        values = tree.values()
-    elif isinstance(tree, (list, tuple)):
-        values = tree
-    else:
-        return None
-    for v in values:
-        got = _find(v, key)
-        if got is not None:
-            return got
-    return None
-
-
-def _optimizer_states(tree):
-    """The torch-optimizer state dicts ({'state', 'param_groups'}) inside ``tree``."""
-    if isinstance(tree, dict):
-        if "param_groups" in tree:
-            tree.setdefault("state", {})
-            yield tree
-        for v in tree.values():
-            yield from _optimizer_states(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _optimizer_states(v)
+    """The first value (not None) stored under ``key`` anywhere in ``tree`` (depth first), else None."""
+    return next((d[key] for d in _dicts(tree) if d.get(key) is not None), None)
 
 
 def reconcile_common(saved: dict, target: dict) -> dict:
@@ -182,21 +160,15 @@ def reconcile_common(saved: dict, target: dict) -> dict:
         return saved
     out = dict(saved, optimizer=target["optimizer"])
     step = _find(saved.get("optimizer"), "common_step")
-    for st in _optimizer_states(out["optimizer"]):
-        if step is not None:
-            st["state"]["common_step"] = step
-        else:
-            st["state"].pop("common_step", None)
     scaler = _find(saved.get("optimizer"), "grad_scaler")
-    if scaler is not None:
-        def put(tree):
-            if isinstance(tree, dict):
-                for k in tree:
-                    if k == "grad_scaler":
-                        tree[k] = scaler
-                    else:
-                        put(tree[k])
-        put(out["optimizer"])
+    for d in list(_dicts(out["optimizer"])):
+        if "param_groups" in d:     # a torch optimizer's state dict
+            if step is not None:
+                d.setdefault("state", {})["common_step"] = step
+            else:
+                d.setdefault("state", {}).pop("common_step", None)
+        if scaler is not None and "grad_scaler" in d:
+            d["grad_scaler"] = scaler
     return out
 
 
@@ -224,6 +196,22 @@ def drop_fresh_state(state_dict, never: List[bool]) -> None:
         inner = part.get("optimizer", part) if isinstance(part, dict) else None
         if fresh and isinstance(inner, dict) and "state" in inner:
             inner["state"] = {}
+
+
+def _read_padded(reader: CheckpointReader, name: str, meta: ShardedTensor, dtype) -> torch.Tensor:
+    """This rank's box of ``meta`` from the checkpoint's tensor ``name`` of another shape: refused
+    unless ``meta`` declares padding (a vocabulary padded to a multiple of the TP size), when the
+    part both shapes have is read and the rest of this model's padding is zero."""
+    shape = tuple(reader.entry(name).shape)
+    if not (meta.allow_shape_mismatch and meta.flattened_range is None and len(shape) == len(meta.global_shape)):
+        raise StateError(f"{name}: the checkpoint holds shape {list(shape)} but this model "
+                         f"needs {list(meta.global_shape)}; model configurations differ")
+    box = _global_box(meta)
+    out = torch.zeros(box.lengths, dtype=dtype)
+    inter = box.intersect(Box.full(shape))
+    if inter is not None:
+        reader.read(name, inter, out=out[inter.slices(box)])
+    return out
 
 
 def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
@@ -256,23 +244,12 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
                                   "current values of missing tensors)")
             missing.append(v.key)
             return v.data
-        e = reader.entry(v.key)
+        if tuple(reader.entry(v.key).shape) != tuple(v.global_shape):
+            return _read_padded(reader, v.key, v, v.dtype).view(tuple(v.local_shape))
         if v.flattened_range is None:
             out = torch.empty(tuple(v.local_shape), dtype=v.dtype)
         else:
             out = torch.empty(v.flattened_range.stop - v.flattened_range.start, dtype=v.dtype)
-        if tuple(e.shape) != tuple(v.global_shape):
-            if not (v.allow_shape_mismatch and v.flattened_range is None and len(e.shape) == len(v.global_shape)):
-                raise StateError(f"{v.key}: the checkpoint holds shape {list(e.shape)} but this model "
-                                  f"needs {list(v.global_shape)}; model configurations differ")
-            # declared padding (vocabulary padded to a multiple of the TP size): the part both
-            # shapes have is loaded, the rest of this model's padding is zero
-            box = _global_box(v)
-            out.zero_()
-            inter = box.intersect(Box.full(e.shape))
-            if inter is not None:
-                reader.read(v.key, inter, out=out.view(box.lengths)[inter.slices(box)])
-            return out
         flat = out.view(-1)
         for box, rng in _pieces(v):
             reader.read(v.key, box, out=flat[rng].view(box.lengths))
@@ -296,6 +273,12 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
 # the optimizer: no gather, no copy, and the same logical tensors a plain optimizer gives.
 
 _DISTOPT_NAMES = {"param": "fp32_param"}
+
+
+def _distopt_name(k: str, meta: ShardedTensor) -> str:
+    """The logical tensor of a DistributedOptimizer's state ``k`` ("param": the main weights) of
+    the parameter ``meta``: the name a plain optimizer's sharded state dict gives it."""
+    return f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
 
 
 def distributed_optimizers(optimizer) -> list:
@@ -336,16 +319,6 @@ def model_meta(by_param, model_param) -> ShardedTensor:
                          "DistributedOptimizer is not in the model's sharded_state_dict") from None
 
 
-def _flat_pieces(meta: ShardedTensor, start: int, stop: int):
-    full = _global_box(meta)
-    out, pos = [], 0
-    for b in flat_range_to_boxes(full.lengths, start, stop):
-        out.append((Box(tuple(o + f for o, f in zip(b.offsets, full.offsets)), b.lengths),
-                    slice(pos, pos + b.numel)))
-        pos += b.numel
-    return out
-
-
 def init_empty_state(subs) -> None:
     """Give never-stepped optimizers the state torch's Adam creates lazily at its first
     step (zeros, overwritten by the load; the parameters are not touched, unlike a dummy
@@ -379,12 +352,12 @@ def distopt_describe(optimizer, model_sd: dict) -> Tuple[List[LocalShard], list]
                 for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
                     if k == "step":
                         continue   # shared by all parameters; in the param groups
-                    name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
+                    name = _distopt_name(k, meta)
                     flat = t.detach().reshape(-1)
                     if flat.numel() != stop - start:
                         raise StateError(f"{name}: optimizer holds {flat.numel()} elements for the range "
                                          f"[{start}, {stop})")
-                    for box, rng in _flat_pieces(meta, start, stop):
+                    for box, rng in flat_pieces(_global_box(meta), start, stop):
                         shards.append(LocalShard(name, kind_of(name), tuple(meta.global_shape), box,
                                                  flat[rng].view(box.lengths), replicated=True))
         finally:
@@ -423,14 +396,8 @@ def distopt_read_shard(reader: CheckpointReader, meta: ShardedTensor, start: int
                        names) -> Dict[str, torch.Tensor]:
     """Elements [start, stop) of a flattened parameter's main weights ("param") and optimizer
     state (``names``) from the checkpoint: a DistributedOptimizer shard of any rank."""
-    out = {}
-    for k in names:
-        name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
-        t = torch.empty(stop - start, dtype=torch.float32)
-        for box, rng in _flat_pieces(meta, start, stop):
-            reader.read(name, box, out=t[rng].view(box.lengths))
-        out[k] = t
-    return out
+    return {k: reader.read_flat(_distopt_name(k, meta), start, stop, dtype=torch.float32, within=_global_box(meta))
+            for k in names}
 
 
 def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, commons: list):
@@ -450,24 +417,11 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
             for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
                 if k == "step":
                     continue
-                name = f"optimizer.state.{_DISTOPT_NAMES.get(k, k)}.{meta.key}"
-                e = reader.entry(name)
-                if tuple(e.shape) != tuple(meta.global_shape):
-                    if not (meta.allow_shape_mismatch and len(e.shape) == len(meta.global_shape)):
-                        raise StateError(f"{name}: the checkpoint holds shape {list(e.shape)} but "
-                                          f"this model needs {list(meta.global_shape)}")
-                    # padded vocabulary (see stage_load): common part loaded, the rest zero
-                    box = _global_box(meta)
-                    local = torch.zeros(box.lengths, dtype=t.dtype)
-                    inter = box.intersect(Box.full(e.shape))
-                    if inter is not None:
-                        reader.read(name, inter, out=local[inter.slices(box)])
-                    tensors[k] = local.reshape(-1)[start:stop].clone()
-                    continue
-                out = torch.empty(stop - start, dtype=t.dtype)
-                for box, rng in _flat_pieces(meta, start, stop):
-                    reader.read(name, box, out=out[rng].view(box.lengths))
-                tensors[k] = out
+                name = _distopt_name(k, meta)
+                if tuple(reader.entry(name).shape) != tuple(meta.global_shape):
+                    tensors[k] = _read_padded(reader, name, meta, t.dtype).reshape(-1)[start:stop].clone()
+                else:
+                    tensors[k] = reader.read_flat(name, start, stop, dtype=t.dtype, within=_global_box(meta))
             part.append((model_param, tensors))
         staged.append(part)
     return staged

@@ -48,13 +48,16 @@ class Layout:
     base_optimizer: Optional[torch.optim.Optimizer]
     frags: List[Frag] = field(default_factory=list)
     lp_views: Dict[str, tuple] = field(default_factory=dict)   # name -> (start, 1-D view of module data)
-    trained: set = field(default_factory=set)   # names of parameters the optimizer updates (any rank)
     groups: List[List[str]] = field(default_factory=list)   # parameter names per optimizer group, in
     # the order DeepSpeed was given them (what a DeepSpeed engine of another layout is built from)
+    trained: set = field(init=False)   # names of the parameters the optimizer updates (any rank)
     origin: Dict[str, Tuple[tuple, Box]] = field(default_factory=dict)   # name -> (logical shape,
     # the box of the logical tensor this rank's parameter is: all of it without tensor parallelism)
     tp: Tuple[int, int] = (0, 1)    # (tensor-parallel rank, size)
     split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: partition dim
+
+    def __post_init__(self):
+        self.trained = {n for g in self.groups for n in g}
 
     @property
     def kind(self) -> str:

@@ -20,7 +20,6 @@ class BF16(Wrapper):
         opt = self.opt
         lay = Layout(stage, self, opt.optimizer, groups=[[names[p] for p in g] for g in opt.bf16_groups])
         for g, group in enumerate(opt.bf16_groups):
-            lay.trained.update(names[p] for p in group)
             for p in group:
                 m = getattr(p, "_hp_mapping", None)
                 if m is not None:

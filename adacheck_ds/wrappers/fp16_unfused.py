@@ -19,7 +19,6 @@ class FP16Unfused(Wrapper):
         for lps, masters in zip(opt.fp16_groups, opt.fp32_groups):
             for p, m in zip(lps, masters):
                 lay.frags.append(Frag(names[p], p, 0, m.data.view(-1), m, 0))
-                lay.trained.add(names[p])
         lp_views_whole(lay, names)
         return lay
 

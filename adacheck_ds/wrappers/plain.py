@@ -36,7 +36,6 @@ class Plain(Wrapper):
             for p, n in names.items():
                 if id(p) in in_opt:
                     lay.frags.append(Frag(n, p, 0, p.data.view(-1), p, 0))
-                    lay.trained.add(n)
         return lay
 
     def optim_replicated(self, name, tp_copy) -> bool:

@@ -28,7 +28,6 @@ class Zero12(Wrapper):
             lo = torch.distributed.get_rank(group=group_ranks) * opt.partition_size[g]
             hi = lo + flat.numel()
             for p, off in zip(opt.round_robin_bit16_groups[g], opt.round_robin_bit16_offsets[g]):
-                lay.trained.add(names[p])
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a < b:
                     lay.frags.append(Frag(names[p], p, a - off, flat.narrow(0, a - lo, b - a), flat, a - lo))

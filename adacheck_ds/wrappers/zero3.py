@@ -26,7 +26,6 @@ class Zero3(Wrapper):
         lay = Layout(stage, self, opt.optimizer, groups=[[names[p] for p in g] for g in opt.fp16_groups])
         for g, group in enumerate(opt.fp16_groups):
             flat = opt.fp32_partitioned_groups_flat[g]
-            lay.trained.update(names[p] for p in group)
             for p in group:
                 _, off, ps = opt.grad_position[opt.get_param_id(p)]
                 rank = torch.distributed.get_rank(group=p.ds_process_group)
