@@ -26,8 +26,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     as a derivation instead of its bytes."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(torch.equal(a.detach().contiguous().reshape(-1).view(torch.uint8),
-                            b.detach().contiguous().reshape(-1).view(torch.uint8)))
+    x, y = (t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+    # compared as the widest integers that tile both (one comparison per 8 bytes, not per byte)
+    for wide, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if x.numel() % size == 0 and x.data_ptr() % size == 0 and y.data_ptr() % size == 0:
+            return bool(torch.equal(x.view(wide), y.view(wide)))
+    return bool(torch.equal(x, y))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
