@@ -5,19 +5,22 @@ tensors plus JSON-able objects); ``save`` turns the states of all ranks into one
 committed checkpoint, ``load`` opens one and hands a ``CheckpointReader`` to the
 integration, which asks for exactly the boxes its current layout needs.
 
-Phases of a save (each an ``agree`` step, so a failure anywhere is raised everywhere):
-``prepare`` (hash what each rank holds, exchange, plan) -> ``snapshot`` (copy the bytes
-this rank writes into host buffers) -> ``persist`` (write, fsync, rename) -> ``commit``
-(manifest, then ``latest``, then retention).  Nothing already committed is touched
-before the new manifest is durable.
+Steps of a save (each an ``agree`` step, so a failure anywhere is raised everywhere), methods
+of :class:`Checkpointer`: ``snapshot`` (collect this rank's part; an asynchronous save copies
+it into reusable host buffers and returns here) -> ``prepare`` (hash) -> ``exchange`` ->
+``plan`` -> ``write`` (this rank's file, committed) -> ``commit`` (the manifest, once every
+file is confirmed) -> ``publish`` (``latest``, retention, garbage).  Nothing already committed
+is touched before the new manifest is durable.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import socket
+import threading
 import time
 import warnings
 from collections import OrderedDict
@@ -30,14 +33,19 @@ from . import commit, jsontree, lifecycle
 from .boxes import copy_intersection, flat_range_to_boxes
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
-from .exchange import Comm, agree
+from .exchange import Comm, agree, background_comm
 from .hashing import bound_digest, box_identity, hash_tensor
-from .manifest import BOUND_SINCE, FORMAT_VERSION, split_file
+from .compression import ENCODING_KEY, Encoder, decode
+from .compression import check as check_compression
+from .manifest import BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, split_file
 from .planner import PlanCache, WritePlan, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
-from .storage import LOCAL, Storage
+from .staging import Staging
+from .storage import LOCAL, Storage, open_storage
 from .writer import write_safetensors_to
+
+log = logging.getLogger("adacheck")
 
 
 class DeferredSource:
@@ -170,12 +178,12 @@ def _object_shards(tree, prefix: str, replicated: bool):
     return enc, shards
 
 
-def snapshot(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, object]:
+def host_tensors(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, object]:
     """The boxes this rank writes (key -> contiguous CPU tensor, or a Deferred one).
 
-    Device tensors are copied to the host; contiguous CPU tensors are written in place, as
-    the save is synchronous: nothing changes them between hashing and writing.  Deferred
-    tensors are read when the writer reaches them.
+    Device tensors are copied to the host; contiguous CPU tensors are written in place: a
+    synchronous save holds training until it is written, an asynchronous one wrote host copies
+    (:class:`~adacheck.staging.Staging`).  Deferred tensors are read when the writer reaches them.
     """
     staged = {}
     for name, box, key in writes:
@@ -279,7 +287,10 @@ class Options:
     newest checkpoints (None: all), ``fsync``, ``reference_previous`` unchanged boxes, ``copies``
     of each distinct box (on distinct nodes), the ``exchange`` ("ring" or "allgather"), boxes
     larger than ``chunk_bytes`` stored as row chunks, ``verify`` hashes on load, ``on_corrupt``
-    ("raise" or "fallback")."""
+    ("raise" or "fallback"), ``storage_options`` for the fsspec filesystem of a URL (see
+    :meth:`Checkpointer.locate`), ``on_error``: an asynchronous save that fails in the background
+    is a warning ("warn") or raises at the next poll, save, load or exit ("raise"); ``compression``
+    None or "zstd" (:mod:`adacheck.compression`)."""
     keep_last: Optional[int] = None
     fsync: bool = True
     reference_previous: bool = True
@@ -288,13 +299,51 @@ class Options:
     chunk_bytes: int = 64 << 20
     verify: bool = True
     on_corrupt: str = "raise"
+    storage_options: Optional[dict] = None
+    on_error: str = "warn"
+    compression: Optional[str] = None
 
     @classmethod
     def from_config(cls, config) -> "Options":
         return cls(keep_last=config.keep_last or None, fsync=config.fsync,
                    reference_previous=config.reference_previous, copies=config.redundancy_factor,
                    exchange=config.exchange, chunk_bytes=config.hash_chunk_bytes, verify=config.verify_on_load,
-                   on_corrupt=config.on_corrupt)
+                   on_corrupt=config.on_corrupt, storage_options=dict(config.storage_options) or None,
+                   on_error=config.on_error, compression=config.compression)
+
+
+@dataclass
+class Snapshot:
+    """Step 0 of a save, on this rank: what the integration's ``collect()`` returned, chunked, its
+    objects encoded.  An asynchronous save's tensors are host copies taken at the call; ``ready``
+    waits until their device-to-host copies have landed (None: nothing to wait for)."""
+    save_dir: str
+    tag: str
+    ckpt_dir: str
+    store: Storage
+    shards: Dict[Tuple[str, Box], LocalShard]
+    objects: Optional[dict]
+    rank_objects: dict
+    layout: dict
+    framework: dict
+    step: Optional[int]
+    started: float
+    ready: Optional[Callable[[], None]] = None
+
+
+class PendingSave:
+    """An asynchronous save whose persist runs in the background (:meth:`Checkpointer.save_async`)."""
+
+    def __init__(self, tag: str, ckpt_dir: str):
+        self.tag, self.ckpt_dir = tag, ckpt_dir
+        self.manifest: Optional[Manifest] = None
+        self.error: Optional[BaseException] = None
+        self.started = time.perf_counter()
+        self.finished: Optional[float] = None
+        self.thread: Optional[threading.Thread] = None
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
 
 
 @dataclass
@@ -308,6 +357,7 @@ class Prepared:
     shards: Dict[Tuple[str, Box], LocalShard]
     payload: dict
     started: float
+    store: Storage = LOCAL     # where save_dir lives (Checkpointer.locate)
 
 
 @dataclass
@@ -341,19 +391,38 @@ class Checkpointer:
         self.store = store
         self.options = options if options is not None else Options()
         self.caches = caches if caches is not None else Caches()
+        self._stores: Dict[str, Storage] = {}
+        self.staging = Staging()             # the async saves' host copies, reused
+        self.pending: Optional[PendingSave] = None
+        self.last_committed: Optional[Manifest] = None   # of the last asynchronous save that committed
+        self._background: Optional[Comm] = None
+
+    def locate(self, path: str) -> Tuple[Storage, str]:
+        """The storage ``path`` lives on and the path as it names it: a URL (``s3://bucket/prefix``,
+        ``file:///dir``, any fsspec protocol) opens that filesystem with ``options.storage_options``
+        (once per protocol); a plain path is on this checkpointer's ``store``."""
+        path = str(path)
+        if "://" not in path:
+            if self.options.storage_options:
+                raise ConfigError(f"storage_options were given, but the checkpoint path {path!r} is local; they "
+                                  "apply to fsspec URLs (s3://bucket/prefix, ...) only: pass the URL or remove them")
+            return self.store, path
+        protocol = path.split("://", 1)[0]
+        if protocol not in self._stores:
+            self._stores[protocol] = open_storage(path, self.options.storage_options or None)[0]
+        return self._stores[protocol], (path.split("://", 1)[1] if protocol == "file" else path)
 
     # ------------------------------------------------------------------ references
-    def previous(self, save_dir: str, tag: str) -> Optional[str]:
+    def previous(self, save_dir: str, tag: str, store: Storage) -> Optional[str]:
         """The committed checkpoint a new save may reference (see Caches.trusted), or None."""
-        store = self.store
         prev = self.caches.trusted.get(store.canonical(save_dir))
         if prev is None or prev == tag or not commit.has_manifest(store.join(save_dir, prev), store):
             return None
         return prev
 
-    def trust(self, ckpt_dir: str) -> None:
+    def trust(self, ckpt_dir: str, store: Storage) -> None:
         """``ckpt_dir`` was just committed or loaded (verified) by this job."""
-        self.caches.trusted[self.store.canonical(self.store.parent(ckpt_dir))] = self.store.basename(ckpt_dir)
+        self.caches.trusted[store.canonical(store.parent(ckpt_dir))] = store.basename(ckpt_dir)
 
     # ------------------------------------------------------------------ save
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
@@ -364,58 +433,166 @@ class Checkpointer:
         chain is made complete up to this step first, and a checkpoint committed into its
         directory is the base the deltas of the next steps belong to."""
         lifecycle.register()
+        self.finish()
         if recorder is not None:
             recorder.flush()
-        prepared = self.prepare(comm, save_dir, tag, collect)
-        t_hashed = time.perf_counter()
-        exchanged = self.exchange(comm, prepared)
-        t_prepare = time.perf_counter()
-        plan = self.plan(comm, prepared, exchanged)
-        written = self.write(comm, prepared, plan)
-        t_write = time.perf_counter()
-        manifest = self.commit(comm, prepared, exchanged, plan, written)
+        snap = self.snapshot(comm, save_dir, tag, collect)
+        manifest = self.persist(comm, snap, update_latest)
+        store, save_dir = snap.store, snap.save_dir
+        if recorder is not None and store.canonical(save_dir) == store.canonical(recorder.save_dir):
+            recorder.start_chain(tag, int(manifest.step), int(manifest.stats.get("file_bytes", 0)),
+                                 manifest.stats["seconds"]["total"])
+        return manifest
+
+    def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
+                   update_latest: bool = True) -> PendingSave:
+        """Collectively snapshot this rank's state into reusable host buffers and return: hashing,
+        the exchange, planning, writing and the commit (manifest, then ``latest``) run in a
+        background thread, on a gloo group of their own.  At most one save is in flight: this
+        waits for the previous one first (and says so).  :meth:`poll` reports a finished one,
+        :meth:`finish` waits for it; both raise or warn about a failure (``options.on_error``)."""
+        lifecycle.keep(self)       # finished at exit, before the interpreter tears down
+        self.finish(waiting_for=tag)
+        if self._background is None:
+            self._background = background_comm(comm)
+        snap = self.snapshot(comm, save_dir, tag, collect, staging=self.staging)
+        pending = PendingSave(tag, snap.ckpt_dir)
+        background = self._background
+
+        def run():
+            try:
+                pending.manifest = self.persist(background, snap, update_latest)
+            except BaseException as e:  # noqa: BLE001 - reported by poll / finish on the caller's thread
+                pending.error = e
+            finally:
+                pending.finished = time.perf_counter()
+
+        pending.thread = threading.Thread(target=run, name=f"adacheck-persist-{tag}", daemon=True)
+        self.pending = pending
+        pending.thread.start()
+        return pending
+
+    def poll(self) -> Optional[Manifest]:
+        """Cheap, at every training step: report the in-flight save if it has finished (its
+        manifest; None while it runs or when none is in flight)."""
+        if self.pending is None or not self.pending.done():
+            return None
+        return self.finish()
+
+    def finish(self, waiting_for: Optional[str] = None) -> Optional[Manifest]:
+        """Wait for the in-flight asynchronous save and report it: its manifest, or (it failed)
+        a warning and None, or the error with ``on_error="raise"``.  ``waiting_for``: the tag
+        of a new save that has to wait (logged with how long)."""
+        pending = self.pending
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        pending.thread.join()
+        self.pending = None
+        waited = time.perf_counter() - t0
+        if waiting_for is not None and waited > 0.001:
+            log.warning("AdaCheck: the save of %s waited %.2fs for the previous asynchronous save (%s) to "
+                        "commit; saving less often avoids the wait", waiting_for, waited, pending.tag)
+        if pending.error is not None:
+            if self.options.on_error == "raise":
+                raise pending.error
+            warnings.warn(f"AdaCheck: the asynchronous save of {pending.ckpt_dir} failed; training goes on "
+                          f"from the previous checkpoint (on_error: warn):\n{pending.error}", SaveWarning,
+                          stacklevel=3)
+            return None
+        seconds = pending.finished - pending.started
+        pending.manifest.stats["seconds"]["background"] = seconds
+        log.info("AdaCheck: %s committed in the background (%.2fs after the save call)", pending.ckpt_dir, seconds)
+        self.last_committed = pending.manifest
+        return pending.manifest
+
+    def configure(self, options: Options) -> None:
+        """Other options from the next save or load on (the one in flight finishes first)."""
+        if options != self.options:
+            self.finish()
+            self.options, self._stores = options, {}
+
+    def close(self) -> None:
+        """At exit (lifecycle): the in-flight save commits; a failure is logged."""
+        try:
+            self.finish()
+        except Exception as e:  # noqa: BLE001 - the interpreter is exiting
+            log.warning("AdaCheck: the asynchronous save did not commit: %s", e)
+
+    def persist(self, comm: Comm, snap: Snapshot, update_latest: bool = True) -> Manifest:
+        """Steps 1-6 of a save from its snapshot: hash, exchange, plan, write, commit, publish."""
+        try:
+            prepared = self.prepare(comm, snap)
+            t_hashed = time.perf_counter()
+            exchanged = self.exchange(comm, prepared)
+            t_prepare = time.perf_counter()
+            plan = self.plan(comm, prepared, exchanged)
+            written = self.write(comm, prepared, plan)
+            t_write = time.perf_counter()
+            manifest = self.commit(comm, prepared, exchanged, plan, written)
+        except AdaCheckError as e:
+            e.args = (f"{e}\nCheckpoint {snap.tag!r} was not published: 'latest' and the checkpoints saved "
+                      f"before in {snap.save_dir} are as they were.",)
+            raise
         self.publish(comm, prepared, update_latest)
         t_end = time.perf_counter()
         manifest.stats["exchange"] = exchanged.stats
         manifest.stats["seconds"] = {"hash": t_hashed - prepared.started, "prepare": t_prepare - prepared.started,
                                      "write": t_write - t_prepare, "commit": t_end - t_write,
                                      "total": t_end - prepared.started}
-        store = self.store
-        if recorder is not None and store.canonical(save_dir) == store.canonical(recorder.save_dir):
-            recorder.start_chain(tag, int(manifest.step), int(manifest.stats.get("file_bytes", 0)),
-                                 t_end - prepared.started)
         return manifest
 
-    def prepare(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState]) -> Prepared:
-        """Step 1: this rank's part (the integration's ``collect()``), chunked and hashed with its identity."""
-        store, opts, started = self.store, self.options, time.perf_counter()
+    def snapshot(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
+                 staging: Optional[Staging] = None) -> Snapshot:
+        """Step 0: this rank's part (the integration's ``collect()``), chunked, objects encoded;
+        with ``staging`` its tensors copied into host buffers (the async save's snapshot)."""
+        started = time.perf_counter()
+        store, save_dir = self.locate(save_dir)
         ckpt_dir = store.join(save_dir, tag)
-        out = {}
 
         def run():
             commit.check_tag(tag)
-            generation = previous = None
-            if comm.rank == 0:
-                store.make_dirs(ckpt_dir)
-                generation = commit.generation_of(ckpt_dir, store)
-                previous = self.previous(save_dir, tag) if opts.reference_previous else None
             state = collect()
-            shards = [c for s in state.shards for c in split_chunks(s, opts.chunk_bytes)]
+            shards = [c for s in state.shards for c in split_chunks(s, self.options.chunk_bytes)]
             objects = None
             if comm.rank == 0:
                 objects, extra = _object_shards(state.objects, "object", replicated=False)
                 shards += extra
             rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}", replicated=False)
             shards += extra
-            out["shards"] = {(s.name, s.box): s for s in shards}
-            if len(out["shards"]) != len(shards):
+            ready = None
+            if staging is not None:
+                shards, ready = staging.stage(shards)
+            by_key = {(s.name, s.box): s for s in shards}
+            if len(by_key) != len(shards):
                 raise FormatError("the integration reported the same (tensor, box) twice on one rank")
-            return {"metas": [_meta(s) for s in shards], "objects": objects, "rank_objects": rank_objects,
-                    "layout": state.layout, "generation": generation, "previous": previous, "step": state.step,
-                    "node": node_id(), "framework": state.framework}
+            return Snapshot(save_dir, tag, ckpt_dir, store, by_key, objects, rank_objects, state.layout,
+                            state.framework, state.step, started, ready)
+
+        return agree(comm, f"AdaCheck save of {ckpt_dir} (snapshot)", run)
+
+    def prepare(self, comm: Comm, snap: Snapshot) -> Prepared:
+        """Step 1: the snapshot's boxes hashed with their identity; rank 0 readies the directory."""
+        opts, store, save_dir, ckpt_dir, tag = self.options, snap.store, snap.save_dir, snap.ckpt_dir, snap.tag
+
+        def run():
+            generation = previous = None
+            if comm.rank == 0:
+                stale = store.abort_uploads(save_dir)   # (no rank is writing here now)
+                if stale:
+                    log.warning("AdaCheck: aborted %d unfinished uploads under %s left by an interrupted save",
+                                stale, save_dir)
+                store.make_dirs(ckpt_dir)
+                generation = commit.generation_of(ckpt_dir, store)
+                previous = self.previous(save_dir, tag, store) if opts.reference_previous else None
+            if snap.ready is not None:
+                snap.ready()
+            return {"metas": [_meta(s) for s in snap.shards.values()], "objects": snap.objects,
+                    "rank_objects": snap.rank_objects, "layout": snap.layout, "generation": generation,
+                    "previous": previous, "step": snap.step, "node": node_id(), "framework": snap.framework}
 
         payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", run)
-        return Prepared(save_dir, tag, ckpt_dir, out["shards"], payload, started)
+        return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store)
 
     def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
         """Step 2: every rank's payload on every rank."""
@@ -429,7 +606,7 @@ class Checkpointer:
 
     def plan(self, comm: Comm, prepared: Prepared, exchanged: Exchanged) -> WritePlan:
         """Step 3 (pure, the same on every rank once the checkpoint to reference is indexed)."""
-        store, save_dir, prev_tag = self.store, prepared.save_dir, exchanged.previous
+        store, save_dir, prev_tag = prepared.store, prepared.save_dir, exchanged.previous
 
         def index_previous():
             if prev_tag is None:
@@ -451,9 +628,9 @@ class Checkpointer:
 
     def _remove_mine(self, prepared: Prepared, my_file: Optional[str]) -> None:
         if my_file is not None:
-            for p in (self.store.join(prepared.ckpt_dir, my_file),
-                      self.store.join(prepared.ckpt_dir, my_file) + commit.TMP_SUFFIX):
-                self.store.remove(p)
+            store = prepared.store
+            for p in (store.join(prepared.ckpt_dir, my_file), store.join(prepared.ckpt_dir, my_file) + commit.TMP_SUFFIX):
+                store.remove(p)
 
     def write(self, comm: Comm, prepared: Prepared, plan: WritePlan) -> Written:
         """Step 4: the boxes this rank writes, in one file, committed (or nothing left of it)."""
@@ -463,9 +640,13 @@ class Checkpointer:
         def run():
             if not mine:
                 return 0
-            staged = snapshot(prepared.shards, mine)
-            return persist(prepared.ckpt_dir, my_file, staged, {"format": "pt", "adacheck_tag": prepared.tag},
-                           self.options.fsync, self.store)
+            staged = host_tensors(prepared.shards, mine)
+            metadata = {"format": "pt", "adacheck_tag": prepared.tag}
+            encoding = check_compression(self.options.compression)
+            if encoding is not None:
+                staged = Encoder(encoding).encode_all({k: _bytes_of(t) for k, t in staged.items()})
+                metadata[ENCODING_KEY] = encoding
+            return persist(prepared.ckpt_dir, my_file, staged, metadata, self.options.fsync, prepared.store)
 
         size = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
                      on_failure=lambda: self._remove_mine(prepared, my_file))
@@ -478,7 +659,7 @@ class Checkpointer:
         files = {f: dict(info, nbytes=written.sizes[info["writer"]]) for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
         manifest = Manifest(
-            format_version=FORMAT_VERSION, tag=prepared.tag, step=gathered[0]["step"],
+            format_version=COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION, tag=prepared.tag, step=gathered[0]["step"],
             framework=dict(gathered[0]["framework"], generation=exchanged.generation),
             topology=dict({"world_size": comm.world_size},
                           **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {})),
@@ -488,7 +669,8 @@ class Checkpointer:
 
         def run():
             if comm.rank == 0:
-                commit.write_manifest(prepared.ckpt_dir, manifest, self.store)
+                confirm_files(prepared.store, prepared.ckpt_dir, files)
+                commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
               on_failure=lambda: self._remove_mine(prepared, written.my_file))
@@ -496,7 +678,7 @@ class Checkpointer:
 
     def publish(self, comm: Comm, prepared: Prepared, update_latest: bool = True) -> None:
         """Step 6: ``latest`` (after the manifest), retention and garbage collection, by rank 0."""
-        store, save_dir, keep_last = self.store, prepared.save_dir, self.options.keep_last
+        store, save_dir, keep_last = prepared.store, prepared.save_dir, self.options.keep_last
 
         def run():
             if comm.rank == 0:
@@ -509,7 +691,7 @@ class Checkpointer:
                 commit.collect_garbage(save_dir, store=store)
 
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (publish)", run)
-        self.trust(prepared.ckpt_dir)
+        self.trust(prepared.ckpt_dir, store)
 
     # ------------------------------------------------------------------ load
     def load(self, comm: Comm, load_dir: str, tag: Optional[str], read: Callable[["CheckpointReader"], object],
@@ -530,7 +712,9 @@ class Checkpointer:
         directory, its manifest, what ``apply`` returned).
         """
         lifecycle.register()
-        store, opts = self.store, self.options
+        lifecycle.finish_saves(block=True)     # asynchronous saves in flight (any job's here) commit first
+        opts = self.options
+        store, load_dir = self.locate(load_dir)
         try:
             ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, opts.verify, undo, store)
         except (FormatError, NotFoundError) as e:
@@ -548,7 +732,7 @@ class Checkpointer:
             ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, opts.verify, undo, store)
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
         if opts.verify:
-            self.trust(ckpt_dir)
+            self.trust(ckpt_dir, store)
         return ckpt_dir, manifest, result
 
 
@@ -560,6 +744,22 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
     options = Options(keep_last=keep_last, fsync=fsync, reference_previous=reference_previous, copies=copies,
                       exchange=exchange, chunk_bytes=chunk_bytes)
     return Checkpointer(store, options, DEFAULT_CACHES).save(comm, save_dir, tag, collect, update_latest)
+
+
+def confirm_files(store: Storage, ckpt_dir: str, files: Dict[str, dict]) -> None:
+    """Before the manifest names them: every file of the new checkpoint is on the storage with the
+    size its writer committed (an object store's upload completed, a shared filesystem's rename
+    visible here).  Their contents are checked by hash whenever they are read."""
+    for fname, info in sorted(files.items()):
+        path = store.join(ckpt_dir, fname)
+        try:
+            size = store.size(path)
+        except FileNotFoundError:
+            raise IntegrityError(f"{path} was committed by rank {info['writer']} but is not on the storage; "
+                                 "the checkpoint is not published") from None
+        if size != info["nbytes"]:
+            raise IntegrityError(f"{path} holds {size} bytes on the storage, but rank {info['writer']} wrote "
+                                 f"{info['nbytes']}; the checkpoint is not published")
 
 
 def resolve(load_dir: str, tag: Optional[str] = None, store: Storage = LOCAL) -> str:
@@ -708,11 +908,21 @@ class CheckpointReader:
         if sb.key not in f.entries:
             raise FormatError(f"{f.path}: lacks tensor {sb.key!r} that the manifest places there")
         dname, shape, _, _ = f.entries[sb.key]
-        if dname != e.dtype or shape != tuple(sb.box.lengths):
-            raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in the file but the "
-                              f"manifest says {e.dtype}{list(sb.box.lengths)}")
-        t = f.read(sb.key, out)
-        self.bytes_read += t.numel() * t.element_size()
+        encoding = f.metadata.get(ENCODING_KEY)
+        if encoding is not None:      # (compressed: the file holds the box's encoded bytes)
+            if dname != "uint8" or len(shape) != 1:
+                raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in a file of encoded boxes")
+            raw = f.read(sb.key)
+            self.bytes_read += raw.numel()
+            t = decode(encoding, raw, torch_dtype(e.dtype), tuple(sb.box.lengths), f"{f.path}: {sb.key!r}")
+            if out is not None:
+                t = out.copy_(t)
+        else:
+            if dname != e.dtype or shape != tuple(sb.box.lengths):
+                raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in the file but the "
+                                  f"manifest says {e.dtype}{list(sb.box.lengths)}")
+            t = f.read(sb.key, out)
+            self.bytes_read += t.numel() * t.element_size()
         if self.verify:
             got = (bound_digest(box_identity(name, e.dtype, e.shape, sb.box.offsets, sb.box.lengths), t)
                    if self.bound else hash_tensor(t))

@@ -7,6 +7,7 @@ import os
 import sys
 import re
 from collections import defaultdict
+from typing import Optional
 
 import torch
 
@@ -14,7 +15,7 @@ from . import commit, deltas
 from .checkpoint import CheckpointReader, resolve
 from .errors import AdaCheckError, ConfigError
 from .manifest import referenced_files
-from .storage import LOCAL
+from .storage import LOCAL, Storage, open_storage
 
 
 def human(n: float) -> str:
@@ -34,8 +35,29 @@ def table(rows, headers) -> str:
     return "\n".join(lines)
 
 
-def summary(ckpt_dir: str) -> dict:
-    r = CheckpointReader(ckpt_dir, verify=False)
+def located(args, path: str):
+    """(storage, path) of a checkpoint path given on the command line: a local directory, or an
+    fsspec URL opened with ``--storage-options``."""
+    options = getattr(args, "storage_options", None)
+    if options is not None and "://" not in path:
+        raise ConfigError(f"--storage-options apply to URLs (s3://bucket/prefix, ...), not to the local path {path!r}")
+    return open_storage(path, options)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"endpoint_url\": \"http://host:9000\"}}', "
+                                         f"got {text!r}")
+    return value
+
+
+def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
+    store = store if store is not None else open_storage(ckpt_dir)[0]
+    r = CheckpointReader(ckpt_dir, verify=False, store=store)
     m = r.manifest
     per_kind = defaultdict(lambda: {"tensors": 0, "logical": 0, "stored": 0, "referenced": 0, "derived": 0})
     for e in m.tensors.values():
@@ -52,23 +74,24 @@ def summary(ckpt_dir: str) -> dict:
     for f, info in m.files.items():
         per_rank[info["writer"]] += info["nbytes"]
     return {
-        "dir": os.path.abspath(ckpt_dir), "tag": m.tag, "step": m.step,
+        "dir": store.canonical(ckpt_dir), "tag": m.tag, "step": m.step,
         "framework": m.framework, "topology": m.topology, "stats": m.stats,
         "tensors": len(m.tensors), "files": len(m.files),
         "file_bytes": sum(i["nbytes"] for i in m.files.values()),
         "per_kind": dict(per_kind), "per_rank_file_bytes": dict(sorted(per_rank.items())),
         "references": sorted({t for t, _ in referenced_files(m) if t is not None}),
-        "deltas": (deltas.summary(ckpt_dir, m.step, int(m.topology.get("world_size", 1)))
-                   if m.step is not None and deltas.step_dirs(ckpt_dir) else None),
+        "deltas": (deltas.summary(ckpt_dir, m.step, int(m.topology.get("world_size", 1)), store)
+                   if m.step is not None and deltas.step_dirs(ckpt_dir, store) else None),
     }
 
 
 def cmd_inspect(args) -> int:
-    d = resolve(args.path, args.tag)
-    s = summary(d)
+    store, path = located(args, args.path)
+    d = resolve(path, args.tag, store)
+    s = summary(d, store)
     if args.json:
         if args.redundancy:
-            s["redundancy"] = redundancy(CheckpointReader(d, verify=False).manifest)
+            s["redundancy"] = redundancy(CheckpointReader(d, verify=False, store=store).manifest)
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0
     fw = s["framework"]
@@ -196,8 +219,9 @@ def print_redundancy(m) -> None:
 
 
 def cmd_verify(args) -> int:
-    d = resolve(args.path, args.tag)
-    r = CheckpointReader(d, verify=True, cache_bytes=0)
+    store, path = located(args, args.path)
+    d = resolve(path, args.tag, store)
+    r = CheckpointReader(d, verify=True, cache_bytes=0, store=store)
     # stored boxes, then (format 2) each box of a derived tensor: derived from its source and
     # checked against the digest its holders recorded
     work = [(name, sb.box, lambda name=name, sb=sb: r.stored(name, sb))
@@ -228,8 +252,9 @@ def cmd_verify(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    latest = commit.read_latest(args.path)
-    found = commit.list_checkpoints(args.path)
+    store, path = located(args, args.path)
+    latest = commit.read_latest(path, store)
+    found = commit.list_checkpoints(path, store)
     users = defaultdict(set)   # tag -> later checkpoints that read files there
     for tag, m, _ in found:
         for ref, _ in referenced_files(m) if m else ():
@@ -273,10 +298,11 @@ def cmd_prune(args) -> int:
         print("adacheck prune: error: say what to keep: --keep-last K and/or --older-than AGE",
               file=sys.stderr)
         return 2
-    latest = commit.read_latest(args.path)
-    doomed = commit.choose_retired(args.path, keep_last=args.keep_last, older_than_s=args.older_than,
-                                   protect=(latest,) if latest else ())
-    files = commit.collect_garbage(args.path, dry_run=True, retired=tuple(doomed))
+    store, path = located(args, args.path)
+    latest = commit.read_latest(path, store)
+    doomed = commit.choose_retired(path, keep_last=args.keep_last, older_than_s=args.older_than,
+                                   protect=(latest,) if latest else (), store=store)
+    files = commit.collect_garbage(path, dry_run=True, retired=tuple(doomed), store=store)
     freed = sum(n for _, n in files)
     if args.json:
         print(json.dumps({"retire": doomed, "delete": [f for f, _ in files], "bytes": freed,
@@ -284,7 +310,7 @@ def cmd_prune(args) -> int:
     else:
         going = {f for f, _ in files}
         kept_refs = [t for t in doomed if any(
-            f"{t}/{f}" not in going for f in LOCAL.list(LOCAL.join(args.path, t)) if f.endswith(".safetensors"))]
+            f"{t}/{f}" not in going for f in store.list(store.join(path, t)) if f.endswith(".safetensors"))]
         print(f"{'retiring' if args.yes else 'would retire'} {len(doomed)} checkpoint(s): "
               f"{', '.join(doomed) or '-'}")
         print(f"{'deleting' if args.yes else 'would delete'} {len(files)} shard file(s), {human(freed)}")
@@ -294,8 +320,8 @@ def cmd_prune(args) -> int:
         if not args.json:
             print("dry run: nothing deleted; run again with --yes to do it")
         return 0
-    commit.retire(args.path, doomed)
-    done = commit.collect_garbage(args.path)
+    commit.retire(path, doomed, store)
+    done = commit.collect_garbage(path, store=store)
     if not args.json:
         print(f"done: {human(sum(n for _, n in done))} freed")
     return 0
@@ -317,8 +343,10 @@ def _diff_entry(ra, rb, name):
 
 
 def cmd_diff(args) -> int:
-    da, db = resolve(args.a, None), resolve(args.b, None)
-    ra, rb = CheckpointReader(da, verify=not args.no_verify), CheckpointReader(db, verify=not args.no_verify)
+    (sa, pa), (sb, pb) = located(args, args.a), located(args, args.b)
+    da, db = resolve(pa, None, sa), resolve(pb, None, sb)
+    ra = CheckpointReader(da, verify=not args.no_verify, store=sa)
+    rb = CheckpointReader(db, verify=not args.no_verify, store=sb)
     na, nb = set(ra.manifest.tensors), set(rb.manifest.tensors)
     only_a, only_b, common = sorted(na - nb), sorted(nb - na), sorted(na & nb)
     changed, same = [], 0
@@ -396,10 +424,14 @@ def cmd_convert(args, rest) -> int:
             sys.stderr.write("\n")
         print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
         return 0
-    d = resolve(args.src, args.tag)
-    if deltas.step_dirs(d):
-        m = CheckpointReader(d, verify=False).manifest
-        dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)))
+    store, src = located(args, args.src)
+    if how == "write" and store is not LOCAL:
+        raise ConfigError(f"--to {args.to} reads a local checkpoint; --to weights reads {args.src} directly (or "
+                          "copy the checkpoint directory to local disk first)")
+    d = resolve(src, args.tag, store)
+    if deltas.step_dirs(d, store):
+        m = CheckpointReader(d, verify=False, store=store).manifest
+        dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)), store)
         if dl["committed"] and how == "write" and conv.framework == m.framework.get("name"):
             pass    # (this format materialises the deltas itself, up to --step)
         elif dl["committed"]:
@@ -418,7 +450,7 @@ def cmd_convert(args, rest) -> int:
     if rest:
         raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
     res = export_weights(d, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                         overwrite=args.overwrite, verify=not args.no_verify, progress=progress)
+                         overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
     if show:
         sys.stderr.write("\n")
     if args.json:
@@ -432,7 +464,10 @@ def cmd_convert(args, rest) -> int:
 def _materialiser(args):
     """The converter that replays the online deltas of the AdaCheck checkpoint ``args.src``."""
     from .convert import converter, registered
-    d = resolve(args.src, args.tag)
+    store, src = located(args, args.src)
+    if store is not LOCAL:
+        raise ConfigError(f"replaying online deltas reads a local checkpoint: copy {args.src} to local disk first")
+    d = resolve(src, args.tag)
     framework = CheckpointReader(d, verify=False).manifest.framework.get("name")
     if framework == "megatron":
         raise ConfigError("Megatron online deltas are materialised by the training script, which builds the "
@@ -524,6 +559,10 @@ def main(argv=None) -> int:
     s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
     s.add_argument("path")
     s.set_defaults(fn=cmd_ls)
+    for s in sub.choices.values():
+        s.add_argument("--storage-options", type=_json_object, metavar="JSON",
+                       help="for a URL PATH (s3://bucket/prefix, ...): the fsspec filesystem's arguments, e.g. "
+                            "'{\"endpoint_url\": \"http://host:9000\"}'")
     args, rest = p.parse_known_args(argv)
     try:
         if args.fn is cmd_convert:

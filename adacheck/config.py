@@ -11,7 +11,23 @@ key                 default   meaning
 ==================  ========  ==============================================================
 enabled             false     use AdaCheck for save_checkpoint / load_checkpoint
 save_dir            null      directory for checkpoints; null = the directory the training
-                              script passes to save_checkpoint / load_checkpoint
+                              script passes to save_checkpoint / load_checkpoint.  Either may
+                              be an fsspec URL (s3://bucket/prefix, gs://..., file:///dir):
+                              checkpoints then go to that object store or filesystem
+storage_options     {}        keyword arguments for the fsspec filesystem of a URL, e.g.
+                              {"endpoint_url": "http://10.0.0.5:9000", "key": ..., "secret": ...}
+                              for an S3 server (s3fs); an error for a local path
+async               false     save_checkpoint returns once every rank has copied its state into
+                              reusable host buffers; hashing, the exchange, writing and the
+                              commit run in the background (one save in flight; the next save,
+                              a load and the exit wait for it).  With online deltas the base
+                              checkpoints stay synchronous
+on_error            "warn"    an asynchronous save that fails in the background (full disk, lost
+                              storage server): "warn" (training goes on; 'latest' is the
+                              previous checkpoint) or "raise" at the next step, save or load
+compression         null      "zstd": store each box as byte planes compressed with zstandard
+                              (lossless; hashes, deduplication and references are those of the
+                              uncompressed bytes); for storage where bandwidth is the limit
 keep_last           0         keep only the newest K committed checkpoints (0 = keep all);
                               the one being written and the latest are never deleted
 verify_on_load      true      check every stored box's xxh3-128 hash while loading
@@ -65,15 +81,19 @@ Keys starting with ``_`` are comments (JSON has none) and are ignored.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from .compression import check as check_compression
 from .errors import ConfigError
 from .exchange import EXCHANGES
 
 
 ON_ERROR = ("disable", "raise")
 ON_CORRUPT = ("raise", "fallback")
+ON_SAVE_ERROR = ("warn", "raise")
+# JSON keys that are Python keywords: the block's key -> the field
+_ALIASES = {"async": "async_save"}
 
 
 @dataclass(frozen=True)
@@ -111,12 +131,13 @@ class OnlineConfig:
 
 def _known(block: dict, cls, where: str) -> dict:
     known = [f.name for f in fields(cls)]
+    shown = [{field: key for key, field in _ALIASES.items()}.get(n, n) for n in known]   # as the JSON spells them
     block = {k: v for k, v in block.items() if not (isinstance(k, str) and k.startswith("_"))}
     for key in block:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
+            close = difflib.get_close_matches(str(key), shown, n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown key {where}.{key!r}.{hint} Allowed keys: {', '.join(known)}")
+            raise ConfigError(f"unknown key {where}.{key!r}.{hint} Allowed keys: {', '.join(shown)}")
     return block
 
 
@@ -124,6 +145,10 @@ def _known(block: dict, cls, where: str) -> dict:
 class AdaCheckConfig:
     enabled: bool = False
     save_dir: Optional[str] = None
+    storage_options: dict = field(default_factory=dict)
+    async_save: bool = False
+    on_error: str = "warn"
+    compression: Optional[str] = None
     keep_last: int = 0
     verify_on_load: bool = True
     fsync: bool = True
@@ -143,19 +168,28 @@ class AdaCheckConfig:
                 continue
             v = getattr(self, f.name)
             want = _TYPES[f.name]
+            if f.name == "storage_options":
+                if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                    raise ConfigError(f"adacheck.storage_options must be an object of fsspec filesystem "
+                                      f"arguments like {{\"endpoint_url\": \"http://host:9000\"}}, got {v!r}")
+                continue
+            if f.name == "compression":
+                check_compression(v)
+                continue
             if f.name == "save_dir":
                 if v is not None and (not isinstance(v, str) or not v):
                     raise ConfigError(f"adacheck.save_dir must be a non-empty path string or null, "
                                       f"got {v!r}")
                 continue
-            choices = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT}.get(f.name)
+            choices = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR}.get(f.name)
             if choices is not None:
                 if v not in choices:
                     raise ConfigError(f"adacheck.{f.name} must be one of {', '.join(map(repr, choices))}, "
                                       f"got {v!r}")
                 continue
             if want is bool and not isinstance(v, bool):
-                raise ConfigError(f"adacheck.{f.name} must be true or false, got {v!r}")
+                key = next((k for k, name in _ALIASES.items() if name == f.name), f.name)
+                raise ConfigError(f"adacheck.{key} must be true or false, got {v!r}")
             if want is int and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ConfigError(f"adacheck.{f.name} must be an integer, got {v!r}")
         if self.redundancy_factor < 1:
@@ -164,6 +198,10 @@ class AdaCheckConfig:
         if self.hash_chunk_bytes < 0:
             raise ConfigError(f"adacheck.hash_chunk_bytes must be >= 0 (0: never split boxes), "
                               f"got {self.hash_chunk_bytes}")
+        if self.storage_options and self.save_dir is not None and "://" not in self.save_dir:
+            raise ConfigError(f"adacheck.storage_options apply to fsspec URLs (s3://bucket/prefix, ...), but "
+                              f"adacheck.save_dir is the local path {self.save_dir!r}: remove adacheck.storage_options or "
+                              "give adacheck.save_dir as a URL")
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
@@ -175,9 +213,10 @@ class AdaCheckConfig:
         if not isinstance(block, dict):
             raise ConfigError(f"the {where!r} block must be a JSON object like "
                               f'{{"enabled": true}}, got {type(block).__name__}: {block!r}')
-        return cls(**_known(block, cls, where))
+        known = _known({_ALIASES.get(k, k): v for k, v in block.items()}, cls, where)
+        return cls(**known)
 
 
-_TYPES = {"enabled": bool, "save_dir": str, "keep_last": int, "verify_on_load": bool,
+_TYPES = {"enabled": bool, "save_dir": str, "storage_options": dict, "async_save": bool, "on_error": str, "compression": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
           "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "online": dict}

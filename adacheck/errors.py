@@ -31,13 +31,18 @@ class StateError(AdaCheckError):
     """Training state cannot be captured or restored (e.g. a non-JSON-able object)."""
 
 
+class StorageError(AdaCheckError, OSError):
+    """The storage (an object store, a remote filesystem) could not be reached or refused an
+    operation; the message names the operation, the path and the backend's own error."""
+
+
 class CorruptCheckpointWarning(UserWarning):
     """A damaged checkpoint or delta step was skipped and older intact state loaded instead
     (on_corrupt: fallback)."""
 
 
 _KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
-                                  StateError)}
+                                  StateError, StorageError)}
 
 
 class DistributedError(AdaCheckError):

@@ -127,6 +127,20 @@ def default_comm() -> Comm:
     return SoloComm()
 
 
+def background_comm(comm: Comm, timeout_s: float = 1800.0) -> Comm:
+    """A communicator over the same ranks as ``comm`` on a gloo process group of its own, for
+    collectives that run in a background thread while training uses its own groups (gloo, or
+    NCCL, which would serialise with the training's kernels).  Collective: every rank of
+    ``comm`` calls it at the same point."""
+    if comm.world_size == 1:
+        return SoloComm()
+    import datetime
+    import torch.distributed as dist
+    group = getattr(comm, "group", None)
+    ranks = None if group is None else [dist.get_global_rank(group, r) for r in range(comm.world_size)]
+    return TorchComm(dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
+
+
 def _describe(e: BaseException) -> str:
     if isinstance(e, AdaCheckError):
         return str(e)

@@ -52,6 +52,15 @@ def release(obj) -> None:
     _OPEN.discard(obj)
 
 
+def finish_saves(block: bool = True) -> None:
+    """Every job's asynchronous save in flight: completed and reported (``block``), or reported
+    if it has finished (a cheap poll)."""
+    for obj in list(_OPEN):
+        fn = getattr(obj, "finish" if block else "poll", None)
+        if fn is not None:
+            fn()
+
+
 SETTLE_SECONDS = 0.1
 
 

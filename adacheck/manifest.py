@@ -24,7 +24,8 @@ from .types import KINDS, DTYPES, Box, Derivation, Manifest, StoredBox, TensorEn
 
 FORMAT = "adacheck"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
+COMPRESSED_SINCE = 3   # format versions from here on may hold encoded (compressed) shard files
 BOUND_SINCE = 2        # format versions from here on bind box hashes to their identity
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"

@@ -24,13 +24,14 @@ fsspec's in-memory one).  :func:`open_storage` picks one for a path.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import ConfigError
+from .errors import AdaCheckError, ConfigError, StorageError
 
 
 class FileWriter:
@@ -150,6 +151,11 @@ class Storage:
     def sync_dir(self, path: str) -> None:
         """Make the directory's entries (creations, renames, deletions) durable."""
         raise NotImplementedError
+
+    def abort_uploads(self, path: str) -> int:
+        """Abort unfinished uploads under ``path`` that a killed writer left (S3 multipart
+        uploads: invisible, but stored and billed until aborted); returns how many."""
+        return 0
 
     def describe(self) -> str:
         return type(self).__name__
@@ -328,12 +334,19 @@ class _FsspecWriter(FileWriter):
 class FsspecStorage(Storage):
     """Any fsspec filesystem (``fsspec.filesystem(protocol, **storage_options)``).  Objects
     appear whole when written (``renames`` is False): shard objects are written under their
-    final names, then the manifest, then ``latest``; nothing needs an fsync or a directory."""
+    final names, then the manifest, then ``latest``; nothing needs an fsync or a directory.
+
+    Other ranks write into the same prefix, so no answer comes from fsspec's listings cache:
+    every query drops what the filesystem remembers of that path first."""
 
     renames = False
 
     def __init__(self, fs, protocol: str = ""):
         self.fs, self.protocol = fs, protocol
+
+    def _fresh(self, path: str) -> str:
+        self.fs.invalidate_cache(path)
+        return path
 
     def join(self, *parts):
         return "/".join([parts[0].rstrip("/")] + [p.strip("/") for p in parts[1:]])
@@ -348,25 +361,25 @@ class FsspecStorage(Storage):
         return f"{self.protocol}://" + self.fs._strip_protocol(path).rstrip("/")
 
     def exists(self, path):
-        return self.fs.exists(path)
+        return self.fs.exists(self._fresh(path))
 
     def is_dir(self, path):
-        return self.fs.isdir(path)
+        return self.fs.isdir(self._fresh(path))
 
     def is_file(self, path):
-        return self.fs.isfile(path)
+        return self.fs.isfile(self._fresh(path))
 
     def list(self, path):
         try:
-            return sorted({self.basename(p) for p in self.fs.ls(path, detail=False)} - {""})
+            return sorted({self.basename(p) for p in self.fs.ls(self._fresh(path), detail=False)} - {""})
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def size(self, path):
-        return self.fs.size(path)
+        return self.fs.size(self._fresh(path))
 
     def mtime(self, path):
-        return self.fs.modified(path).timestamp()
+        return self.fs.modified(self._fresh(path)).timestamp()
 
     def read_into(self, path, offset, buffer):
         view = memoryview(buffer).cast("B")
@@ -410,11 +423,51 @@ class FsspecStorage(Storage):
     def sync_dir(self, path):
         pass
 
+    def abort_uploads(self, path):
+        lister, abort = getattr(self.fs, "list_multipart_uploads", None), getattr(self.fs, "abort_mpu", None)
+        if lister is None or abort is None:
+            return 0     # (a filesystem without multipart uploads)
+        bucket, _, prefix = self.fs._strip_protocol(path).partition("/")
+        prefix = prefix.rstrip("/") + "/" if prefix else ""
+        stale = [u for u in lister(bucket) if u["Key"].startswith(prefix)]
+        for u in stale:
+            abort(bucket, u["Key"], u["UploadId"])
+        return len(stale)
+
     def describe(self):
         return f"fsspec {self.protocol or type(self.fs).__name__}"
 
 
+def _named_errors(cls, methods):
+    """Errors of the backend (an unreachable server, a refused request) become StorageError naming
+    the operation and the path; FileNotFoundError stays what it is (the callers ask for it)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except (FileNotFoundError, AdaCheckError):
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised with what was being done
+                path = args[0] if args and isinstance(args[0], str) else getattr(self, "path", "")
+                where = self.describe() if isinstance(self, Storage) else "fsspec"
+                raise StorageError(f"{where}: {fn.__name__} {path} failed: {type(e).__name__}: {e}") from e
+        return call
+    for name in methods:
+        setattr(cls, name, wrap(getattr(cls, name)))
+
+
+_named_errors(FsspecStorage, ("exists", "is_dir", "is_file", "list", "size", "mtime", "read_into", "read_bytes",
+                              "make_dirs", "open_writer", "write_atomic", "remove", "remove_tree", "remove_dir",
+                              "abort_uploads"))
+_named_errors(_FsspecWriter, ("write", "commit", "abort"))
+
 LOCAL = PosixStorage()
+
+
+def is_url(path) -> bool:
+    """Whether a checkpoint path names an fsspec filesystem (``protocol://...``)."""
+    return "://" in str(path)
 
 
 def open_storage(path: str, options: Optional[dict] = None) -> Tuple[Storage, str]:

@@ -14,6 +14,7 @@ from adacheck.commit import has_checkpoint, latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
+from adacheck.storage import is_url
 
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
@@ -42,6 +43,8 @@ def native_load(engine, *args, **kwargs):
 def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
     """The directory of a native DeepSpeed checkpoint that ``load_checkpoint(load_dir, tag)``
     means (DeepSpeed's 'latest' and AdaCheck's have the same name and content), or None."""
+    if is_url(load_dir):
+        return None      # (DeepSpeed's loader reads local files only)
     if tag is None:
         tag = latest_or_none(load_dir)     # (damaged: AdaCheck's load reports it)
         if tag is None:
@@ -69,6 +72,41 @@ class AdaCheckDeepSpeed:
         if config.online.enabled:
             from .online import OnlineDS
             self.online = OnlineDS(self)
+        self.pending = None          # the asynchronous save in flight (core.PendingSave)
+        if config.async_save and self.online is None:
+            # a finished background save is reported at the next step (cheap when none is);
+            # the engine's destroy waits for it while the process groups still exist
+            self._step, self._destroy = engine.step, getattr(engine, "destroy", None)
+            engine.step = self._step_and_poll
+            if self._destroy is not None:
+                engine.destroy = self._finish_and_destroy
+
+    def _step_and_poll(self, *args, **kwargs):
+        out = self._step(*args, **kwargs)
+        if self.pending is not None:
+            self.poll()
+        return out
+
+    def _finish_and_destroy(self, *args, **kwargs):
+        self.finish()
+        return self._destroy(*args, **kwargs)
+
+    def poll(self):
+        """The asynchronous save's manifest once it has committed (None while it runs)."""
+        manifest = self.checkpointer.poll()
+        if self.checkpointer.pending is None:
+            self.pending = None
+        if manifest is not None:
+            self.last_manifest = manifest
+        return manifest
+
+    def finish(self):
+        """Wait for the asynchronous save in flight (if any) and report it."""
+        self.pending = None
+        manifest = self.checkpointer.finish()
+        if manifest is not None:
+            self.last_manifest = manifest
+        return manifest
 
     @staticmethod
     def comm():
@@ -85,10 +123,16 @@ class AdaCheckDeepSpeed:
         opt = e.optimizer
         if hasattr(opt, "checkpoint_event_prologue"):
             opt.checkpoint_event_prologue()
+        collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
         try:
-            self.last_manifest = self.checkpointer.save(
-                default_comm(), save_dir, tag, lambda: self._collect(client_state, exclude_frozen_parameters),
-                update_latest=save_latest, recorder=self.online.recorder if self.online is not None else None)
+            if self.config.async_save and self.online is None:
+                self.pending = self.checkpointer.save_async(default_comm(), save_dir, tag, collect,
+                                                            update_latest=save_latest)
+                self.last_manifest = self.checkpointer.last_committed   # (the previous one, if it committed)
+            else:
+                self.last_manifest = self.checkpointer.save(
+                    default_comm(), save_dir, tag, collect, update_latest=save_latest,
+                    recorder=self.online.recorder if self.online is not None else None)
         finally:
             if hasattr(opt, "checkpoint_event_epilogue"):
                 opt.checkpoint_event_epilogue()
@@ -164,7 +208,9 @@ class AdaCheckDeepSpeed:
         load_dir = self.config.save_dir or load_dir
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
-        if tag is None and not has_checkpoint(load_dir):
+        self.finish()     # an asynchronous save in flight commits first
+        store, where = self.checkpointer.locate(load_dir)
+        if tag is None and not has_checkpoint(where, store):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
             return None, None
         native = _native_checkpoint(load_dir, tag)
@@ -213,14 +259,14 @@ class AdaCheckDeepSpeed:
             model = loaded["objects"].model(ckpt_dir)
             saved_optimizer = model.optimizer if model is not None else None
             done = recovery.recover(comm, ckpt_dir, manifest, Replay(self, saved_optimizer),
-                                    latest=latest_or_none(load_dir) == manifest.tag, until=self.replay_until,
+                                    latest=latest_or_none(where, store) == manifest.tag, until=self.replay_until,
                                     strict=self.config.on_corrupt != "fallback", verify=self.config.verify_on_load,
-                                    recorder=self.online.recorder if self.online is not None else None)
+                                    recorder=self.online.recorder if self.online is not None else None, store=store)
             if done.steps:
                 self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
             last = done.step
         else:
-            recovery.not_replayed(ckpt_dir, manifest.step, self.replay_until, "the optimizer and scheduler states")
+            recovery.not_replayed(ckpt_dir, manifest.step, self.replay_until, "the optimizer and scheduler states", store)
             last = manifest.step
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, last)
         return ckpt_dir, client_state

@@ -32,7 +32,6 @@ import torch
 from adacheck import online, recovery
 from adacheck.errors import ConfigError
 from adacheck.optimtap import OptimizerTap, Shadow
-from adacheck.planner import place
 from adacheck.rng import set_rng_state
 
 from .saved import RankObjects, StepScalars
@@ -66,11 +65,10 @@ class OnlineDS:
         mine = None
         if self.lay.wrapper.replicated:   # stored once per data-parallel group, by a balanced choice
             me, dp = data_parallel(e)
-            items = [(t.numel() * 4, k, list(range(dp))) for k, t in sorted(self.tap.tensors.items())]
-            writers, _ = place(items, dp)
-            mine = {k for k, w in writers.items() if w[0] == me}
-        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, self.save_dir, ac.comm, self._take_base,
-                                              fsync=ac.config.fsync, mine=mine,
+            mine = online.replica_share(self.tap, sorted(self.tap.tensors), list(range(dp)), me)
+        store, where = ac.checkpointer.locate(self.save_dir)
+        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, where, ac.comm, self._take_base,
+                                              fsync=ac.config.fsync, mine=mine, store=store,
                                               preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not
@@ -144,17 +142,19 @@ class Replay:
         if same:
             return recovery.ReplayPlan(True)
         saved = manifest.layout.get("ranks", [])
+        # the saving rank at this tensor-parallel rank whose record of the last step this rank restores
+        follow = recovery.follow_rank(saved, {"tp_rank": lay.tp[0], "dp_rank": data_parallel(self.engine)[0]},
+                                      ("tp_rank",))
         if lay.wrapper.replicated:
             # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients: its
             # deltas replay on any data-parallel size
-            mine_at = {"tp_rank": lay.tp[0], "dp_rank": data_parallel(self.engine)[0]}
-            return recovery.ReplayPlan(False, record_rank=recovery.follow_rank(saved, mine_at, ("tp_rank",)))
+            return recovery.ReplayPlan(False, record_rank=follow)
         # those of flat partitions (ZeRO 1-3, the BF16 optimizer) on the saving ranks' partitions
         # rebuilt here, from bases that record them
         maps = [RankObjects.of(ro, f"rank {r}'s objects of the base").partitions if ro else None
                 for r, ro in enumerate(manifest.rank_objects)]
         if lay.wrapper.flat_partitions and maps and all(m is not None for m in maps):
-            return recovery.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps))
+            return recovery.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps, follow))
         return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks and replay on another number "
                                                   "of data-parallel ranks only from a base saved by this version")
 
@@ -170,7 +170,7 @@ class Replay:
         if self.comm.rank < self.saving_world:   # (as the base load: a rank the saving job did not have keeps its RNG)
             set_rng_state(last["rank_state"])
 
-    def _partitions(self, saved: list, maps: list) -> recovery.Partitions:
+    def _partitions(self, saved: list, maps: list, follow: Optional[int]) -> recovery.Partitions:
         """The saving ranks' flat partitions (ZeRO 1-3, the BF16 optimizer) at this rank's
         tensor-parallel rank, rebuilt from the base: master weights and optimizer state."""
         lay = self.lay
@@ -202,8 +202,7 @@ class Replay:
                     live[name] = v.clone() if torch.is_tensor(v) else v
 
         held = [(recovery.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
-        mine_at = {"tp_rank": lay.tp[0], "dp_rank": data_parallel(self.engine)[0]}
-        return recovery.Partitions(saving, held, rebuild, put, recovery.follow_rank(saved, mine_at, ("tp_rank",)))
+        return recovery.Partitions(saving, held, rebuild, put, follow)
 
 
 def _as_live(opt, name: str, v):

@@ -9,9 +9,13 @@
 
 ``checkpointing`` imports megatron-core; the flags do not.
 """
+from adacheck.lifecycle import finish_saves as finalize_async_saves
+
 from .flags import add_adacheck_args, config_from_args
 
-__all__ = ["add_adacheck_args", "config_from_args", "save_checkpoint", "load_checkpoint"]
+# finalize_async_saves(block=True): AdaCheck's counterpart of Megatron-LM's
+# maybe_finalize_async_save, for training loops that are not Megatron-LM's
+__all__ = ["add_adacheck_args", "config_from_args", "save_checkpoint", "load_checkpoint", "finalize_async_saves"]
 
 
 def __getattr__(name):

@@ -33,6 +33,7 @@ import adacheck
 from adacheck import checkpoint as core
 from adacheck import recovery
 from adacheck.commit import has_checkpoint, latest_or_none
+from adacheck.storage import is_url
 from adacheck.config import AdaCheckConfig
 from adacheck.deltas import base_for_step
 from adacheck.errors import ConfigError
@@ -42,6 +43,7 @@ from .saved import Objects, RankObjects
 from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map,
                     distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped, stage_load)
 from .flags import config_from_args
+from .hooks import add_post_step_hook, wrap_optimizer_step
 from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler, rank_state,
                        set_rank_state, sharded_state_dict, sync_params, topology, unwrap)
 from .replay import Replay
@@ -55,18 +57,30 @@ def online_of(optimizer):
     return getattr(optimizer, ONLINE, None) if optimizer is not None else None
 
 
-# A job's checkpoint caches (references, exchange, plan) sit on its optimizer too (not on args,
-# which Megatron-LM pickles into its own checkpoints); a job without one shares the process's.
-CACHES = "adacheck_caches"
+# A job's Checkpointer (its caches: references, exchange, plan; its asynchronous save in flight)
+# sits on its optimizer (not on args, which Megatron-LM pickles into its own checkpoints); a job
+# without one gets a new one each time, sharing the process's caches.
+CHECKPOINTER = "adacheck_checkpointer"
 
 
 def checkpointer(optimizer, config: AdaCheckConfig) -> core.Checkpointer:
     """This job's Checkpointer with the options of ``config``."""
-    caches = getattr(optimizer, CACHES, None) if optimizer is not None else core.DEFAULT_CACHES
-    if caches is None:
-        caches = core.Caches()
-        setattr(optimizer, CACHES, caches)
-    return core.Checkpointer(options=core.Options.from_config(config), caches=caches)
+    options = core.Options.from_config(config)
+    if optimizer is None:
+        return core.Checkpointer(options=options, caches=core.DEFAULT_CACHES)
+    job = getattr(optimizer, CHECKPOINTER, None)
+    if job is None:
+        job = core.Checkpointer(options=options)
+        setattr(optimizer, CHECKPOINTER, job)
+    job.configure(options)
+    return job
+
+
+def poll_async_save(optimizer, update_successful: bool = True) -> None:
+    """Post-step hook: report this job's asynchronous save once it has committed (cheap)."""
+    job = getattr(optimizer, CHECKPOINTER, None)
+    if job is not None and job.pending is not None:
+        job.poll()
 
 log = logging.getLogger("adacheck")
 
@@ -90,8 +104,10 @@ def _config(args, config: Optional[AdaCheckConfig]) -> AdaCheckConfig:
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
                     *, args: Optional[argparse.Namespace] = None, config: Optional[AdaCheckConfig] = None,
-                    extra_state: Optional[dict] = None) -> core.Manifest:
-    """Collectively save an AdaCheck checkpoint of iteration ``iteration``; returns its manifest.
+                    extra_state: Optional[dict] = None) -> Optional[core.Manifest]:
+    """Collectively save an AdaCheck checkpoint of iteration ``iteration``; returns its manifest
+    (None for an asynchronous save, ``--async-save``: it commits in the background; the
+    optimizer's steps report it, the next save or load and the exit wait for it).
 
     ``extra_state``: more JSON-able values / tensors to keep (rank 0's copy), returned by
     load_checkpoint(..., return_extra_state=True).
@@ -139,8 +155,17 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             rank_objects=rank_objects.tree(),
             layout=topo, framework=framework, step=int(iteration))
 
-    manifest = checkpointer(optimizer, cfg).save(comm, save_dir, f"iter_{int(iteration):07d}", collect,
-                                                 recorder=on.recorder if on is not None else None)
+    job, tag = checkpointer(optimizer, cfg), f"iter_{int(iteration):07d}"
+    if cfg.async_save and on is None and optimizer is not None:
+        # (with online deltas the bases stay synchronous: the next steps' deltas need them committed)
+        wrap_optimizer_step(optimizer)
+        add_post_step_hook(poll_async_save)
+        job.save_async(comm, save_dir, tag, collect)
+        if comm.rank == 0:
+            log.info("AdaCheck: iteration %d snapshotted in %.2fs; %s commits in the background", iteration,
+                     time.perf_counter() - t0, tag)
+        return None
+    manifest = job.save(comm, save_dir, tag, collect, recorder=on.recorder if on is not None else None)
     if on is not None and on.recorder.base_tag == manifest.tag:
         on.iteration = int(iteration)    # (the new base of its chain)
     if comm.rank == 0:
@@ -171,7 +196,8 @@ def save_converted(iteration: int, model, optimizer, opt_param_scheduler, out_di
     already holds that iteration."""
     import dataclasses
     refuse_existing_output(os.path.join(out_dir, f"iter_{int(iteration):07d}"))
-    cfg = dataclasses.replace(config, save_dir=out_dir, online=dataclasses.replace(config.online, enabled=False))
+    cfg = dataclasses.replace(config, save_dir=out_dir, async_save=False,
+                              online=dataclasses.replace(config.online, enabled=False))
     return save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, None, args=args, config=cfg,
                            extra_state=extra_state)
 
@@ -180,7 +206,7 @@ def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
     """The Megatron (torch_dist / legacy) checkpoint to load instead, when ``load_dir`` holds
     one and no AdaCheck checkpoint: an existing run switching to AdaCheck loads its last
     native checkpoint with Megatron's own loader; the next save is AdaCheck's."""
-    if not load_dir or os.path.exists(os.path.join(load_dir, "latest")):
+    if not load_dir or is_url(load_dir) or os.path.exists(os.path.join(load_dir, "latest")):
         return None
     tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
@@ -215,12 +241,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     load_dir = cfg.save_dir or getattr(args, load_arg, None)
     if not load_dir:
         raise ConfigError(f"AdaCheck load needs a directory: --adacheck-dir or --{load_arg}")
+    job = checkpointer(optimizer, cfg)
+    store, where = job.locate(load_dir)
     until = None
     if iteration is not None:
         if tag is not None:
             raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
-        tag, until = base_for_step(load_dir, int(iteration)), int(iteration)
-    if tag is None and not has_checkpoint(load_dir):
+        tag, until = base_for_step(where, int(iteration), store), int(iteration)
+    if tag is None and not has_checkpoint(where, store):
         # (complete checkpoints without a 'latest': the load names them, see checkpoint.resolve)
         log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
         return (0, 0, {}) if return_extra_state else (0, 0)
@@ -301,21 +329,20 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                           f"current values: {missing[:8]}")
         return objects
 
-    ckpt_dir, manifest, objects = checkpointer(optimizer, cfg).load(comm, load_dir, tag, read, apply,
-                                                                    how_to_load=_how_to_load, undo=undo)
+    ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, read, apply, how_to_load=_how_to_load, undo=undo)
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
     if load_optim and opt_param_scheduler is not None:
         done = recovery.recover(comm, ckpt_dir, manifest, Replay(comm, model, optimizer, opt_param_scheduler, objects),
-                                latest=latest_or_none(load_dir) == manifest.tag, until=until,
+                                latest=latest_or_none(where, store) == manifest.tag, until=until,
                                 verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback",
-                                recorder=on.recorder if on is not None else None)
+                                recorder=on.recorder if on is not None else None, store=store)
         iteration = done.step if done.steps else iteration
         if on is not None:
             on.iteration = iteration
     else:
         recovery.not_replayed(ckpt_dir, manifest.step, until, "the optimizer state (not with --no-load-optim / "
-                                                               "--finetune)")
+                                                               "--finetune)", store)
     flops = 0 if finetune else objects.num_floating_point_operations_so_far
     if comm.rank == 0:
         log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects.iteration,

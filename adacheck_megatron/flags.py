@@ -5,7 +5,9 @@
 :class:`adacheck.config.AdaCheckConfig`, with the same name in kebab-case:
 
   --adacheck                      enabled
-  --adacheck-dir DIR              save_dir (default: Megatron's --save / --load)
+  --adacheck-dir DIR              save_dir (default: Megatron's --save / --load); a local
+                                  directory or an fsspec URL (s3://bucket/prefix)
+  --adacheck-storage-options JSON storage_options (fsspec arguments for a URL)
   --adacheck-keep-last K          keep_last
   --[no-]adacheck-verify-on-load  verify_on_load
   --[no-]adacheck-fsync           fsync
@@ -14,6 +16,8 @@
   --adacheck-redundancy-factor K  redundancy_factor
   --adacheck-exchange {ring,allgather}
   --adacheck-on-corrupt {raise,fallback}
+  --adacheck-on-error {warn,raise}  on_error (a failed asynchronous save)
+  --async-save                    async_save: Megatron-LM's own flag, honoured under --adacheck
   --adacheck-online               online.enabled (gradient deltas after every step)
   --adacheck-online-base-interval N|auto
   --[no-]adacheck-online-compact
@@ -33,22 +37,27 @@ with the same rules as the DeepSpeed block and names the offending flag in the e
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import fields
 from typing import List, Tuple
 
-from adacheck.config import ON_CORRUPT, ON_ERROR, AdaCheckConfig, OnlineConfig
+from adacheck.config import ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig
 from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
-_CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "online.on_error": ON_ERROR}
+_CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR}
+# keys set by Megatron-LM's own flags: async_save is --async-save
+_MEGATRON_FLAGS = {"async_save": "async_save"}
 
 
 def _keys() -> List[Tuple[str, object]]:
     """(dotted key, default) for every leaf of the config, e.g. ("online.base_interval", 50)."""
     out = []
     for f in fields(AdaCheckConfig):
+        if f.name in _MEGATRON_FLAGS:
+            continue
         if f.name == "online":
             out += [(f"online.{g.name}", getattr(OnlineConfig(), g.name)) for g in fields(OnlineConfig)]
         else:
@@ -73,6 +82,17 @@ def _interval(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"endpoint_url\": "
+                                         f"\"http://host:9000\"}}', got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("AdaCheck", "deduplicated, verified checkpoints (see adacheck/config.py)")
     for key, default in _keys():
@@ -84,7 +104,11 @@ def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                            help="online gradient deltas after every optimizer step (needs --adacheck)")
         elif key == "save_dir":
             g.add_argument(flag, dest=dest, default=None, metavar="DIR",
-                           help="checkpoint directory (default: --save / --load)")
+                           help="checkpoint directory or fsspec URL, e.g. s3://bucket/prefix "
+                                "(default: --save / --load)")
+        elif key == "storage_options":
+            g.add_argument(flag, dest=dest, type=_json_object, default=None, metavar="JSON",
+                           help="fsspec filesystem arguments for a URL, e.g. '{\"endpoint_url\": \"http://host:9000\"}'")
         elif isinstance(default, bool):
             g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                            default=None, help=f"adacheck.{key} (default {str(default).lower()})")
@@ -125,6 +149,10 @@ def config_from_args(args: argparse.Namespace) -> AdaCheckConfig:
         raise ConfigError("--adacheck-convert-save converts an AdaCheck checkpoint: add --adacheck (and --load)")
     if online:
         block["online"] = online
+    if block.get("enabled"):
+        for key, dest in _MEGATRON_FLAGS.items():
+            if getattr(args, dest, None):
+                block[key] = True
     try:
         return AdaCheckConfig.from_dict(block)
     except ConfigError as e:

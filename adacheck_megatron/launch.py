@@ -46,6 +46,7 @@ import runpy
 import sys
 from typing import Optional
 
+from adacheck import lifecycle
 from adacheck.errors import ConfigError
 
 from .flags import add_adacheck_args, config_from_args
@@ -333,6 +334,24 @@ def adacheck_setup_model_and_optimizer(original):
     return _mark(wrapper, original)
 
 
+def adacheck_finalize_async_save(original):
+    """Megatron-LM's ``maybe_finalize_async_save(blocking, terminate)``: its own queue, then (with
+    --adacheck --async-save) AdaCheck's save in flight, reported once it has committed, or waited
+    for when ``blocking`` (before the next save and at the end of training)."""
+    if getattr(original, _INSTALLED, False):
+        return original
+
+    @functools.wraps(original)
+    def wrapper(*a, **kw):
+        out = original(*a, **kw)
+        if getattr(_get_args(), "adacheck", False):
+            named, _ = _positional(original, 1, a, kw)
+            lifecycle.finish_saves(block=bool(named.get("blocking", False)))
+        return out
+
+    return _mark(wrapper, original)
+
+
 def install() -> dict:
     """Install AdaCheck into the imported ``megatron.training`` (idempotent). Returns
     ``{"module.attribute": wrapper}`` for every attribute replaced."""
@@ -342,6 +361,9 @@ def install() -> dict:
                  (checkpointing, "save_checkpoint", adacheck_save_checkpoint),
                  (checkpointing, "load_checkpoint", adacheck_load_checkpoint),
                  (training, "setup_model_and_optimizer", adacheck_setup_model_and_optimizer)]
+    async_utils = sys.modules.get("megatron.training.async_utils")
+    if async_utils is not None and hasattr(async_utils, "maybe_finalize_async_save"):
+        factories.append((async_utils, "maybe_finalize_async_save", adacheck_finalize_async_save))
     replace = {}
     for module, name, factory in factories:
         original = getattr(module, name)

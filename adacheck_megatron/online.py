@@ -41,14 +41,13 @@ import torch
 from adacheck import online, recovery
 from adacheck.errors import ConfigError
 from adacheck.optimtap import OptimizerTap
-from adacheck.planner import place
 
 from . import hooks, parallel
 from .saved import StepScalars
-from .state import optimizer_parts
-from .checkpointing import ONLINE, online_of, save_checkpoint
+from .state import distributed_optimizers, optimizer_parts
+from .checkpointing import ONLINE, checkpointer, online_of, save_checkpoint
 from .parallel import load_scheduler, rank_state, topology
-from .replay import DENSE_COORDS, EXPERT_COORDS, distributed, grad_scalers, kind_of, make_tap, preclip
+from .replay import DENSE_COORDS, EXPERT_COORDS, grad_scalers, kind_of, make_tap, preclip
 
 log = logging.getLogger("adacheck")
 
@@ -88,8 +87,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
         group = [r for r, (t, d) in enumerate(alls) if recovery.same_coords(t, alls[me][0], coords) and d.get(kind) == digest[kind]]
         if kind == "expert":    # (place() breaks ties towards a group's first rank: start at the other end)
             group.reverse()
-        writers, _ = place([(tap.tensors[k].numel() * 4, k, list(range(len(group)))) for k in ks], len(group))
-        mine |= {k for k, w in writers.items() if group[w[0]] == me}
+        mine |= online.replica_share(tap, ks, group, me)
     return mine
 
 
@@ -110,9 +108,11 @@ class OnlineMegatron:
         self.increment = int(args.global_batch_size)
         self.iteration = 0
         self.tap = make_tap(optimizer)
-        mine = None if distributed(optimizer) else _replica_share(self.tap, optimizer, parallel.comm())
-        self.recorder = online.OnlineRecorder(self.tap, config.online, self.save_dir, parallel.comm, self._take_base,
-                                         fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip)
+        mine = None if distributed_optimizers(optimizer) else _replica_share(self.tap, optimizer, parallel.comm())
+        store, where = checkpointer(optimizer, config).locate(self.save_dir)
+        self.recorder = online.OnlineRecorder(self.tap, config.online, where, parallel.comm, self._take_base,
+                                              fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip,
+                                              store=store)
         _tap_clipping()
         _RECORDING.add(self)
         self._ok = True

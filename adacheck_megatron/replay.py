@@ -29,10 +29,6 @@ from .parallel import (COORDS, SIZES, is_same_layout, layout_name, load_schedule
 log = logging.getLogger("adacheck")
 
 
-def distributed(optimizer) -> bool:
-    return any(isinstance(o, DistributedOptimizer) for o in optimizer_parts(optimizer))
-
-
 def kind_of(part) -> Optional[str]:
     """"dense" or "expert" when every param group of one of Megatron's optimizers says so
     (megatron-core marks each group ``is_expert_parallel``), else None."""
@@ -53,7 +49,7 @@ def make_tap(optimizer) -> OptimizerTap:
     ep, etp = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     old = f"tp{tp}.pp{pp}.ep{ep}."
     parts = optimizer_parts(optimizer)
-    if distributed(optimizer):
+    if distributed_optimizers(optimizer):
         return OptimizerTap([o.optimizer for o in parts], prefix=old + f"dp{ps.get_data_parallel_rank()}.")
     names = {"dense": f"tp{tp}.pp{pp}.", "expert": f"pp{pp}.ep{ep}.etp{etp}."}
     return OptimizerTap([o.optimizer for o in parts], prefix=[names.get(kind_of(o), old) for o in parts],

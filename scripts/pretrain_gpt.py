@@ -142,6 +142,8 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop after an iteration that is a multiple of this (saving first)")
+    g.add_argument("--async-save", action="store_true",
+                   help="as Megatron-LM: with --adacheck, a save returns after a snapshot and commits in the background")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
@@ -497,6 +499,11 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, args)
         t0 = time.perf_counter()
         m = adacheck_megatron.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                                               args=args, config=args.adacheck_config)
+        if m is None:    # --async-save: snapshotted; it commits in the background
+            if torch.distributed.get_rank() == 0:
+                print(f"AdaCheck checkpoint iteration {iteration}: snapshot in {time.perf_counter() - t0:.2f}s, "
+                      "committing in the background", flush=True)
+            return
         if torch.distributed.get_rank() == 0:
             print(f"saved AdaCheck checkpoint iteration {iteration} to "
                   f"{os.path.join(args.adacheck_config.save_dir or args.save, m.tag)} in "
@@ -704,6 +711,7 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
             break
     if saving and iteration > first and not (args.save_interval and iteration % args.save_interval == 0):
         save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+    adacheck_megatron.finalize_async_saves(block=True)     # (as Megatron-LM's maybe_finalize_async_save)
     if torch.distributed.get_rank() == 0:
         print(f"done: {iteration} iterations in {time.perf_counter() - t_start:.2f}s", flush=True)
     parallel_state.destroy_model_parallel()

@@ -132,6 +132,9 @@ def run_one(run, out):
             args.adacheck, args.load = True, rest[0]
             iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
+        elif kind == "finish":   # wait for AdaCheck's asynchronous save in flight
+            import adacheck_megatron
+            adacheck_megatron.finalize_async_saves(block=True)
         elif kind == "save_native":
             args.adacheck, args.save = False, rest[0]
             pretrain_gpt.save_checkpoint(iteration, model, optimizer, scheduler, args)

@@ -19,10 +19,22 @@ def test_every_config_key_has_a_flag():
     p = add_adacheck_args(argparse.ArgumentParser())
     text = p.format_help()
     for f in fields(AdaCheckConfig):
-        if f.name != "online":
+        if f.name not in ("online", "async_save"):    # (async_save: Megatron-LM's own --async-save)
             assert flag_of(f.name) in text, f.name
     for f in fields(OnlineConfig):
         assert flag_of("online." + f.name) in text, f.name
+
+
+def test_megatron_async_save_flag_is_honoured_under_adacheck():
+    p = add_adacheck_args(argparse.ArgumentParser())
+    p.add_argument("--async-save", action="store_true")     # Megatron-LM's flag
+    assert config_from_args(p.parse_args(["--adacheck", "--async-save"])).async_save is True
+    assert config_from_args(p.parse_args(["--adacheck"])).async_save is False
+    assert config_from_args(p.parse_args(["--async-save"])) == AdaCheckConfig()   # Megatron-LM's own then
+    c = config_from_args(p.parse_args(["--adacheck", "--adacheck-on-error", "raise",
+                                       "--adacheck-storage-options", '{"endpoint_url": "http://h:9000"}',
+                                       "--adacheck-dir", "s3://b/run"]))
+    assert c.on_error == "raise" and c.storage_options == {"endpoint_url": "http://h:9000"}
 
 
 def test_defaults_and_values():

@@ -1,0 +1,235 @@
+"""Checkpoints on a real S3 API server (moto's, on 127.0.0.1) through s3fs: the same bytes as a
+local save, published in order (shards, manifest, latest), stale multipart uploads aborted, a
+server lost in the middle of a save leaves the previous checkpoint as 'latest' and loadable, and
+real DeepSpeed engines save to it and load from it in another layout."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adacheck import commit
+from adacheck.checkpoint import CheckpointReader, Checkpointer, Options
+from adacheck.cli import main
+from adacheck.errors import AdaCheckError
+from adacheck.exchange import SoloComm
+from adacheck.storage import LOCAL
+from launch import check, launch
+from s3server import s3_server
+from test_core_storage import files_of, state
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as server:
+        yield server
+
+
+def job(s3, **kw):
+    return Checkpointer(options=Options(storage_options=s3.options, chunk_bytes=32, **kw))
+
+
+def save_steps(checkpointer, root, steps, frozen):
+    out = {}
+    for step in steps:
+        w, st = state(step, frozen)
+        checkpointer.save(SoloComm(), root, f"s{step}", lambda st=st: st)
+        out[step] = w
+    return out
+
+
+def test_an_s3_checkpoint_is_the_local_bytes_published_in_order(s3, tmp_path):
+    frozen = torch.arange(9.0).view(3, 3)
+    root = s3.url("order")
+    # a save killed earlier left multipart uploads: one here, one under another prefix
+    for key in ("order/s0/rank00000-g0.safetensors", "elsewhere/big.bin"):
+        s3.fs.call_s3("create_multipart_upload", Bucket=s3.bucket, Key=key)
+    s3.relay.requests.clear()
+    checkpointer = job(s3, keep_last=2)
+    save_steps(checkpointer, root, (1,), frozen)
+    first = list(s3.relay.requests)
+    weights = save_steps(checkpointer, root, (2, 3), frozen)
+    assert [u["Key"] for u in s3.fs.list_multipart_uploads(s3.bucket)] == ["elsewhere/big.bin"]
+    # the first save: its shard object, then its manifest, then 'latest'
+    puts = [r.split(b" ")[1].split(b"?")[0].decode() for r in first if r.startswith((b"PUT", b"POST"))]
+    puts = [p for p in puts if p.startswith("/ckpt/order/")]
+    assert puts == ["/ckpt/order/s1/rank00000-g0.safetensors", "/ckpt/order/s1/manifest.json",
+                    "/ckpt/order/latest"], puts
+    local = str(tmp_path / "local")
+    local_job = Checkpointer(options=Options(chunk_bytes=32, keep_last=2))
+    save_steps(local_job, local, (1, 2, 3), frozen)
+    store, where = job(s3).locate(root)
+    assert files_of(store, where) == files_of(LOCAL, local)   # byte for byte a local save's files
+    assert commit.read_latest(where, store) == "s3"
+    r = CheckpointReader(store.join(where, "s3"), store=store)
+    assert torch.equal(r.read("master/w"), weights[3]) and torch.equal(r.read("model/frozen"), frozen)
+    check_cli_on(s3, root, local, tmp_path)
+
+
+def check_cli_on(s3, root, local, tmp_path):
+    """Every adacheck subcommand takes the URL with --storage-options and answers as it does for
+    the byte-identical local copy."""
+    import contextlib
+    import io
+    opts = ["--storage-options", json.dumps(s3.options)]
+
+    def run(*argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(list(argv))
+        return code, out.getvalue()
+
+    code, text = run("ls", root, *opts)
+    assert code == 0 and "s3 (latest)" in text and text.count("complete") == 2, text
+    assert run("ls", local)[1].replace(local, "X") == text.replace(root, "X")
+    code, text = run("inspect", root, "--json", *opts)
+    got = json.loads(text)
+    assert code == 0 and got["dir"] == f"{root}/s3" and got["tag"] == "s3"
+    assert {k: v for k, v in json.loads(run("inspect", local, "--json")[1]).items() if k != "dir"} == \
+        {k: v for k, v in got.items() if k != "dir"}
+    code, text = run("verify", root, "--quiet", *opts)
+    assert code == 0 and "OK" in text, text
+    code, text = run("diff", f"{root}/s2", f"{root}/s3", "--json", *opts)
+    assert code == 1 and json.loads(text)["changed"], text
+    for src, out in ((root, tmp_path / "w_s3"), (local, tmp_path / "w_local")):
+        code, text = run("convert", src, str(out), *(opts if src == root else []))
+        assert code == 0, text
+    assert (tmp_path / "w_s3" / "model.safetensors").read_bytes() == \
+        (tmp_path / "w_local" / "model.safetensors").read_bytes()
+    from adacheck.local_ranks import free_port
+    nowhere = json.dumps(dict(s3.options, endpoint_url=f"http://127.0.0.1:{free_port()}"))
+    code, text = run("verify", root, "--storage-options", nowhere)    # no server there
+    assert code == 2 and "StorageError" not in text and "127.0.0.1" in text and "Traceback" not in text, text
+    code, text = run("ls", local, *opts)
+    assert code == 2 and "not to the local path" in text, text
+    # damage one stored object: verify names it
+    shard = f"{s3.bucket}/order/s3/rank00000-g0.safetensors"
+    data = bytearray(s3.fs.cat_file(shard))
+    data[-3] ^= 1
+    s3.fs.pipe_file(shard, bytes(data))
+    code, text = run("verify", root, "--quiet", *opts)
+    assert code == 1 and "s3/rank00000-g0.safetensors" in text, text
+    code, text = run("prune", root, "--keep-last", "1", "--yes", *opts)
+    assert code == 0 and "retiring 1" in text, text
+    assert not [k for k in s3.keys("order/s2") if k.endswith("manifest.json")]
+
+
+def test_server_lost_during_a_save_keeps_the_previous_checkpoint(s3):
+    frozen = torch.zeros(3, 3)
+    root, checkpointer = s3.url("lost"), job(s3)
+    weights = save_steps(checkpointer, root, (1,), frozen)
+    s3.relay.cut_on(b"PUT /ckpt/lost/s2/manifest.json")
+    try:
+        with pytest.raises(AdaCheckError) as err:
+            save_steps(checkpointer, root, (2,), frozen)
+    finally:
+        s3.relay.reopen()
+    text = str(err.value)
+    assert "lost/s2" in text and "commit" in text and "127.0.0.1" in text, text
+    store, where = checkpointer.locate(root)
+    assert commit.read_latest(where, store) == "s1"
+    assert not commit.has_manifest(store.join(where, "s2"), store)
+    got = checkpointer.load(SoloComm(), root, None, lambda r: r.read("master/w"), lambda t: t)
+    assert got[1].tag == "s1" and torch.equal(got[2], weights[1])
+    # the next save goes on, and removes what the interrupted one left
+    save_steps(checkpointer, root, (3,), frozen)
+    assert not [k for k in s3.keys("lost/s2")], s3.keys("lost")
+    assert commit.read_latest(where, store) == "s3"
+
+
+def results(d, rank=0):
+    with open(os.path.join(d, f"result-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def test_deepspeed_saves_to_s3_and_loads_into_another_layout(s3, tmp_path):
+    """DP=2 ZeRO-2 bf16 saves to s3://, the server goes away during the next save (a clear
+    error; training goes on), then DP=1 ZeRO-3 loads the checkpoint that stayed 'latest': every
+    master weight, optimizer moment and buffer equal to the saving engine's."""
+    block = {"enabled": True, "storage_options": s3.options}
+    url = s3.url("ds")
+    src = str(tmp_path / "src")
+    s3.relay.cut_on(b"PUT /ckpt/ds/global_step5/manifest.json")
+    try:
+        check(launch(2, {"runs": [{"stage": 2, "dtype": "bf16", "adacheck": block,
+                                   "actions": [["train", 3], ["save", url], ["dump", "S"], ["train", 2],
+                                               ["expect_error", "global_step5", "save", url],
+                                               ["train", 1]]}]}, src))
+    finally:
+        s3.relay.reopen()
+    res = results(src)
+    assert len(res[0]["losses"]) == 6 and all(x == x for x in res[0]["losses"])   # training went on
+    assert "commit" in res[0]["errors"][0], res[0]["errors"]
+    dst = str(tmp_path / "dst")
+    check(launch(1, {"runs": [{"stage": 3, "dtype": "bf16", "seed": 9, "adacheck": block,
+                               "actions": [["load", url], ["dump", "L"], ["train", 1], ["save", url]]}]}, dst))
+    saved, loaded = load_file(os.path.join(src, "S.safetensors")), load_file(os.path.join(dst, "L.safetensors"))
+    keys = [k for k in saved if k.startswith(("master/", "optim/", "buffer/"))]
+    assert keys
+    for k in keys:
+        assert torch.equal(saved[k], loaded[k]), k
+    assert loaded["meta/optim_step"].tolist() == saved["meta/optim_step"].tolist()
+    assert results(dst)[0]["loaded"][0][1] == {"epoch": 3, "note": "hi", "vec": [0.0, 1.0, 2.0, 3.0]}
+    assert s3.keys("ds/global_step5") == []        # the interrupted save's objects: collected
+    assert "ds/global_step4/manifest.json" in s3.keys("ds")
+
+
+def test_megatron_tp2_saves_to_s3_and_resumes_exactly(s3, tmp_path):
+    """TP=2 megatron-core through scripts/pretrain_gpt.py with --adacheck-storage-options: train 3,
+    save to s3://, train 2 == other weights, load from s3://, train 2 (losses, and every rank's
+    weights, main weights and optimizer state read from megatron-core's objects)."""
+    from test_megatron import assert_same_dumps
+    url = s3.url("megatron")
+    argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck",
+            "--adacheck-storage-options", json.dumps(s3.options)]
+    runs = [{"argv": argv, "actions": [["train", 3], ["save", url], ["train", 2], ["dump", "a"]]},
+            {"argv": argv, "actions": [["scramble"], ["load", url], ["train", 2], ["dump", "b"]]}]
+    check(launch(2, {"runs": runs}, str(tmp_path), script="megatron_worker.py"))
+    res = results(str(tmp_path))
+    assert res[1]["loaded"] == [3] and res[0]["losses"][3:] == res[1]["losses"]
+    assert_same_dumps(str(tmp_path), "a", "b", 2)
+    assert "megatron/iter_0000003/manifest.json" in s3.keys("megatron")
+    assert s3.fs.cat_file(f"{s3.bucket}/megatron/latest").decode().strip() == "iter_0000003"
+
+
+def test_sigkill_during_a_background_write_to_s3(s3, tmp_path):
+    """Rank 1 is SIGKILLed the moment its shard upload of an asynchronous save reaches the server
+    (the training loop has gone on; the background is writing): nothing of that save is published,
+    and a new job loads the newest committed checkpoint exactly (DeepSpeed's own accessors)."""
+    import signal
+    import threading
+    import time
+    from test_ds_integration import assert_same
+    url = s3.url("kill")
+    big = {"stage": 1, "dtype": "fp32", "hidden": 700, "layers": 6,
+           "adacheck": {"enabled": True, "async": True, "reference_previous": False, "storage_options": s3.options}}
+    runs = [dict(big, actions=[["train", 1], ["save", url, "good"], ["finish"], ["dump", "good"]]
+                 + [a for i in range(30) for a in (["train", 1], ["save", url, f"doomed{i}"])])]
+    marker = b"PUT /ckpt/kill/doomed"
+    seen = {}
+
+    def killer(procs):
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            hit = [r for r in list(s3.relay.requests) if r.startswith(marker) and b"/rank00001-" in r]
+            if hit:
+                procs[1].send_signal(signal.SIGKILL)
+                seen["request"] = hit[0].decode()
+                return
+            time.sleep(0.001)
+
+    res = launch(2, {"runs": runs}, str(tmp_path / "a"), grace=20,
+                 on_started=lambda procs: threading.Thread(target=killer, args=(procs,), daemon=True).start())
+    assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
+    doomed = seen["request"].split("/")[3]
+    keys = s3.keys("kill")
+    assert f"kill/{doomed}/manifest.json" not in keys
+    latest = s3.fs.cat_file(f"{s3.bucket}/kill/latest").decode().strip()
+    assert latest == "good", latest      # (rank 1 uploads in every save: the first doomed one was hit)
+    load_dir = str(tmp_path / "reload")
+    check(launch(2, {"runs": [dict(big, seed=3, actions=[["load", url], ["dump", "reloaded"]])]}, load_dir))
+    assert_same(load_file(str(tmp_path / "a" / "good.safetensors")),
+                load_file(os.path.join(load_dir, "reloaded.safetensors")))
