@@ -13,6 +13,7 @@ import torch
 
 from . import commit, deltas
 from .checkpoint import CheckpointReader, resolve
+from .config import json_object_arg
 from .errors import AdaCheckError, ConfigError
 from .manifest import referenced_files
 from .storage import LOCAL, Storage, open_storage
@@ -42,17 +43,6 @@ def located(args, path: str):
     if options is not None and "://" not in path:
         raise ConfigError(f"--storage-options apply to URLs (s3://bucket/prefix, ...), not to the local path {path!r}")
     return open_storage(path, options)
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"endpoint_url\": \"http://host:9000\"}}', "
-                                         f"got {text!r}")
-    return value
 
 
 def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
@@ -560,7 +550,7 @@ def main(argv=None) -> int:
     s.add_argument("path")
     s.set_defaults(fn=cmd_ls)
     for s in sub.choices.values():
-        s.add_argument("--storage-options", type=_json_object, metavar="JSON",
+        s.add_argument("--storage-options", type=json_object_arg, metavar="JSON",
                        help="for a URL PATH (s3://bucket/prefix, ...): the fsspec filesystem's arguments, e.g. "
                             "'{\"endpoint_url\": \"http://host:9000\"}'")
     args, rest = p.parse_known_args(argv)

@@ -129,6 +129,20 @@ class OnlineConfig:
         return cls(**_known(block, cls, "adacheck.online"))
 
 
+def json_object_arg(text: str) -> dict:
+    """argparse ``type=`` for a flag whose value is a JSON object (``--storage-options``)."""
+    import argparse
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"endpoint_url\": \"http://host:9000\"}}', "
+                                         f"got {text!r}")
+    return value
+
+
 def _known(block: dict, cls, where: str) -> dict:
     known = [f.name for f in fields(cls)]
     shown = [{field: key for key, field in _ALIASES.items()}.get(n, n) for n in known]   # as the JSON spells them

@@ -1,6 +1,7 @@
 """AdaCheck behind DeepSpeedEngine.save_checkpoint / load_checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Optional
@@ -31,6 +32,19 @@ _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 def _plain(v):
     """A one-element tensor of a loss scaler as the number it holds."""
     return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+
+
+@contextlib.contextmanager
+def checkpoint_event(optimizer):
+    """DeepSpeed's optimizer hooks around reading or writing its state (ZeRO's and the BF16
+    optimizer's checkpoint_event_prologue / _epilogue, where they have them)."""
+    if hasattr(optimizer, "checkpoint_event_prologue"):
+        optimizer.checkpoint_event_prologue()
+    try:
+        yield
+    finally:
+        if hasattr(optimizer, "checkpoint_event_epilogue"):
+            optimizer.checkpoint_event_epilogue()
 
 
 def native_load(engine, *args, **kwargs):
@@ -120,11 +134,8 @@ class AdaCheckDeepSpeed:
         if not save_dir:
             raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
-        opt = e.optimizer
-        if hasattr(opt, "checkpoint_event_prologue"):
-            opt.checkpoint_event_prologue()
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
-        try:
+        with checkpoint_event(e.optimizer):     # (an async save's snapshot is taken inside)
             if self.config.async_save and self.online is None:
                 self.pending = self.checkpointer.save_async(default_comm(), save_dir, tag, collect,
                                                             update_latest=save_latest)
@@ -133,9 +144,6 @@ class AdaCheckDeepSpeed:
                 self.last_manifest = self.checkpointer.save(
                     default_comm(), save_dir, tag, collect, update_latest=save_latest,
                     recorder=self.online.recorder if self.online is not None else None)
-        finally:
-            if hasattr(opt, "checkpoint_event_epilogue"):
-                opt.checkpoint_event_epilogue()
         return True
 
     def _collect(self, client_state, exclude_frozen):
@@ -240,11 +248,8 @@ class AdaCheckDeepSpeed:
 
         def apply(staged):
             lay, st = staged
-            if hasattr(opt, "checkpoint_event_prologue"):
-                opt.checkpoint_event_prologue()
-            apply_load(e, lay, st)
-            if hasattr(opt, "checkpoint_event_epilogue"):
-                opt.checkpoint_event_epilogue()
+            with checkpoint_event(opt):
+                apply_load(e, lay, st)
             obj = loaded["objects"] = st.objects
             if not load_module_only:
                 self.apply_scalars(obj, load_lr_scheduler_states)

@@ -33,6 +33,7 @@ import adacheck
 from adacheck import checkpoint as core
 from adacheck import recovery
 from adacheck.commit import has_checkpoint, latest_or_none
+from adacheck.convert import refuse_existing
 from adacheck.storage import is_url
 from adacheck.config import AdaCheckConfig
 from adacheck.deltas import base_for_step
@@ -181,11 +182,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
 def refuse_existing_output(target: str) -> None:
     """A conversion run never writes over a checkpoint: every rank looks at ``target`` before
     any rank writes (one barrier), and all raise the same ConfigError if it exists."""
-    exists = os.path.exists(target)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    if exists:
-        raise ConfigError(f"{target} already exists; nothing was written (choose another output directory)")
+    refuse_existing(target, barrier=parallel.comm().barrier)
 
 
 def save_converted(iteration: int, model, optimizer, opt_param_scheduler, out_dir: str, *,

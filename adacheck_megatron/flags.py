@@ -17,6 +17,7 @@
   --adacheck-exchange {ring,allgather}
   --adacheck-on-corrupt {raise,fallback}
   --adacheck-on-error {warn,raise}  on_error (a failed asynchronous save)
+  --adacheck-compression zstd     compression
   --async-save                    async_save: Megatron-LM's own flag, honoured under --adacheck
   --adacheck-online               online.enabled (gradient deltas after every step)
   --adacheck-online-base-interval N|auto
@@ -37,17 +38,17 @@ with the same rules as the DeepSpeed block and names the offending flag in the e
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from dataclasses import fields
 from typing import List, Tuple
 
-from adacheck.config import ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig
+from adacheck.config import ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, json_object_arg
 from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
-_CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR}
+_CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR,
+            "compression": ("zstd",)}
 # keys set by Megatron-LM's own flags: async_save is --async-save
 _MEGATRON_FLAGS = {"async_save": "async_save"}
 
@@ -82,17 +83,6 @@ def _interval(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"endpoint_url\": "
-                                         f"\"http://host:9000\"}}', got {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
 def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("AdaCheck", "deduplicated, verified checkpoints (see adacheck/config.py)")
     for key, default in _keys():
@@ -107,7 +97,7 @@ def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                            help="checkpoint directory or fsspec URL, e.g. s3://bucket/prefix "
                                 "(default: --save / --load)")
         elif key == "storage_options":
-            g.add_argument(flag, dest=dest, type=_json_object, default=None, metavar="JSON",
+            g.add_argument(flag, dest=dest, type=json_object_arg, default=None, metavar="JSON",
                            help="fsspec filesystem arguments for a URL, e.g. '{\"endpoint_url\": \"http://host:9000\"}'")
         elif isinstance(default, bool):
             g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,

@@ -131,7 +131,7 @@ def worker(a) -> None:
                 step()
             base = getattr(engine.optimizer, "optimizer", engine.optimizer)
             moments = {k for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() >= 1}
-            nparams = sum(p.numel() for p in model.parameters())
+            nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # (ZeRO-3: partitioned)
             unique = nparams * 4 * (1 + len(moments)) + sum(b.numel() * b.element_size() for b in model.buffers())
             work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
             block = {"enabled": True, "reference_previous": False}
@@ -169,7 +169,7 @@ def worker(a) -> None:
                    "step_busy_s": sorted(busy)[len(busy) // 2] if busy else None, "busy_steps": len(busy),
                    "staging_bytes": asy.checkpointer.staging.nbytes,
                    "rss_first_bytes": memory[0] if memory else None, "rss_last_bytes": memory[-1] if memory else None,
-                   "rss_max_bytes": max(memory) if memory else None}
+                   "rss_max_bytes": max(memory) if memory else None, "rss_bytes": memory}
             if a.s3_url:
                 remote = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
                     dict(block, storage_options=storage, **{"async": True})))

@@ -1,5 +1,6 @@
 """A training script that ends without engine.destroy() / destroy_process_group() (most do):
-every torchrun job exits 0, and an online job's last step is committed at exit.
+every torchrun job exits 0, an online job's last step is committed at exit, and so is an
+asynchronous save still in flight when the script ends.
 
 Oracle: the losses of an uninterrupted native DeepSpeed run of the same script (the model has
 dropout, so they match only if the RNG state is restored too).
@@ -32,7 +33,8 @@ def read_losses(path):
 
 def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp_path):
     """10 online-recovery jobs (each: load = base + replay of every committed delta, one more
-    step recorded, exit) and 4 plain ones (load, one step, save, exit), all under torchrun:
+    step recorded, exit), 4 plain ones (load, one step, save, exit) and 4 async ones (the same, the
+    save still in flight when the script ends: the exit hook commits it), all under torchrun:
     every job exits 0 (before the fix, 4 of 6 online-recovery jobs of this kind aborted with
     SIGABRT), each online job recovers exactly the step the previous one ended at (its last
     delta was committed at exit, not left as rank<r>.json.tmp), and every logged loss equals the
@@ -47,8 +49,11 @@ def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp
     runs = [("online", online, 3)] + [("online", online, 3 + i) for i in range(1, 11)]
     plain, plain_log = str(tmp_path / "plain"), str(tmp_path / "plain.jsonl")
     runs += [("plain", plain, 13)] + [("plain", plain, 13 + i) for i in range(1, 4)]
+    # the last save of each async job is committed by the exit hook; the next job resumes from it
+    asy, async_log = str(tmp_path / "async"), str(tmp_path / "async.jsonl")
+    runs += [("async", asy, 2)] + [("async", asy, 2 + i) for i in range(1, 4)]
     for i, (mode, ckpt, until) in enumerate(runs):
-        p = torchrun(mode, ckpt, until, log if mode == "online" else plain_log)
+        p = torchrun(mode, ckpt, until, {"online": log, "plain": plain_log, "async": async_log}[mode])
         assert p.returncode == 0, f"job {i} ({mode}) exited with {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
         if mode == "online" and i > 0:
             # the step the previous job ended at was committed when it exited, and recovered now
@@ -59,5 +64,9 @@ def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp
     got = read_losses(plain_log)
     assert [r["step"] for r in got] == list(range(1, 17))
     assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 17)}
+    got = read_losses(async_log)
+    assert [r["step"] for r in got] == list(range(1, 6))
+    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 6)}
+    assert open(os.path.join(asy, "latest")).read().strip() == "global_step5"
     step13 = os.path.join(online, "global_step1", "deltas", "0000000013")
     assert sorted(os.listdir(step13)) == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]

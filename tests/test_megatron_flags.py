@@ -35,6 +35,9 @@ def test_megatron_async_save_flag_is_honoured_under_adacheck():
                                        "--adacheck-storage-options", '{"endpoint_url": "http://h:9000"}',
                                        "--adacheck-dir", "s3://b/run"]))
     assert c.on_error == "raise" and c.storage_options == {"endpoint_url": "http://h:9000"}
+    assert config_from_args(p.parse_args(["--adacheck", "--adacheck-compression", "zstd"])).compression == "zstd"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--adacheck", "--adacheck-compression", "lz4"])
 
 
 def test_defaults_and_values():

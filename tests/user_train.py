@@ -3,8 +3,9 @@ no ``engine.destroy()`` and no ``destroy_process_group()``.  Run under torchrun.
 
   --ckpt DIR       checkpoint directory (AdaCheck's save_dir); loaded at start if it holds one
   --until N        train until global step N
-  --mode M         native (no AdaCheck), plain (AdaCheck, save at the end) or online (AdaCheck
-                   online deltas after every step, bases only every 100 steps)
+  --mode M         native (no AdaCheck), plain (AdaCheck, save at the end), async (the same with
+                   "async": true: the last save is still in flight when the script ends) or online
+                   (AdaCheck online deltas after every step, bases only every 100 steps)
   --losses FILE    rank 0 appends one JSON line per step: {"step": s, "loss": l}
 
 The model has dropout, so a resume is exact only when the RNG state is restored.
@@ -24,7 +25,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--until", type=int, required=True)
-    ap.add_argument("--mode", choices=("native", "plain", "online"), required=True)
+    ap.add_argument("--mode", choices=("native", "plain", "async", "online"), required=True)
     ap.add_argument("--losses", required=True)
     a = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -35,8 +36,12 @@ def main():
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
     if a.mode != "native":
-        cfg["adacheck"] = {"enabled": True, "save_dir": a.ckpt,
+        cfg["adacheck"] = {"enabled": True, "save_dir": a.ckpt, "async": a.mode == "async",
                            "online": {"enabled": a.mode == "online", "base_interval": 100}}
+    if a.mode == "async":
+        # state the model does not use, new at every save (so never referenced: written each time):
+        # the background persist then takes long enough to be in flight when the script ends
+        model.register_buffer("ballast", torch.zeros(16 << 20))
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     if a.mode != "native":
@@ -53,7 +58,9 @@ def main():
         if engine.global_rank == 0:
             with open(a.losses, "a") as f:
                 f.write(json.dumps({"step": engine.global_steps, "loss": t.item()}) + "\n")
-    if a.mode == "plain":
+    if a.mode == "async":
+        engine.module.ballast.copy_(torch.randn(16 << 20, generator=torch.Generator().manual_seed(engine.global_steps)))
+    if a.mode in ("plain", "async"):
         engine.save_checkpoint(a.ckpt)
 
 
