@@ -27,6 +27,8 @@ import errno
 import functools
 import os
 import shutil
+import threading
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -337,12 +339,41 @@ class FsspecStorage(Storage):
     final names, then the manifest, then ``latest``; nothing needs an fsync or a directory.
 
     Other ranks write into the same prefix, so no answer comes from fsspec's listings cache:
-    every query drops what the filesystem remembers of that path first."""
+    every query drops what the filesystem remembers of that path first.
+
+    Reads of less than ``BLOCK`` bytes are served from whole blocks fetched once (the last
+    ``BLOCKS_KEPT`` of them): a checkpoint's boxes are read in file order, and a request per box
+    costs a round trip each (on a local S3 server, 68 ranged reads of a 128 MB file took 7.7 s,
+    the whole file 0.7 s).  Shard files are never rewritten under the same name; a write or
+    removal through this storage drops that path's blocks."""
 
     renames = False
+    BLOCK = 64 << 20
+    BLOCKS_KEPT = 2
 
     def __init__(self, fs, protocol: str = ""):
         self.fs, self.protocol = fs, protocol
+        self._blocks: "OrderedDict[Tuple[str, int], bytes]" = OrderedDict()
+        self._lock = threading.Lock()      # (a background writer and a reader may share this storage)
+
+    def _forget(self, path: str) -> None:
+        with self._lock:
+            for key in [k for k in self._blocks if k[0] == path or k[0].startswith(path.rstrip("/") + "/")]:
+                del self._blocks[key]
+
+    def _block(self, path: str, index: int) -> bytes:
+        key = (path, index)
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+                return data
+        data = self.fs.cat_file(path, start=index * self.BLOCK, end=(index + 1) * self.BLOCK)
+        with self._lock:
+            self._blocks[key] = data
+            while len(self._blocks) > self.BLOCKS_KEPT:
+                self._blocks.popitem(last=False)
+        return data
 
     def _fresh(self, path: str) -> str:
         self.fs.invalidate_cache(path)
@@ -383,9 +414,20 @@ class FsspecStorage(Storage):
 
     def read_into(self, path, offset, buffer):
         view = memoryview(buffer).cast("B")
-        data = self.fs.cat_file(path, start=offset, end=offset + len(view))
-        view[:len(data)] = data
-        return len(data)
+        if len(view) >= self.BLOCK:
+            data = self.fs.cat_file(path, start=offset, end=offset + len(view))
+            view[:len(data)] = data
+            return len(data)
+        done = 0
+        while done < len(view):
+            index, at = divmod(offset + done, self.BLOCK)
+            block = self._block(path, index)
+            piece = block[at:at + len(view) - done]
+            if not piece:
+                break         # (end of the file)
+            view[done:done + len(piece)] = piece
+            done += len(piece)
+        return done
 
     def read_bytes(self, path, limit=None):
         return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)
@@ -394,18 +436,22 @@ class FsspecStorage(Storage):
         self.fs.makedirs(path, exist_ok=True)
 
     def open_writer(self, path, fsync=True):
+        self._forget(path)
         return _FsspecWriter(self.fs, path)
 
     def write_atomic(self, path, data, fsync=True):
+        self._forget(path)
         self.fs.pipe_file(path, bytes(data))
 
     def remove(self, path):
+        self._forget(path)
         try:
             self.fs.rm(path)
         except FileNotFoundError:
             pass
 
     def remove_tree(self, path):
+        self._forget(path)
         try:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:

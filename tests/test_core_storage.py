@@ -151,3 +151,15 @@ def test_a_writer_that_fails_leaves_nothing_and_a_committed_file_survives_abort(
         w.abort()                     # (after a commit: nothing to take back)
         assert store.read_bytes(store.join(root, "b.bin")) == b"whole"
         store.remove_tree(root)
+
+
+def test_block_reads_across_block_boundaries(memory):
+    """An object store's small reads are served from whole blocks: with blocks of 37 bytes every
+    box, header and file end crosses block boundaries, and every tensor reads back exactly."""
+    store, root = memory, "memory://ckpts/job"
+    weights, frozen = save_three(store, root)
+    small = FsspecStorage(store.fs, "memory")
+    small.BLOCK, small.BLOCKS_KEPT = 37, 3
+    r = CheckpointReader(f"{root}/s3", store=small)
+    assert torch.equal(r.read("master/w"), weights[3]) and torch.equal(r.read("model/frozen"), frozen)
+    assert verify_part(CheckpointReader(f"{root}/s3", store=small)) > 0
