@@ -132,6 +132,15 @@ def run_one(run, out):
             args.adacheck, args.load = True, rest[0]
             iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
+        elif kind == "perturb_optimizer":   # main weights and every moment change in place
+            with torch.no_grad():
+                for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+                    for g in o.optimizer.param_groups:
+                        for p in g["params"]:
+                            p.add_(1.0)
+                            for v in o.optimizer.state.get(p, {}).values():
+                                if torch.is_tensor(v) and v.dim() > 0:
+                                    v.add_(1.0)
         elif kind == "finish":   # wait for AdaCheck's asynchronous save in flight
             import adacheck_megatron
             adacheck_megatron.finalize_async_saves(block=True)
