@@ -42,7 +42,7 @@ from .planner import PlanCache, WritePlan, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
 from .staging import Staging
-from .storage import LOCAL, Storage, open_storage
+from .storage import LOCAL, Storage, is_url, open_storage, storage_path, url_protocol
 from .writer import write_safetensors_to
 
 log = logging.getLogger("adacheck")
@@ -402,15 +402,15 @@ class Checkpointer:
         ``file:///dir``, any fsspec protocol) opens that filesystem with ``options.storage_options``
         (once per protocol); a plain path is on this checkpointer's ``store``."""
         path = str(path)
-        if "://" not in path:
+        if not is_url(path):
             if self.options.storage_options:
                 raise ConfigError(f"storage_options were given, but the checkpoint path {path!r} is local; they "
                                   "apply to fsspec URLs (s3://bucket/prefix, ...) only: pass the URL or remove them")
             return self.store, path
-        protocol = path.split("://", 1)[0]
-        if protocol not in self._stores:
+        protocol = url_protocol(path)
+        if protocol not in self._stores:     # (one storage per protocol: its read blocks are kept)
             self._stores[protocol] = open_storage(path, self.options.storage_options or None)[0]
-        return self._stores[protocol], (path.split("://", 1)[1] if protocol == "file" else path)
+        return self._stores[protocol], storage_path(path)
 
     # ------------------------------------------------------------------ references
     def previous(self, save_dir: str, tag: str, store: Storage) -> Optional[str]:

@@ -516,18 +516,28 @@ def is_url(path) -> bool:
     return "://" in str(path)
 
 
+def url_protocol(path: str) -> str:
+    return path.split("://", 1)[0]
+
+
+def storage_path(path: str) -> str:
+    """A URL as its storage names it: ``file://`` URLs are local paths, others stay whole."""
+    protocol, rest = path.split("://", 1)
+    return rest if protocol == "file" else path
+
+
 def open_storage(path: str, options: Optional[dict] = None) -> Tuple[Storage, str]:
     """The storage a checkpoint path lives on, and the path as that storage names it: a URL
     ``protocol://...`` goes to fsspec with ``options`` (its storage_options), ``file://...`` and
     anything without a protocol is a local POSIX path."""
-    if "://" not in path:
+    if not is_url(path):
         if options:
             raise ConfigError(f"storage_options were given for the local path {path!r}; they apply to "
                               "fsspec URLs (s3://bucket/prefix, ...) only")
         return LOCAL, path
-    protocol, rest = path.split("://", 1)
+    protocol = url_protocol(path)
     if protocol == "file":
-        return LOCAL, rest
+        return LOCAL, storage_path(path)
     try:
         import fsspec
         fs = fsspec.filesystem(protocol, **(options or {}))

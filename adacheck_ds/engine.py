@@ -86,7 +86,6 @@ class AdaCheckDeepSpeed:
         if config.online.enabled:
             from .online import OnlineDS
             self.online = OnlineDS(self)
-        self.pending = None          # the asynchronous save in flight (core.PendingSave)
         if config.async_save and self.online is None:
             # a finished background save is reported at the next step (cheap when none is);
             # the engine's destroy waits for it while the process groups still exist
@@ -97,8 +96,7 @@ class AdaCheckDeepSpeed:
 
     def _step_and_poll(self, *args, **kwargs):
         out = self._step(*args, **kwargs)
-        if self.pending is not None:
-            self.poll()
+        self.poll()
         return out
 
     def _finish_and_destroy(self, *args, **kwargs):
@@ -106,17 +104,15 @@ class AdaCheckDeepSpeed:
         return self._destroy(*args, **kwargs)
 
     def poll(self):
-        """The asynchronous save's manifest once it has committed (None while it runs)."""
+        """The asynchronous save's manifest once it has committed (None while it runs, or none is
+        in flight: then this costs one attribute test)."""
         manifest = self.checkpointer.poll()
-        if self.checkpointer.pending is None:
-            self.pending = None
         if manifest is not None:
             self.last_manifest = manifest
         return manifest
 
     def finish(self):
         """Wait for the asynchronous save in flight (if any) and report it."""
-        self.pending = None
         manifest = self.checkpointer.finish()
         if manifest is not None:
             self.last_manifest = manifest
@@ -137,8 +133,7 @@ class AdaCheckDeepSpeed:
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
         with checkpoint_event(e.optimizer):     # (an async save's snapshot is taken inside)
             if self.config.async_save and self.online is None:
-                self.pending = self.checkpointer.save_async(default_comm(), save_dir, tag, collect,
-                                                            update_latest=save_latest)
+                self.checkpointer.save_async(default_comm(), save_dir, tag, collect, update_latest=save_latest)
                 self.last_manifest = self.checkpointer.last_committed   # (the previous one, if it committed)
             else:
                 self.last_manifest = self.checkpointer.save(

@@ -80,7 +80,7 @@ def checkpointer(optimizer, config: AdaCheckConfig) -> core.Checkpointer:
 def poll_async_save(optimizer, update_successful: bool = True) -> None:
     """Post-step hook: report this job's asynchronous save once it has committed (cheap)."""
     job = getattr(optimizer, CHECKPOINTER, None)
-    if job is not None and job.pending is not None:
+    if job is not None:
         job.poll()
 
 log = logging.getLogger("adacheck")
