@@ -30,7 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_ds import run_workers  # noqa: E402
+from bench_ds import run_workers, train_step, unique_bytes  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -114,13 +114,7 @@ def worker(a) -> None:
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
 
             def step():
-                g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
-                tokens = torch.randint(0, a.vocab, (2, 17), generator=g)
-                logits = engine(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
-                                                         tokens[:, 1:].reshape(-1))
-                engine.backward(loss)
-                engine.step()
+                train_step(engine, a.vocab, rank)
 
             def timed_step() -> float:
                 t0 = time.perf_counter()
@@ -129,10 +123,8 @@ def worker(a) -> None:
 
             for _ in range(2):
                 step()
-            base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-            moments = {k for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() >= 1}
             nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # (ZeRO-3: partitioned)
-            unique = nparams * 4 * (1 + len(moments)) + sum(b.numel() * b.element_size() for b in model.buffers())
+            unique = unique_bytes(engine, nparams)
             work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
             block = {"enabled": True, "reference_previous": False}
             sync = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(block))

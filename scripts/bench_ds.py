@@ -38,6 +38,26 @@ def du(path: str) -> int:
 
 
 # ----------------------------------------------------------------------------- worker
+def train_step(engine, vocab: int, rank: int) -> None:
+    """One step of TinyLM on this rank's tokens for the engine's step (deterministic)."""
+    import torch
+    g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
+    tokens = torch.randint(0, vocab, (2, 17), generator=g)
+    logits = engine(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+    engine.backward(loss)
+    engine.step()
+
+
+def unique_bytes(engine, nparams: int) -> int:
+    """The distinct logical state, counted from the engine and independent of AdaCheck: fp32
+    master weights and every optimizer moment (4 bytes per element each), and the buffers."""
+    import torch
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    moments = {k for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() >= 1}
+    return nparams * 4 * (1 + len(moments)) + sum(b.numel() * b.element_size() for b in engine.module.buffers())
+
+
 def worker(a) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -73,18 +93,8 @@ def worker(a) -> None:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
             for _ in range(2):
-                g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
-                tokens = torch.randint(0, a.vocab, (2, 17), generator=g)
-                logits = engine(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab),
-                                                         tokens[:, 1:].reshape(-1))
-                engine.backward(loss)
-                engine.step()
-            base = getattr(engine.optimizer, "optimizer", engine.optimizer)
-            moments = {k for st in base.state.values() for k, v in st.items()
-                       if torch.is_tensor(v) and v.dim() >= 1}
-            buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers())
-            unique = nparams * 4 * (1 + len(moments)) + buffers
+                train_step(engine, a.vocab, rank)
+            unique = unique_bytes(engine, nparams)
             work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
             nat, ada = os.path.join(work, "native"), os.path.join(work, "adacheck")
             fast = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
