@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import commit, jsontree, lifecycle
+from . import commit, jsontree, lifecycle, writer_process
 from .boxes import copy_intersection, flat_range_to_boxes
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
@@ -290,7 +290,9 @@ class Options:
     ("raise" or "fallback"), ``storage_options`` for the fsspec filesystem of a URL (see
     :meth:`Checkpointer.locate`), ``on_error``: an asynchronous save that fails in the background
     is a warning ("warn") or raises at the next poll, save, load or exit ("raise"); ``compression``
-    None or "zstd" (:mod:`adacheck.compression`)."""
+    None or "zstd" (:mod:`adacheck.compression`); ``writer``: where an asynchronous save's persist
+    runs, a "thread" of the training process or a "process" of its own
+    (:mod:`adacheck.writer_process`)."""
     keep_last: Optional[int] = None
     fsync: bool = True
     reference_previous: bool = True
@@ -302,6 +304,7 @@ class Options:
     storage_options: Optional[dict] = None
     on_error: str = "warn"
     compression: Optional[str] = None
+    writer: str = "process"
 
     @classmethod
     def from_config(cls, config) -> "Options":
@@ -309,7 +312,7 @@ class Options:
                    reference_previous=config.reference_previous, copies=config.redundancy_factor,
                    exchange=config.exchange, chunk_bytes=config.hash_chunk_bytes, verify=config.verify_on_load,
                    on_corrupt=config.on_corrupt, storage_options=dict(config.storage_options) or None,
-                   on_error=config.on_error, compression=config.compression)
+                   on_error=config.on_error, compression=config.compression, writer=config.async_writer)
 
 
 @dataclass
@@ -329,6 +332,7 @@ class Snapshot:
     step: Optional[int]
     started: float
     ready: Optional[Callable[[], None]] = None
+    given_dir: str = ""     # save_dir as the caller named it (a URL for remote storage)
 
 
 class PendingSave:
@@ -341,6 +345,7 @@ class PendingSave:
         self.started = time.perf_counter()
         self.finished: Optional[float] = None
         self.thread: Optional[threading.Thread] = None
+        self.trusted: Optional[Dict[str, str]] = None
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
@@ -396,6 +401,8 @@ class Checkpointer:
         self.pending: Optional[PendingSave] = None
         self.last_committed: Optional[Manifest] = None   # of the last asynchronous save that committed
         self._background: Optional[Comm] = None
+        self.writer: Optional["writer_process.WriterProcess"] = None
+        self._no_writer: Optional[str] = None    # why this job cannot have writer processes
 
     def locate(self, path: str) -> Tuple[Storage, str]:
         """The storage ``path`` lives on and the path as it names it: a URL (``s3://bucket/prefix``,
@@ -447,21 +454,36 @@ class Checkpointer:
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
                    update_latest: bool = True) -> PendingSave:
         """Collectively snapshot this rank's state into reusable host buffers and return: hashing,
-        the exchange, planning, writing and the commit (manifest, then ``latest``) run in a
-        background thread, on a gloo group of their own.  At most one save is in flight: this
-        waits for the previous one first (and says so).  :meth:`poll` reports a finished one,
-        :meth:`finish` waits for it; both raise or warn about a failure (``options.on_error``)."""
+        the exchange, planning, writing and the commit (manifest, then ``latest``) run in the
+        background, on a gloo group of their own: in a thread of this process, or in this rank's
+        writer process (``options.writer``).  At most one save is in flight: this waits for the
+        previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
+        waits for it; both raise or warn about a failure (``options.on_error``)."""
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
-        if self._background is None:
+        if self.options.writer == "process" and self._no_writer is None:
+            self.writer, self._no_writer = writer_process.start(comm, self.writer)
+            if self._no_writer is not None:
+                log.warning("AdaCheck: asynchronous saves persist in a thread: %s", self._no_writer)
+        in_process = self.options.writer == "process" and self.writer is not None
+        if in_process and not self.staging.shared:
+            self.staging.release()
+            self.staging = Staging(shared=True)
+        if not in_process and self._background is None:
             self._background = background_comm(comm)
         snap = self.snapshot(comm, save_dir, tag, collect, staging=self.staging)
         pending = PendingSave(tag, snap.ckpt_dir)
-        background = self._background
+        background, writer, staging, options = self._background, self.writer, self.staging, self.options
+        trusted = dict(self.caches.trusted)
 
         def run():
             try:
-                pending.manifest = self.persist(background, snap, update_latest)
+                if not in_process:
+                    pending.manifest = self.persist(background, snap, update_latest)
+                    return
+                if snap.ready is not None:
+                    snap.ready()        # the device-to-host copies have landed
+                pending.manifest, pending.trusted = writer.persist(snap, staging, update_latest, options, trusted)
             except BaseException as e:  # noqa: BLE001 - reported by poll / finish on the caller's thread
                 pending.error = e
             finally:
@@ -503,6 +525,8 @@ class Checkpointer:
         seconds = pending.finished - pending.started
         pending.manifest.stats["seconds"]["background"] = seconds
         log.info("AdaCheck: %s committed in the background (%.2fs after the save call)", pending.ckpt_dir, seconds)
+        if pending.trusted is not None:      # (the writer process's references, now this job's)
+            self.caches.trusted.update(pending.trusted)
         self.last_committed = pending.manifest
         return pending.manifest
 
@@ -513,11 +537,15 @@ class Checkpointer:
             self.options, self._stores = options, {}
 
     def close(self) -> None:
-        """At exit (lifecycle): the in-flight save commits; a failure is logged."""
+        """At exit (lifecycle): the in-flight save commits; a failure is logged; the writer
+        process stops."""
         try:
             self.finish()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting
             log.warning("AdaCheck: the asynchronous save did not commit: %s", e)
+        if self.writer is not None:
+            self.writer.stop()
+            self.writer = None
 
     def persist(self, comm: Comm, snap: Snapshot, update_latest: bool = True) -> Manifest:
         """Steps 1-6 of a save from its snapshot: hash, exchange, plan, write, commit, publish."""
@@ -547,6 +575,7 @@ class Checkpointer:
         """Step 0: this rank's part (the integration's ``collect()``), chunked, objects encoded;
         with ``staging`` its tensors copied into host buffers (the async save's snapshot)."""
         started = time.perf_counter()
+        given_dir = str(save_dir)
         store, save_dir = self.locate(save_dir)
         ckpt_dir = store.join(save_dir, tag)
 
@@ -567,7 +596,7 @@ class Checkpointer:
             if len(by_key) != len(shards):
                 raise FormatError("the integration reported the same (tensor, box) twice on one rank")
             return Snapshot(save_dir, tag, ckpt_dir, store, by_key, objects, rank_objects, state.layout,
-                            state.framework, state.step, started, ready)
+                            state.framework, state.step, started, ready, given_dir)
 
         return agree(comm, f"AdaCheck save of {ckpt_dir} (snapshot)", run)
 

@@ -22,6 +22,10 @@ async               false     save_checkpoint returns once every rank has copied
                               commit run in the background (one save in flight; the next save,
                               a load and the exit wait for it).  With online deltas the base
                               checkpoints stay synchronous
+async_writer        "process" where an asynchronous save's background work runs: "process"
+                              (one writer process per rank, reading the snapshot through shared
+                              memory; Linux, and a job that met in a TCP store, else a thread
+                              with a warning) or "thread" (of the training process)
 on_error            "warn"    an asynchronous save that fails in the background (full disk, lost
                               storage server): "warn" (training goes on; 'latest' is the
                               previous checkpoint) or "raise" at the next step, save or load
@@ -92,6 +96,7 @@ from .exchange import EXCHANGES
 ON_ERROR = ("disable", "raise")
 ON_CORRUPT = ("raise", "fallback")
 ON_SAVE_ERROR = ("warn", "raise")
+ASYNC_WRITERS = ("thread", "process")
 # JSON keys that are Python keywords: the block's key -> the field
 _ALIASES = {"async": "async_save"}
 
@@ -161,6 +166,7 @@ class AdaCheckConfig:
     save_dir: Optional[str] = None
     storage_options: dict = field(default_factory=dict)
     async_save: bool = False
+    async_writer: str = "process"
     on_error: str = "warn"
     compression: Optional[str] = None
     keep_last: int = 0
@@ -195,7 +201,8 @@ class AdaCheckConfig:
                     raise ConfigError(f"adacheck.save_dir must be a non-empty path string or null, "
                                       f"got {v!r}")
                 continue
-            choices = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR}.get(f.name)
+            choices = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR,
+                       "async_writer": ASYNC_WRITERS}.get(f.name)
             if choices is not None:
                 if v not in choices:
                     raise ConfigError(f"adacheck.{f.name} must be one of {', '.join(map(repr, choices))}, "
@@ -231,6 +238,6 @@ class AdaCheckConfig:
         return cls(**known)
 
 
-_TYPES = {"enabled": bool, "save_dir": str, "storage_options": dict, "async_save": bool, "on_error": str, "compression": str, "keep_last": int, "verify_on_load": bool,
+_TYPES = {"enabled": bool, "save_dir": str, "storage_options": dict, "async_save": bool, "async_writer": str, "on_error": str, "compression": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
           "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "online": dict}

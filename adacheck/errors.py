@@ -41,7 +41,7 @@ class CorruptCheckpointWarning(UserWarning):
     (on_corrupt: fallback)."""
 
 
-_KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
+KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
                                   StateError, StorageError)}
 
 
@@ -69,7 +69,7 @@ class DistributedError(AdaCheckError):
         """The error for ``failures`` (rank -> (exception class name, message))."""
         kinds = {r: k for r, (k, _) in failures.items()}
         shared = set(kinds.values())
-        base = _KINDS.get(shared.pop()) if len(shared) == 1 else None
+        base = KINDS.get(shared.pop()) if len(shared) == 1 else None
         klass = cls if base in (None, AdaCheckError) else _combined(base)
         return klass(what, {r: m for r, (_, m) in failures.items()}, kinds)
 

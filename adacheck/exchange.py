@@ -141,7 +141,34 @@ def background_comm(comm: Comm, timeout_s: float = 1800.0) -> Comm:
     return TorchComm(dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
 
 
-def _describe(e: BaseException) -> str:
+def store_address():
+    """(host, port) of the TCP store the job's default process group met in (torchrun, env://,
+    tcp://), for other processes of the job to meet in; None when it met in another kind."""
+    import torch.distributed as dist
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+    except Exception:  # noqa: BLE001 - (no default group, or another torch): no store to share
+        return None
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
+
+
+def world_in_store(address, prefix: str, rank: int, world_size: int, timeout_s: float) -> Comm:
+    """A new gloo world (the default process group of this process) of ``world_size`` processes,
+    meeting under ``prefix`` in the TCP store at ``address`` (see :func:`store_address`)."""
+    if world_size == 1:
+        return SoloComm()
+    import datetime
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(prefix, dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    return TorchComm()
+
+
+def describe_error(e: BaseException) -> str:
     if isinstance(e, AdaCheckError):
         return str(e)
     text = f"{type(e).__name__}: {e}"
@@ -163,7 +190,7 @@ def agree(comm: Comm, what: str, fn: Callable[[], Any],
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - gathered and re-raised below
-        error = (kind_of(e), _describe(e))
+        error = (kind_of(e), describe_error(e))
         local_exc = e
     outcomes = comm.all_gather_object(error)
     failures = {r: tuple(out) for r, out in enumerate(outcomes) if out is not None}

@@ -19,6 +19,7 @@
   --adacheck-on-error {warn,raise}  on_error (a failed asynchronous save)
   --adacheck-compression zstd     compression
   --async-save                    async_save: Megatron-LM's own flag, honoured under --adacheck
+  --adacheck-async-writer {thread,process}  async_writer
   --adacheck-online               online.enabled (gradient deltas after every step)
   --adacheck-online-base-interval N|auto
   --[no-]adacheck-online-compact
@@ -42,13 +43,13 @@ import re
 from dataclasses import fields
 from typing import List, Tuple
 
-from adacheck.config import ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, json_object_arg
+from adacheck.config import ASYNC_WRITERS, ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, json_object_arg
 from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
 _CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR,
-            "compression": ("zstd",)}
+            "compression": ("zstd",), "async_writer": ASYNC_WRITERS}
 # keys set by Megatron-LM's own flags: async_save is --async-save
 _MEGATRON_FLAGS = {"async_save": "async_save"}
 

@@ -4,13 +4,16 @@ One real DeepSpeed training (CPU, gloo, torchrun, DP=2 by default, about 250 MB 
 per ZeRO stage x dtype; in the same run, alternating, ``--repeat`` times (the fastest counts):
 
   stall          seconds inside ``save_checkpoint`` (the slowest rank): DeepSpeed's own save,
-                 AdaCheck synchronous (fsync, the default), AdaCheck ``"async": true``
+                 AdaCheck synchronous (fsync, the default), AdaCheck ``"async": true`` with each
+                 ``--writers`` (``"async_writer"``: a thread, or a writer process per rank)
   commit         async: seconds from the save call until the checkpoint is committed
                  ('latest' names it) in the background
-  step           seconds per training step while an async save persists in the background,
-                 against steps with none in flight (the background shares the CPU)
-  memory         the resident set (VmRSS) after each of ``--saves`` async saves: the staging
-                 copy is made once and reused, so it must not grow after the first
+  step           seconds per training step while an async save persists in the background
+                 (the median over the steps during ``--busy-saves`` saves, their count in
+                 parentheses), against steps with none in flight (the background shares the CPU)
+  memory         the resident set (VmRSS, plus the writer process's own anonymous memory) after
+                 each of ``--saves`` async saves: the staging copy is made once and reused, so it
+                 must not grow after the first
   s3             with ``--s3``: the same stall / commit, and a load, against a real S3 API
                  server (moto, on 127.0.0.1) through s3fs
 
@@ -33,12 +36,19 @@ sys.path.insert(0, HERE)
 from bench_ds import run_workers, train_step, unique_bytes  # noqa: E402
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
+def status_bytes(pid="self", field="VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def host_bytes(checkpointer) -> int:
+    """This rank's resident memory, plus its writer process's own (anonymous) memory: the shared
+    staging pages that both map are counted once, in the rank's."""
+    writer = checkpointer.writer
+    return status_bytes() + (status_bytes(writer.proc.pid, "RssAnon") if writer is not None and writer.alive else 0)
 
 
 def compression_of(ckpt_dir: str) -> dict:
@@ -128,43 +138,52 @@ def worker(a) -> None:
             work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
             block = {"enabled": True, "reference_previous": False}
             sync = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(block))
-            asy = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(block, **{"async": True})))
-            t = {"native": [], "sync": [], "async": [], "commit": []}
+            asy = {w: adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
+                dict(block, async_writer=w, **{"async": True}))) for w in a.writers}
+            t = {"native": [], "sync": [], **{w: [] for w in a.writers}}
+            commit = {w: [] for w in a.writers}
             for i in range(a.repeat):
                 order = [("native", lambda: adacheck_ds.save_native(engine, f"{work}/native", tag=f"t{i}")),
-                         ("sync", lambda: sync.save_checkpoint(f"{work}/sync", tag=f"t{i}")),
-                         ("async", lambda: asy.save_checkpoint(f"{work}/async", tag=f"t{i}"))]
-                done = {}
+                         ("sync", lambda: sync.save_checkpoint(f"{work}/sync", tag=f"t{i}"))]
+                order += [(w, lambda w=w: asy[w].save_checkpoint(f"{work}/async-{w}", tag=f"t{i}")) for w in a.writers]
                 for name, fn in (order if i % 2 == 0 else order[::-1]):
-                    t[name].append(stall(fn, then=(lambda: done.update(m=asy.finish())) if name == "async" else None))
-                t["commit"].append(slowest(done["m"].stats["seconds"]["background"]))
+                    done = {}
+                    then = (lambda: done.update(m=asy[name].finish())) if name in asy else None
+                    t[name].append(stall(fn, then=then))
+                    if name in asy:
+                        commit[name].append(slowest(done["m"].stats["seconds"]["background"]))
             # steps with and without a persist in flight
             quiet = [timed_step() for _ in range(a.steps)]
-            busy, during = [], 0
-            asy.save_checkpoint(f"{work}/async", tag="busy")
-            while asy.checkpointer.pending is not None and during < 200:
-                busy.append(timed_step())
-                during += 1
-            asy.finish()
-            # host memory over many async saves: the staging copy is allocated once
-            memory = []
-            for i in range(a.saves):
-                asy.save_checkpoint(f"{work}/mem", tag=f"m{i}")
-                step()
-                asy.finish()
-                memory.append(rss_bytes())
             row = {"dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
                    "unique_bytes": unique, "stall_native_s": min(t["native"]), "stall_sync_s": min(t["sync"]),
-                   "stall_async_s": min(t["async"]), "commit_async_s": min(t["commit"]),
-                   "async_over_native": min(t["async"]) / min(t["native"]),
-                   "step_quiet_s": sorted(quiet)[len(quiet) // 2],
-                   "step_busy_s": sorted(busy)[len(busy) // 2] if busy else None, "busy_steps": len(busy),
-                   "staging_bytes": asy.checkpointer.staging.nbytes,
-                   "rss_first_bytes": memory[0] if memory else None, "rss_last_bytes": memory[-1] if memory else None,
-                   "rss_max_bytes": max(memory) if memory else None, "rss_bytes": memory}
+                   "step_quiet_s": sorted(quiet)[len(quiet) // 2], "writers": {}}
+            for w, job in asy.items():
+                busy = []
+                for j in range(a.busy_saves):
+                    job.save_checkpoint(f"{work}/async-{w}", tag=f"busy{j}")
+                    during = 0
+                    while job.checkpointer.pending is not None and not job.checkpointer.pending.done() and during < 200:
+                        busy.append(timed_step())
+                        during += 1
+                    job.finish()
+                # host memory over many async saves: the staging copy is allocated once
+                memory = []
+                for i in range(a.saves):
+                    job.save_checkpoint(f"{work}/mem-{w}", tag=f"m{i}")
+                    step()
+                    job.finish()
+                    memory.append(host_bytes(job.checkpointer))
+                row["writers"][w] = {
+                    "stall_async_s": min(t[w]), "commit_async_s": min(commit[w]),
+                    "async_over_native": min(t[w]) / min(t["native"]),
+                    "step_busy_s": sorted(busy)[len(busy) // 2] if busy else None, "busy_steps": len(busy),
+                    "staging_bytes": job.checkpointer.staging.nbytes,
+                    "rss_first_bytes": memory[0] if memory else None, "rss_last_bytes": memory[-1] if memory else None,
+                    "rss_max_bytes": max(memory) if memory else None, "rss_bytes": memory}
+                job.checkpointer.close()     # (its writer process, if any, stops)
             if a.s3_url:
                 remote = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
-                    dict(block, storage_options=storage, **{"async": True})))
+                    dict(block, storage_options=storage, async_writer=a.writers[0], **{"async": True})))
                 remote_sync = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
                     dict(block, storage_options=storage)))
                 url = f"{a.s3_url}/dp{dist.get_world_size()}-z{stage}-{dtype}"
@@ -192,16 +211,17 @@ def worker(a) -> None:
 
 # ----------------------------------------------------------------------------- driver
 def table(rows) -> str:
-    head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall sync s | stall async s | async/native "
-            "| commit s | step s (quiet) | step s (persisting) | staging MB | RSS growth MB |")
-    out = [head, "|" + "---:|" * 13]
+    head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall sync s | writer | stall async s | async/native "
+            "| commit s | step s (quiet) | step s (persisting) | staging MB | host memory growth MB |")
+    out = [head, "|" + "---:|" * 6 + ":---|" + "---:|" * 7]
     for r in rows:
-        growth = (r["rss_last_bytes"] - r["rss_first_bytes"]) / 1e6 if r["rss_first_bytes"] else float("nan")
-        busy = f"{r['step_busy_s']:.3f} ({r['busy_steps']})" if r["step_busy_s"] is not None else "-"
-        out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['unique_bytes'] / 1e6:.0f} | "
-                   f"{r['stall_native_s']:.3f} | {r['stall_sync_s']:.3f} | {r['stall_async_s']:.3f} | "
-                   f"{r['async_over_native']:.3f} | {r['commit_async_s']:.3f} | {r['step_quiet_s']:.3f} | {busy} | "
-                   f"{r['staging_bytes'] / 1e6:.0f} | {growth:+.1f} |")
+        for w, x in r["writers"].items():
+            growth = (x["rss_last_bytes"] - x["rss_first_bytes"]) / 1e6 if x["rss_first_bytes"] else float("nan")
+            busy = f"{x['step_busy_s']:.3f} ({x['busy_steps']})" if x["step_busy_s"] is not None else "-"
+            out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['unique_bytes'] / 1e6:.0f} | "
+                       f"{r['stall_native_s']:.3f} | {r['stall_sync_s']:.3f} | {w} | {x['stall_async_s']:.3f} | "
+                       f"{x['async_over_native']:.3f} | {x['commit_async_s']:.3f} | {r['step_quiet_s']:.3f} | {busy} | "
+                       f"{x['staging_bytes'] / 1e6:.0f} | {growth:+.1f} |")
     out += ["", "| DP | ZeRO | dtype | tensors | MB | zstd ratio | encode MB/s | decode MB/s |", "|" + "---:|" * 8]
     for r in rows:
         for kind, c in r.get("compression", {}).items():
@@ -227,6 +247,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="quiet steps timed")
     ap.add_argument("--saves", type=int, default=20, help="async saves whose memory is followed")
+    ap.add_argument("--busy-saves", type=int, default=5, help="async saves during which steps are timed")
+    ap.add_argument("--writers", nargs="+", default=["thread", "process"], choices=["thread", "process"],
+                    help="where async saves persist (the first also serves --s3)")
     ap.add_argument("--s3", action="store_true", help="also save to / load from a local S3 API server (moto)")
     ap.add_argument("--work", default=None)
     ap.add_argument("--json", default="bench_async.json")
@@ -238,8 +261,8 @@ def main() -> None:
     if a.worker:
         return worker(a)
     passed = ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
-              "--steps", str(a.steps), "--saves", str(a.saves), "--stages", *map(str, a.stages),
-              "--dtypes", *a.dtypes]
+              "--steps", str(a.steps), "--saves", str(a.saves), "--busy-saves", str(a.busy_saves), "--stages", *map(str, a.stages),
+              "--dtypes", *a.dtypes, "--writers", *a.writers]
     server = None
     if a.s3:
         sys.path.insert(0, os.path.join(ROOT, "tests"))

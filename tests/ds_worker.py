@@ -5,7 +5,7 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
-expect_error SUBSTRING ACTION...
+stop_writer RANK | kill_writer RANK | expect_error SUBSTRING ACTION...
 A run with "init_error": SUBSTRING expects building its engine to fail with that error.
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
@@ -299,6 +299,10 @@ def act(engine, a, rec, out_dir, rank):
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             limit = resource.RLIM_INFINITY if a[2] < 0 else a[2]
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    elif op in ("stop_writer", "kill_writer"):   # that rank's writer process: SIGSTOP / SIGKILL
+        if rank == a[1]:
+            proc = engine.adacheck.checkpointer.writer.proc
+            os.kill(proc.pid, signal.SIGSTOP if op == "stop_writer" else signal.SIGKILL)
     elif op == "perturb":   # perturb RANK PARAM: that rank's replica silently diverges
         if rank == a[1]:
             with torch.no_grad():

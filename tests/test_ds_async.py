@@ -26,26 +26,38 @@ def state_keys(saved):
 
 def test_async_saves_hold_the_state_at_the_call(tmp_path):
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    ck, bad = f"{src}/ck", f"{src}/bad"
+    ck, bad, pk, dead = f"{src}/ck", f"{src}/bad", f"{src}/pk", f"{src}/dead"
     block = {"enabled": True, "async": True}
+    thread = dict(block, async_writer="thread")    # (RLIMIT_FSIZE below limits the rank's own writes)
     runs = [
         # the next step starts right after each save call returns and changes every weight, master
         # and moment while the background hashes and writes; the last save is in flight when the
         # script ends (the engine's destroy commits it)
-        {"stage": 2, "dtype": "bf16", "adacheck": block,
+        {"stage": 2, "dtype": "bf16", "adacheck": thread,
          "actions": [["train", 3], ["dump", "S3"], ["save", ck], ["train", 2], ["dump", "S5"], ["save", ck],
                      ["train", 1], ["dump", "S6"], ["save", ck], ["train", 1]]},
         # a background failure: rank 1 cannot write files (RLIMIT_FSIZE): a warning, training goes
         # on, 'latest' stays; with on_error "raise" the error reaches the loop
-        {"stage": 1, "dtype": "fp32", "adacheck": block,
+        {"stage": 1, "dtype": "fp32", "adacheck": thread,
          "actions": [["train", 1], ["save", bad], ["finish"], ["fsize_limit", 1, 1], ["train", 1], ["save", bad],
                      ["finish"], ["train", 1], ["latest", bad], ["fsize_limit", 1, -1]]},
-        {"stage": 1, "dtype": "fp32", "adacheck": dict(block, on_error="raise"),
+        {"stage": 1, "dtype": "fp32", "adacheck": dict(thread, on_error="raise"),
          "actions": [["fsize_limit", 1, 1], ["train", 1], ["save", f"{src}/bad2"],
                      ["expect_error", "was not published", "finish"], ["fsize_limit", 1, -1], ["train", 1]]},
         # compressed (zstd byte planes), ZeRO-3
         {"stage": 3, "dtype": "bf16", "adacheck": dict(block, compression="zstd"),
          "actions": [["train", 2], ["dump", "Z2"], ["save", f"{src}/zstd"], ["train", 1]]},
+        # the same in writer processes (the default: shared-memory staging, a gloo world of their
+        # own); the last save is in flight when the script ends
+        {"stage": 2, "dtype": "bf16", "adacheck": block,
+         "actions": [["train", 3], ["dump", "P3"], ["save", pk], ["train", 2], ["dump", "P5"], ["save", pk],
+                     ["train", 1], ["dump", "P6"], ["save", pk], ["train", 1]]},
+        # rank 1's writer dies during a save (stopped before it, killed after the call): a warning
+        # on both ranks, 'latest' stays; the next save starts new writers and commits
+        {"stage": 1, "dtype": "fp32", "adacheck": block,
+         "actions": [["train", 1], ["save", dead], ["finish"], ["stop_writer", 1], ["train", 1], ["save", dead],
+                     ["kill_writer", 1], ["finish"], ["latest", dead], ["train", 1], ["dump", "K3"], ["save", dead],
+                     ["finish"], ["latest", dead]]},
     ]
     check(launch(2, {"runs": runs}, src))
     res = [results(src, r) for r in (0, 1)]
@@ -55,8 +67,14 @@ def test_async_saves_hold_the_state_at_the_call(tmp_path):
         assert len(res[r][1]["losses"]) == 3
         assert len(res[r][2]["errors"]) == 1 and "bad2" in res[r][2]["errors"][0]
     assert res[0][1]["latest"] == ["global_step1"]
+    for r in (0, 1):
+        died = res[r][5]
+        assert died["finished"] == ["global_step1", None, "global_step3"], died
+        assert any("writer process" in w and "global_step2" in w for w in died["warnings"]), died
+    assert res[0][5]["latest"] == ["global_step1", "global_step3"]
+    assert not os.path.exists(f"{dead}/global_step2/manifest.json")
     assert not os.path.exists(f"{src}/bad2/latest")
-    left = [os.path.join(d, f) for root in (bad, f"{src}/bad2") for d, _, fs in os.walk(root) for f in fs
+    left = [os.path.join(d, f) for root in (bad, f"{src}/bad2", dead) for d, _, fs in os.walk(root) for f in fs
             if f.endswith(".tmp")]
     assert not left, left
     # another layout (DP=1 ZeRO-3) loads each checkpoint: exactly the state dumped at its call
@@ -66,9 +84,14 @@ def test_async_saves_hold_the_state_at_the_call(tmp_path):
                  "actions": [["load", ck], ["dump", "L6"]]})
     runs.append({"stage": 1, "dtype": "bf16", "seed": 9, "adacheck": {"enabled": True},
                  "actions": [["load", f"{src}/zstd"], ["dump", "LZ2"]]})
+    runs += [{"stage": 3, "dtype": "bf16", "seed": 9, "adacheck": {"enabled": True},
+              "actions": [["load", pk, {"tag": f"global_step{s}"}], ["dump", f"LP{s}"]]} for s in (3, 5, 6)]
+    runs.append({"stage": 1, "dtype": "fp32", "seed": 9, "adacheck": {"enabled": True},
+                 "actions": [["load", dead], ["dump", "LK3"]]})
     check(launch(1, {"runs": runs}, dst))
-    for s in (3, 5, 6, "Z2"):
-        saved, loaded = load_file(f"{src}/S{s}.safetensors".replace("SZ", "Z")), load_file(f"{dst}/L{s}.safetensors")
+    named = {3: "S3", 5: "S5", 6: "S6", "Z2": "Z2", "P3": "P3", "P5": "P5", "P6": "P6", "K3": "K3"}
+    for s, dumped in named.items():
+        saved, loaded = load_file(f"{src}/{dumped}.safetensors"), load_file(f"{dst}/L{s}.safetensors")
         keys = state_keys(saved)
         assert keys
         for k in keys:

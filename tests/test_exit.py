@@ -26,6 +26,14 @@ def torchrun(mode, ckpt, until, losses):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
 
 
+def _is_writer(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"adacheck.writer_main" in f.read()
+    except OSError:
+        return False
+
+
 def read_losses(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -34,7 +42,8 @@ def read_losses(path):
 def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp_path):
     """10 online-recovery jobs (each: load = base + replay of every committed delta, one more
     step recorded, exit), 4 plain ones (load, one step, save, exit) and 4 async ones (the same, the
-    save still in flight when the script ends: the exit hook commits it), all under torchrun:
+    save still in flight when the script ends: the exit hook commits it, and stops the writer
+    processes: none is left), then 3 with the persist in a thread, all under torchrun:
     every job exits 0 (before the fix, 4 of 6 online-recovery jobs of this kind aborted with
     SIGABRT), each online job recovers exactly the step the previous one ended at (its last
     delta was committed at exit, not left as rank<r>.json.tmp), and every logged loss equals the
@@ -52,8 +61,11 @@ def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp
     # the last save of each async job is committed by the exit hook; the next job resumes from it
     asy, async_log = str(tmp_path / "async"), str(tmp_path / "async.jsonl")
     runs += [("async", asy, 2)] + [("async", asy, 2 + i) for i in range(1, 4)]
+    # (in writer processes, the default: the exit hook stops them too) ... and in threads
+    runs += [("async_thread", asy, 5 + i) for i in range(1, 4)]
     for i, (mode, ckpt, until) in enumerate(runs):
-        p = torchrun(mode, ckpt, until, {"online": log, "plain": plain_log, "async": async_log}[mode])
+        p = torchrun(mode, ckpt, until, {"online": log, "plain": plain_log, "async": async_log,
+                                         "async_thread": async_log}[mode])
         assert p.returncode == 0, f"job {i} ({mode}) exited with {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
         if mode == "online" and i > 0:
             # the step the previous job ended at was committed when it exited, and recovered now
@@ -65,8 +77,9 @@ def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp
     assert [r["step"] for r in got] == list(range(1, 17))
     assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 17)}
     got = read_losses(async_log)
-    assert [r["step"] for r in got] == list(range(1, 6))
-    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 6)}
-    assert open(os.path.join(asy, "latest")).read().strip() == "global_step5"
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 9)}
+    assert open(os.path.join(asy, "latest")).read().strip() == "global_step8"
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_writer(p)], "a writer process outlived its job"
     step13 = os.path.join(online, "global_step1", "deltas", "0000000013")
     assert sorted(os.listdir(step13)) == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]

@@ -30,11 +30,18 @@ def test_async_save_resumes_exactly(tmp_path):
     runs += [{"argv": argv, "actions": [["train", 2], ["dump", "c"], ["save", f"{ck}2"], ["perturb_optimizer"],
                                         ["scramble"], ["finish"]]},
              {"argv": argv, "actions": [["scramble"], ["load", f"{ck}2"], ["dump", "d"]]}]
+    # the same with the persist in a thread of each rank (the default: writer processes)
+    thread = argv + ["--adacheck-async-writer", "thread"]
+    runs += [{"argv": thread, "actions": [["train", 2], ["dump", "e"], ["save", f"{ck}3"], ["perturb_optimizer"],
+                                        ["scramble"], ["finish"]]},
+             {"argv": argv, "actions": [["scramble"], ["load", f"{ck}3"], ["dump", "f"]]}]
     check(launch(2, {"runs": runs}, str(tmp_path), script="megatron_worker.py"))
     res = results(str(tmp_path))
     assert res[1]["loaded"] == [4] and res[0]["losses"][4:] == res[1]["losses"]
     assert_same_dumps(str(tmp_path), "a", "b", 2)
     assert res[3]["loaded"] == [2]
     assert_same_dumps(str(tmp_path), "c", "d", 2)
+    assert res[5]["loaded"] == [2]
+    assert_same_dumps(str(tmp_path), "e", "f", 2)
     assert open(os.path.join(ck, "latest")).read().strip() == "iter_0000004"
     assert os.path.exists(os.path.join(ck, "iter_0000003", "manifest.json"))

@@ -233,3 +233,25 @@ def test_sigkill_during_a_background_write_to_s3(s3, tmp_path):
     check(launch(2, {"runs": [dict(big, seed=3, actions=[["load", url], ["dump", "reloaded"]])]}, load_dir))
     assert_same(load_file(str(tmp_path / "a" / "good.safetensors")),
                 load_file(os.path.join(load_dir, "reloaded.safetensors")))
+
+
+def test_a_writer_process_uploads_the_state_at_the_call(s3, tmp_path):
+    """``async_writer: "process"`` (a world of one: no process group): the writer process reads
+    the snapshot from shared memory and uploads it while the state changes; the objects are byte
+    for byte those of a synchronous local save of the state at the call."""
+    frozen = torch.arange(9.0).view(3, 3)
+    _, st = state(5, frozen)
+    Checkpointer(options=Options(chunk_bytes=32)).save(SoloComm(), str(tmp_path / "local"), "s5", lambda: st)
+    remote = job(s3, writer="process")
+    try:
+        remote.save_async(SoloComm(), s3.url("proc"), "s5", lambda: st)
+        for s in st.shards:     # training goes on at once
+            s.tensor.add_(1)
+        manifest = remote.finish()
+        assert manifest is not None and manifest.tag == "s5"
+        assert remote.writer is not None and remote.writer.alive
+    finally:
+        remote.close()
+    assert remote.writer is None
+    store, where = remote.locate(s3.url("proc"))
+    assert files_of(store, where) == files_of(LOCAL, str(tmp_path / "local"))

@@ -4,7 +4,8 @@ no ``engine.destroy()`` and no ``destroy_process_group()``.  Run under torchrun.
   --ckpt DIR       checkpoint directory (AdaCheck's save_dir); loaded at start if it holds one
   --until N        train until global step N
   --mode M         native (no AdaCheck), plain (AdaCheck, save at the end), async (the same with
-                   "async": true: the last save is still in flight when the script ends) or online
+                   "async": true: the last save is still in flight when the script ends), async_thread
+                   (the same with "async_writer": "thread") or online
                    (AdaCheck online deltas after every step, bases only every 100 steps)
   --losses FILE    rank 0 appends one JSON line per step: {"step": s, "loss": l}
 
@@ -25,7 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--until", type=int, required=True)
-    ap.add_argument("--mode", choices=("native", "plain", "async", "online"), required=True)
+    ap.add_argument("--mode", choices=("native", "plain", "async", "async_thread", "online"), required=True)
     ap.add_argument("--losses", required=True)
     a = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -35,10 +36,13 @@ def main():
                                 torch.nn.Linear(64, 4))
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+    asynchronous = a.mode.startswith("async")
     if a.mode != "native":
-        cfg["adacheck"] = {"enabled": True, "save_dir": a.ckpt, "async": a.mode == "async",
+        cfg["adacheck"] = {"enabled": True, "save_dir": a.ckpt, "async": asynchronous,
                            "online": {"enabled": a.mode == "online", "base_interval": 100}}
-    if a.mode == "async":
+        if a.mode == "async_thread":
+            cfg["adacheck"]["async_writer"] = "thread"
+    if asynchronous:
         # state the model does not use, new at every save (so never referenced: written each time):
         # the background persist then takes long enough to be in flight when the script ends
         model.register_buffer("ballast", torch.zeros(16 << 20))
@@ -58,9 +62,9 @@ def main():
         if engine.global_rank == 0:
             with open(a.losses, "a") as f:
                 f.write(json.dumps({"step": engine.global_steps, "loss": t.item()}) + "\n")
-    if a.mode == "async":
+    if asynchronous:
         engine.module.ballast.copy_(torch.randn(16 << 20, generator=torch.Generator().manual_seed(engine.global_steps)))
-    if a.mode in ("plain", "async"):
+    if a.mode in ("plain", "async", "async_thread"):
         engine.save_checkpoint(a.ckpt)
 
 
