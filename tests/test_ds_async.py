@@ -100,3 +100,13 @@ def test_async_saves_hold_the_state_at_the_call(tmp_path):
     assert open(f"{ck}/latest").read().strip() == "global_step6"
     manifest = json.load(open(f"{src}/zstd/global_step2/manifest.json"))
     assert manifest["format_version"] == 3
+
+
+def test_a_job_without_a_tcp_store_persists_in_a_thread(tmp_path):
+    """Writer processes meet in the job's TCP store; a job that met in a FileStore gets the thread
+    instead, with a warning on every rank, and its async save holds the state at the call."""
+    spec = {"store": str(tmp_path / "rendezvous"), "dir": str(tmp_path / "ck")}
+    out = check(launch(2, spec, str(tmp_path), script="core_async_worker.py", timeout=180))
+    for rank, (_, text) in enumerate(out):
+        assert "persist in a thread" in text and "TCP store" in text, text
+        assert results(str(tmp_path), rank) == {"committed": True, "writer": False, "equal": True}
