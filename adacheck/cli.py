@@ -14,7 +14,8 @@ import torch
 from . import commit, deltas
 from .checkpoint import CheckpointReader, resolve
 from .config import json_object_arg
-from .errors import AdaCheckError, ConfigError
+from . import __version__
+from .errors import AdaCheckError, ConfigError, NotFoundError
 from .manifest import referenced_files
 from .storage import LOCAL, Storage, open_storage
 
@@ -43,6 +44,28 @@ def located(args, path: str):
     if options is not None and "://" not in path:
         raise ConfigError(f"--storage-options apply to URLs (s3://bucket/prefix, ...), not to the local path {path!r}")
     return open_storage(path, options)
+
+
+def located_dir(args, path: str, what: str = "save or checkpoint directory"):
+    """:func:`located`, and an error (exit 2) when ``path`` is no directory: missing, or a file
+    (then the directory that holds it is named)."""
+    store, where = located(args, path)
+    if not store.is_dir(where):
+        if store.is_file(where):
+            raise NotFoundError(f"{path} is a file, not a {what}: give a directory, such as the one that "
+                                f"holds it ({store.parent(where)})")
+        raise NotFoundError(f"{path}: no such directory")
+    return store, where
+
+
+def tensor_rows(m) -> list:
+    """(name, dtype, shape, bytes, how it is stored) of every logical tensor of manifest ``m``."""
+    rows = []
+    for name in sorted(m.tensors):
+        e = m.tensors[name]
+        how = f"= cast({e.derived.source})" if e.derived else f"{len(e.boxes)} box(es)"
+        rows.append((name, e.dtype, list(e.shape), e.nbytes, how))
+    return rows
 
 
 def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
@@ -76,12 +99,15 @@ def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
 
 
 def cmd_inspect(args) -> int:
-    store, path = located(args, args.path)
+    store, path = located_dir(args, args.path)
     d = resolve(path, args.tag, store)
     s = summary(d, store)
     if args.json:
         if args.redundancy:
             s["redundancy"] = redundancy(CheckpointReader(d, verify=False, store=store).manifest)
+        if args.tensors:
+            s["tensor_list"] = [dict(zip(("name", "dtype", "shape", "bytes", "stored_as"), r)) for r in
+                                tensor_rows(CheckpointReader(d, verify=False, store=store).manifest)]
         print(json.dumps(s, indent=1, sort_keys=True))
         return 0
     fw = s["framework"]
@@ -133,13 +159,9 @@ def cmd_inspect(args) -> int:
         print_redundancy(CheckpointReader(d, verify=False).manifest)
     if args.tensors:
         print()
-        m = CheckpointReader(d, verify=False).manifest
-        rows = []
-        for name in sorted(m.tensors):
-            e = m.tensors[name]
-            how = f"= cast({e.derived.source})" if e.derived else f"{len(e.boxes)} box(es)"
-            rows.append((name, e.dtype, "x".join(map(str, e.shape)) or "scalar", human(e.nbytes), how))
-        print(table(rows, ["tensor", "dtype", "shape", "bytes", "stored as"]))
+        rows = tensor_rows(CheckpointReader(d, verify=False, store=store).manifest)
+        print(table([(n, t, "x".join(map(str, sh)) or "scalar", human(b), how) for n, t, sh, b, how in rows],
+                    ["tensor", "dtype", "shape", "bytes", "stored as"]))
     return 0
 
 
@@ -209,7 +231,7 @@ def print_redundancy(m) -> None:
 
 
 def cmd_verify(args) -> int:
-    store, path = located(args, args.path)
+    store, path = located_dir(args, args.path)
     d = resolve(path, args.tag, store)
     r = CheckpointReader(d, verify=True, cache_bytes=0, store=store)
     # stored boxes, then (format 2) each box of a derived tensor: derived from its source and
@@ -242,7 +264,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_ls(args) -> int:
-    store, path = located(args, args.path)
+    store, path = located_dir(args, args.path, "save directory")
     latest = commit.read_latest(path, store)
     found = commit.list_checkpoints(path, store)
     users = defaultdict(set)   # tag -> later checkpoints that read files there
@@ -288,7 +310,7 @@ def cmd_prune(args) -> int:
         print("adacheck prune: error: say what to keep: --keep-last K and/or --older-than AGE",
               file=sys.stderr)
         return 2
-    store, path = located(args, args.path)
+    store, path = located_dir(args, args.path, "save directory")
     latest = commit.read_latest(path, store)
     doomed = commit.choose_retired(path, keep_last=args.keep_last, older_than_s=args.older_than,
                                    protect=(latest,) if latest else (), store=store)
@@ -333,7 +355,7 @@ def _diff_entry(ra, rb, name):
 
 
 def cmd_diff(args) -> int:
-    (sa, pa), (sb, pb) = located(args, args.a), located(args, args.b)
+    (sa, pa), (sb, pb) = located_dir(args, args.a), located_dir(args, args.b)
     da, db = resolve(pa, None, sa), resolve(pb, None, sb)
     ra = CheckpointReader(da, verify=not args.no_verify, store=sa)
     rb = CheckpointReader(db, verify=not args.no_verify, store=sb)
@@ -495,9 +517,15 @@ Convert an AdaCheck checkpoint SRC into another format under OUT (--to), or a ch
 another format into an AdaCheck checkpoint (--from)."""
 
 
+EXIT_CODES = ("exit status: 0 ok; 1 damage found (verify), tensors that differ (diff), no checkpoint in "
+              "the directory (ls); 2 a usage error, or an error that stopped the command (a missing "
+              "directory, a damaged manifest, an unreachable storage)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare, prune and convert "
-                                "AdaCheck checkpoints.")
+                                "AdaCheck checkpoints.", epilog=EXIT_CODES)
+    p.add_argument("--version", action="version", version=f"adacheck {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, fn, helptext in [("inspect", cmd_inspect, "show layout, step, tensors and bytes"),
                                ("verify", cmd_verify, "check every stored box against its hash")]:
@@ -554,6 +582,14 @@ def main(argv=None) -> int:
                        help="for a URL PATH (s3://bucket/prefix, ...): the fsspec filesystem's arguments, e.g. "
                             "'{\"endpoint_url\": \"http://host:9000\"}'")
     args, rest = p.parse_known_args(argv)
+    try:
+        return _run(p, args, rest)
+    except BrokenPipeError:     # the reader went away (adacheck ls | head): stop writing, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(p, args, rest) -> int:
     try:
         if args.fn is cmd_convert:
             if not args.help and (args.src is None or args.out is None):

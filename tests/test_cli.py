@@ -1,0 +1,69 @@
+"""The ``adacheck`` command as a new user meets it: a path that is missing or a file is a one-line
+error with exit status 2 (never a traceback, never exit 0), output piped into ``head`` stops
+quietly, ``--version`` answers, ``inspect --json --tensors`` lists the tensors, and ``--help``
+states the exit codes."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from adacheck import __version__
+from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+from adacheck.cli import main
+from adacheck.exchange import SoloComm
+from adacheck.types import Box
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = {f"master/w{i:04d}": (3, 1 + i % 5) for i in range(1500)}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cli") / "ck")
+    shards = [LocalShard(name, "master", shape, Box.full(shape), torch.full(shape, float(i)))
+              for i, (name, shape) in enumerate(SHAPES.items())]
+    Checkpointer(options=Options(fsync=False)).save(SoloComm(), root, "s1", lambda: LocalState(shards, step=1))
+    return root
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["ls", "{missing}"], "no such directory"),
+    (["prune", "{missing}", "--keep-last", "1"], "no such directory"),
+    (["inspect", "{missing}"], "no such directory"),
+    (["verify", "{missing}"], "no such directory"),
+    (["diff", "{ck}", "{missing}"], "no such directory"),
+    (["ls", "{ck}/latest"], "is a file"),
+    (["prune", "{ck}/latest", "--keep-last", "1"], "is a file"),
+    (["inspect", "{ck}/s1/manifest.json"], "is a file"),
+    (["verify", "{ck}/s1/manifest.json"], "is a file"),
+])
+def test_a_missing_directory_or_a_file_is_a_clean_error(ckpt, tmp_path, capsys, argv, says):
+    argv = [a.format(ck=ckpt, missing=str(tmp_path / "nowhere")) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.startswith(f"adacheck {argv[0]}: error:") and len(err.splitlines()) == 1, err
+
+
+def test_output_into_a_closed_pipe_stops_quietly(ckpt):
+    p = subprocess.Popen([sys.executable, "-m", "adacheck.cli", "inspect", ckpt, "--tensors"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.stdout.readline().startswith(b"checkpoint")
+    p.stdout.close()            # as `| head -1` does (the listing is far larger than a pipe's buffer)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and "Traceback" not in err, err
+
+
+def test_version_json_tensors_and_exit_codes(ckpt, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"adacheck {__version__}"
+    import json
+    assert main(["inspect", ckpt, "--json", "--tensors"]) == 0
+    listed = json.loads(capsys.readouterr().out)["tensor_list"]
+    assert {t["name"]: tuple(t["shape"]) for t in listed} == SHAPES
+    assert all(t["bytes"] == 4 * t["shape"][0] * t["shape"][1] and t["dtype"] == "float32" for t in listed)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "exit status: 0 ok; 1 damage found" in " ".join(capsys.readouterr().out.split())
