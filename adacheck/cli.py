@@ -391,11 +391,13 @@ def cmd_diff(args) -> int:
 
 
 def _size(text: str) -> int:
-    m = re.match(r"^(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?$", text.strip(), re.I)
+    """Bytes of a size as Hugging Face writes them: 5GB = 5 * 10**9, 5GiB = 5 * 2**30, 1048576."""
+    m = re.match(r"^(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B)?$", text.strip(), re.I)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1048576")
-    unit = (m.group(2) or "").upper().replace("I", "").rstrip("B")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit])
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB (10^9 bytes), 5GiB (2^30 bytes), "
+                                         "500MB or 1048576")
+    power = " KMGT".index(m.group(2).upper()) if m.group(2) else 0
+    return int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power))
 
 
 def cmd_convert(args, rest) -> int:
@@ -406,6 +408,18 @@ def cmd_convert(args, rest) -> int:
         args.to = "adacheck" if args.from_ != "adacheck" else "weights"
     if args.from_ != "adacheck" and args.to != "adacheck":
         raise ConfigError(f"--from {args.from_} converts into AdaCheck: use --to adacheck (or leave --to out)")
+    if args.to != "weights":
+        given = [flag for flag, v in (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size),
+                                      ("--overwrite", args.overwrite)) if v not in (None, False)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} apply to --to weights only, not to "
+                              f"{'--from ' + args.from_ if args.from_ != 'adacheck' else '--to ' + args.to}: "
+                              "drop them (adacheck convert --to FORMAT --help lists that format's options)")
+    if args.src and args.out and "://" not in args.src and not args.help:
+        src, out = os.path.realpath(args.src), os.path.realpath(args.out)
+        if out == src or out.startswith(src + os.sep):
+            raise ConfigError(f"the output {args.out} is inside the source {args.src}: a conversion never writes "
+                              "into the checkpoint it reads; choose an output directory outside it")
     conv, how = None, None
     if args.from_ != "adacheck":
         conv, how = converter(args.from_), "read"
@@ -461,7 +475,7 @@ def cmd_convert(args, rest) -> int:
         return 0
     if rest:
         raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
-    res = export_weights(d, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+    res = export_weights(d, args.out, dtype=args.dtype or "model", max_shard_bytes=args.max_shard_size,
                          overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
     if show:
         sys.stderr.write("\n")
@@ -566,10 +580,12 @@ def main(argv=None) -> int:
                    help="weights (default from AdaCheck), adacheck, or an installed format (adacheck convert --help)")
     s.add_argument("--from", dest="from_", default="adacheck", metavar="FORMAT",
                    help="adacheck (default), or an installed format SRC is in, converted into AdaCheck under OUT")
-    s.add_argument("--dtype", choices=["model", "fp32"], default="model",
-                   help="--to weights: the training dtype of the module weights, or the fp32 master weights")
+    s.add_argument("--dtype", choices=["model", "fp32", "bf16", "fp16"], default=None,
+                   help="--to weights: the training dtype of the module weights (model, the default), or the "
+                        "fp32 master weights (where there are) as fp32, bf16 or fp16")
     s.add_argument("--max-shard-size", type=_size, metavar="SIZE", help="--to weights: split into shards of at "
-                   "most SIZE (e.g. 5GB) with a model.safetensors.index.json")
+                   "most SIZE (5GB = 5*10^9 bytes, as Hugging Face counts; 5GiB = 5*2^30) with a "
+                   "model.safetensors.index.json")
     s.add_argument("--overwrite", action="store_true", help="--to weights: replace existing output files")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.add_argument("--json", action="store_true")

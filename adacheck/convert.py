@@ -122,11 +122,15 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def weight_sources(r: CheckpointReader, dtype: str) -> Dict[str, tuple]:
     """output key -> (logical tensor, torch dtype): ``dtype`` "model" keeps the training
-    dtype of the module weights, "fp32" takes the fp32 master where there is one."""
-    if dtype not in ("model", "fp32"):
-        raise ConfigError(f"dtype must be 'model' or 'fp32', got {dtype!r}")
+    dtype of the module weights; "fp32", "bf16" or "fp16" casts the fp32 master where there is
+    one (else the module weight) to that dtype.  Buffers keep their dtype."""
+    if dtype not in ("model", *WEIGHT_DTYPES):
+        raise ConfigError(f"dtype must be one of 'model', {', '.join(map(repr, WEIGHT_DTYPES))}; got {dtype!r}")
     # how the integration names module weights and their fp32 masters (DeepSpeed's naming
     # for manifests that do not say)
     names = r.manifest.framework.get("names") or {"model": "model/", "master": "master/"}
@@ -135,9 +139,9 @@ def weight_sources(r: CheckpointReader, dtype: str) -> Dict[str, tuple]:
     for name, e in sorted(r.manifest.tensors.items()):
         if e.kind == "model" and name.startswith(mp):
             key = name[len(mp):]
-            if dtype == "fp32":
+            if dtype != "model":
                 src = sp + key if r.has(sp + key) else name
-                out[key] = (src, torch.float32)
+                out[key] = (src, WEIGHT_DTYPES[dtype])
             else:
                 out[key] = (name, torch_dtype(e.dtype))
         elif e.kind == "buffer" and name.startswith("buffer/"):

@@ -11,7 +11,7 @@ import torch
 
 from adacheck import __version__
 from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
-from adacheck.cli import main
+from adacheck.cli import _size, main
 from adacheck.exchange import SoloComm
 from adacheck.types import Box
 
@@ -67,3 +67,23 @@ def test_version_json_tensors_and_exit_codes(ckpt, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "exit status: 0 ok; 1 damage found" in " ".join(capsys.readouterr().out.split())
+
+
+def test_conversions_refuse_what_they_would_ignore_or_overwrite(ckpt, tmp_path, capsys):
+    for argv, says in (([ckpt, f"{ckpt}/s1/weights"], "inside the source"),
+                       ([ckpt, ckpt], "inside the source"),
+                       ([ckpt, str(tmp_path / "u"), "--to", "deepspeed-universal", "--dtype", "fp32"],
+                        "--dtype apply to --to weights only"),
+                       ([ckpt, str(tmp_path / "u"), "--to", "torch-dist", "--max-shard-size", "5GB"],
+                        "--max-shard-size apply to --to weights only")):
+        assert main(["convert", *argv]) == 2, argv
+        assert says in capsys.readouterr().err, argv
+    assert not os.path.exists(f"{ckpt}/s1/weights") and not os.path.exists(tmp_path / "u")
+
+
+def test_sizes_count_as_hugging_face_does():
+    assert _size("5GB") == 5 * 10 ** 9 and _size("5GiB") == 5 * 2 ** 30 and _size("1.5MB") == 1_500_000
+    assert _size("3KiB") == 3072 and _size("1048576") == 1048576 and _size("2tb") == 2 * 10 ** 12
+    for bad in ("5 gigs", "GB", "5G", "-1"):
+        with pytest.raises(Exception):
+            _size(bad)

@@ -18,7 +18,9 @@ def test_weights_export_loads_into_the_module(tmp_path):
     saved = load_file(f"{d}/S.safetensors")
     assert cli(["convert", f"{d}/ck", f"{d}/w"]) == 0
     assert cli(["convert", f"{d}/ck", f"{d}/w32", "--dtype", "fp32", "--max-shard-size", "3KB"]) == 0
-    for out, prefix, dtype in ((f"{d}/w", "model/", torch.bfloat16), (f"{d}/w32", "master/", torch.float32)):
+    assert cli(["convert", f"{d}/ck", f"{d}/w16", "--dtype", "fp16"]) == 0    # (cast from the fp32 masters)
+    for out, prefix, dtype in ((f"{d}/w", "model/", torch.bfloat16), (f"{d}/w32", "master/", torch.float32),
+                               (f"{d}/w16", "master/", torch.float16)):
         files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
         state = {}
         for f in files:
