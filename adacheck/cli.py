@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import commit, deltas
-from .checkpoint import CheckpointReader, resolve
+from .checkpoint import CheckpointReader, resolve, verify_part
 from .config import json_object_arg
 from . import __version__
 from .errors import AdaCheckError, ConfigError, NotFoundError
@@ -236,18 +236,18 @@ def cmd_verify(args) -> int:
     r = CheckpointReader(d, verify=True, cache_bytes=0, store=store)
     # stored boxes, then (format 2) each box of a derived tensor: derived from its source and
     # checked against the digest its holders recorded
-    work = [(name, sb.box, lambda name=name, sb=sb: r.stored(name, sb))
+    work = [(name, sb.box, sb.file, lambda name=name, sb=sb: r.stored(name, sb))
             for name, e in sorted(r.manifest.tensors.items()) for sb in e.boxes]
-    work += [(name, box, lambda name=name, e=e, box=box, h=h: r.derived_box(name, e, box, h))
+    work += [(name, box, None, lambda name=name, e=e, box=box, h=h: r.derived_box(name, e, box, h))
              for name, e in sorted(r.manifest.tensors.items()) if e.derived is not None for box, h in e.derived.boxes]
-    total = sum(box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, box, _ in work)
-    done, bad = 0, []
-    show = sys.stderr.isatty() and not args.quiet
-    for i, (name, box, check) in enumerate(work):
+    total = sum(box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, box, _, _ in work)
+    done, bad = 0, {}       # file (None: derived) -> {tensor: [messages]}
+    show = sys.stderr.isatty() and not args.quiet and not args.json
+    for i, (name, box, fname, check) in enumerate(work):
         try:
             check()
         except AdaCheckError as e:
-            bad.append(str(e))
+            bad.setdefault(fname, {}).setdefault(name, []).append(str(e))
         r.drop_cache()
         done += box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1)
         if show:
@@ -256,14 +256,50 @@ def cmd_verify(args) -> int:
             sys.stderr.write(f"\rverify [{bar:<30}] {100 * frac:5.1f}% {human(done)}/{human(total)}")
     if show:
         sys.stderr.write("\n")
-    for msg in bad:
-        print(f"BAD  {msg}")
-    print(f"{'OK' if not bad else 'FAILED'}: {len(work) - len(bad)}/{len(work)} stored and derived boxes verified "
+    nbad = sum(len(m) for t in bad.values() for m in t.values())
+    if args.json:
+        print(json.dumps({"dir": d, "ok": not bad, "boxes": len(work), "verified": len(work) - nbad, "bytes": total,
+                          "damage": [{"file": f, "tensors": {t: len(m) for t, m in sorted(ts.items())},
+                                      "first": next(iter(ts.values()))[0]}
+                                     for f, ts in sorted(bad.items(), key=lambda kv: str(kv[0]))]}, indent=1))
+        return 1 if bad else 0
+    for fname, tensors in sorted(bad.items(), key=lambda kv: str(kv[0])):   # once per file, then per tensor
+        boxes = sum(len(m) for m in tensors.values())
+        print(f"BAD  {fname or 'derived tensors'}: {boxes} box(es) of {len(tensors)} tensor(s); first: "
+              f"{next(iter(tensors.values()))[0].splitlines()[0]}")
+        for name, msgs in sorted(tensors.items())[:MAX_LISTED]:
+            print(f"       {name}: {len(msgs)} box(es)")
+        if len(tensors) > MAX_LISTED:
+            print(f"       ... and {len(tensors) - MAX_LISTED} more tensors")
+    print(f"{'OK' if not bad else 'FAILED'}: {len(work) - nbad}/{len(work)} stored and derived boxes verified "
           f"({human(total)}) in {d}")
     return 1 if bad else 0
 
 
+MAX_LISTED = 10
+
+
+def files_problem(store: Storage, save_dir: str, tag: str, m) -> Optional[str]:
+    """A file checkpoint ``tag`` needs that is missing or not the size its manifest says (cheap:
+    sizes only), or None."""
+    own = store.join(save_dir, tag)
+    for fname, info in sorted(m.files.items()):
+        p = store.join(own, fname)
+        if not store.is_file(p):
+            return f"{fname} is missing"
+        if "nbytes" in info and store.size(p) != info["nbytes"]:
+            return f"{fname} has {store.size(p)} bytes, the manifest says {info['nbytes']}"
+    for ref, fname in sorted(referenced_files(m), key=str):
+        if ref is not None and not store.is_file(store.join(save_dir, ref, fname)):
+            return f"{ref}/{fname} (referenced) is missing"
+    return None
+
+
 def cmd_ls(args) -> int:
+    """Every checkpoint of a save directory: its state is "damaged" (a file missing or of the
+    wrong size; with --verify also a hash mismatch), "unverified" (its files are all there; only
+    --verify reads them), "verified", "retired" (kept for the files later ones read) or
+    "INCOMPLETE" (no manifest: an interrupted save)."""
     store, path = located_dir(args, args.path, "save directory")
     latest = commit.read_latest(path, store)
     found = commit.list_checkpoints(path, store)
@@ -275,20 +311,32 @@ def cmd_ls(args) -> int:
     rows = []
     for tag, m, problem in found:
         if m:
-            state = "complete"
-            note = f"reads from {', '.join(sorted({t for t, _ in referenced_files(m) if t}))}" if any(
-                t for t, _ in referenced_files(m)) else ""
+            refs = sorted({t for t, _ in referenced_files(m) if t})
+            state, note = "unverified", f"reads from {', '.join(refs)}" if refs else ""
+            damage = files_problem(store, path, tag, m)
+            if damage is None and args.verify:
+                try:
+                    verify_part(CheckpointReader(store.join(path, tag), manifest=m, store=store))
+                    state = "verified"
+                except AdaCheckError as e:
+                    damage = str(e).splitlines()[0]
+            if damage is not None:
+                state, note = "damaged", damage
         elif users.get(tag):
             state, note = "retired", f"holds files read by {', '.join(sorted(users[tag]))}"
         else:
-            state, note = "INCOMPLETE", problem.split(":")[-1].strip()[:60]
-        rows.append((tag + (" (latest)" if tag == latest else ""), state, m.step if m else "-",
-                     human(sum(i["nbytes"] for i in m.files.values())) if m else "-", note))
-    if not rows:
+            state, note = "INCOMPLETE", problem.split(":")[-1].strip()
+        rows.append({"tag": tag, "latest": tag == latest, "state": state, "step": m.step if m else None,
+                     "bytes": sum(i["nbytes"] for i in m.files.values()) if m else None, "note": note})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif rows:
+        print(table([(r["tag"] + (" (latest)" if r["latest"] else ""), r["state"],
+                      "-" if r["step"] is None else r["step"], "-" if r["bytes"] is None else human(r["bytes"]),
+                      r["note"]) for r in rows], ["tag", "state", "step", "bytes", "note"]))
+    else:
         print(f"no AdaCheck checkpoints in {args.path}")
-        return 1
-    print(table(rows, ["tag", "state", "step", "bytes", "note"]))
-    return 0
+    return 0 if rows and not any(r["state"] == "damaged" for r in rows) else 1
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -531,7 +579,7 @@ Convert an AdaCheck checkpoint SRC into another format under OUT (--to), or a ch
 another format into an AdaCheck checkpoint (--from)."""
 
 
-EXIT_CODES = ("exit status: 0 ok; 1 damage found (verify), tensors that differ (diff), no checkpoint in "
+EXIT_CODES = ("exit status: 0 ok; 1 damage found (verify, ls), tensors that differ (diff), no checkpoint in "
               "the directory (ls); 2 a usage error, or an error that stopped the command (a missing "
               "directory, a damaged manifest, an unreachable storage)")
 
@@ -553,6 +601,7 @@ def main(argv=None) -> int:
                                         help="bytes held / distinct / written / referenced per kind "
                                              "and per holder group; diverged replicas")
     sub.choices["verify"].add_argument("--quiet", action="store_true", help="no progress bar")
+    sub.choices["verify"].add_argument("--json", action="store_true", help="machine-readable output")
     s = sub.add_parser("prune", help="retire old checkpoints (dry run unless --yes); never the latest, "
                        "never a file a kept checkpoint reads")
     s.add_argument("path", help="a save directory")
@@ -590,8 +639,11 @@ def main(argv=None) -> int:
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("ls", help="list checkpoints in a save directory and whether they are complete")
-    s.add_argument("path")
+    s = sub.add_parser("ls", help="list the checkpoints of a save directory: damaged (a file missing or cut "
+                       "short), unverified, verified (--verify), retired or INCOMPLETE")
+    s.add_argument("path", help="a save directory")
+    s.add_argument("--verify", action="store_true", help="also re-hash every box of every checkpoint")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_ls)
     for s in sub.choices.values():
         s.add_argument("--storage-options", type=json_object_arg, metavar="JSON",

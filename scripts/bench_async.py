@@ -126,6 +126,14 @@ def worker(a) -> None:
             def step():
                 train_step(engine, a.vocab, rank)
 
+            def persisting(job) -> bool:
+                """Whether any rank's async save is still persisting (agreed: the ranks' saves finish
+                at different moments, and a step is a collective)."""
+                p = job.checkpointer.pending
+                flag = torch.tensor([0.0 if p is None or p.done() else 1.0])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                return bool(flag.item())
+
             def timed_step() -> float:
                 t0 = time.perf_counter()
                 step()
@@ -162,7 +170,7 @@ def worker(a) -> None:
                 for j in range(a.busy_saves):
                     job.save_checkpoint(f"{work}/async-{w}", tag=f"busy{j}")
                     during = 0
-                    while job.checkpointer.pending is not None and not job.checkpointer.pending.done() and during < 200:
+                    while persisting(job) and during < 200:
                         busy.append(timed_step())
                         during += 1
                     job.finish()

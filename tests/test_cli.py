@@ -87,3 +87,35 @@ def test_sizes_count_as_hugging_face_does():
     for bad in ("5 gigs", "GB", "5G", "-1"):
         with pytest.raises(Exception):
             _size(bad)
+
+
+def test_ls_and_verify_name_the_damage_once(ckpt, tmp_path, capsys):
+    """A shard cut short is "damaged" for ls (sizes only) and one BAD line for verify, however many
+    boxes it held; flipped bytes are found by ls --verify and verify; --json says the same."""
+    import json
+    import shutil
+    cut, flipped = str(tmp_path / "cut"), str(tmp_path / "flipped")
+    shutil.copytree(ckpt, cut)
+    shutil.copytree(ckpt, flipped)
+    shard = [f for f in os.listdir(f"{cut}/s1") if f.endswith(".safetensors")]
+    assert len(shard) == 1
+    os.truncate(f"{cut}/s1/{shard[0]}", os.path.getsize(f"{cut}/s1/{shard[0]}") // 2)
+    with open(f"{flipped}/s1/{shard[0]}", "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    assert main(["ls", ckpt, "--json"]) == 0
+    assert [r["state"] for r in json.loads(capsys.readouterr().out)] == ["unverified"]
+    assert main(["ls", cut, "--json"]) == 1
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["state"] == "damaged" and shard[0] in row["note"], row
+    assert main(["ls", flipped]) == 0 and "unverified" in capsys.readouterr().out   # (sizes are right)
+    assert main(["ls", flipped, "--verify"]) == 1 and "damaged" in capsys.readouterr().out
+    assert main(["verify", cut]) == 1
+    out = capsys.readouterr().out
+    bad = [line for line in out.splitlines() if line.startswith("BAD")]
+    assert len(bad) == 1 and shard[0] in bad[0], out
+    assert main(["verify", flipped, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and report["boxes"] == len(SHAPES) and report["verified"] == len(SHAPES) - 1
+    assert [d["file"] for d in report["damage"]] == shard and len(report["damage"][0]["tensors"]) == 1
+    assert main(["verify", ckpt, "--json"]) == 0 and json.loads(capsys.readouterr().out)["ok"]

@@ -83,7 +83,7 @@ def check_cli_on(s3, root, local, tmp_path):
         return code, out.getvalue()
 
     code, text = run("ls", root, *opts)
-    assert code == 0 and "s3 (latest)" in text and text.count("complete") == 2, text
+    assert code == 0 and "s3 (latest)" in text and text.count("unverified") == 2, text
     assert run("ls", local)[1].replace(local, "X") == text.replace(root, "X")
     code, text = run("inspect", root, "--json", *opts)
     got = json.loads(text)
