@@ -279,6 +279,10 @@ def cmd_verify(args) -> int:
 MAX_LISTED = 10
 
 
+class NothingToDo(AdaCheckError):
+    """What was asked is already so: said on stdout, exit status 0."""
+
+
 def files_problem(store: Storage, save_dir: str, tag: str, m) -> Optional[str]:
     """A file checkpoint ``tag`` needs that is missing or not the size its manifest says (cheap:
     sizes only), or None."""
@@ -493,7 +497,11 @@ def cmd_convert(args, rest) -> int:
                              f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
                              f"{human(done)}/{human(total)}")
     if how in ("read", "materialise"):
-        out, what = getattr(conv, how)(args.src, args.out, args, progress)
+        try:
+            out, what = getattr(conv, how)(args.src, args.out, args, progress)
+        except NotImplementedError:
+            raise ConfigError(f"the {conv.name} converter cannot {'read its format' if how == 'read' else 'replay deltas'}"
+                              " (adacheck convert --help lists what each format does)") from None
         if show:
             sys.stderr.write("\n")
         print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
@@ -542,7 +550,15 @@ def _materialiser(args):
     if store is not LOCAL:
         raise ConfigError(f"replaying online deltas reads a local checkpoint: copy {args.src} to local disk first")
     d = resolve(src, args.tag)
-    framework = CheckpointReader(d, verify=False).manifest.framework.get("name")
+    m = CheckpointReader(d, verify=False).manifest
+    framework = m.framework.get("name")
+    committed = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)))["committed"] if (
+        m.step is not None and deltas.step_dirs(d)) else 0
+    if not committed:
+        raise NothingToDo(f"nothing to do: {d} has no committed online deltas, so it already is the state of "
+                          f"its step ({m.step}) in one checkpoint; nothing was written to {args.out}")
+    if framework is None:
+        raise ConfigError(f"{d} does not say which framework saved it, so no converter can replay its deltas")
     if framework == "megatron":
         raise ConfigError("Megatron online deltas are materialised by the training script, which builds the "
                           "model and replays them with its optimizer: --adacheck --load SRC --adacheck-convert-save "
@@ -666,6 +682,9 @@ def _run(p, args, rest) -> int:
         if rest:
             p.error(f"unrecognized arguments: {' '.join(rest)}")
         return args.fn(args)
+    except NothingToDo as e:
+        print(f"adacheck {args.cmd}: {e}")
+        return 0
     except AdaCheckError as e:
         print(f"adacheck {args.cmd}: error: {e}", file=sys.stderr)
         return 2

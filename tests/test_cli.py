@@ -119,3 +119,11 @@ def test_ls_and_verify_name_the_damage_once(ckpt, tmp_path, capsys):
     assert not report["ok"] and report["boxes"] == len(SHAPES) and report["verified"] == len(SHAPES) - 1
     assert [d["file"] for d in report["damage"]] == shard and len(report["damage"][0]["tensors"]) == 1
     assert main(["verify", ckpt, "--json"]) == 0 and json.loads(capsys.readouterr().out)["ok"]
+
+
+def test_replaying_a_checkpoint_without_deltas_has_nothing_to_do(ckpt, tmp_path, capsys):
+    out = str(tmp_path / "new")
+    assert main(["convert", ckpt, out, "--to", "adacheck"]) == 0
+    said = capsys.readouterr().out
+    assert "nothing to do" in said and "no committed online deltas" in said, said
+    assert not os.path.exists(out)
