@@ -1,4 +1,5 @@
-"""Orchestrates the demo: crash mid-run, resume from AdaCheck, compare with an uninterrupted run."""
+"""Orchestrates the demo: crash mid-run, resume from AdaCheck, compare with an uninterrupted run.
+``--keep`` (or ADACHECK_DEMO_KEEP=1) keeps the checkpoints and prints commands to try on them."""
 import json
 import os
 import shutil
@@ -28,6 +29,10 @@ def du(path):
 
 
 def main():
+    keep = "--keep" in sys.argv[1:] or os.environ.get("ADACHECK_DEMO_KEEP") == "1"
+    unknown = [a for a in sys.argv[1:] if a != "--keep"]
+    if unknown:
+        raise SystemExit(f"demo: unknown arguments {unknown}; the only one is --keep (keep the checkpoints)")
     work = tempfile.mkdtemp(prefix="adacheck-demo-")
     ck = os.path.join(work, "ckpt")
     print(f"[demo] 2-rank DeepSpeed ZeRO-2 bf16 training on CPU; checkpoints in {ck}")
@@ -57,7 +62,15 @@ def main():
     print(f"| resumed losses (steps 5-8) == uninterrupted | {'yes, bit-identical' if same else 'NO'} |")
     for k in sorted(resumed, key=int):
         print(f"|   step {k}: resumed {resumed[k]:.8f} / uninterrupted {ref[k]:.8f} | {'=' if resumed[k] == ref[k] else '!='} |")
-    shutil.rmtree(work, ignore_errors=True)
+    if keep:
+        cli = os.path.join(os.path.dirname(sys.executable), "adacheck")
+        ada = os.path.join(ck, "adacheck")
+        print(f"\n[demo] kept in {work}; try:")
+        for args in ("ls {c}", "inspect {c} --redundancy", "verify {c}", "convert {c} {w}/weights",
+                     "convert {c} {w}/universal --to deepspeed-universal", "prune {c} --keep-last 1"):
+            print(f"  {cli} {args.format(c=ada, w=work)}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     if not same:
         raise SystemExit("demo: resumed training differs from the uninterrupted run")
 
