@@ -639,15 +639,22 @@ class Checkpointer:
 
         def index_previous():
             if prev_tag is None:
-                return None
+                return None, None
             m = commit.read_manifest(store.join(save_dir, prev_tag), store)
-            files = {}   # does each referenced file still exist? (one stat per file)
-            return previous_index(prev_tag, m, lambda ref: files.setdefault(
-                ref, store.is_file(store.join(save_dir, ref))), saving=prepared.tag)
+            sizes = {}   # each referenced file's bytes, None when it is gone (one stat per file)
 
-        previous = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
-                         index_previous)
-        plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous,
+            def size(ref):
+                if ref not in sizes:
+                    path = store.join(save_dir, ref)
+                    sizes[ref] = store.size(path) if store.is_file(path) else None
+                return sizes[ref]
+
+            index = previous_index(prev_tag, m, lambda ref: size(ref) is not None, saving=prepared.tag)
+            return index, {ref: n for ref, n in sizes.items() if n is not None}
+
+        previous, sizes = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
+                                index_previous)
+        plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous, file_sizes=sizes,
                          copies=self.options.copies, nodes=[g["node"] for g in exchanged.gathered],
                          cache=self.caches.plan)
         if comm.rank == 0:

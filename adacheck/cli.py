@@ -314,6 +314,7 @@ def cmd_ls(args) -> int:
                 users[ref].add(tag)
     rows = []
     for tag, m, problem in found:
+        pinned = None
         if m:
             refs = sorted({t for t, _ in referenced_files(m) if t})
             state, note = "unverified", f"reads from {', '.join(refs)}" if refs else ""
@@ -328,10 +329,13 @@ def cmd_ls(args) -> int:
                 state, note = "damaged", damage
         elif users.get(tag):
             state, note = "retired", f"holds files read by {', '.join(sorted(users[tag]))}"
+            d = store.join(path, tag)
+            pinned = sum(store.size(store.join(d, f)) for f in store.list(d) if f.endswith(".safetensors"))
         else:
             state, note = "INCOMPLETE", problem.split(":")[-1].strip()
         rows.append({"tag": tag, "latest": tag == latest, "state": state, "step": m.step if m else None,
-                     "bytes": sum(i["nbytes"] for i in m.files.values()) if m else None, "note": note})
+                     "bytes": sum(i["nbytes"] for i in m.files.values()) if m else
+                     (pinned if state == "retired" else None), "note": note})
     if args.json:
         print(json.dumps(rows, indent=1))
     elif rows:
@@ -379,7 +383,9 @@ def cmd_prune(args) -> int:
               f"{', '.join(doomed) or '-'}")
         print(f"{'deleting' if args.yes else 'would delete'} {len(files)} shard file(s), {human(freed)}")
         if kept_refs:
-            print(f"  (files in {', '.join(kept_refs)} that kept checkpoints still read stay)")
+            stay = sum(store.size(store.join(path, t, f)) for t in kept_refs for f in store.list(store.join(path, t))
+                       if f.endswith(".safetensors") and f"{t}/{f}" not in going)
+            print(f"  (files in {', '.join(kept_refs)} that kept checkpoints still read stay: {human(stay)})")
     if not args.yes:
         if not args.json:
             print("dry run: nothing deleted; run again with --yes to do it")

@@ -14,7 +14,13 @@ Contract (a pure function of its inputs; every rank computes the same plan):
   the tensor; ranks that disagree on a tensor's kind, dtype or shape are a StateError;
 - with ``previous`` (the index of an earlier committed checkpoint), a copy whose name,
   box, dtype and hash equal a box stored there is referenced (file ``<tag>/<file>``,
-  relative to the save directory), not written again.
+  relative to the save directory), not written again; but only from a file whose referenced
+  bytes are at least ``MIN_PINNED_SHARE`` of its size, or leave less than ``MAX_PINNED_WASTE``
+  bytes of it unread (``file_sizes``): a reference keeps its whole file on disk past
+  retention, so a few small unchanged boxes (RNG states, scalars) in a large file are written
+  again instead, and a directory with ``keep_last: K`` holds at most about K checkpoints' bytes
+  (a file pinned by references holds at most 1 / MIN_PINNED_SHARE times, or MAX_PINNED_WASTE
+  more than, what they read of it).
 """
 from __future__ import annotations
 
@@ -128,12 +134,43 @@ class PlanCache:
         return out
 
 
+MIN_PINNED_SHARE = 0.5
+MAX_PINNED_WASTE = 1 << 20
+
+
 def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
               previous: PreviousIndex | None = None, copies: int = 1,
-              nodes: Sequence[str] | None = None, cache: Optional[PlanCache] = None) -> WritePlan:
-    """The plan (see the module docstring); ``cache``: the job's PlanCache (default: none kept)."""
+              nodes: Sequence[str] | None = None, cache: Optional[PlanCache] = None,
+              file_sizes: Optional[Dict[str, int]] = None) -> WritePlan:
+    """The plan (see the module docstring); ``cache``: the job's PlanCache (default: none kept);
+    ``file_sizes``: bytes of each file ``previous`` refers to (default: references are not limited)."""
     with gc_paused():
+        if previous and file_sizes is not None:
+            previous = _worth_pinning(per_rank, previous, file_sizes)
         return _plan(per_rank, generation, previous, copies, nodes, cache if cache is not None else PlanCache())
+
+
+def _worth_pinning(per_rank, previous: PreviousIndex, file_sizes: Dict[str, int]) -> PreviousIndex:
+    """``previous`` without the boxes of files that the new checkpoint would read too little of
+    (less than MIN_PINNED_SHARE of the file's bytes, leaving more than MAX_PINNED_WASTE unread;
+    until no such file is left: a box written again reads less of its other copies' files)."""
+    current: Dict[Tuple[str, Box], set] = defaultdict(set)   # (name, box) -> its digests now
+    dtypes: Dict[str, str] = {}
+    for shards in per_rank:
+        for s in shards:
+            current[(s.name, s.box)].add(s.hash)
+            dtypes[s.name] = s.dtype
+    usable = {k: v for k, v in previous.items() if current.get(k) == {v[0]} and dtypes.get(k[0]) == v[1]}
+    while True:
+        read: Dict[str, int] = defaultdict(int)
+        for (name, box), (_, dtype, refs) in usable.items():
+            for ref in {r for r, _ in refs}:
+                read[ref] += box.numel * itemsize(dtype)
+        thin = {ref for ref, n in read.items() if n < MIN_PINNED_SHARE * file_sizes.get(ref, 0)
+                and file_sizes.get(ref, 0) - n > MAX_PINNED_WASTE}
+        if not thin:
+            return usable
+        usable = {k: v for k, v in usable.items() if not any(r in thin for r, _ in v[2])}
 
 
 def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> WritePlan:

@@ -157,3 +157,44 @@ def test_exchange_sends_a_digest_only_for_an_unchanged_structure_of_the_same_job
     assert other.stats["exchange"]["ranks_sent_digest_only"] == 0
     # what was loaded from both is what was saved (the digest-only exchange lost nothing)
     assert torch.equal(read_all(tmp_path / "a" / "s3")["model/frozen"], frozen[:6])
+
+
+def du(d):
+    return sum(os.path.getsize(os.path.join(p, f)) for p, _, fs in os.walk(d) for f in fs if f.endswith(".safetensors"))
+
+
+def test_keep_last_caps_the_disk_and_small_unchanged_boxes_do_not_pin_large_files(tmp_path, capsys):
+    """10 saves with keep_last 2.  (a) Weights that change at every step and a small unchanged box
+    (an RNG state): the small box is written again, not referenced inside the first checkpoint's
+    3 MB file, so the directory holds 2 checkpoints' files (before: the first file stayed, pinned
+    by 4 KiB).  (b) A large frozen embedding beside the weights is still referenced: one copy
+    on disk however many saves, and ``adacheck ls`` shows the bytes its retired checkpoint holds."""
+    from adacheck.checkpoint import load
+
+    def run(root, frozen):
+        for step in range(1, 11):
+            w = torch.full((768, 1024), float(step))                  # 3 MiB, new at every step
+            shards = [LocalShard("master/w", "master", (768, 1024), Box.full((768, 1024)), w),
+                      LocalShard("rng/state", "rng", (1024,), Box.full((1024,)), torch.arange(1024.0))]
+            if frozen is not None:
+                shards.append(LocalShard("model/emb", "model", tuple(frozen.shape), Box.full(frozen.shape), frozen))
+            save(SoloComm(), root, f"s{step}", lambda: LocalState(shards, step=step), keep_last=2, fsync=False)
+
+    small = str(tmp_path / "small")
+    run(small, None)
+    one = os.path.getsize(os.path.join(small, "s10", shard_files(os.path.join(small, "s10"))[0]))
+    assert sorted(os.listdir(small)) == ["latest", "s10", "s9"]
+    assert du(small) == 2 * one       # two checkpoints' files, nothing pinned
+    frozen = torch.arange(1024 * 1024, dtype=torch.float32).view(1024, 1024)   # 4 MiB
+    big = str(tmp_path / "big")
+    run(big, frozen)
+    m = read_manifest(os.path.join(big, "s10"))
+    assert {sb.file for sb in m.tensors["model/emb"].boxes} == {"s1/" + shard_files(os.path.join(big, "s1"))[0]}
+    assert du(big) <= 4 * (1 << 20) + 3 * 3 * (1 << 20) + (64 << 10)   # one embedding, 3 weights. files (s1, s9, s10)
+    import json
+    from adacheck.cli import main
+    assert main(["ls", big, "--json"]) == 0       # what the retired s1 still holds, in bytes
+    rows = {r["tag"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["s1"]["state"] == "retired" and rows["s1"]["bytes"] == du(os.path.join(big, "s1"))
+    got = load(SoloComm(), big, None, lambda r: {n: r.read(n) for n in r.manifest.tensors}, lambda st: st)[2]
+    assert torch.equal(got["model/emb"], frozen) and torch.equal(got["master/w"], torch.full((768, 1024), 10.0))
