@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import difflib
 
+from adacheck.compat import warn_if_untested
 from adacheck.config import AdaCheckConfig
 from adacheck.errors import ConfigError
 
 from .engine import AdaCheckDeepSpeed
+
+warn_if_untested("deepspeed")
 
 __all__ = ["AdaCheckDeepSpeed", "attach", "detach", "save_native", "load_native", "install"]
 

@@ -9,9 +9,12 @@
 
 ``checkpointing`` imports megatron-core; the flags do not.
 """
+from adacheck.compat import warn_if_untested
 from adacheck.lifecycle import finish_saves as finalize_async_saves
 
 from .flags import add_adacheck_args, config_from_args
+
+warn_if_untested("megatron-core")
 
 # finalize_async_saves(block=True): AdaCheck's counterpart of Megatron-LM's
 # maybe_finalize_async_save, for training loops that are not Megatron-LM's

@@ -127,3 +127,30 @@ def test_replaying_a_checkpoint_without_deltas_has_nothing_to_do(ckpt, tmp_path,
     said = capsys.readouterr().out
     assert "nothing to do" in said and "no committed online deltas" in said, said
     assert not os.path.exists(out)
+
+
+BLOCKED = """
+import sys
+class Block:      # an environment without the frameworks: importing them fails
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("deepspeed", "megatron"):
+            raise ImportError(f"{name} is not installed here")
+sys.meta_path.insert(0, Block())
+from adacheck.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_core_and_its_cli_need_neither_deepspeed_nor_megatron(ckpt):
+    for argv in (["ls", ckpt], ["inspect", ckpt, "--json"], ["verify", ckpt], ["diff", ckpt, ckpt],
+                 ["prune", ckpt, "--keep-last", "1"]):
+        p = subprocess.run([sys.executable, "-c", BLOCKED, *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert p.returncode == 0, (argv, p.stdout[-2000:], p.stderr[-3000:])
+
+
+def test_an_untested_framework_version_is_named():
+    from adacheck.compat import untested
+    assert untested("deepspeed", "0.19.8") is None and untested("megatron-core", "0.16.1") is None
+    text = untested("deepspeed", "0.18.2")
+    assert "0.19.x" in text and "0.18.2" in text

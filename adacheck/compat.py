@@ -1,0 +1,36 @@
+"""The framework versions AdaCheck is tested with, and a warning when another one is found.
+
+The integrations rely on internals of DeepSpeed (optimizer wrappers, engine attributes) and
+megatron-core (sharded state dicts, parallel state) that change between minor versions; they
+say so once, at import, when the installed version is not one the test suite ran with."""
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
+
+TESTED = {"deepspeed": "0.19", "megatron-core": "0.16"}     # (0.19.8 and 0.16.1 in CI)
+
+
+class UntestedVersionWarning(UserWarning):
+    """An installed framework version AdaCheck's tests did not run with."""
+
+
+def untested(dist: str, found: Optional[str] = None) -> Optional[str]:
+    """The warning text if ``dist`` (installed, or ``found``) is not of a tested minor version."""
+    if found is None:
+        try:
+            found = version(dist)
+        except PackageNotFoundError:
+            return None
+    if found.split(".")[:2] == TESTED[dist].split("."):
+        return None
+    return (f"AdaCheck is tested with {dist} {TESTED[dist]}.x and found {found}: the internals it relies on "
+            f"may differ; run its test suite (bash scripts/test.sh) against this version, or install "
+            f"{dist}=={TESTED[dist]}.*")
+
+
+def warn_if_untested(dist: str) -> None:
+    text = untested(dist)
+    if text is not None:
+        warnings.warn(text, UntestedVersionWarning, stacklevel=3)
