@@ -473,6 +473,8 @@ def cmd_convert(args, rest) -> int:
             raise ConfigError(f"{', '.join(given)} apply to --to weights only, not to "
                               f"{'--from ' + args.from_ if args.from_ != 'adacheck' else '--to ' + args.to}: "
                               "drop them (adacheck convert --to FORMAT --help lists that format's options)")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ConfigError(f"the output {args.out} is a file; give a directory (it is created if missing)")
     if args.src and args.out and "://" not in args.src and not args.help:
         src, out = os.path.realpath(args.src), os.path.realpath(args.out)
         if out == src or out.startswith(src + os.sep):
@@ -693,6 +695,12 @@ def _run(p, args, rest) -> int:
         return 0
     except AdaCheckError as e:
         print(f"adacheck {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise
+    except OSError as e:     # (the system refused a path: not writable, not a directory, ...)
+        where = f": {e.filename}" if e.filename else ""
+        print(f"adacheck {args.cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
 
 

@@ -154,3 +154,16 @@ def test_an_untested_framework_version_is_named():
     assert untested("deepspeed", "0.19.8") is None and untested("megatron-core", "0.16.1") is None
     text = untested("deepspeed", "0.18.2")
     assert "0.19.x" in text and "0.18.2" in text
+
+
+def test_an_output_that_cannot_be_written_is_a_clean_error(tmp_path, capsys):
+    src = str(tmp_path / "ck")
+    w = torch.arange(6.0).view(2, 3)
+    Checkpointer(options=Options(fsync=False)).save(SoloComm(), src, "s1", lambda: LocalState(
+        [LocalShard("model/w", "model", (2, 3), Box.full((2, 3)), w)], step=1))
+    (tmp_path / "afile").write_text("x")
+    for out, says in ((str(tmp_path / "afile"), "is a file"), ("/proc/adacheck-nowhere/out", "/proc/adacheck-nowhere")):
+        assert main(["convert", src, out]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith("adacheck convert: error:") and says in err and len(err.splitlines()) == 1, err
+    assert (tmp_path / "afile").read_text() == "x"
