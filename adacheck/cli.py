@@ -597,10 +597,11 @@ def _convert_help(conv) -> int:
 
 
 CONVERT_USAGE = """usage: adacheck convert SRC OUT [--to FORMAT | --from FORMAT] [--tag TAG] [--no-verify] [--json]
-                        [--dtype {model,fp32}] [--max-shard-size SIZE] [--overwrite] [format options]
+                        [--dtype {model,fp32,bf16,fp16}] [--max-shard-size SIZE] [--overwrite] [format options]
 
 Convert an AdaCheck checkpoint SRC into another format under OUT (--to), or a checkpoint of
-another format into an AdaCheck checkpoint (--from)."""
+another format into an AdaCheck checkpoint (--from).  --dtype, --max-shard-size (5GB = 5*10^9
+bytes, 5GiB = 5*2^30) and --overwrite apply to --to weights only; OUT is never inside SRC."""
 
 
 EXIT_CODES = ("exit status: 0 ok; 1 damage found (verify, ls), tensors that differ (diff), no checkpoint in "
@@ -608,14 +609,24 @@ EXIT_CODES = ("exit status: 0 ok; 1 damage found (verify, ls), tensors that diff
               "directory, a damaged manifest, an unreachable storage)")
 
 
-def main(argv=None) -> int:
+CONVERSIONS = ("conversions (adacheck convert SRC OUT ...): AdaCheck -> full weights (--to weights, the "
+               "default), native DeepSpeed (--to deepspeed), a DeepSpeed universal checkpoint (--to "
+               "deepspeed-universal), megatron-core torch_dist (--to torch-dist); native DeepSpeed or torch_dist "
+               "-> AdaCheck (--from deepspeed / --from torch-dist); DeepSpeed online deltas -> one AdaCheck "
+               "checkpoint (--to adacheck). adacheck convert --help lists the formats installed here.")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare, prune and convert "
-                                "AdaCheck checkpoints.", epilog=EXIT_CODES)
-    p.add_argument("--version", action="version", version=f"adacheck {__version__}")
+                                "AdaCheck checkpoints. " + CONVERSIONS, epilog=EXIT_CODES)
+    p.add_argument("--version", action="version", version=f"adacheck {__version__}", help="print the version")
     sub = p.add_subparsers(dest="cmd", required=True)
+
+    def command(name, helptext, **kw):      # (its help is also the description of `adacheck NAME --help`)
+        return sub.add_parser(name, help=helptext, description=helptext, **kw)
     for name, fn, helptext in [("inspect", cmd_inspect, "show layout, step, tensors and bytes"),
                                ("verify", cmd_verify, "check every stored box against its hash")]:
-        s = sub.add_parser(name, help=helptext, description=helptext)
+        s = command(name, helptext)
         s.add_argument("path", help="a save directory (its 'latest' is used) or a checkpoint directory")
         s.add_argument("--tag", help="checkpoint tag inside PATH (default: the one 'latest' names)")
         s.set_defaults(fn=fn)
@@ -626,23 +637,23 @@ def main(argv=None) -> int:
                                              "and per holder group; diverged replicas")
     sub.choices["verify"].add_argument("--quiet", action="store_true", help="no progress bar")
     sub.choices["verify"].add_argument("--json", action="store_true", help="machine-readable output")
-    s = sub.add_parser("prune", help="retire old checkpoints (dry run unless --yes); never the latest, "
+    s = command("prune", helptext="retire old checkpoints (dry run unless --yes); never the latest, "
                        "never a file a kept checkpoint reads")
     s.add_argument("path", help="a save directory")
     s.add_argument("--keep-last", type=int, metavar="K", help="keep the newest K checkpoints")
     s.add_argument("--older-than", type=_duration, metavar="AGE", help="retire checkpoints older than AGE "
                    "(90s, 30m, 12h, 7d)")
     s.add_argument("--yes", action="store_true", help="really delete (default: only show what would go)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_prune)
-    s = sub.add_parser("diff", help="which tensors differ between two checkpoints, and by how much "
+    s = command("diff", helptext="which tensors differ between two checkpoints, and by how much "
                        "(exit 1 if any)")
     s.add_argument("a", help="checkpoint directory, or a save directory (its latest)")
-    s.add_argument("b")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("b", help="the other checkpoint (directory, or save directory: its latest)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("convert", add_help=False, help="to full model weights (safetensors) or another "
+    s = command("convert", add_help=False, helptext="to full model weights (safetensors) or another "
                        "installed format (DeepSpeed native or universal, megatron-core torch_dist), or from one "
                        "into AdaCheck (adacheck convert --help lists them)")
     s.add_argument("src", nargs="?", help="a save directory (its 'latest') or a checkpoint directory")
@@ -661,9 +672,9 @@ def main(argv=None) -> int:
                    "model.safetensors.index.json")
     s.add_argument("--overwrite", action="store_true", help="--to weights: replace existing output files")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn=cmd_convert)
-    s = sub.add_parser("ls", help="list the checkpoints of a save directory: damaged (a file missing or cut "
+    s = command("ls", helptext="list the checkpoints of a save directory: damaged (a file missing or cut "
                        "short), unverified, verified (--verify), retired or INCOMPLETE")
     s.add_argument("path", help="a save directory")
     s.add_argument("--verify", action="store_true", help="also re-hash every box of every checkpoint")
@@ -673,6 +684,11 @@ def main(argv=None) -> int:
         s.add_argument("--storage-options", type=json_object_arg, metavar="JSON",
                        help="for a URL PATH (s3://bucket/prefix, ...): the fsspec filesystem's arguments, e.g. "
                             "'{\"endpoint_url\": \"http://host:9000\"}'")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args, rest = p.parse_known_args(argv)
     try:
         return _run(p, args, rest)

@@ -167,3 +167,18 @@ def test_an_output_that_cannot_be_written_is_a_clean_error(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("adacheck convert: error:") and says in err and len(err.splitlines()) == 1, err
     assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_every_command_and_option_says_what_it_does():
+    from adacheck.cli import CONVERSIONS, build_parser
+    p = build_parser()
+    subs = next(a for a in p._actions if a.dest == "cmd").choices
+    for name, s in subs.items():
+        assert s.description, name
+        for a in s._actions:
+            assert a.help, (name, a.option_strings or a.dest)
+    assert all(a.help for a in p._actions if a.dest != "cmd")
+    for direction in ("--to weights", "--to deepspeed", "--to deepspeed-universal", "--to torch-dist",
+                      "--from deepspeed", "--from torch-dist", "--to adacheck"):
+        assert direction in CONVERSIONS, direction
+    assert CONVERSIONS in p.description
