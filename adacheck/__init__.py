@@ -1,11 +1,22 @@
-"""AdaCheck core: framework-free checkpoint format, planning, commit and reading."""
-from .checkpoint import CheckpointReader, LocalShard, LocalState, load, save
-from .config import AdaCheckConfig
+"""AdaCheck core: framework-free checkpoint format, planning, commit and reading.
+
+The names below are imported on first use (``from adacheck import save``), so that importing
+the package, and ``adacheck --help``, do not import torch."""
+import importlib
+
 from .errors import (AdaCheckError, ConfigError, DistributedError, FormatError, IntegrityError,
                      NotFoundError, StateError)
-from .types import Box
 
 __version__ = "0.1.0"
 __all__ = ["AdaCheckConfig", "AdaCheckError", "Box", "CheckpointReader", "ConfigError",
            "DistributedError", "FormatError", "IntegrityError", "LocalShard", "LocalState",
            "NotFoundError", "StateError", "load", "save"]
+
+_LAZY = {"CheckpointReader": "checkpoint", "LocalShard": "checkpoint", "LocalState": "checkpoint",
+         "load": "checkpoint", "save": "checkpoint", "AdaCheckConfig": "config", "Box": "types"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'adacheck' has no attribute {name!r}")

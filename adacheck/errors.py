@@ -36,6 +36,10 @@ class StorageError(AdaCheckError, OSError):
     operation; the message names the operation, the path and the backend's own error."""
 
 
+class NothingToDo(AdaCheckError):
+    """What was asked is already so (the CLI says it on stdout and exits 0)."""
+
+
 class CorruptCheckpointWarning(UserWarning):
     """A damaged checkpoint or delta step was skipped and older intact state loaded instead
     (on_corrupt: fallback)."""

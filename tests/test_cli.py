@@ -182,3 +182,11 @@ def test_every_command_and_option_says_what_it_does():
                       "--from deepspeed", "--from torch-dist", "--to adacheck"):
         assert direction in CONVERSIONS, direction
     assert CONVERSIONS in p.description
+
+
+def test_help_and_version_answer_without_importing_torch():
+    code = ("import sys\nfrom adacheck.cli import main\nfor argv in (['--help'], ['--version'], ['ls', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\nprint('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0 and p.stdout.strip().endswith("False"), (p.stdout[-500:], p.stderr[-2000:])
