@@ -4,7 +4,7 @@ The DeepSpeed JSON block ``"adacheck": {...}`` and the Megatron ``--adacheck-*``
 both map onto ``AdaCheckConfig``.  Every key is checked: an unknown key, a wrong type
 or an impossible value raises ConfigError naming the key and what is allowed.
 
-Defaults (the single source of truth, also shown in configs/ and README.md):
+Defaults (the single source of truth, also shown in configs/ and docs/deepspeed.md):
 
 ==================  ========  ==============================================================
 key                 default   meaning
