@@ -72,7 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name, helptext, **kw):      # (its help is also the description of `adacheck NAME --help`)
         return sub.add_parser(name, help=helptext, description=helptext, **kw)
-    for name, helptext in [("inspect", "show layout, step, tensors and bytes"),
+    for name, helptext in [("inspect", "show layout, step, tensors and bytes. Bytes: held = what all ranks hold "
+                                       "(a replica counts on every rank that holds it); logical = each tensor "
+                                       "once; derived = not stored, rebuilt on load as a proven cast of another "
+                                       "tensor (bf16 weights from the fp32 masters); stored / written here = in "
+                                       "this checkpoint's files; referenced = read from an earlier checkpoint's "
+                                       "files (unchanged boxes); distinct = each different copy once"),
                            ("verify", "check every stored box against its hash")]:
         s = command(name, helptext)
         s.add_argument("path", help="a save directory (its 'latest' is used) or a checkpoint directory")

@@ -190,3 +190,19 @@ def test_help_and_version_answer_without_importing_torch():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0 and p.stdout.strip().endswith("False"), (p.stdout[-500:], p.stderr[-2000:])
+
+
+def test_redundancy_counts_what_ranks_hold_of_derived_tensors(tmp_path, capsys):
+    """A derived tensor (bf16 weights, a proven cast of the masters) is not stored but is held:
+    the --redundancy table counts it as the summary's "held by all ranks" does."""
+    import json
+    from test_core_storage import state
+    _, st = state(3, torch.zeros(3, 3))
+    root = str(tmp_path / "ck")
+    Checkpointer(options=Options(fsync=False)).save(SoloComm(), root, "s3", lambda: st)
+    assert main(["inspect", root, "--json", "--redundancy"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    kinds = s["redundancy"]["kinds"]
+    assert kinds["model"]["derived"] == 6 * 4 * 2                       # model/w: bf16 (6, 4), not stored
+    assert kinds["model"]["held"] == 6 * 4 * 2 + 9 * 4                  # ... but held, as is model/frozen
+    assert sum(v.get("held", 0) for v in kinds.values()) == s["stats"]["held_bytes"]
