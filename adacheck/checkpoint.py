@@ -645,8 +645,7 @@ class Checkpointer:
 
             def size(ref):
                 if ref not in sizes:
-                    path = store.join(save_dir, ref)
-                    sizes[ref] = store.size(path) if store.is_file(path) else None
+                    sizes[ref] = store.size_if_file(store.join(save_dir, ref))
                 return sizes[ref]
 
             index = previous_index(prev_tag, m, lambda ref: size(ref) is not None, saving=prepared.tag)
@@ -788,11 +787,10 @@ def confirm_files(store: Storage, ckpt_dir: str, files: Dict[str, dict]) -> None
     visible here).  Their contents are checked by hash whenever they are read."""
     for fname, info in sorted(files.items()):
         path = store.join(ckpt_dir, fname)
-        try:
-            size = store.size(path)
-        except FileNotFoundError:
+        size = store.size_if_file(path)
+        if size is None:
             raise IntegrityError(f"{path} was committed by rank {info['writer']} but is not on the storage; "
-                                 "the checkpoint is not published") from None
+                                 "the checkpoint is not published")
         if size != info["nbytes"]:
             raise IntegrityError(f"{path} holds {size} bytes on the storage, but rank {info['writer']} wrote "
                                  f"{info['nbytes']}; the checkpoint is not published")

@@ -288,11 +288,11 @@ def files_problem(store: Storage, save_dir: str, tag: str, m) -> Optional[str]:
     sizes only), or None."""
     own = store.join(save_dir, tag)
     for fname, info in sorted(m.files.items()):
-        p = store.join(own, fname)
-        if not store.is_file(p):
+        size = store.size_if_file(store.join(own, fname))
+        if size is None:
             return f"{fname} is missing"
-        if "nbytes" in info and store.size(p) != info["nbytes"]:
-            return f"{fname} has {store.size(p)} bytes, the manifest says {info['nbytes']}"
+        if size != info["nbytes"]:
+            return f"{fname} has {size} bytes, the manifest says {info['nbytes']}"
     for ref, fname in sorted(referenced_files(m), key=str):
         if ref is not None and not store.is_file(store.join(save_dir, ref, fname)):
             return f"{ref}/{fname} (referenced) is missing"

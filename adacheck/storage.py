@@ -93,6 +93,14 @@ class Storage:
     def size(self, path: str) -> int:
         raise NotImplementedError
 
+    def size_if_file(self, path: str) -> Optional[int]:
+        """The size of the file at ``path``, or None when there is none (one query, where
+        ``is_file`` then ``size`` would cost two: a round trip each on an object store)."""
+        try:
+            return self.size(path)
+        except FileNotFoundError:
+            return None
+
     def mtime(self, path: str) -> float:
         raise NotImplementedError
 
