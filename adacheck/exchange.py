@@ -118,13 +118,37 @@ class TorchComm(Comm):
 
 
 def default_comm() -> Comm:
+    """torch.distributed's world when it is initialized (on a group that carries the host tensors
+    AdaCheck exchanges, see :func:`host_group`), else a world of one.  Collective the first time
+    in a world whose default group is NCCL: every rank calls it at the same point."""
     try:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
-            return TorchComm()
+            return TorchComm(host_group())
     except ImportError:  # pragma: no cover
         pass
     return SoloComm()
+
+
+HOST_BACKENDS = ("gloo", "mpi")
+_host_group = (None, None)      # (the default group it was made for, the gloo group)
+
+
+def host_group():
+    """The group AdaCheck's collectives run on: None (the default group) when its backend carries
+    CPU tensors (gloo, mpi, or a per-device mix such as ``cpu:gloo,cuda:nccl``), else a gloo group
+    over the same ranks, made once per default group.  A GPU job's default group is NCCL, which
+    carries device tensors only: hashes, plans and manifests are host bytes."""
+    import torch.distributed as dist
+    backend = str(dist.get_backend()).lower()
+    per_device = dict(p.split(":", 1) if ":" in p else ("cpu", p) for p in backend.split(","))
+    if per_device.get("cpu") in HOST_BACKENDS:
+        return None
+    global _host_group
+    world = dist.group.WORLD
+    if _host_group[0] is not world:
+        _host_group = (world, dist.new_group(backend="gloo"))
+    return _host_group[1]
 
 
 def background_comm(comm: Comm, timeout_s: float = 1800.0) -> Comm:

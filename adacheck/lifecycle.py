@@ -75,12 +75,11 @@ def at_exit() -> None:
 
 
 def settle_gloo() -> None:
-    """Release the GIL for SETTLE_SECONDS if a gloo process group is still there (see above)."""
+    """Release the GIL for SETTLE_SECONDS if process groups are still there (see above): the
+    default one may be gloo, and AdaCheck's own groups are (also under an NCCL default group)."""
     try:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
-            return
-        if "gloo" not in str(dist.get_backend()).lower():
             return
     except Exception:  # noqa: BLE001 - nothing to settle
         return

@@ -102,10 +102,13 @@ def test_async_saves_hold_the_state_at_the_call(tmp_path):
     assert manifest["format_version"] == 3
 
 
-def test_a_job_without_a_tcp_store_persists_in_a_thread(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
+def test_a_job_without_a_tcp_store_persists_in_a_thread(tmp_path, backend):
     """Writer processes meet in the job's TCP store; a job that met in a FileStore gets the thread
-    instead, with a warning on every rank, and its async save holds the state at the call."""
-    spec = {"store": str(tmp_path / "rendezvous"), "dir": str(tmp_path / "ck")}
+    instead, with a warning on every rank, and its async save holds the state at the call.
+    ``cuda:gloo``: the job's default group carries no CPU tensors (a GPU job's is NCCL); AdaCheck
+    exchanges its host bytes on a gloo group of its own, in the sync and the async save."""
+    spec = {"store": str(tmp_path / "rendezvous"), "dir": str(tmp_path / "ck"), "backend": backend}
     out = check(launch(2, spec, str(tmp_path), script="core_async_worker.py", timeout=180))
     for rank, (_, text) in enumerate(out):
         assert "persist in a thread" in text and "TCP store" in text, text
