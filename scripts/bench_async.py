@@ -33,7 +33,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_ds import run_workers, train_step, unique_bytes  # noqa: E402
+from bench_ds import add_device_flag, device, init_distributed, on_device, run_workers, device_sync, train_step, unique_bytes  # noqa: E402,E501
 
 
 def status_bytes(pid="self", field="VmRSS") -> int:
@@ -83,7 +83,7 @@ def compression_of(ckpt_dir: str) -> dict:
 
 # ----------------------------------------------------------------------------- worker
 def worker(a) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", device())
     import deepspeed
     import torch
 
@@ -91,12 +91,12 @@ def worker(a) -> None:
     from adacheck.config import AdaCheckConfig
     from demo_train import TinyLM
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(deepspeed)
     dist = torch.distributed
     rank = dist.get_rank()
 
     def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64)
+        t = on_device(torch.tensor([seconds], dtype=torch.float64))
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
@@ -104,6 +104,7 @@ def worker(a) -> None:
         """Seconds inside ``fn`` on the slowest rank (compared once ``then``, e.g. waiting for the
         background, is done: the comparison is a collective that would wait for the background)."""
         dist.barrier()
+        device_sync()
         t0 = time.perf_counter()
         fn()
         seconds = time.perf_counter() - t0
@@ -130,13 +131,15 @@ def worker(a) -> None:
                 """Whether any rank's async save is still persisting (agreed: the ranks' saves finish
                 at different moments, and a step is a collective)."""
                 p = job.checkpointer.pending
-                flag = torch.tensor([0.0 if p is None or p.done() else 1.0])
+                flag = on_device(torch.tensor([0.0 if p is None or p.done() else 1.0]))
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 return bool(flag.item())
 
             def timed_step() -> float:
+                device_sync()
                 t0 = time.perf_counter()
                 step()
+                device_sync()
                 return slowest(time.perf_counter() - t0)
 
             for _ in range(2):
@@ -265,7 +268,9 @@ def main() -> None:
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     ap.add_argument("--s3-url", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--storage-options", default=None, help=argparse.SUPPRESS)
+    add_device_flag(ap)
     a = ap.parse_args()
+    os.environ["ADACHECK_BENCH_DEVICE"] = a.device
     if a.worker:
         return worker(a)
     passed = ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
@@ -288,7 +293,8 @@ def main() -> None:
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
-                   "repeat": a.repeat}, f, indent=1)
+                   "repeat": a.repeat, "device": a.device,
+                   "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     print(f"\nJSON in {a.json}")
 

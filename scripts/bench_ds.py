@@ -37,12 +37,45 @@ def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+# ----------------------------------------------------------------------------- device
+def device() -> str:
+    """Where the benchmark trains: ``cpu`` (gloo) or ``cuda`` (NCCL, DeepSpeed's default there, one
+    GPU per rank), from the driver's ``--device`` (passed to the workers in the environment)."""
+    return os.environ.get("ADACHECK_BENCH_DEVICE", "cpu")
+
+
+def add_device_flag(ap) -> None:
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="train on the CPU (gloo) or one GPU per rank (NCCL); the DeepSpeed accelerator follows")
+
+
+def init_distributed(deepspeed) -> None:
+    if device() == "cuda":
+        import torch
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed()            # DeepSpeed's default on CUDA: NCCL
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+def on_device(t):
+    """``t`` where the job's collectives take it (NCCL: the GPU)."""
+    return t.cuda() if device() == "cuda" else t
+
+
+def device_sync() -> None:
+    """Wait for the GPU's queued work before a clock is read (nothing on the CPU)."""
+    if device() == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------- worker
 def train_step(engine, vocab: int, rank: int) -> None:
     """One step of TinyLM on this rank's tokens for the engine's step (deterministic)."""
     import torch
     g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
-    tokens = torch.randint(0, vocab, (2, 17), generator=g)
+    tokens = torch.randint(0, vocab, (2, 17), generator=g).to(engine.device)
     logits = engine(tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
     engine.backward(loss)
@@ -155,7 +188,7 @@ def run_workers(script: str, dps, work, port_base: int, args) -> list:
                str(port_base + os.getpid() % 1000 + dp), script, "--worker", "--rows", rows_file,
                "--work", tmp, *args]
         print(f"[bench] DP={dp}", flush=True)
-        p = subprocess.run(cmd, env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"),
+        p = subprocess.run(cmd, env=dict(os.environ, DS_ACCELERATOR=device(), OMP_NUM_THREADS="1"),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
         if p.returncode != 0:
             print(p.stdout[-6000:])

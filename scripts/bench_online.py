@@ -48,11 +48,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ds import du, finish_worker, run_workers  # noqa: E402
+from bench_ds import add_device_flag, device, du, finish_worker, init_distributed, on_device, run_workers, device_sync  # noqa: E402,E501
 
 
 def worker(a) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", device())
     import deepspeed
     import torch
 
@@ -60,7 +60,7 @@ def worker(a) -> None:
     from adacheck import deltas
     from demo_train import TinyLM
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(deepspeed)
     dist = torch.distributed
     rank = dist.get_rank()
 
@@ -75,15 +75,17 @@ def worker(a) -> None:
 
     def train(engine, n, host=None):
         dist.barrier()
+        device_sync()
         c0 = host_cpu() if host is not None and rank == 0 else None
         t0 = time.perf_counter()
         for _ in range(n):
             g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
-            tokens = torch.randint(0, a.vocab, (2, 17), generator=g)
+            tokens = torch.randint(0, a.vocab, (2, 17), generator=g).to(engine.device)
             logits = engine(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
             engine.backward(loss)
             engine.step()
+        device_sync()
         dist.barrier()
         t = (time.perf_counter() - t0) / n
         if c0 is not None:
@@ -119,11 +121,13 @@ def worker(a) -> None:
                     times.append(train(eng, a.steps, host))
             t0 = time.perf_counter()
             on.adacheck.online.flush()
+            device_sync()
             dist.barrier()
             drain = time.perf_counter() - t0
             lg = on.adacheck.online.recorder.log        # the slowest rank's costs per written step
             costs = torch.tensor([x / max(1, lg.steps_written) for x in
                                   (lg.stage_seconds, lg.stall_seconds, lg.write_cpu_seconds)], dtype=torch.float64)
+            costs = on_device(costs)
             writers = costs[2].clone()                  # every rank's writer, added up
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
             dist.all_reduce(writers)
@@ -144,10 +148,10 @@ def worker(a) -> None:
             exact = not diff and len(sa) == len(sb)
             if diff and rank == 0:
                 print("differs:", len(sa), len(sb), diff[:20], flush=True)
-            flag = torch.tensor(int(exact))
+            flag = on_device(torch.tensor(int(exact)))
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            far = torch.tensor(max([(x.double() - y.double()).abs().max().item() for x, y in zip(sa, sb)
-                                    if x.numel()] or [0.0]), dtype=torch.float64)
+            far = on_device(torch.tensor(max([(x.double() - y.double()).abs().max().item() for x, y in zip(sa, sb)
+                                    if x.numel()] or [0.0]), dtype=torch.float64))
             dist.all_reduce(far, op=dist.ReduceOp.MAX)
             measured = steps[-1].deviation()
             if rank == 0:
@@ -251,7 +255,9 @@ def main() -> None:
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
+    add_device_flag(ap)
     a = ap.parse_args()
+    os.environ["ADACHECK_BENCH_DEVICE"] = a.device
     if a.worker:
         return worker(a)
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700,
@@ -263,7 +269,8 @@ def main() -> None:
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
-                   "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact}, f, indent=1)
+                   "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
+                   "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     extra = attribution(rows)
     if extra:

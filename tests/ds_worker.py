@@ -1,4 +1,5 @@
-"""One rank of a real DeepSpeed (CPU, gloo) training run, driven by a JSON spec.
+"""One rank of a real DeepSpeed (CPU, gloo) training run, driven by a JSON spec; with
+``ADACHECK_TEST_DEVICE=cuda`` (launch.py's ``device``) on the GPU, NCCL, as DeepSpeed's default there.
 
 spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam", "hidden": 37,
                   "frozen": [name prefixes], "zero": {extra zero_optimization keys},
@@ -25,6 +26,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from safetensors.torch import save_file  # noqa: E402
 
 import adacheck_ds  # noqa: E402,F401  (registers the integration)
+
+DEVICE = os.environ.get("ADACHECK_TEST_DEVICE", "cpu")
 
 
 class Net(torch.nn.Module):
@@ -140,7 +143,8 @@ def ds_config(run):
 
 def batch(step, rank, dtype):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(2, 12, generator=g).to(dtype), torch.randn(2, 5, generator=g)
+    dev = "cuda" if DEVICE == "cuda" else "cpu"
+    return torch.randn(2, 12, generator=g).to(dev, dtype), torch.randn(2, 5, generator=g).to(dev)
 
 
 def allow_fp16_on_cpu():
@@ -288,7 +292,7 @@ def act(engine, a, rec, out_dir, rank):
     elif op == "dump":
         st = full_state(engine)
         if rank == 0:
-            save_file(st, os.path.join(out_dir, f"{a[1]}.safetensors"))
+            save_file({k: v.cpu() for k, v in st.items()}, os.path.join(out_dir, f"{a[1]}.safetensors"))
     elif op == "marker":
         open(os.path.join(out_dir, f"{a[1]}-rank{rank}"), "w").close()
     elif op == "latest":   # latest DIR: what DIR/latest names now (None: no such file)
@@ -334,7 +338,11 @@ def main():
     logging.getLogger("adacheck").setLevel(logging.INFO)   # AdaCheck's decisions in the rank logs
     spec = json.load(open(sys.argv[1]))
     out_dir = sys.argv[2]
-    deepspeed.init_distributed(dist_backend="gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        deepspeed.init_distributed()      # DeepSpeed's default there: NCCL
+    else:
+        deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     if "nodes" in spec:   # pretend the ranks run on these machines (AdaCheck's placement)
         os.environ["ADACHECK_NODE"] = spec["nodes"][rank]

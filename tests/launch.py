@@ -27,8 +27,9 @@ def free_port() -> int:
 
 
 def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: float = 60,
-           on_started=None, script: str = "ds_worker.py"):
-    """Run the worker on ``world`` ranks; returns [(returncode, output)] per rank."""
+           on_started=None, script: str = "ds_worker.py", device: str = "cpu"):
+    """Run the worker on ``world`` ranks; returns [(returncode, output)] per rank.  ``device``
+    "cuda": DeepSpeed's CUDA accelerator, NCCL, one GPU per rank (ds_worker.py)."""
     os.makedirs(out_dir, exist_ok=True)
     spec_path = os.path.join(out_dir, f"spec-{time.monotonic_ns()}.json")
     with open(spec_path, "w") as f:
@@ -38,7 +39,7 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep +
+                   DS_ACCELERATOR=device, ADACHECK_TEST_DEVICE=device, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep +
                    os.environ.get("PYTHONPATH", ""))
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), spec_path, out_dir],

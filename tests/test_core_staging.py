@@ -54,3 +54,32 @@ def test_the_arena_holds_the_state_at_the_call_and_is_reused(shared):
         del seen, mapping
     st.release()
     assert st.arena is None and st.fd is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the copies are asynchronous there)")
+@pytest.mark.parametrize("shared", [False, True])
+def test_device_copies_are_waited_for_by_an_event_not_by_the_device(shared):
+    """GPU tensors still being computed behind a long kernel: ``stage`` returns without waiting
+    for the device (the training stream is still busy), the arena is pinned (``cudaHostRegister``
+    for the shared one), and once ``ready()`` returns the arena holds the values at the call, also
+    though training overwrote the originals right after.  Three saves in a row reuse the arena:
+    without the event each would read the previous save's values."""
+    st = Staging(shared=shared)
+    for k in (1, 2, 3):
+        torch.cuda._sleep(int(2e8))                      # ~0.1-0.2 s of GPU time ahead of the values
+        a = torch.full((1 << 22,), float(k), device="cuda") * 3.0
+        b = (torch.arange(1000, device="cuda", dtype=torch.float32) + k).bfloat16()
+        c = (torch.arange(64 * 32, device="cuda", dtype=torch.float32).reshape(64, 32) * k).t()   # not contiguous
+        ts = [("a", a), ("b", b), ("c", c)]
+        staged, ready = st.stage([LocalShard(n, "model", tuple(t.shape), Box.full(t.shape), t) for n, t in ts])
+        assert ready is not None
+        assert not torch.cuda.current_stream().query()   # nothing waited for the device
+        for _, t in ts:
+            t.add_(100)                                  # training goes on (queued after the copies)
+        ready()
+        assert st.arena.is_pinned()
+        assert torch.equal(staged[0].tensor, torch.full((1 << 22,), 3.0 * k))
+        assert torch.equal(staged[1].tensor, (torch.arange(1000, dtype=torch.float32) + k).bfloat16())
+        assert torch.equal(staged[2].tensor, (torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) * k).t())
+        assert st.generation == 1
+    st.release()

@@ -1,0 +1,64 @@
+"""DeepSpeed on a GPU (CUDA accelerator, NCCL, one rank): what only a device can show.
+
+- An asynchronous save (writer process, pinned shared staging; writer thread, pinned staging)
+  holds exactly the state at the call, although training changes it on the GPU right after:
+  the device-to-host copies are waited for by a CUDA event, not by luck.
+- A synchronous save, and loads into other ZeRO stages.
+- Online deltas: gradients staged from the GPU by non-blocking copies replay to exactly the
+  recorded run's state.
+
+The oracle is the state DeepSpeed's own accessors return at each point (ds_worker's dumps).
+Skipped without CUDA (CI has none); the sessions that get a GPU run it."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from launch import check, launch
+from test_ds_integration import assert_same, results
+
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def dump(d, name):
+    return load_file(os.path.join(d, f"{name}.safetensors"))
+
+
+def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
+    d = str(tmp_path)
+    ck, ck3, cky, on = f"{d}/ck", f"{d}/ck3", f"{d}/cky", f"{d}/online"
+    async_process = {"enabled": True, "async": True, "async_writer": "process"}
+    async_thread = {"enabled": True, "async": True, "async_writer": "thread"}
+    online = {"enabled": True, "save_dir": on, "online": {"enabled": True, "base_interval": 3}}
+    runs = [
+        {"stage": 1, "dtype": "bf16", "hidden": 512, "layers": 3, "adacheck": async_process,
+         "actions": [["train", 2], ["dump", "S2"], ["save", ck], ["train", 1], ["dump", "S3"], ["save", ck],
+                     ["train", 1], ["finish"], ["latest", ck]]},
+        {"stage": 3, "dtype": "bf16", "hidden": 512, "layers": 3, "adacheck": async_thread,
+         "actions": [["train", 2], ["dump", "T2"], ["save", ck3], ["train", 1], ["finish"]]},
+        {"stage": 2, "dtype": "fp32", "hidden": 512, "layers": 3, "adacheck": {"enabled": True},
+         "actions": [["train", 2], ["dump", "Y2"], ["save", cky]]},
+        {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3, "adacheck": online,
+         "actions": [["train_dump", 5, "O"]]},
+        # new engines (seed 7: other initial weights) load each checkpoint, in other ZeRO stages
+        {"stage": 3, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", ck, {"tag": "global_step2"}], ["dump", "L2"], ["load", ck], ["dump", "L3"]]},
+        {"stage": 1, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", ck3], ["dump", "LT2"]]},
+        {"stage": 1, "dtype": "fp32", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", cky], ["dump", "LY2"]]},
+        {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", on], ["steps"], ["dump", "LO"]]},
+    ]
+    check(launch(1, {"runs": runs}, d, device="cuda"))
+    res = results(d)
+    assert res[0]["finished"] == ["global_step3"] and res[0]["latest"] == ["global_step3"], res[0]
+    assert res[7]["steps"][0] == 5, res[7]
+    for saved, loaded in (("S2", "L2"), ("S3", "L3"), ("T2", "LT2"), ("Y2", "LY2"), ("O5", "LO")):
+        a, b = dump(d, saved), dump(d, loaded)
+        keys = [k for k in a if k.startswith(("model/", "master/", "optim/"))]
+        assert keys, saved
+        assert_same(a, b, keys)
+        assert b["meta/optim_step"].tolist() == a["meta/optim_step"].tolist(), saved
