@@ -301,18 +301,24 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
     The file holds exactly the gradient, at every step; the training stream is never
     synchronized by the staging (the step returns before the kernel ends)."""
     lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
+    waited = []
+    gradient = lambda step: torch.full((1 << 22,), float(step), device="cuda") * 3.0   # noqa: E731
+    gradient(0).cpu()          # (the kernels loaded: a kernel's first launch may wait for the device)
     try:
-        for step in (1, 2, 3):
+        for step in range(1, 7):
+            norm = torch.tensor([float(step)], device="cuda")   # (a copy from pageable memory: it waits)
             torch.cuda._sleep(int(2e8))                     # ~0.1-0.2 s of GPU time ahead of the gradient
-            g = torch.full((1 << 22,), float(step), device="cuda") * 3.0
+            g = gradient(step)
             lg.begin(step)
             lg.add("w", g)
-            lg.submit(step, {"step": step}, {"norm": torch.tensor([float(step)], device="cuda")})
-            assert not torch.cuda.current_stream().query()  # still busy: nothing waited for the device
+            lg.submit(step, {"step": step}, {"norm": norm * 1.0})
+            waited.append(torch.cuda.current_stream().query())   # False: still busy, nothing waited
         lg.flush()
     finally:
         lg.close()
+    assert not any(waited), f"the staging waited for the device at steps {[i + 1 for i, w in enumerate(waited) if w]}"
     steps, _ = deltas.committed_steps(str(tmp_path), 0, 1)
+    assert [st.step for st in steps] == list(range(1, 7))
     for st in steps:
         got = deltas.read_grad(str(tmp_path), st, "w", 0)
         assert torch.equal(got, torch.full((1 << 22,), 3.0 * st.step)), st.step
