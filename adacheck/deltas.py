@@ -170,7 +170,7 @@ def _staged(t: torch.Tensor, events: Dict[object, object]) -> torch.Tensor:
 
 def _record(events: Dict[object, object], device) -> None:
     stream = torch.cuda.current_stream(device)
-    ev = torch.cuda.Event()
+    ev = torch.cuda.Event(blocking=True)     # (the writer sleeps while it waits, it does not spin on a core)
     ev.record(stream)
     events[stream] = ev
 
