@@ -351,6 +351,8 @@ def build_model(args):
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         chunk = model_provider(args, config, pre_process=first, post_process=last, vp_stage=stage)
+        if torch.cuda.is_available():       # (as Megatron-LM's get_model: the whole chunk on this GPU)
+            chunk.cuda(torch.cuda.current_device())
         if args.bf16 or args.fp16:
             chunk = Float16Module(config, chunk)
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
@@ -411,12 +413,15 @@ def synthetic_batch(args, iteration: int, microbatch: int) -> dict:
     start = rng.integers(0, v, size=(b, 1))
     stride = rng.integers(1, 8, size=(b, 1))
     seq = torch.from_numpy((start + stride * np.arange(s + 1)) % v)
-    return {
+    batch = {
         "tokens": seq[:, :-1].contiguous(),
         "labels": seq[:, 1:].contiguous(),
         "loss_mask": torch.ones(b, s, dtype=torch.float32),
         "position_ids": torch.arange(s).unsqueeze(0).expand(b, s).contiguous(),
     }
+    if torch.cuda.is_available():
+        batch = {k: t.cuda(torch.cuda.current_device(), non_blocking=True) for k, t in batch.items()}
+    return batch
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

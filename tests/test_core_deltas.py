@@ -293,6 +293,7 @@ def test_records_of_an_earlier_naming_replay_through_aliases():
         OptimizerTap(make()[1], prefix=["tp0.", "ep1.etp0."]).grad_keys(calls, "the record")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the copies are asynchronous there)")
 def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
     """A gradient produced on the GPU behind a long kernel is staged with a non-blocking copy into

@@ -56,6 +56,7 @@ def test_the_arena_holds_the_state_at_the_call_and_is_reused(shared):
     assert st.arena is None and st.fd is None
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the copies are asynchronous there)")
 @pytest.mark.parametrize("shared", [False, True])
 def test_device_copies_are_waited_for_by_an_event_not_by_the_device(shared):

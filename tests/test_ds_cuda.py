@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from launch import check, launch
 from test_ds_integration import assert_same, results
 
-pytestmark = [pytest.mark.timeout(900),
+pytestmark = [pytest.mark.timeout(900), pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
