@@ -34,6 +34,7 @@ from .boxes import copy_intersection, flat_range_to_boxes
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
 from .exchange import Comm, agree, background_comm
+from .tiers import MemoryTier, newest_committed
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
@@ -305,6 +306,7 @@ class Options:
     on_error: str = "warn"
     compression: Optional[str] = None
     writer: str = "process"
+    tiers: Optional[object] = None      # adacheck.config.TiersConfig with memory on (adacheck.tiers), or None
 
     @classmethod
     def from_config(cls, config) -> "Options":
@@ -312,7 +314,8 @@ class Options:
                    reference_previous=config.reference_previous, copies=config.redundancy_factor,
                    exchange=config.exchange, chunk_bytes=config.hash_chunk_bytes, verify=config.verify_on_load,
                    on_corrupt=config.on_corrupt, storage_options=dict(config.storage_options) or None,
-                   on_error=config.on_error, compression=config.compression, writer=config.async_writer)
+                   on_error=config.on_error, compression=config.compression, writer=config.async_writer,
+                   tiers=config.tiers if config.tiers.memory else None)
 
 
 @dataclass
@@ -403,6 +406,30 @@ class Checkpointer:
         self._background: Optional[Comm] = None
         self.writer: Optional["writer_process.WriterProcess"] = None
         self._no_writer: Optional[str] = None    # why this job cannot have writer processes
+        self.tiered: Optional[MemoryTier] = None   # the memory tier (options.tiers), made at its first use
+        self.last_load: Optional[Tuple[Storage, str]] = None   # (storage, directory) the last load read from
+
+    def has_checkpoint(self, load_dir: str) -> bool:
+        """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
+        checkpoint there, or (with the memory tier) one of this job's in memory."""
+        store, where = self.locate(load_dir)
+        if commit.has_checkpoint(where, store):
+            return True
+        if self.options.tiers is None:
+            return False
+        return newest_committed(self.memory_tier().location(store, where), LOCAL) is not None
+
+    def memory_tier(self) -> MemoryTier:
+        """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
+        (no fsync, no references between them), written by a Checkpointer with its own caches."""
+        if self.tiered is None:
+            o = self.options
+            memory = Checkpointer(LOCAL, Options(keep_last=None, fsync=False, reference_previous=False, copies=1,
+                                                 exchange=o.exchange, chunk_bytes=o.chunk_bytes, verify=o.verify,
+                                                 on_corrupt=o.on_corrupt, writer="thread"))
+            self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
+                                     on_error=o.on_error)
+        return self.tiered
 
     def locate(self, path: str) -> Tuple[Storage, str]:
         """The storage ``path`` lives on and the path as it names it: a URL (``s3://bucket/prefix``,
@@ -440,6 +467,10 @@ class Checkpointer:
         chain is made complete up to this step first, and a checkpoint committed into its
         directory is the base the deltas of the next steps belong to."""
         lifecycle.register()
+        if self.options.tiers is not None:
+            lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
+            store, path = self.locate(save_dir)
+            return self.memory_tier().save(comm, store, path, tag, collect, update_latest)
         self.finish()
         if recorder is not None:
             recorder.flush()
@@ -459,6 +490,9 @@ class Checkpointer:
         writer process (``options.writer``).  At most one save is in flight: this waits for the
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
         waits for it; both raise or warn about a failure (``options.on_error``)."""
+        if self.options.tiers is not None:      # (a memory save is the snapshot; durable copies run behind)
+            self.save(comm, save_dir, tag, collect, update_latest)
+            return None
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
         if self.options.writer == "process" and self._no_writer is None:
@@ -505,6 +539,8 @@ class Checkpointer:
         """Wait for the in-flight asynchronous save and report it: its manifest, or (it failed)
         a warning and None, or the error with ``on_error="raise"``.  ``waiting_for``: the tag
         of a new save that has to wait (logged with how long)."""
+        if self.tiered is not None:
+            self.tiered.finish()
         pending = self.pending
         if pending is None:
             return None
@@ -543,6 +579,8 @@ class Checkpointer:
             self.finish()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting
             log.warning("AdaCheck: the asynchronous save did not commit: %s", e)
+        if self.tiered is not None:
+            self.tiered.close()
         if self.writer is not None:
             self.writer.stop()
             self.writer = None
@@ -750,6 +788,10 @@ class Checkpointer:
         lifecycle.finish_saves(block=True)     # asynchronous saves in flight (any job's here) commit first
         opts = self.options
         store, load_dir = self.locate(load_dir)
+        t0, tier = time.perf_counter(), None
+        if opts.tiers is not None:
+            store, load_dir, tier = self.memory_tier().choose(comm, store, load_dir, tag)
+        self.last_load = (store, load_dir)
         try:
             ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, opts.verify, undo, store)
         except (FormatError, NotFoundError) as e:
@@ -768,6 +810,9 @@ class Checkpointer:
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
         if opts.verify:
             self.trust(ckpt_dir, store)
+        if tier is not None:
+            log.info("AdaCheck: rank %d loaded %s (step %s) from the %s tier in %.2fs", comm.rank, manifest.tag,
+                     manifest.step, tier, time.perf_counter() - t0)
         return ckpt_dir, manifest, result
 
 

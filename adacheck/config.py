@@ -134,6 +134,46 @@ class OnlineConfig:
         return cls(**_known(block, cls, "adacheck.online"))
 
 
+@dataclass(frozen=True)
+class TiersConfig:
+    """Checkpoint tiers (adacheck.tiers): ``memory``: every save goes to node-local memory
+    (``memory_dir``, or ``$ADACHECK_MEMORY_DIR``, default /dev/shm/adacheck), keyed by the job
+    (``$ADACHECK_JOB``, else torchrun's run id); every ``persist_interval``-th one is copied to the
+    checkpoint directory (the durable tier) in the background, and the newest one at a clean exit;
+    ``keep`` newest checkpoints stay in memory.  ``peer`` (a copy in another node's memory) is not
+    built yet."""
+    memory: bool = False
+    peer: bool = False
+    persist_interval: int = 1
+    keep: int = 2
+    memory_dir: Optional[str] = None
+
+    def __post_init__(self):
+        for key in ("memory", "peer"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"adacheck.tiers.{key} must be true or false, got {getattr(self, key)!r}")
+        for key, low, what in (("persist_interval", 1, "saves between copies to durable storage"),
+                               ("keep", 1, "newest checkpoints kept in memory")):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"adacheck.tiers.{key} must be an integer >= {low} ({what}), got {v!r}")
+        if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir):
+            raise ConfigError(f"adacheck.tiers.memory_dir must be a non-empty path or null, got {self.memory_dir!r}")
+        if self.peer:
+            raise ConfigError("adacheck.tiers.peer: the peer tier (a copy in another node's memory) is not built "
+                              "yet; set it to false (the memory tier works on its own where every rank of the job "
+                              "runs on one node)")
+
+    @classmethod
+    def from_dict(cls, block) -> "TiersConfig":
+        if isinstance(block, TiersConfig):
+            return block
+        if not isinstance(block, dict):
+            raise ConfigError(f"adacheck.tiers must be an object like {{\"memory\": true, "
+                              f"\"persist_interval\": 4}}, got {type(block).__name__}: {block!r}")
+        return cls(**_known(block, cls, "adacheck.tiers"))
+
+
 def json_object_arg(text: str) -> dict:
     """argparse ``type=`` for a flag whose value is a JSON object (``--storage-options``)."""
     import argparse
@@ -179,12 +219,15 @@ class AdaCheckConfig:
     hash_chunk_bytes: int = 64 << 20
     on_corrupt: str = "raise"
     online: OnlineConfig = OnlineConfig()
+    tiers: TiersConfig = TiersConfig()
 
     def __post_init__(self):
         if not isinstance(self.online, OnlineConfig):
             object.__setattr__(self, "online", OnlineConfig.from_dict(self.online))
+        if not isinstance(self.tiers, TiersConfig):
+            object.__setattr__(self, "tiers", TiersConfig.from_dict(self.tiers))
         for f in fields(self):
-            if f.name == "online":
+            if f.name in ("online", "tiers"):
                 continue
             v = getattr(self, f.name)
             want = _TYPES[f.name]
@@ -226,6 +269,9 @@ class AdaCheckConfig:
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
+        if self.tiers.memory and self.online.enabled:
+            raise ConfigError("adacheck.tiers.memory with adacheck.online.enabled: online deltas do not go to the "
+                              "memory tier yet; use one of the two")
 
     @classmethod
     def from_dict(cls, block, where: str = "adacheck") -> "AdaCheckConfig":
@@ -240,4 +286,5 @@ class AdaCheckConfig:
 
 _TYPES = {"enabled": bool, "save_dir": str, "storage_options": dict, "async_save": bool, "async_writer": str, "on_error": str, "compression": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
-          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "online": dict}
+          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "online": dict,
+          "tiers": dict}

@@ -552,3 +552,25 @@ def open_storage(path: str, options: Optional[dict] = None) -> Tuple[Storage, st
     except (ImportError, ValueError, TypeError) as e:
         raise ConfigError(f"cannot open storage for {path!r}: {e}") from e
     return FsspecStorage(fs, protocol), path
+
+
+def copy_file(src_store: Storage, src: str, dst_store: Storage, dst: str, fsync: bool = True,
+              block: int = 64 << 20) -> int:
+    """Copy one file between storages (e.g. the memory tier to the checkpoint directory) with the
+    destination's commit protocol: nothing is visible under ``dst`` before the whole file is;
+    returns its size."""
+    size = src_store.size(src)
+    buf = bytearray(min(block, max(size, 1)))
+    writer = dst_store.open_writer(dst, fsync=fsync)
+    try:
+        offset = 0
+        while offset < size:
+            n = src_store.read_into(src, offset, memoryview(buf)[:min(len(buf), size - offset)])
+            if n <= 0:
+                raise OSError(f"{src}: ended at byte {offset} of {size} while it was copied to {dst}")
+            writer.write(memoryview(buf)[:n])
+            offset += n
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

@@ -11,7 +11,7 @@ import torch
 import adacheck
 from adacheck import checkpoint as core
 from adacheck import jsontree, lifecycle, recovery
-from adacheck.commit import has_checkpoint, latest_or_none
+from adacheck.commit import latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
@@ -86,9 +86,10 @@ class AdaCheckDeepSpeed:
         if config.online.enabled:
             from .online import OnlineDS
             self.online = OnlineDS(self)
-        if config.async_save and self.online is None:
+        if (config.async_save and self.online is None) or config.tiers.memory:
             # a finished background save is reported at the next step (cheap when none is);
-            # the engine's destroy waits for it while the process groups still exist
+            # the engine's destroy waits for it while the process groups still exist (with the
+            # memory tier: and persists the newest memory checkpoint, then frees the memory)
             self._step, self._destroy = engine.step, getattr(engine, "destroy", None)
             engine.step = self._step_and_poll
             if self._destroy is not None:
@@ -101,6 +102,8 @@ class AdaCheckDeepSpeed:
 
     def _finish_and_destroy(self, *args, **kwargs):
         self.finish()
+        if self.checkpointer.tiered is not None:
+            self.checkpointer.tiered.close()
         return self._destroy(*args, **kwargs)
 
     def poll(self):
@@ -212,8 +215,7 @@ class AdaCheckDeepSpeed:
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
         self.finish()     # an asynchronous save in flight commits first
-        store, where = self.checkpointer.locate(load_dir)
-        if tag is None and not has_checkpoint(where, store):
+        if tag is None and not self.checkpointer.has_checkpoint(load_dir):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
             return None, None
         native = _native_checkpoint(load_dir, tag)
@@ -254,6 +256,7 @@ class AdaCheckDeepSpeed:
 
         ckpt_dir, manifest, client_state = self.checkpointer.load(
             comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
+        store, where = self.checkpointer.last_load      # (the memory tier's, when it was read from there)
         if want_optim and load_lr_scheduler_states:
             from .online import Replay
             model = loaded["objects"].model(ckpt_dir)

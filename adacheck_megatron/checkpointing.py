@@ -32,7 +32,7 @@ import torch
 import adacheck
 from adacheck import checkpoint as core
 from adacheck import recovery
-from adacheck.commit import has_checkpoint, latest_or_none
+from adacheck.commit import latest_or_none
 from adacheck.convert import refuse_existing
 from adacheck.storage import is_url
 from adacheck.config import AdaCheckConfig
@@ -245,7 +245,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         if tag is not None:
             raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
         tag, until = base_for_step(where, int(iteration), store), int(iteration)
-    if tag is None and not has_checkpoint(where, store):
+    if tag is None and not job.has_checkpoint(load_dir):
         # (complete checkpoints without a 'latest': the load names them, see checkpoint.resolve)
         log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
         return (0, 0, {}) if return_extra_state else (0, 0)
@@ -327,6 +327,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         return objects
 
     ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, read, apply, how_to_load=_how_to_load, undo=undo)
+    store, where = job.last_load      # (the memory tier's, when it was read from there)
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
     if load_optim and opt_param_scheduler is not None:

@@ -25,6 +25,10 @@
   --[no-]adacheck-online-compact
   --adacheck-online-queue-depth N
   --adacheck-online-on-error {disable,raise}
+  --adacheck-tiers-memory         tiers.memory (every save to node-local memory first)
+  --adacheck-tiers-persist-interval N  tiers.persist_interval (every N-th save copied to --adacheck-dir)
+  --adacheck-tiers-keep N         tiers.keep (newest checkpoints kept in memory)
+  --adacheck-tiers-memory-dir DIR tiers.memory_dir (default $ADACHECK_MEMORY_DIR or /dev/shm/adacheck)
 
 and one action that is not a config key:
 
@@ -43,11 +47,14 @@ import re
 from dataclasses import fields
 from typing import List, Tuple
 
-from adacheck.config import ASYNC_WRITERS, ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, json_object_arg
+from adacheck.config import (ASYNC_WRITERS, ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, TiersConfig,
+                             json_object_arg)
 from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
+# sections of the config with keys of their own, and the key that switches each on
+_SECTIONS = {"online": (OnlineConfig, "enabled"), "tiers": (TiersConfig, "memory")}
 _CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR,
             "compression": ("zstd",), "async_writer": ASYNC_WRITERS}
 # keys set by Megatron-LM's own flags: async_save is --async-save
@@ -60,8 +67,9 @@ def _keys() -> List[Tuple[str, object]]:
     for f in fields(AdaCheckConfig):
         if f.name in _MEGATRON_FLAGS:
             continue
-        if f.name == "online":
-            out += [(f"online.{g.name}", getattr(OnlineConfig(), g.name)) for g in fields(OnlineConfig)]
+        if f.name in _SECTIONS:
+            cls = _SECTIONS[f.name][0]
+            out += [(f"{f.name}.{g.name}", getattr(cls(), g.name)) for g in fields(cls)]
         else:
             out.append((f.name, getattr(AdaCheckConfig(), f.name)))
     return out
@@ -93,6 +101,13 @@ def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         elif key == "online.enabled":
             g.add_argument(flag, dest=dest, action="store_true", default=None,
                            help="online gradient deltas after every optimizer step (needs --adacheck)")
+        elif key == "tiers.memory":
+            g.add_argument(flag, dest=dest, action="store_true", default=None,
+                           help="every save to node-local memory first, every --adacheck-tiers-persist-interval-th "
+                                "copied to the checkpoint directory in the background (needs --adacheck)")
+        elif key == "tiers.memory_dir":
+            g.add_argument(flag, dest=dest, default=None, metavar="DIR",
+                           help="the memory tier's directory (default $ADACHECK_MEMORY_DIR, else /dev/shm/adacheck)")
         elif key == "save_dir":
             g.add_argument(flag, dest=dest, default=None, metavar="DIR",
                            help="checkpoint directory or fsspec URL, e.g. s3://bucket/prefix "
@@ -120,26 +135,31 @@ def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def config_from_args(args: argparse.Namespace) -> AdaCheckConfig:
     """The validated AdaCheckConfig for parsed ``args``; ConfigError names the flag."""
-    block, online = {}, {}
+    block, sections = {}, {name: {} for name in _SECTIONS}
     for key, _ in _keys():
         v = getattr(args, _dest(key), None)
         if v is not None:
-            if key.startswith("online."):
-                online[key[len("online."):]] = v
+            section, _, leaf = key.partition(".")
+            if leaf:
+                sections[section][leaf] = v
             else:
                 block[key] = v
-    given = [flag_of(k) for k in block if k != "enabled"] + [flag_of("online." + k) for k in online]
+    given = [flag_of(k) for k in block if k != "enabled"] + [flag_of(f"{n}.{k}") for n, sec in sections.items()
+                                                            for k in sec]
     if given and not block.get("enabled"):
         raise ConfigError(f"{', '.join(given)} given without --adacheck; add --adacheck to use "
                           "AdaCheck, or drop the other --adacheck-* flags")
-    others = [flag_of("online." + k) for k in online if k != "enabled"]
-    if others and not online.get("enabled"):
-        raise ConfigError(f"{', '.join(others)} given without --adacheck-online; add --adacheck-online "
-                          "to record gradient deltas, or drop those flags")
+    for name, (_, switch) in _SECTIONS.items():
+        others = [flag_of(f"{name}.{k}") for k in sections[name] if k != switch]
+        if others and not sections[name].get(switch):
+            what = {"online": "to record gradient deltas", "tiers": "to save to the memory tier"}[name]
+            raise ConfigError(f"{', '.join(others)} given without {flag_of(f'{name}.{switch}')}; add "
+                              f"{flag_of(f'{name}.{switch}')} {what}, or drop those flags")
     if getattr(args, "adacheck_convert_save", None) and not block.get("enabled"):
         raise ConfigError("--adacheck-convert-save converts an AdaCheck checkpoint: add --adacheck (and --load)")
-    if online:
-        block["online"] = online
+    for name, sec in sections.items():
+        if sec:
+            block[name] = sec
     if block.get("enabled"):
         for key, dest in _MEGATRON_FLAGS.items():
             if getattr(args, dest, None):

@@ -6,7 +6,7 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
-stop_writer RANK | kill_writer RANK | expect_error SUBSTRING ACTION...
+stop_writer RANK | kill_writer RANK | die | ls DIR | expect_error SUBSTRING ACTION...
 A run with "init_error": SUBSTRING expects building its engine to fail with that error.
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
@@ -307,6 +307,13 @@ def act(engine, a, rec, out_dir, rank):
         if rank == a[1]:
             proc = engine.adacheck.checkpointer.writer.proc
             os.kill(proc.pid, signal.SIGSTOP if op == "stop_writer" else signal.SIGKILL)
+    elif op == "ls":        # ls DIR: the complete checkpoints in DIR now
+        from adacheck import commit
+        rec.setdefault("ls", []).append(sorted(t for t, m, _ in commit.list_checkpoints(a[1]) if m is not None)
+                                        if os.path.isdir(a[1]) else [])
+    elif op == "die":       # SIGKILL this process (a crash: nothing at exit runs)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
     elif op == "perturb":   # perturb RANK PARAM: that rank's replica silently diverges
         if rank == a[1]:
             with torch.no_grad():

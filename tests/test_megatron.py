@@ -232,10 +232,15 @@ def losses(text):
             if line.startswith("iteration ")]
 
 
-def test_pretrain_script_flags_end_to_end(tmp_path):
-    """scripts/pretrain_gpt.py --adacheck: a job that stops at iteration 2 (saving into
-    --adacheck-dir) and a new job that resumes from there by itself log the same losses as
-    one uninterrupted job; bad flags are clear errors."""
+def test_pretrain_script_flags_end_to_end(tmp_path, monkeypatch):
+    """scripts/pretrain_gpt.py --adacheck: a job that stops at iteration 2 (saving every iteration
+    into the memory tier, --adacheck-tiers-memory: none copied to --adacheck-dir before it ends,
+    the newest at its clean exit) and a new job that resumes from there by itself log the same
+    losses as one uninterrupted job (saving into --adacheck-dir directly); bad flags are clear
+    errors."""
+    monkeypatch.setenv("ADACHECK_JOB", "pretrain-flags")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+
     def run(n, argv, **kw):
         p = torchrun(n, argv, str(tmp_path), **kw)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -246,10 +251,15 @@ def test_pretrain_script_flags_end_to_end(tmp_path):
     assert "saved AdaCheck checkpoint iteration 4" in whole
     with open(tmp_path / "a" / "latest") as f:
         assert f.read().strip() == "iter_0000004"
+    tiers = ["--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "5"]
     first = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b"), "--exit-interval", "2",
-                             "--save-interval", "2"])
+                             "--save-interval", "1"] + tiers)
     assert "exiting at iteration 2" in first
-    second = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b")])
+    with open(tmp_path / "b" / "latest") as f:
+        assert f.read().strip() == "iter_0000002"        # (persisted at the clean exit)
+    assert sorted(os.listdir(tmp_path / "b")) == ["iter_0000002", "latest"]
+    assert not os.listdir(tmp_path / "shm")               # (the job's memory files went at its exit)
+    second = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b")] + tiers)
     assert "loaded AdaCheck checkpoint iteration 2" in second
     assert losses(first) + losses(second) == losses(whole)
     assert len(losses(whole)) == 4

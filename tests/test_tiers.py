@@ -1,0 +1,90 @@
+"""The memory tier (adacheck.tiers) with real DeepSpeed engines (CPU, gloo, 2 processes on one
+node): every save goes to memory, every 4th is copied to the checkpoint directory behind
+training, and recovery takes the newest state across the tiers.
+
+The oracle is the state DeepSpeed's own accessors return at each save (ds_worker's dumps)."""
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file
+
+from launch import check, launch
+from test_ds_integration import assert_same, results
+
+from adacheck import commit
+from adacheck.storage import LOCAL
+from adacheck.tiers import memory_location
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def dump(d, name):
+    return load_file(os.path.join(d, f"{name}.safetensors"))
+
+
+def state(d, name):
+    s = dump(d, name)
+    return s, [k for k in s if k.startswith(("model/", "master/", "optim/"))]
+
+
+def tags(path):
+    return sorted(t for t, m, _ in commit.list_checkpoints(path, LOCAL) if m is not None) if os.path.isdir(path) else []
+
+
+def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-1")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck, ck2, ck3 = f"{d}/ck", f"{d}/ck2", f"{d}/ck3"
+    mem3 = memory_location(LOCAL, ck3)
+    tiered = {"enabled": True, "tiers": {"memory": True, "persist_interval": 4}}
+    saves = []
+    for step in range(1, 7):
+        saves += [["train", 1]] + ([["dump", f"A{step}"]] if step in (4, 6) else []) + [["save", ck]]
+    runs = [
+        # 50 saves, every 10th persisted: memory holds at most keep (2) + the one being copied
+        {"stage": 1, "dtype": "bf16", "adacheck": {"enabled": True, "tiers": {"memory": True, "persist_interval": 10}},
+         "actions": [a for _ in range(50) for a in (["train", 1], ["save", ck3], ["ls", mem3])] + [["finish"]]},
+        # 6 saves (durable: the 4th), then the job is killed
+        {"stage": 1, "dtype": "bf16", "adacheck": tiered, "actions": saves + [["finish"], ["die"]]},
+    ]
+    out = launch(2, {"runs": runs}, f"{d}/a")
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    assert tags(ck3) == [f"global_step{s}" for s in (10, 20, 30, 40, 50)]
+    seen = results(f"{d}/a")[0]["ls"]           # the memory tier of ck3 after each save
+    assert max(len(x) for x in seen) <= 3 and seen[-1] == ["global_step49", "global_step50"], seen
+    assert not os.path.exists(mem3)             # (the engine's destroy ended that training cleanly)
+    assert tags(ck) == ["global_step4"] and commit.read_latest(ck) == "global_step4"
+    mem = memory_location(LOCAL, ck)
+    assert tags(mem) == ["global_step5", "global_step6"]
+
+    # a new job (same identity): the newest state is in memory, newer than durable storage
+    runs = [{"stage": 1, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck], ["dump", "B6"]]},
+            # a job that ends cleanly: its newest memory checkpoint is persisted at exit
+            {"stage": 1, "dtype": "bf16", "adacheck": tiered,
+             "actions": [["train", 1], ["save", ck2], ["train", 1], ["save", ck2], ["train", 1], ["dump", "E3"],
+                         ["save", ck2]]}]
+    out = launch(2, {"runs": runs}, f"{d}/b")
+    check(out)
+    assert "loaded global_step6 (step 6) from the memory tier" in out[0][1], out[0][1][-3000:]
+    a6, keys = state(f"{d}/a", "A6")
+    assert_same(a6, dump(f"{d}/b", "B6"), keys)
+    assert commit.read_latest(ck2) == "global_step3" and tags(ck2) == ["global_step3"]
+    assert not os.path.exists(memory_location(LOCAL, ck2))       # (removed at the clean exit)
+    # another layout (DP=1, ZeRO-3) recovers from the memory tier too
+    check(launch(1, {"runs": [{"stage": 3, "dtype": "bf16", "seed": 7, "adacheck": tiered,
+                               "actions": [["load", ck], ["dump", "C6"]]}]}, f"{d}/c"))
+    assert_same(a6, dump(f"{d}/c", "C6"), keys)
+
+    # the node's memory is lost: recovery falls back to durable storage and says so
+    shutil.rmtree(mem)
+    runs = [{"stage": 1, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck], ["dump", "D4"]]},
+            {"stage": 1, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck2], ["dump", "F3"]]}]
+    out = launch(2, {"runs": runs}, f"{d}/d")
+    check(out)
+    assert "memory tier holds no checkpoint" in out[0][1]
+    a4, keys = state(f"{d}/a", "A4")
+    assert_same(a4, dump(f"{d}/d", "D4"), keys)
+    e3, keys = state(f"{d}/b", "E3")
+    assert_same(e3, dump(f"{d}/d", "F3"), keys)
