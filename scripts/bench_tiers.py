@@ -1,0 +1,187 @@
+"""Benchmark: the memory tier against saving to the checkpoint directory, and against DeepSpeed.
+
+One real DeepSpeed training (CPU, gloo, torchrun, DP=2 by default, about 250 MB of unique state)
+per ZeRO stage x dtype; in the same run, alternating, ``--repeat`` times (the fastest counts):
+
+  stall          seconds inside ``save_checkpoint`` (the slowest rank): DeepSpeed's own save,
+                 AdaCheck to the checkpoint directory (fsync, the default), and AdaCheck with
+                 ``"tiers": {"memory": true}`` (a checkpoint into node-local memory; the copy to
+                 the checkpoint directory, every ``persist_interval``-th save, runs behind)
+  persist        seconds the background copy of one memory checkpoint to the checkpoint
+                 directory took (until its manifest and ``latest`` were written)
+  step           seconds per training step while that copy runs, against quiet steps
+  recovery       seconds of ``load_checkpoint`` from the memory tier and from the checkpoint
+                 directory (the same checkpoint; hashes verified in both)
+  memory         bytes the memory tier holds for the job after ``--saves`` saves (``keep`` newest)
+
+    .venv/bin/python scripts/bench_tiers.py
+    .venv/bin/python scripts/bench_tiers.py --stages 1 --dtypes bf16 --memory-dir /dev/shm/x
+
+Printed as a table and written as JSON (``--json``).  ``--memory-dir`` defaults to /dev/shm.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_ds import (add_device_flag, device, device_sync, du, finish_worker, init_distributed, on_device,  # noqa: E402
+                      run_workers, train_step, unique_bytes)
+
+
+def worker(a) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", device())
+    import deepspeed
+    import torch
+
+    import adacheck_ds
+    from adacheck.config import AdaCheckConfig
+    from adacheck.storage import LOCAL
+    from adacheck.tiers import memory_location
+    from demo_train import TinyLM
+
+    init_distributed(deepspeed)
+    dist = torch.distributed
+    rank = dist.get_rank()
+
+    def slowest(seconds: float) -> float:
+        t = on_device(torch.tensor([seconds], dtype=torch.float64))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def timed(fn) -> float:
+        dist.barrier()
+        device_sync()
+        t0 = time.perf_counter()
+        fn()
+        device_sync()
+        return slowest(time.perf_counter() - t0)
+
+    rows = []
+    for stage in a.stages:
+        for dtype in a.dtypes:
+            torch.manual_seed(0)
+            model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+                   "gradient_clipping": 1.0, "steps_per_print": 10 ** 9}
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+
+            def step():
+                train_step(engine, a.vocab, rank)
+
+            for _ in range(2):
+                step()
+            nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+            unique = unique_bytes(engine, nparams)
+            work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
+            block = {"enabled": True, "reference_previous": False}
+            durable = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(block))
+            tiered = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(
+                block, tiers={"memory": True, "persist_interval": 10 ** 6, "keep": 2})))
+            ck_tier = f"{work}/tiered"
+            t = {"native": [], "durable": [], "memory": []}
+            for i in range(a.repeat):
+                order = [("native", lambda: adacheck_ds.save_native(engine, f"{work}/native", tag=f"t{i}")),
+                         ("durable", lambda: durable.save_checkpoint(f"{work}/durable", tag=f"t{i}")),
+                         ("memory", lambda: tiered.save_checkpoint(ck_tier, tag=f"t{i}"))]
+                for name, fn in (order if i % 2 == 0 else order[::-1]):
+                    t[name].append(timed(fn))
+            quiet = [timed(step) for _ in range(a.steps)]
+            # one background copy of the newest memory checkpoint to the checkpoint directory
+            tier = tiered.checkpointer.memory_tier()
+            key = next(iter(tier.newest))
+            dist.barrier()
+            t0 = time.perf_counter()
+            tier.start_persist(key)
+            busy = []
+            while tier.thread is not None and tier.thread.is_alive() and len(busy) < 200:
+                busy.append(timed(step))
+            tier.finish()
+            persist = slowest(time.perf_counter() - t0)
+            tag = f"t{a.repeat - 1}"
+            load = {"memory": [], "durable": []}
+            for i in range(a.repeat):
+                load["memory"].append(timed(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
+                # (the same checkpoint, read from the checkpoint directory by a job without tiers)
+                load["durable"].append(timed(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+            for i in range(a.saves):
+                tiered.save_checkpoint(ck_tier, tag=f"m{i}")
+            mem_bytes = du(memory_location(LOCAL, ck_tier)) if rank == 0 else 0
+            if rank == 0:
+                row = {"dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
+                       "unique_bytes": unique, "stall_native_s": min(t["native"]), "stall_durable_s": min(t["durable"]),
+                       "stall_memory_s": min(t["memory"]), "persist_s": persist,
+                       "step_quiet_s": sorted(quiet)[len(quiet) // 2],
+                       "step_persisting_s": sorted(busy)[len(busy) // 2] if busy else None, "persisting_steps": len(busy),
+                       "load_memory_s": min(load["memory"]), "load_durable_s": min(load["durable"]),
+                       "memory_bytes": mem_bytes, "saves": a.saves}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            tier.newest.clear()        # (nothing to persist at exit: the benchmark's copies are removed)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.rmtree(os.path.dirname(memory_location(LOCAL, ck_tier)), ignore_errors=True)
+            engine.destroy()
+    finish_worker(rows, a.rows)
+
+
+def table(rows) -> str:
+    head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall durable s | stall memory s | memory/native "
+            "| persist s | step s quiet | step s persisting (steps) | load memory s | load durable s | memory MB |")
+    out = [head, "|" + "---:|" * 14]
+    for r in rows:
+        busy = f"{r['step_persisting_s']:.3f} ({r['persisting_steps']})" if r["step_persisting_s"] else "-"
+        out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['unique_bytes'] / 1e6:.0f} | "
+                   f"{r['stall_native_s']:.3f} | {r['stall_durable_s']:.3f} | {r['stall_memory_s']:.3f} | "
+                   f"{r['stall_memory_s'] / r['stall_native_s']:.2f} | {r['persist_s']:.3f} | {r['step_quiet_s']:.3f} | "
+                   f"{busy} | {r['load_memory_s']:.3f} | {r['load_durable_s']:.3f} | {r['memory_bytes'] / 1e6:.0f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dp", type=int, nargs="+", default=[2])
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="quiet steps timed")
+    ap.add_argument("--saves", type=int, default=5, help="memory-tier saves before its size is read")
+    ap.add_argument("--memory-dir", default="/dev/shm/adacheck-bench", help="the memory tier's directory")
+    ap.add_argument("--work", default=None, help="where the checkpoint directories go (default: a temp dir)")
+    ap.add_argument("--json", default="bench_tiers.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", help=argparse.SUPPRESS)
+    add_device_flag(ap)
+    a = ap.parse_args()
+    os.environ["ADACHECK_BENCH_DEVICE"] = a.device
+    if a.worker:
+        return worker(a)
+    os.environ["ADACHECK_MEMORY_DIR"] = a.memory_dir
+    os.environ.setdefault("ADACHECK_JOB", f"bench-tiers-{os.getpid()}")
+    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800,
+                       ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
+                        "--steps", str(a.steps), "--saves", str(a.saves), "--stages", *map(str, a.stages),
+                        "--dtypes", *a.dtypes])
+    import deepspeed
+    import torch
+    with open(a.json, "w") as f:
+        json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                   "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
+                   "repeat": a.repeat, "memory_dir": a.memory_dir, "device": a.device}, f, indent=1)
+    print(table(rows))
+    print(f"\nJSON in {a.json}")
+
+
+if __name__ == "__main__":
+    main()
