@@ -426,7 +426,7 @@ class Checkpointer:
             o = self.options
             memory = Checkpointer(LOCAL, Options(keep_last=None, fsync=False, reference_previous=False, copies=1,
                                                  exchange=o.exchange, chunk_bytes=o.chunk_bytes, verify=o.verify,
-                                                 on_corrupt=o.on_corrupt, writer="thread"))
+                                                 on_corrupt=o.on_corrupt, on_error=o.on_error, writer=o.writer))
             self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
                                      on_error=o.on_error)
         return self.tiered
@@ -490,8 +490,10 @@ class Checkpointer:
         writer process (``options.writer``).  At most one save is in flight: this waits for the
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
         waits for it; both raise or warn about a failure (``options.on_error``)."""
-        if self.options.tiers is not None:      # (a memory save is the snapshot; durable copies run behind)
-            self.save(comm, save_dir, tag, collect, update_latest)
+        if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
+            lifecycle.keep(self)
+            store, path = self.locate(save_dir)
+            self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=True)
             return None
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
@@ -531,6 +533,8 @@ class Checkpointer:
     def poll(self) -> Optional[Manifest]:
         """Cheap, at every training step: report the in-flight save if it has finished (its
         manifest; None while it runs or when none is in flight)."""
+        if self.tiered is not None and self.tiered.memory.pending is not None and self.tiered.memory.pending.done():
+            self.tiered.memory.finish()       # (an asynchronous memory save that ended: reported now)
         if self.pending is None or not self.pending.done():
             return None
         return self.finish()
@@ -570,6 +574,9 @@ class Checkpointer:
         """Other options from the next save or load on (the one in flight finishes first)."""
         if options != self.options:
             self.finish()
+            if self.tiered is not None and options.tiers != self.options.tiers:
+                self.tiered.close()         # (its newest checkpoint persisted, its memory freed)
+                self.tiered = None
             self.options, self._stores = options, {}
 
     def close(self) -> None:

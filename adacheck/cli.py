@@ -65,7 +65,7 @@ def __getattr__(name):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare, prune and convert "
+    p = argparse.ArgumentParser(prog="adacheck", description="Inspect, verify, compare, prune, clean and convert "
                                 "AdaCheck checkpoints. " + CONVERSIONS, epilog=EXIT_CODES)
     p.add_argument("--version", action="version", version=f"adacheck {__version__}", help="print the version")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--yes", action="store_true", help="really delete (default: only show what would go)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn="prune")
+    s = command("clean", helptext="list the memory tier's checkpoints of jobs (tiers.memory), and remove them "
+                       "(dry run unless --yes): what a killed job left in node-local memory")
+    s.add_argument("--memory-dir", metavar="DIR", default=None,
+                   help="the memory tier's directory (default: $ADACHECK_MEMORY_DIR, else /dev/shm/adacheck)")
+    s.add_argument("--job", action="append", metavar="JOB", help="only this job (repeatable; default: every job)")
+    s.add_argument("--yes", action="store_true", help="really delete (default: only show what would go)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(fn="clean")
     s = command("diff", helptext="which tensors differ between two checkpoints, and by how much "
                        "(exit 1 if any)")
     s.add_argument("a", help="checkpoint directory, or a save directory (its latest)")

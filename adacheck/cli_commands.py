@@ -387,6 +387,53 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def cmd_clean(args) -> int:
+    from .tiers import SOURCE_NAME, memory_root, newest_committed
+    root = memory_root(args.memory_dir)
+    if not os.path.isdir(root):
+        if args.json:
+            print(json.dumps({"memory_dir": root, "jobs": [], "bytes": 0, "dry_run": not args.yes}, indent=1))
+        else:
+            print(f"{root}: no memory tier here (nothing to clean)")
+        return 0
+    jobs = []
+    for job in sorted(os.listdir(root)):
+        d = os.path.join(root, job)
+        if not os.path.isdir(d) or (args.job and job not in args.job):
+            continue
+        dirs = []
+        for key in sorted(os.listdir(d)):
+            loc = os.path.join(d, key)
+            try:
+                source = open(os.path.join(loc, SOURCE_NAME)).read().split("|", 1)[-1]
+            except OSError:
+                source = None
+            newest = newest_committed(loc, LOCAL) if os.path.isdir(loc) else None
+            dirs.append({"for": source, "newest": newest[0] if newest else None, "bytes": _tree_bytes(loc)})
+        jobs.append({"job": job, "path": d, "bytes": sum(x["bytes"] for x in dirs), "checkpoint_dirs": dirs})
+    total = sum(j["bytes"] for j in jobs)
+    if args.json:
+        print(json.dumps({"memory_dir": root, "jobs": jobs, "bytes": total, "dry_run": not args.yes}, indent=1))
+    else:
+        for j in jobs:
+            print(f"{j['job']}: {human(j['bytes'])} in {j['path']}")
+            for x in j["checkpoint_dirs"]:
+                print(f"  for {x['for'] or '?'}: newest {x['newest'] or '-'}, {human(x['bytes'])}")
+        print(f"{'removing' if args.yes else 'would remove'} {len(jobs)} job(s), {human(total)}")
+    if not args.yes:
+        if not args.json:
+            print("dry run: nothing deleted; run again with --yes to do it (only for jobs that are over: a "
+                  "running job's memory checkpoints are its newest state)")
+        return 0
+    for j in jobs:
+        LOCAL.remove_tree(j["path"])
+    return 0
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
 def _diff_entry(ra, rb, name):
     ea, eb = ra.entry(name), rb.entry(name)
     if (ea.dtype, ea.shape) != (eb.dtype, eb.shape):

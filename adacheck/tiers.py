@@ -169,7 +169,11 @@ class MemoryTier:
         self.one_node = True
 
     # ------------------------------------------------------------------ save
-    def save(self, comm, store: Storage, save_dir: str, tag: str, collect, update_latest: bool):
+    def save(self, comm, store: Storage, save_dir: str, tag: str, collect, update_latest: bool,
+             asynchronous: bool = False):
+        """Save ``tag`` into the memory tier (``asynchronous``: return after the snapshot, the
+        memory copy is written behind training as an async save); every ``persist_interval``-th
+        is then copied to the checkpoint directory."""
         self._check_one_node(comm)
         self.rank = comm.rank
         mem = self.location(store, save_dir)
@@ -180,16 +184,30 @@ class MemoryTier:
         if self.thread is not None and not self.thread.is_alive():
             self.finish()           # (a copy that ended: reported now, and no longer kept from retention)
         t0 = time.perf_counter()
-        manifest = self.memory.save(comm, mem, tag, collect, update_latest=True)
-        if comm.rank == 0:
-            protect = (tag,) + ((self.persisting,) if self.persisting else ())
-            commit.apply_retention(mem, self.config.keep, protect=protect, store=LOCAL)
+        self.memory.finish(waiting_for=tag)     # (the previous memory save, if it was asynchronous)
+        if asynchronous:
+            self._retain(mem, ())         # (before the new save's files exist: nothing in flight now)
+            self.memory.save_async(comm, mem, tag, collect, update_latest=True)
+            manifest = None
+        else:
+            manifest = self.memory.save(comm, mem, tag, collect, update_latest=True)
+            self._retain(mem, (tag,))
         n = self.saves[durable] = self.saves.get(durable, 0) + 1
         self.newest[durable] = (mem, tag, store, save_dir, update_latest)
-        log.info("AdaCheck: %s saved to the memory tier (%s) in %.2fs", tag, mem, time.perf_counter() - t0)
+        log.info("AdaCheck: %s %s the memory tier (%s) in %.2fs", tag,
+                 "snapshotted for" if asynchronous else "saved to", mem, time.perf_counter() - t0)
         if n % self.config.persist_interval == 0:
             self.start_persist(durable)
         return manifest
+
+    def _retain(self, mem: str, protect: tuple) -> None:
+        """Rank 0: the newest ``keep`` memory checkpoints stay (and ``protect``, and the one being
+        copied to durable storage); the others' files are deleted.  Only while no memory save is
+        in flight (its files have no manifest yet)."""
+        if self.rank == 0:
+            protect = protect + ((self.persisting,) if self.persisting else ())
+            commit.apply_retention(mem, self.config.keep, protect=protect, store=LOCAL)
+            commit.collect_garbage(mem, store=LOCAL)
 
     def start_persist(self, durable: str) -> None:
         """Copy the newest memory checkpoint of ``durable`` to it in the background (one at a
@@ -202,10 +220,16 @@ class MemoryTier:
             log.warning("AdaCheck: persisting %s waited %.2fs for the previous copy to durable storage", tag, waited)
         self.persisting = tag
         rank = self.rank
+        in_memory = self.memory.pending       # (an asynchronous memory save of tag: committed first)
 
         def run():
             t = time.perf_counter()
             try:
+                if in_memory is not None:
+                    in_memory.thread.join()
+                    if in_memory.error is not None:
+                        log.warning("AdaCheck: %s is not copied to %s: its memory save failed", tag, save_dir)
+                        return
                 if persist_checkpoint(rank, os.path.join(mem, tag), store, save_dir, tag, self.fsync, update_latest,
                                       self.keep_last, self.confirm):
                     self.persisted.add((durable, tag))
@@ -218,7 +242,13 @@ class MemoryTier:
 
     def finish(self) -> None:
         """Wait for the copy to durable storage in flight; a failure is a warning (or raises with
-        on_error "raise"): the checkpoint stays in memory, the durable tier as it was."""
+        on_error "raise"): the checkpoint stays in memory, the durable tier as it was.  An
+        asynchronous memory save in flight commits first (then the memory tier is trimmed to
+        ``keep`` again)."""
+        if self.memory.pending is not None:
+            self.memory.finish()
+            for mem, tag, *_ in list(self.newest.values()):
+                self._retain(mem, (tag,))
         if self.thread is not None:
             self.thread.join()
             self.thread = None
@@ -296,3 +326,4 @@ class MemoryTier:
                 except OSError:
                     pass
         self.newest.clear()
+        self.memory.close()       # (its writer process, if any, stops)

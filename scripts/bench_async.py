@@ -33,7 +33,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_ds import add_device_flag, device, init_distributed, on_device, run_workers, device_sync, train_step, unique_bytes  # noqa: E402,E501
+from bench_ds import (add_device_flag, device, device_sync, init_distributed, on_device, run_workers, slowest,  # noqa: E402
+                      train_step, unique_bytes)
 
 
 def status_bytes(pid="self", field="VmRSS") -> int:
@@ -94,11 +95,6 @@ def worker(a) -> None:
     init_distributed(deepspeed)
     dist = torch.distributed
     rank = dist.get_rank()
-
-    def slowest(seconds: float) -> float:
-        t = on_device(torch.tensor([seconds], dtype=torch.float64))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     def stall(fn, then=None) -> float:
         """Seconds inside ``fn`` on the slowest rank (compared once ``then``, e.g. waiting for the

@@ -63,6 +63,14 @@ def on_device(t):
     return t.cuda() if device() == "cuda" else t
 
 
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective)."""
+    import torch
+    t = on_device(torch.tensor([seconds], dtype=torch.float64))
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
 def device_sync() -> None:
     """Wait for the GPU's queued work before a clock is read (nothing on the CPU)."""
     if device() == "cuda":

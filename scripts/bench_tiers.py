@@ -6,7 +6,9 @@ per ZeRO stage x dtype; in the same run, alternating, ``--repeat`` times (the fa
   stall          seconds inside ``save_checkpoint`` (the slowest rank): DeepSpeed's own save,
                  AdaCheck to the checkpoint directory (fsync, the default), and AdaCheck with
                  ``"tiers": {"memory": true}`` (a checkpoint into node-local memory; the copy to
-                 the checkpoint directory, every ``persist_interval``-th save, runs behind)
+                 the checkpoint directory, every ``persist_interval``-th save, runs behind), and
+                 the same with ``"async": true`` (the memory copy too is written behind training:
+                 the call returns after the snapshot)
   persist        seconds the background copy of one memory checkpoint to the checkpoint
                  directory took (until its manifest and ``latest`` were written)
   step           seconds per training step while that copy runs, against quiet steps
@@ -30,8 +32,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ds import (add_device_flag, device, device_sync, du, finish_worker, init_distributed, on_device,  # noqa: E402
-                      run_workers, train_step, unique_bytes)
+from bench_ds import (add_device_flag, device, device_sync, du, finish_worker, init_distributed, run_workers,  # noqa: E402
+                      slowest, train_step, unique_bytes)
 
 
 def worker(a) -> None:
@@ -48,11 +50,6 @@ def worker(a) -> None:
     init_distributed(deepspeed)
     dist = torch.distributed
     rank = dist.get_rank()
-
-    def slowest(seconds: float) -> float:
-        t = on_device(torch.tensor([seconds], dtype=torch.float64))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
 
     def timed(fn) -> float:
         dist.barrier()
@@ -85,14 +82,19 @@ def worker(a) -> None:
             durable = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(block))
             tiered = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(
                 block, tiers={"memory": True, "persist_interval": 10 ** 6, "keep": 2})))
+            tiered_async = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(
+                block, tiers={"memory": True, "persist_interval": 10 ** 6, "keep": 2}, **{"async": True})))
             ck_tier = f"{work}/tiered"
-            t = {"native": [], "durable": [], "memory": []}
+            t = {"native": [], "durable": [], "memory": [], "memory_async": []}
             for i in range(a.repeat):
                 order = [("native", lambda: adacheck_ds.save_native(engine, f"{work}/native", tag=f"t{i}")),
                          ("durable", lambda: durable.save_checkpoint(f"{work}/durable", tag=f"t{i}")),
-                         ("memory", lambda: tiered.save_checkpoint(ck_tier, tag=f"t{i}"))]
+                         ("memory", lambda: tiered.save_checkpoint(ck_tier, tag=f"t{i}")),
+                         ("memory_async", lambda: tiered_async.save_checkpoint(f"{work}/tiered-async", tag=f"t{i}"))]
                 for name, fn in (order if i % 2 == 0 else order[::-1]):
                     t[name].append(timed(fn))
+                    if name == "memory_async":
+                        tiered_async.finish()       # (its memory copy committed before the next is timed)
             quiet = [timed(step) for _ in range(a.steps)]
             # one background copy of the newest memory checkpoint to the checkpoint directory
             tier = tiered.checkpointer.memory_tier()
@@ -117,7 +119,8 @@ def worker(a) -> None:
             if rank == 0:
                 row = {"dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
                        "unique_bytes": unique, "stall_native_s": min(t["native"]), "stall_durable_s": min(t["durable"]),
-                       "stall_memory_s": min(t["memory"]), "persist_s": persist,
+                       "stall_memory_s": min(t["memory"]), "stall_memory_async_s": min(t["memory_async"]),
+                       "persist_s": persist,
                        "step_quiet_s": sorted(quiet)[len(quiet) // 2],
                        "step_persisting_s": sorted(busy)[len(busy) // 2] if busy else None, "persisting_steps": len(busy),
                        "load_memory_s": min(load["memory"]), "load_durable_s": min(load["durable"]),
@@ -125,6 +128,8 @@ def worker(a) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             tier.newest.clear()        # (nothing to persist at exit: the benchmark's copies are removed)
+            tiered_async.checkpointer.memory_tier().newest.clear()
+            tiered_async.checkpointer.close()
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
@@ -134,14 +139,16 @@ def worker(a) -> None:
 
 
 def table(rows) -> str:
-    head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall durable s | stall memory s | memory/native "
-            "| persist s | step s quiet | step s persisting (steps) | load memory s | load durable s | memory MB |")
-    out = [head, "|" + "---:|" * 14]
+    head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall durable s | stall memory s | stall memory async s "
+            "| memory async/native | persist s | step s quiet | step s persisting (steps) | load memory s | load durable s "
+            "| memory MB |")
+    out = [head, "|" + "---:|" * 15]
     for r in rows:
         busy = f"{r['step_persisting_s']:.3f} ({r['persisting_steps']})" if r["step_persisting_s"] else "-"
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['unique_bytes'] / 1e6:.0f} | "
                    f"{r['stall_native_s']:.3f} | {r['stall_durable_s']:.3f} | {r['stall_memory_s']:.3f} | "
-                   f"{r['stall_memory_s'] / r['stall_native_s']:.2f} | {r['persist_s']:.3f} | {r['step_quiet_s']:.3f} | "
+                   f"{r['stall_memory_async_s']:.3f} | {r['stall_memory_async_s'] / r['stall_native_s']:.2f} | "
+                   f"{r['persist_s']:.3f} | {r['step_quiet_s']:.3f} | "
                    f"{busy} | {r['load_memory_s']:.3f} | {r['load_durable_s']:.3f} | {r['memory_bytes'] / 1e6:.0f} |")
     return "\n".join(out)
 

@@ -311,6 +311,8 @@ def act(engine, a, rec, out_dir, rank):
         from adacheck import commit
         rec.setdefault("ls", []).append(sorted(t for t, m, _ in commit.list_checkpoints(a[1]) if m is not None)
                                         if os.path.isdir(a[1]) else [])
+        rec.setdefault("ls_dirs", []).append(sorted(x for x in os.listdir(a[1]) if os.path.isdir(os.path.join(a[1], x)))
+                                             if os.path.isdir(a[1]) else [])
     elif op == "die":       # SIGKILL this process (a crash: nothing at exit runs)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -4,6 +4,7 @@ server lost in the middle of a save leaves the previous checkpoint as 'latest' a
 real DeepSpeed engines save to it and load from it in another layout."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -255,3 +256,36 @@ def test_a_writer_process_uploads_the_state_at_the_call(s3, tmp_path):
     assert remote.writer is None
     store, where = remote.locate(s3.url("proc"))
     assert files_of(store, where) == files_of(LOCAL, str(tmp_path / "local"))
+
+
+def test_memory_tier_persists_to_s3_and_recovers_across_tiers(s3, tmp_path, monkeypatch):
+    """The memory tier in front of s3://: every 2nd save is copied to the server behind training
+    (each rank its files, rank 0 the manifest, then latest); the job is killed after step 3.
+    A new job recovers step 3 from memory; with the memory gone, step 2 from the server; both
+    equal to DeepSpeed's state at those saves."""
+    monkeypatch.setenv("ADACHECK_JOB", "s3-tiers")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+    block = {"enabled": True, "storage_options": s3.options, "tiers": {"memory": True, "persist_interval": 2}}
+    url = s3.url("tiers")
+    src = str(tmp_path / "src")
+    out = launch(2, {"runs": [{"stage": 1, "dtype": "bf16", "adacheck": block, "actions": [
+        ["train", 1], ["save", url], ["train", 1], ["dump", "S2"], ["save", url], ["train", 1], ["dump", "S3"],
+        ["save", url], ["finish"], ["die"]]}]}, src)
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    assert "tiers/global_step2/manifest.json" in s3.keys("tiers") and s3.keys("tiers/global_step3") == []
+    assert not any(".persisted-rank" in k for k in s3.keys("tiers"))
+    dst = str(tmp_path / "dst")
+    check(launch(2, {"runs": [{"stage": 1, "dtype": "bf16", "seed": 9, "adacheck": block,
+                               "actions": [["load", url], ["dump", "L3"]]}]}, dst))
+    shutil.rmtree(tmp_path / "shm")
+    lost = str(tmp_path / "lost")
+    out = launch(2, {"runs": [{"stage": 1, "dtype": "bf16", "seed": 9, "adacheck": block,
+                               "actions": [["load", url], ["dump", "L2"]]}]}, lost)
+    check(out)
+    assert "memory tier holds no checkpoint" in out[0][1]
+    for saved, d, loaded in (("S3", dst, "L3"), ("S2", lost, "L2")):
+        a, b = load_file(os.path.join(src, f"{saved}.safetensors")), load_file(os.path.join(d, f"{loaded}.safetensors"))
+        keys = [k for k in a if k.startswith(("model/", "master/", "optim/"))]
+        assert keys
+        for k in keys:
+            assert torch.equal(a[k], b[k]), (saved, k)

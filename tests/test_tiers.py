@@ -4,12 +4,13 @@ training, and recovery takes the newest state across the tiers.
 
 The oracle is the state DeepSpeed's own accessors return at each save (ds_worker's dumps)."""
 import os
-import shutil
+import subprocess
+import sys
 
 import pytest
 from safetensors.torch import load_file
 
-from launch import check, launch
+from launch import ROOT, check, launch
 from test_ds_integration import assert_same, results
 
 from adacheck import commit
@@ -28,6 +29,13 @@ def state(d, name):
     return s, [k for k in s if k.startswith(("model/", "master/", "optim/"))]
 
 
+def cli(*argv):
+    p = subprocess.run([sys.executable, "-m", "adacheck.cli", *argv], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
 def tags(path):
     return sorted(t for t, m, _ in commit.list_checkpoints(path, LOCAL) if m is not None) if os.path.isdir(path) else []
 
@@ -38,7 +46,8 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
     ck, ck2, ck3 = f"{d}/ck", f"{d}/ck2", f"{d}/ck3"
     mem3 = memory_location(LOCAL, ck3)
-    tiered = {"enabled": True, "tiers": {"memory": True, "persist_interval": 4}}
+    # (asynchronous: the memory copy is written behind training, by a writer process)
+    tiered = {"enabled": True, "async": True, "tiers": {"memory": True, "persist_interval": 4}}
     saves = []
     for step in range(1, 7):
         saves += [["train", 1]] + ([["dump", f"A{step}"]] if step in (4, 6) else []) + [["save", ck]]
@@ -54,6 +63,8 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     assert tags(ck3) == [f"global_step{s}" for s in (10, 20, 30, 40, 50)]
     seen = results(f"{d}/a")[0]["ls"]           # the memory tier of ck3 after each save
     assert max(len(x) for x in seen) <= 3 and seen[-1] == ["global_step49", "global_step50"], seen
+    held = results(f"{d}/a")[0]["ls_dirs"]      # (and the files of those alone: retired ones are deleted)
+    assert max(len(x) for x in held) <= 3 and held[-1] == ["global_step49", "global_step50"], held
     assert not os.path.exists(mem3)             # (the engine's destroy ended that training cleanly)
     assert tags(ck) == ["global_step4"] and commit.read_latest(ck) == "global_step4"
     mem = memory_location(LOCAL, ck)
@@ -77,8 +88,13 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
                                "actions": [["load", ck], ["dump", "C6"]]}]}, f"{d}/c"))
     assert_same(a6, dump(f"{d}/c", "C6"), keys)
 
-    # the node's memory is lost: recovery falls back to durable storage and says so
-    shutil.rmtree(mem)
+    # the node's memory is lost (here: `adacheck clean` removes what the killed job left): recovery
+    # falls back to durable storage and says so
+    dry = cli("clean", "--memory-dir", f"{d}/shm")
+    assert "job-1:" in dry and f"for {ck}: newest global_step6" in dry and "dry run" in dry, dry
+    assert os.path.isdir(mem)
+    cli("clean", "--memory-dir", f"{d}/shm", "--job", "job-1", "--yes")
+    assert not os.path.exists(mem) and not os.path.exists(f"{d}/shm/job-1")
     runs = [{"stage": 1, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck], ["dump", "D4"]]},
             {"stage": 1, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck2], ["dump", "F3"]]}]
     out = launch(2, {"runs": runs}, f"{d}/d")
