@@ -179,17 +179,20 @@ def store_address():
     return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
 
 
-def world_in_store(address, prefix: str, rank: int, world_size: int, timeout_s: float) -> Comm:
+def world_in_store(address, prefix: str, rank: int, world_size: int, timeout_s: float, meet_s: float) -> Comm:
     """A new gloo world (the default process group of this process) of ``world_size`` processes,
-    meeting under ``prefix`` in the TCP store at ``address`` (see :func:`store_address`)."""
+    meeting under ``prefix`` in the TCP store at ``address`` (see :func:`store_address`), within
+    ``meet_s`` seconds (a peer that never comes, say one that died while it started, is an error
+    then, not a wait as long as a collective may take); the communicator's collectives, on a group
+    of their own, wait up to ``timeout_s``."""
     if world_size == 1:
         return SoloComm()
     import datetime
     import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(prefix, dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return TorchComm()
+    meet = datetime.timedelta(seconds=meet_s)
+    store = dist.PrefixStore(prefix, dist.TCPStore(address[0], address[1], is_master=False, timeout=meet))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=meet)
+    return TorchComm(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)))
 
 
 def describe_error(e: BaseException) -> str:

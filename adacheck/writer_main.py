@@ -32,7 +32,15 @@ def _die_with_parent(parent: int) -> None:
 def _serve(conn: Connection, sock: socket.socket) -> None:
     hello = conn.recv()
     _die_with_parent(hello["parent"])
-    comm = world_in_store(hello["address"], hello["prefix"], hello["rank"], hello["world_size"], hello["timeout_s"])
+    try:
+        comm = world_in_store(hello["address"], hello["prefix"], hello["rank"], hello["world_size"],
+                              hello["timeout_s"], hello["meet_s"])
+    except Exception as e:  # noqa: BLE001 - a peer never came (it died as it started): the rank reports it
+        job = conn.recv()
+        if job is not None:
+            conn.send({"error": ("", f"the AdaCheck writer processes did not meet within {hello['meet_s']:.0f}s "
+                                     f"(one died as it started?): {describe_error(e)}"), "warnings": []})
+        return
     ckp = checkpoint.Checkpointer()
     arena, mapping = None, None
     while True:

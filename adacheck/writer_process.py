@@ -43,6 +43,10 @@ from .exchange import Comm, store_address
 log = logging.getLogger("adacheck")
 
 STOP_SECONDS = 30.0
+# how long the writers of a job wait for each other to start: a writer that died as it started
+# fails the save in flight on every rank after this, not after a collective's timeout
+# ($ADACHECK_WRITER_MEET_SECONDS: for clusters where starting an interpreter takes longer)
+MEET_SECONDS = 120.0
 _CHILD = "import sys; from adacheck.writer_main import main; main(sys.argv[1:])"
 
 
@@ -83,8 +87,9 @@ class WriterProcess:
         self.conn = Connection(os.dup(ours.fileno()))
         self.failed = False
         self.generation = None        # of the staging arena the writer has mapped
+        meet_s = float(os.environ.get("ADACHECK_WRITER_MEET_SECONDS", MEET_SECONDS))
         self.conn.send({"rank": comm.rank, "world_size": comm.world_size, "prefix": f"adacheck-writer/{nonce}/",
-                        "address": address, "timeout_s": timeout_s, "parent": os.getpid()})
+                        "address": address, "timeout_s": timeout_s, "meet_s": meet_s, "parent": os.getpid()})
 
     @property
     def alive(self) -> bool:

@@ -102,6 +102,27 @@ def test_async_saves_hold_the_state_at_the_call(tmp_path):
     assert manifest["format_version"] == 3
 
 
+def test_a_writer_that_dies_as_it_starts_fails_the_save_soon(tmp_path, monkeypatch):
+    """Rank 1's writer process is killed while it starts (the save call has just returned): rank
+    0's writer gives up waiting for it after ADACHECK_WRITER_MEET_SECONDS, not after a
+    collective's 30 minutes; both ranks warn, 'latest' stays absent, training goes on, and the
+    next save starts new writers and commits."""
+    monkeypatch.setenv("ADACHECK_WRITER_MEET_SECONDS", "15")
+    ck = str(tmp_path / "ck")
+    runs = [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": True, "async": True},
+             "actions": [["train", 1], ["save", ck], ["kill_writer", 1], ["finish"], ["latest", ck], ["train", 1],
+                         ["save", ck], ["finish"], ["latest", ck]]}]
+    check(launch(2, {"runs": runs}, str(tmp_path), timeout=300))
+    for r in (0, 1):
+        res = results(str(tmp_path), r)[0]
+        assert res["finished"] == [None, "global_step2"], res
+        assert len(res["losses"]) == 2
+    warned = [results(str(tmp_path), r)[0]["warnings"] for r in (0, 1)]
+    assert any("did not meet within 15s" in w for w in warned[0]), warned[0]
+    assert any("writer process" in w and "killed by signal 9" in w for w in warned[1]), warned[1]
+    assert results(str(tmp_path))[0]["latest"] == [None, "global_step2"]
+
+
 @pytest.mark.parametrize("backend", ["gloo", "cuda:gloo"])
 def test_a_job_without_a_tcp_store_persists_in_a_thread(tmp_path, backend):
     """Writer processes meet in the job's TCP store; a job that met in a FileStore gets the thread
