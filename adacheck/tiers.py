@@ -135,6 +135,13 @@ def newest_committed(save_dir: str, store: Storage) -> Optional[Tuple[str, int]]
     return best
 
 
+def held_in(mem: str) -> Tuple[int, int]:
+    """(complete checkpoints, bytes of every file) in a memory location."""
+    count = sum(1 for _, m, _ in commit.list_checkpoints(mem, LOCAL) if m is not None) if os.path.isdir(mem) else 0
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(mem) for f in fs)
+    return count, size
+
+
 class MemoryTier:
     """The memory tier of one job's Checkpointer (see the module's docstring).  ``memory`` is the
     Checkpointer that writes the memory copies (no fsync, no references between checkpoints, its
@@ -196,6 +203,10 @@ class MemoryTier:
         self.newest[durable] = (mem, tag, store, save_dir, update_latest)
         log.info("AdaCheck: %s %s the memory tier (%s) in %.2fs", tag,
                  "snapshotted for" if asynchronous else "saved to", mem, time.perf_counter() - t0)
+        if comm.rank == 0:
+            held = held_in(mem)
+            log.info("AdaCheck: the memory tier holds %d checkpoint(s) of %s, %.1f MB (keep: %d)", held[0], save_dir,
+                     held[1] / 1e6, self.config.keep)
         if n % self.config.persist_interval == 0:
             self.start_persist(durable)
         return manifest

@@ -79,6 +79,7 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     out = launch(2, {"runs": runs}, f"{d}/b")
     check(out)
     assert "loaded global_step6 (step 6) from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert "the memory tier holds 1 checkpoint(s) of " + ck2 in out[0][1]      # (the log's total)
     a6, keys = state(f"{d}/a", "A6")
     assert_same(a6, dump(f"{d}/b", "B6"), keys)
     assert commit.read_latest(ck2) == "global_step3" and tags(ck2) == ["global_step3"]
