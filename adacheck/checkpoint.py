@@ -408,6 +408,7 @@ class Checkpointer:
         self._no_writer: Optional[str] = None    # why this job cannot have writer processes
         self.tiered: Optional[MemoryTier] = None   # the memory tier (options.tiers), made at its first use
         self.last_load: Optional[Tuple[Storage, str]] = None   # (storage, directory) the last load read from
+        self.last_tier: Optional[str] = None      # and, with tiers, which one: "memory" or "durable"
 
     def has_checkpoint(self, load_dir: str) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
@@ -798,7 +799,7 @@ class Checkpointer:
         t0, tier = time.perf_counter(), None
         if opts.tiers is not None:
             store, load_dir, tier = self.memory_tier().choose(comm, store, load_dir, tag)
-        self.last_load = (store, load_dir)
+        self.last_load, self.last_tier = (store, load_dir), tier
         try:
             ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, opts.verify, undo, store)
         except (FormatError, NotFoundError) as e:

@@ -574,8 +574,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
                                                          args=args, config=args.adacheck_config,
                                                          iteration=args.ckpt_step)
         if torch.distributed.get_rank() == 0 and iteration:
-            print(f"loaded AdaCheck checkpoint iteration {iteration} from "
-                  f"{args.adacheck_config.save_dir or args.load} in {time.perf_counter() - t0:.2f}s",
+            from adacheck_megatron.checkpointing import checkpointer
+            job = checkpointer(optimizer, args.adacheck_config)
+            where = (f"the memory tier ({job.last_load[1]})" if job.last_tier == "memory"
+                     else args.adacheck_config.save_dir or args.load)
+            print(f"loaded AdaCheck checkpoint iteration {iteration} from {where} in {time.perf_counter() - t0:.2f}s",
                   flush=True)
         return iteration
     load_dir = args.adacheck_config.save_dir or args.load if args.adacheck else args.load

@@ -6,7 +6,7 @@ scripts/pretrain_gpt.py's own functions in the same process group, then tears th
 state down, so several layouts share one launch. Actions:
   train N | train_to N | train_dump N PREFIX [MARKER] | online [false] | online_legacy | dump NAME | scramble |
   scramble_rng | save DIR | load DIR | save_native DIR | load_native DIR | latest DIR | marker NAME |
-  set_args {NAME: VALUE} | expect_error SUBSTRING ACTION...
+  set_args {NAME: VALUE} | die | expect_error SUBSTRING ACTION...
 Each rank writes result-rank<r>.json: per run, the losses (from the last pipeline stage),
 the iterations loaded and errors caught by expect_error.
 """
@@ -120,6 +120,9 @@ def run_one(run, out):
             from megatron.core import tensor_parallel
             torch.manual_seed(4321 + torch.distributed.get_rank())
             tensor_parallel.model_parallel_cuda_manual_seed(4321)
+        elif kind == "die":        # SIGKILL this process (a crash: nothing at exit runs)
+            sys.stdout.flush()
+            os.kill(os.getpid(), 9)
         elif kind == "scramble":   # other weights than the run that saved (the load must overwrite them)
             with torch.no_grad():
                 for chunk in model:

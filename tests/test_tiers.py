@@ -105,3 +105,28 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     assert_same(a4, dump(f"{d}/d", "D4"), keys)
     e3, keys = state(f"{d}/b", "E3")
     assert_same(e3, dump(f"{d}/d", "F3"), keys)
+
+
+def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkeypatch):
+    """TP=2 megatron-core (scripts/pretrain_gpt.py's flags, --adacheck-tiers-memory, nothing copied
+    to the checkpoint directory yet): the job is killed after iteration 5; a new job (other
+    weights) loads iteration 3 from memory, and after 2 more iterations every rank's weights, main
+    weights and optimizer state equal the killed job's at iteration 5 (read from megatron-core's
+    objects)."""
+    from test_megatron import assert_same_dumps
+    monkeypatch.setenv("ADACHECK_JOB", "megatron-tiers")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+    ck = str(tmp_path / "ck")
+    argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck",
+            "--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "10"]
+    out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 3], ["save", ck], ["train", 2], ["dump", "a"],
+                                                          ["die"]]}]},
+                 str(tmp_path), script="megatron_worker.py")
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    assert tags(ck) == [] and tags(memory_location(LOCAL, ck)) == ["iter_0000003"]
+    out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["train", 2], ["dump", "b"]]}]},
+                 str(tmp_path), script="megatron_worker.py")
+    check(out)
+    assert "loaded AdaCheck checkpoint iteration 3 from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert results(str(tmp_path))[0]["loaded"] == [3]
+    assert_same_dumps(str(tmp_path), "a", "b", 2)
