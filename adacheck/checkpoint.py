@@ -420,6 +420,11 @@ class Checkpointer:
             return False
         return newest_committed(self.memory_tier().location(store, where), LOCAL) is not None
 
+    def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool):
+        lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
+        store, path = self.locate(save_dir)
+        return self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous)
+
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
         (no fsync, no references between them), written by a Checkpointer with its own caches."""
@@ -469,9 +474,7 @@ class Checkpointer:
         directory is the base the deltas of the next steps belong to."""
         lifecycle.register()
         if self.options.tiers is not None:
-            lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
-            store, path = self.locate(save_dir)
-            return self.memory_tier().save(comm, store, path, tag, collect, update_latest)
+            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False)
         self.finish()
         if recorder is not None:
             recorder.flush()
@@ -492,10 +495,7 @@ class Checkpointer:
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
         waits for it; both raise or warn about a failure (``options.on_error``)."""
         if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
-            lifecycle.keep(self)
-            store, path = self.locate(save_dir)
-            self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=True)
-            return None
+            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True)
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
         if self.options.writer == "process" and self._no_writer is None:

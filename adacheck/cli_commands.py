@@ -388,7 +388,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from .tiers import SOURCE_NAME, memory_root, newest_committed
+    from .tiers import SOURCE_NAME, held_in, memory_root, newest_committed
     root = memory_root(args.memory_dir)
     if not os.path.isdir(root):
         if args.json:
@@ -408,8 +408,8 @@ def cmd_clean(args) -> int:
                 source = open(os.path.join(loc, SOURCE_NAME)).read().split("|", 1)[-1]
             except OSError:
                 source = None
-            newest = newest_committed(loc, LOCAL) if os.path.isdir(loc) else None
-            dirs.append({"for": source, "newest": newest[0] if newest else None, "bytes": _tree_bytes(loc)})
+            newest = newest_committed(loc, LOCAL)
+            dirs.append({"for": source, "newest": newest[0] if newest else None, "bytes": held_in(loc)[1]})
         jobs.append({"job": job, "path": d, "bytes": sum(x["bytes"] for x in dirs), "checkpoint_dirs": dirs})
     total = sum(j["bytes"] for j in jobs)
     if args.json:
@@ -428,10 +428,6 @@ def cmd_clean(args) -> int:
     for j in jobs:
         LOCAL.remove_tree(j["path"])
     return 0
-
-
-def _tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def _diff_entry(ra, rb, name):

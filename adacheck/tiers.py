@@ -31,6 +31,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 from . import commit
 from .errors import AdaCheckError, ConfigError
+from .manifest import parse
 from .storage import LOCAL, Storage, copy_file
 
 log = logging.getLogger("adacheck")
@@ -56,6 +57,11 @@ def memory_root(configured: Optional[str]) -> str:
     return os.environ.get(MEMORY_ENV) or configured or DEFAULT_MEMORY_DIR
 
 
+def durable_key(store: Storage, save_dir: str) -> str:
+    """The checkpoint directory ``save_dir`` on ``store``, as one string (kept in SOURCE_NAME)."""
+    return f"{store.describe()}|{store.canonical(save_dir)}"
+
+
 def memory_location(store: Storage, save_dir: str, memory_dir: Optional[str] = None) -> str:
     """Where this job's memory tier keeps the checkpoints of ``save_dir`` (on ``store``)."""
     job, _ = job_identity()
@@ -63,7 +69,7 @@ def memory_location(store: Storage, save_dir: str, memory_dir: Optional[str] = N
         raise ConfigError(f"the memory tier keeps a job's checkpoints under the job's identity, and this job has "
                           f"none: set ${JOB_ENV} (the same value for a restarted job) or start it with torchrun")
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", job)[:100] or "_"
-    key = hashlib.sha256(f"{store.describe()}|{store.canonical(save_dir)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(durable_key(store, save_dir).encode()).hexdigest()[:16]
     return os.path.join(memory_root(memory_dir), safe, key)
 
 
@@ -78,9 +84,10 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     on ``dst_store``; rank 0 then commits it there (manifest, ``latest``, retention).  No
     collective: rank 0 waits for every writer's marker (up to ``timeout_s``).  Returns whether
     this rank's part is done (rank 0: whether the checkpoint was committed)."""
-    manifest_bytes = LOCAL.read_bytes(LOCAL.join(src_dir, commit.MANIFEST_NAME))
+    path = LOCAL.join(src_dir, commit.MANIFEST_NAME)
+    manifest_bytes = LOCAL.read_bytes(path)
     nonce = hashlib.sha256(manifest_bytes).hexdigest()
-    manifest = commit.read_manifest(src_dir)
+    manifest = parse(manifest_bytes.decode("utf-8"), where=path)
     dst = dst_store.join(dst_dir, tag)
     dst_store.make_dirs(dst)
     writers = sorted({int(info["writer"]) for info in manifest.files.values()})
@@ -184,12 +191,12 @@ class MemoryTier:
         self._check_one_node(comm)
         self.rank = comm.rank
         mem = self.location(store, save_dir)
-        durable = f"{store.describe()}|{store.canonical(save_dir)}"
+        durable = durable_key(store, save_dir)
         if comm.rank == 0 and not os.path.exists(os.path.join(mem, SOURCE_NAME)):
             os.makedirs(mem, exist_ok=True)
             LOCAL.write_atomic(os.path.join(mem, SOURCE_NAME), durable.encode(), fsync=False)
         if self.thread is not None and not self.thread.is_alive():
-            self.finish()           # (a copy that ended: reported now, and no longer kept from retention)
+            self._end_copy()        # (a copy that ended: reported now, and no longer kept from retention)
         t0 = time.perf_counter()
         self.memory.finish(waiting_for=tag)     # (the previous memory save, if it was asynchronous)
         if asynchronous:
@@ -203,7 +210,7 @@ class MemoryTier:
         self.newest[durable] = (mem, tag, store, save_dir, update_latest)
         log.info("AdaCheck: %s %s the memory tier (%s) in %.2fs", tag,
                  "snapshotted for" if asynchronous else "saved to", mem, time.perf_counter() - t0)
-        if comm.rank == 0:
+        if comm.rank == 0 and log.isEnabledFor(logging.INFO):
             held = held_in(mem)
             log.info("AdaCheck: the memory tier holds %d checkpoint(s) of %s, %.1f MB (keep: %d)", held[0], save_dir,
                      held[1] / 1e6, self.config.keep)
@@ -224,7 +231,7 @@ class MemoryTier:
         """Copy the newest memory checkpoint of ``durable`` to it in the background (one at a
         time: a copy still running is waited for first, and said so)."""
         t0 = time.perf_counter()
-        self.finish()
+        self._end_copy()
         waited = time.perf_counter() - t0
         mem, tag, store, save_dir, update_latest = self.newest[durable]
         if waited > 0.001:
@@ -260,6 +267,10 @@ class MemoryTier:
             self.memory.finish()
             for mem, tag, *_ in list(self.newest.values()):
                 self._retain(mem, (tag,))
+        self._end_copy()
+
+    def _end_copy(self) -> None:
+        """Wait for the copy to durable storage in flight (only that) and report it."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
