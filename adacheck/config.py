@@ -126,12 +126,7 @@ class OnlineConfig:
 
     @classmethod
     def from_dict(cls, block) -> "OnlineConfig":
-        if isinstance(block, OnlineConfig):
-            return block
-        if not isinstance(block, dict):
-            raise ConfigError(f"adacheck.online must be an object like {{\"enabled\": true, "
-                              f"\"base_interval\": 50}}, got {type(block).__name__}: {block!r}")
-        return cls(**_known(block, cls, "adacheck.online"))
+        return _section(cls, block, "adacheck.online", '{"enabled": true, "base_interval": 50}')
 
 
 @dataclass(frozen=True)
@@ -166,12 +161,7 @@ class TiersConfig:
 
     @classmethod
     def from_dict(cls, block) -> "TiersConfig":
-        if isinstance(block, TiersConfig):
-            return block
-        if not isinstance(block, dict):
-            raise ConfigError(f"adacheck.tiers must be an object like {{\"memory\": true, "
-                              f"\"persist_interval\": 4}}, got {type(block).__name__}: {block!r}")
-        return cls(**_known(block, cls, "adacheck.tiers"))
+        return _section(cls, block, "adacheck.tiers", '{"memory": true, "persist_interval": 4}')
 
 
 def json_object_arg(text: str) -> dict:
@@ -186,6 +176,15 @@ def json_object_arg(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"endpoint_url\": \"http://host:9000\"}}', "
                                          f"got {text!r}")
     return value
+
+
+def _section(cls, block, where: str, example: str):
+    """A section of the block (``online``, ``tiers``) as ``cls``, from its JSON object."""
+    if isinstance(block, cls):
+        return block
+    if not isinstance(block, dict):
+        raise ConfigError(f"{where} must be an object like {example}, got {type(block).__name__}: {block!r}")
+    return cls(**_known(block, cls, where))
 
 
 def _known(block: dict, cls, where: str) -> dict:
