@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from bench_ds import (add_device_flag, device, device_sync, init_distributed, on_device, run_workers, slowest,  # noqa: E402
-                      train_step, unique_bytes)
+                      tiny_engine, train_step, unique_bytes)
 
 
 def status_bytes(pid="self", field="VmRSS") -> int:
@@ -90,7 +90,6 @@ def worker(a) -> None:
 
     import adacheck_ds
     from adacheck.config import AdaCheckConfig
-    from demo_train import TinyLM
 
     init_distributed(deepspeed)
     dist = torch.distributed
@@ -112,13 +111,7 @@ def worker(a) -> None:
     rows = []
     for stage in a.stages:
         for dtype in a.dtypes:
-            torch.manual_seed(0)
-            model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
-            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                   "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
-                   "gradient_clipping": 1.0, "steps_per_print": 10 ** 9}
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+            engine, model = tiny_engine(a, stage, dtype)
 
             def step():
                 train_step(engine, a.vocab, rank)

@@ -79,6 +79,23 @@ def device_sync() -> None:
 
 
 # ----------------------------------------------------------------------------- worker
+def tiny_engine(a, stage: int, dtype: str, clip: float = 1.0, adacheck: dict = None):
+    """(DeepSpeed engine, model): the benchmarks' TinyLM (``a.vocab``, ``a.dim``, ``a.layers``,
+    seed 0) with AdamW at ZeRO ``stage`` in ``dtype``; ``adacheck``: the config's block, if any."""
+    import deepspeed
+    import torch
+    from demo_train import TinyLM
+    torch.manual_seed(0)
+    model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
+           "gradient_clipping": clip, "steps_per_print": 10 ** 9}
+    if adacheck is not None:
+        cfg["adacheck"] = adacheck
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0], model
+
+
 def train_step(engine, vocab: int, rank: int) -> None:
     """One step of TinyLM on this rank's tokens for the engine's step (deterministic)."""
     import torch
@@ -106,8 +123,7 @@ def worker(a) -> None:
 
     import adacheck_ds
     from adacheck.config import AdaCheckConfig
-    sys.path.insert(0, HERE)
-    from demo_train import TinyLM
+    sys.path.insert(0, HERE)      # (demo_train, for tiny_engine)
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
@@ -123,16 +139,9 @@ def worker(a) -> None:
     rows = []
     for stage in a.stages:
         for dtype in a.dtypes:
-            torch.manual_seed(0)
-            model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
-            nparams = sum(p.numel() for p in model.parameters())
-            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                   "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
-                   "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-                   # full checkpoints each time: no references into the previous repeat's save
-                   "adacheck": {"enabled": True, "reference_previous": False}}
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+            # full checkpoints each time: no references into the previous repeat's save
+            engine, model = tiny_engine(a, stage, dtype, adacheck={"enabled": True, "reference_previous": False})
+            nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())   # (ZeRO-3: partitioned)
             for _ in range(2):
                 train_step(engine, a.vocab, rank)
             unique = unique_bytes(engine, nparams)

@@ -48,7 +48,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ds import add_device_flag, device, du, finish_worker, init_distributed, on_device, run_workers, device_sync  # noqa: E402,E501
+from bench_ds import add_device_flag, device, du, finish_worker, init_distributed, on_device, run_workers, device_sync, tiny_engine  # noqa: E402,E501
 
 
 def worker(a) -> None:
@@ -58,20 +58,13 @@ def worker(a) -> None:
 
     import adacheck_ds
     from adacheck import deltas
-    from demo_train import TinyLM
 
     init_distributed(deepspeed)
     dist = torch.distributed
     rank = dist.get_rank()
 
     def engine_for(stage, dtype, ac):
-        torch.manual_seed(0)
-        model = TinyLM(vocab=a.vocab, dim=a.dim, layers=a.layers)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-               "zero_optimization": {"stage": stage}, "bf16": {"enabled": dtype == "bf16"},
-               "gradient_clipping": a.clip, "steps_per_print": 10 ** 9, "adacheck": ac}
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        return deepspeed.initialize(model=model, optimizer=opt, config=cfg)[0]
+        return tiny_engine(a, stage, dtype, clip=a.clip, adacheck=ac)[0]
 
     def train(engine, n, host=None):
         dist.barrier()
