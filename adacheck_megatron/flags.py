@@ -53,8 +53,9 @@ from adacheck.errors import ConfigError
 from adacheck.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
-# sections of the config with keys of their own, and the key that switches each on
-_SECTIONS = {"online": (OnlineConfig, "enabled"), "tiers": (TiersConfig, "memory")}
+# sections of the config with keys of their own, the key that switches each on, and what it does
+_SECTIONS = {"online": (OnlineConfig, "enabled", "to record gradient deltas"),
+             "tiers": (TiersConfig, "memory", "to save to the memory tier")}
 _CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR,
             "compression": ("zstd",), "async_writer": ASYNC_WRITERS}
 # keys set by Megatron-LM's own flags: async_save is --async-save
@@ -149,10 +150,9 @@ def config_from_args(args: argparse.Namespace) -> AdaCheckConfig:
     if given and not block.get("enabled"):
         raise ConfigError(f"{', '.join(given)} given without --adacheck; add --adacheck to use "
                           "AdaCheck, or drop the other --adacheck-* flags")
-    for name, (_, switch) in _SECTIONS.items():
+    for name, (_, switch, what) in _SECTIONS.items():
         others = [flag_of(f"{name}.{k}") for k in sections[name] if k != switch]
         if others and not sections[name].get(switch):
-            what = {"online": "to record gradient deltas", "tiers": "to save to the memory tier"}[name]
             raise ConfigError(f"{', '.join(others)} given without {flag_of(f'{name}.{switch}')}; add "
                               f"{flag_of(f'{name}.{switch}')} {what}, or drop those flags")
     if getattr(args, "adacheck_convert_save", None) and not block.get("enabled"):
