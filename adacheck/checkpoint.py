@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -307,6 +307,8 @@ class Options:
     compression: Optional[str] = None
     writer: str = "process"
     tiers: Optional[object] = None      # adacheck.config.TiersConfig with memory on (adacheck.tiers), or None
+    derive: bool = True                 # store a tensor that is a cast of another as that derivation
+    spread: Optional[object] = None     # a memory-tier save across nodes (adacheck.tiers.NodeSpread), or None
 
     @classmethod
     def from_config(cls, config) -> "Options":
@@ -410,15 +412,20 @@ class Checkpointer:
         self.last_load: Optional[Tuple[Storage, str]] = None   # (storage, directory) the last load read from
         self.last_tier: Optional[str] = None      # and, with tiers, which one: "memory" or "durable"
 
-    def has_checkpoint(self, load_dir: str) -> bool:
+    def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
-        checkpoint there, or (with the memory tier) one of this job's in memory."""
+        checkpoint there, or (with the memory tier) one of this job's in memory, on any node (with
+        the memory tier and ``comm``: collective, the same answer on every rank)."""
         store, where = self.locate(load_dir)
         if commit.has_checkpoint(where, store):
-            return True
-        if self.options.tiers is None:
+            found = True
+        elif self.options.tiers is None:
             return False
-        return newest_committed(self.memory_tier().location(store, where), LOCAL) is not None
+        else:
+            found = newest_committed(self.memory_tier().location(store, where), LOCAL) is not None
+        if self.options.tiers is None or comm is None:
+            return found
+        return any(comm.all_gather_object(found))
 
     def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool):
         lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
@@ -660,9 +667,14 @@ class Checkpointer:
                 store.make_dirs(ckpt_dir)
                 generation = commit.generation_of(ckpt_dir, store)
                 previous = self.previous(save_dir, tag, store) if opts.reference_previous else None
+            elif opts.spread is not None:
+                store.make_dirs(ckpt_dir)       # (each node's own directory)
             if snap.ready is not None:
                 snap.ready()
-            return {"metas": [_meta(s) for s in snap.shards.values()], "objects": snap.objects,
+            metas = [_meta(s) for s in snap.shards.values()]
+            if not opts.derive:
+                metas = [replace(m, derive=None, derive_ok=False) if m.derive is not None else m for m in metas]
+            return {"metas": metas, "objects": snap.objects,
                     "rank_objects": snap.rank_objects, "layout": snap.layout, "generation": generation,
                     "previous": previous, "step": snap.step, "node": node_id(), "framework": snap.framework}
 
@@ -748,9 +760,15 @@ class Checkpointer:
             rank_objects=tuple(g["rank_objects"] for g in gathered),
             layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
 
+        leads, here, spread = comm.rank == 0, files, self.options.spread
+        if spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
+            leads, here = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (copies to other nodes)",
+                                lambda: spread.move(comm, prepared.store, prepared.ckpt_dir, files),
+                                on_failure=lambda: self._remove_mine(prepared, written.my_file))
+
         def run():
-            if comm.rank == 0:
-                confirm_files(prepared.store, prepared.ckpt_dir, files)
+            if leads:
+                confirm_files(prepared.store, prepared.ckpt_dir, here)
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
@@ -761,8 +779,10 @@ class Checkpointer:
         """Step 6: ``latest`` (after the manifest), retention and garbage collection, by rank 0."""
         store, save_dir, keep_last = prepared.store, prepared.save_dir, self.options.keep_last
 
+        leads = comm.rank == 0 if self.options.spread is None else self.options.spread.leads(comm.rank)
+
         def run():
-            if comm.rank == 0:
+            if leads:
                 if update_latest:
                     commit.write_latest(save_dir, prepared.tag, store)
                 if keep_last:
@@ -796,12 +816,29 @@ class Checkpointer:
         lifecycle.finish_saves(block=True)     # asynchronous saves in flight (any job's here) commit first
         opts = self.options
         store, load_dir = self.locate(load_dir)
-        t0, tier = time.perf_counter(), None
+        t0, tier, chosen = time.perf_counter(), None, tag
         if opts.tiers is not None:
-            store, load_dir, tier = self.memory_tier().choose(comm, store, load_dir, tag)
+            given = (store, load_dir)
+            store, load_dir, tier, chosen = self.memory_tier().choose(comm, store, load_dir, tag)
         self.last_load, self.last_tier = (store, load_dir), tier
         try:
-            ckpt_dir, manifest, staged = _stage(comm, load_dir, tag, read, opts.verify, undo, store)
+            if tier != "memory":
+                ckpt_dir, manifest, staged = _stage(comm, load_dir, chosen, read, opts.verify, undo, store)
+            else:
+                try:     # (a node's memory holds a copy of what its ranks held when saved, preferred)
+                    ckpt_dir, manifest, staged = _stage(comm, load_dir, chosen, read, opts.verify, undo, store,
+                                                        prefer_present=True)
+                except AdaCheckError as e:
+                    if not self.memory_tier().across:
+                        raise
+                    # another layout than the holders of the saved regions tell: every node gets a copy of
+                    # every region, and the ranks stage again (nothing was applied)
+                    log.warning("AdaCheck: staging from the memory tier failed (%s); every node gathers the whole "
+                                "checkpoint and tries again", str(e).splitlines()[0])
+                    store, load_dir, tier, chosen = self.memory_tier().choose(comm, *given, chosen, everything=True)
+                    self.last_load, self.last_tier = (store, load_dir), tier
+                    ckpt_dir, manifest, staged = _stage(comm, load_dir, chosen, read, opts.verify, undo, store,
+                                                        prefer_present=True)
         except (FormatError, NotFoundError) as e:
             if isinstance(e, NotFoundError) and (tag is not None or not commit.has_latest(load_dir, store)):
                 raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
@@ -937,7 +974,8 @@ class CheckpointReader:
     """
 
     def __init__(self, ckpt_dir: str, manifest: Optional[Manifest] = None, verify: bool = True,
-                 prefer_rank: Optional[int] = None, cache_bytes: int = 1 << 30, store: Storage = LOCAL):
+                 prefer_rank: Optional[int] = None, cache_bytes: int = 1 << 30, store: Storage = LOCAL,
+                 prefer_present: bool = False):
         self.dir, self.store = ckpt_dir, store
         self.manifest = manifest if manifest is not None else commit.read_manifest(ckpt_dir, store)
         self.verify = verify
@@ -949,6 +987,8 @@ class CheckpointReader:
                           "data unnoticed. Save it again with this version to bind them.",
                           LegacyFormatWarning, stacklevel=2)
         self.prefer_rank = prefer_rank
+        # (a memory-tier checkpoint across nodes: a node's directory holds some copies of each region)
+        self._present: Optional[Dict[str, bool]] = {} if prefer_present else None
         self._files: Dict[str, SafetensorsFile] = {}
         # (file, key, tensor, box) -> verified bytes: one entry serves only the identity it was verified for
         self._cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -1065,12 +1105,19 @@ class CheckpointReader:
             by_region.setdefault(sb.box, []).append(sb)
         out = []
         for region, cands in by_region.items():
+            if self._present is not None:
+                cands = sorted(cands, key=lambda c: not self._here(c.file))
             pick = cands[0]
             if self.prefer_rank is not None:
                 pick = next((c for c in cands if self.prefer_rank in c.holders), pick)
             same = [c for c in cands if c.hash == pick.hash]
             out.append(sorted(same, key=lambda c: (c.file != pick.file, c.file)))
         return out
+
+    def _here(self, fname: str) -> bool:
+        if fname not in self._present:
+            self._present[fname] = self.store.size_if_file(self.path_of(fname)) is not None
+        return self._present[fname]
 
     def _stored_any(self, name: str, copies, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The first stored copy that reads and verifies; the error of each copy otherwise."""
@@ -1165,7 +1212,8 @@ def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[Checkpoi
         comm, load_dir, tag, read, apply, how_to_load, undo)
 
 
-def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, undo=None, store: Storage = LOCAL):
+def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, undo=None, store: Storage = LOCAL,
+           prefer_present: bool = False):
     def open_():
         d = resolve(load_dir, tag, store)
         return d, commit.read_manifest(d, store)
@@ -1175,7 +1223,8 @@ def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, un
     if len(set(tags)) != 1:
         raise ConfigError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
                           "the same shared directory on every rank?")
-    reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store)
+    reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store,
+                              prefer_present=prefer_present)
     staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader), on_failure=undo)
     return ckpt_dir, manifest, staged
 

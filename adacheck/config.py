@@ -135,8 +135,8 @@ class TiersConfig:
     (``memory_dir``, or ``$ADACHECK_MEMORY_DIR``, default /dev/shm/adacheck), keyed by the job
     (``$ADACHECK_JOB``, else torchrun's run id); every ``persist_interval``-th one is copied to the
     checkpoint directory (the durable tier) in the background, and the newest one at a clean exit;
-    ``keep`` newest checkpoints stay in memory.  ``peer`` (a copy in another node's memory) is not
-    built yet."""
+    ``keep`` newest checkpoints stay in memory.  ``peer``: each node's memory files are copied to the
+    memory of the next node too (a job across nodes then survives the loss of one)."""
     memory: bool = False
     peer: bool = False
     persist_interval: int = 1
@@ -154,10 +154,9 @@ class TiersConfig:
                 raise ConfigError(f"adacheck.tiers.{key} must be an integer >= {low} ({what}), got {v!r}")
         if self.memory_dir is not None and (not isinstance(self.memory_dir, str) or not self.memory_dir):
             raise ConfigError(f"adacheck.tiers.memory_dir must be a non-empty path or null, got {self.memory_dir!r}")
-        if self.peer:
-            raise ConfigError("adacheck.tiers.peer: the peer tier (a copy in another node's memory) is not built "
-                              "yet; set it to false (the memory tier works on its own where every rank of the job "
-                              "runs on one node)")
+        if self.peer and not self.memory:
+            raise ConfigError("adacheck.tiers.peer: the peer tier copies the memory tier's files to another node's "
+                              "memory; it needs tiers.memory true as well")
 
     @classmethod
     def from_dict(cls, block) -> "TiersConfig":

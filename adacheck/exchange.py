@@ -9,7 +9,7 @@ that fails therefore never leaves the others waiting in a later collective.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .errors import AdaCheckError, DistributedError, kind_of
 
@@ -46,6 +46,64 @@ class Comm:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return self.all_gather_object(obj)[src]
+
+    def transfer(self, moves: Sequence[Tuple[int, int]], read: Callable[[int], Any],
+                 deliver: Callable[[int, Any], None], sizes: Optional[Sequence[int]] = None,
+                 window_bytes: int = 1 << 30) -> int:
+        """Point-to-point moves, the same list on every rank: move ``i`` = (source, destination)
+        sends ``read(i)`` (bytes, or a uint8 CPU tensor) from the source rank to the destination,
+        which gets ``deliver(i, data)``, a bytes-like object (None: the source could not read it;
+        its error, or one raised by ``deliver``, is raised after every move, so no rank is left
+        waiting).  The moves run in windows, the same on every rank: each holds consecutive moves of
+        at most ``window_bytes`` by their expected ``sizes`` (one move each without them); in a
+        window every rank starts all its sends and receives, then waits for them, so a window is
+        like a collective and cannot deadlock.  Returns the bytes received here."""
+        failed: List[BaseException] = []
+
+        def guarded(fn, *args):
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - raised after the moves (the others go on meanwhile)
+                failed.append(e)
+                return None
+
+        windows, cur, cur_bytes = [], [], 0
+        for i in range(len(moves)):
+            size = sizes[i] if sizes is not None else window_bytes
+            if cur and cur_bytes + size > window_bytes:
+                windows.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(i)
+            cur_bytes += size
+        if cur:
+            windows.append(cur)
+        got = 0
+        for window in windows:
+            outgoing = {}
+            for i in window:
+                src, dst = moves[i]
+                if src == self.rank:
+                    data = guarded(read, i)      # (None: the destination is told, size -1)
+                    if dst == self.rank:
+                        data = data.numpy() if hasattr(data, "numpy") else data     # (a tensor, as received)
+                        guarded(deliver, i, data)
+                        got += 0 if data is None else len(data)
+                    else:
+                        outgoing[i] = data
+            incoming = [i for i in window if moves[i][1] == self.rank and moves[i][0] != self.rank]
+            received = self._exchange_blocks([(moves[i][1], d) for i, d in outgoing.items()],
+                                             [moves[i][0] for i in incoming]) if outgoing or incoming else []
+            for i, data in zip(incoming, received):
+                got += 0 if data is None else len(data)
+                guarded(deliver, i, data)
+        if failed:
+            raise failed[0]
+        return got
+
+    def _exchange_blocks(self, sends, recv_from) -> list:
+        """Send each (rank, data) of ``sends`` and receive one block from each rank of
+        ``recv_from`` (in order), all at once: the received blocks (None: the source had none)."""
+        raise NotImplementedError("a world of one moves nothing between ranks")
 
     def barrier(self) -> None:
         self.all_gather_object(None)
@@ -87,6 +145,28 @@ class TorchComm(Comm):
             reqs.append(self._dist.irecv(into, self._global(frm), group=self.group))
         for q in reqs:
             q.wait()
+
+    def _exchange_blocks(self, sends, recv_from) -> list:
+        import torch
+        d = self._dist
+        # sizes first (-1: nothing follows), then the data; every send and receive started before any wait
+        heads_in = [torch.zeros(1, dtype=torch.int64) for _ in recv_from]
+        reqs = [d.isend(torch.tensor([-1 if data is None else len(data)], dtype=torch.int64), self._global(to),
+                        group=self.group) for to, data in sends]
+        reqs += [d.irecv(h, self._global(frm), group=self.group) for h, frm in zip(heads_in, recv_from)]
+        for q in reqs:
+            q.wait()
+        bufs = [None if int(h) < 0 else torch.empty(int(h), dtype=torch.uint8) for h in heads_in]
+        reqs = []
+        for to, data in sends:
+            if data is not None and len(data):
+                out = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                reqs.append(d.isend(out, self._global(to), group=self.group))
+        reqs += [d.irecv(b, self._global(frm), group=self.group) for b, frm in zip(bufs, recv_from)
+                 if b is not None and b.numel()]
+        for q in reqs:
+            q.wait()
+        return [None if b is None else b.numpy() for b in bufs]      # (bytes-like arrays: no copy)
 
     def all_gather_bytes(self, data: bytes, how: str = "ring") -> List[bytes]:
         import torch

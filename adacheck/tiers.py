@@ -14,10 +14,18 @@ rank 0 writes the manifest once every writer's marker is there and every file ha
 then ``latest``: the durable tier's commit protocol is the save's.  ``keep`` newest checkpoints
 stay in memory (one being copied is kept too).
 
+A job across nodes (the node: ``$ADACHECK_NODE`` or the host name) writes one copy of each box per
+node that holds it, no derived tensors (:class:`NodeSpread`): each node's memory then holds what its
+own ranks hold, and its lowest rank writes the node's manifest and keeps its directory.  With
+``tiers.peer`` each writer's file is also sent, over torch.distributed, to a rank of the next node,
+so the loss of one node (its processes and its memory) loses nothing.
+
 A load picks the newest checkpoint across the tiers (the memory tier on a tie: it is faster), the
-same on every rank, and says which tier it read from.  All ranks of the job must run on one node
-(the memory tier of one node is read by every rank); across nodes the peer tier is needed, which
-is not built yet: such a job gets a ConfigError at its first save.
+same on every rank, and says which tier it read from.  In memory, a checkpoint counts only when the
+nodes' memories hold every stored region between them, each file with its size (:func:`plan_recovery`);
+a node that lacks what its ranks need (a replacement node; another layout: everything) receives it
+from the nodes that hold it before any rank reads, each file checked against the manifest
+(:func:`fetch`, :func:`receive_file`).
 """
 from __future__ import annotations
 
@@ -27,11 +35,15 @@ import os
 import re
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import commit
-from .errors import AdaCheckError, ConfigError
+from .compression import ENCODING_KEY
+from .errors import AdaCheckError, ConfigError, FormatError
+from .exchange import agree
 from .manifest import parse
+from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
 
 log = logging.getLogger("adacheck")
@@ -71,6 +83,244 @@ def memory_location(store: Storage, save_dir: str, memory_dir: Optional[str] = N
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", job)[:100] or "_"
     key = hashlib.sha256(durable_key(store, save_dir).encode()).hexdigest()[:16]
     return os.path.join(memory_root(memory_dir), safe, key)
+
+
+# ---------------------------------------------------------------------- across nodes
+@dataclass(frozen=True)
+class NodeSpread:
+    """How a memory checkpoint of a job across nodes is laid out (the memory Checkpointer's
+    ``Options.spread``): ``nodes[r]`` is the node of rank r.  Every node's memory holds a copy
+    of each box its ranks hold (the save writes one copy per node: ``copies`` = the number of
+    nodes, no derived tensors), so the node's ranks recover from it alone; with ``peer`` each
+    writer's file is also sent to the next node (in sorted order), which then holds what the
+    lost node's ranks need.  The lowest rank of each node writes the node's manifest."""
+    nodes: Tuple[str, ...]
+    peer: bool
+
+    def ranks_on(self, node: str) -> List[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def leads(self, rank: int) -> bool:
+        return self.nodes.index(self.nodes[rank]) == rank
+
+    def next_node(self, node: str) -> str:
+        order = sorted(set(self.nodes))
+        return order[(order.index(node) + 1) % len(order)]
+
+    def peer_moves(self, files: Dict[str, dict]) -> List[Tuple[str, int, int]]:
+        """(file, writer, the rank of the next node that keeps its copy), the same on every rank."""
+        if not self.peer:
+            return []
+        out = []
+        for fname, info in sorted(files.items()):
+            w = int(info["writer"])
+            node = self.nodes[w]
+            there = self.ranks_on(self.next_node(node))
+            if self.nodes[there[0]] != node:
+                out.append((fname, w, there[self.ranks_on(node).index(w) % len(there)]))
+        return out
+
+    def move(self, comm, store: Storage, ckpt_dir: str, files: Dict[str, dict]) -> Tuple[bool, Dict[str, dict]]:
+        """Collective, after every writer's file is committed on its node: the peer copies travel;
+        returns (whether this rank writes its node's manifest, the files its node holds)."""
+        moves = self.peer_moves(files)
+        problems: List[str] = []
+
+        def deliver(i, data):
+            fname = moves[i][0]
+            try:
+                receive_file(ckpt_dir, fname, data, files[fname]["nbytes"], check=None)
+            except AdaCheckError as e:
+                problems.append(str(e))
+
+        comm.transfer([(w, d) for _, w, d in moves], lambda i: _read_file(os.path.join(ckpt_dir, moves[i][0])),
+                      deliver, sizes=[int(files[f]["nbytes"]) for f, _, _ in moves])
+        if problems:
+            raise FormatError("; ".join(problems))
+        mine = self.nodes[comm.rank]
+        here = {f for f, info in files.items() if self.nodes[int(info["writer"])] == mine}
+        here |= {f for f, _, d in moves if self.nodes[d] == mine}
+        return self.leads(comm.rank), {f: files[f] for f in sorted(here)}
+
+
+def _read_file(path: str):
+    """A memory-tier file as a uint8 tensor (for Comm.transfer: read once, sent without a copy)."""
+    import numpy as np
+    import torch
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+
+
+def receive_file(ckpt_dir: str, fname: str, data: Optional[bytes], nbytes: int,
+                 check: Optional[Callable[[str], None]]) -> None:
+    """Write a file another rank sent into the memory directory ``ckpt_dir``, under its name only
+    once it is what the manifest says: ``nbytes`` long and, with ``check``, a shard whose header
+    holds the manifest's dtypes and shapes.  ``fname`` must be a plain name: nothing is written
+    outside ``ckpt_dir``."""
+    if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", "..") or "\\" in fname:
+        raise FormatError(f"a peer sent {fname!r}, which is not a plain file name: refused")
+    if data is None:
+        raise FormatError(f"{fname}: the rank that holds it could not read it")
+    if len(data) != nbytes:
+        raise FormatError(f"{fname}: a peer sent {len(data)} bytes, the manifest says {nbytes}: refused")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, fname)
+    tmp = path + commit.TMP_SUFFIX
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        if check is not None:
+            check(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def shard_check(manifest, fname: str) -> Callable[[str], None]:
+    """A check for :func:`receive_file`: the file's header holds every box the manifest places
+    in ``fname``, with the manifest's dtype and shape (or as encoded bytes, when compressed)."""
+    def check(path: str) -> None:
+        f = SafetensorsFile(path, LOCAL)
+        encoded = f.metadata.get(ENCODING_KEY) is not None
+        for name, e in manifest.tensors.items():
+            for sb in e.boxes:
+                if sb.file != fname:
+                    continue
+                if sb.key not in f.entries:
+                    raise FormatError(f"{fname} from a peer lacks {sb.key!r} ({name}), which the manifest places there")
+                dname, shape = f.entries[sb.key][:2]
+                want = ("uint8", None) if encoded else (e.dtype, tuple(sb.box.lengths))
+                if dname != want[0] or (want[1] is not None and tuple(shape) != want[1]):
+                    raise FormatError(f"{fname} from a peer holds {sb.key!r} ({name}) as {dname}{list(shape)}, the "
+                                      f"manifest says {e.dtype}{list(sb.box.lengths)}: refused")
+    return check
+
+
+def holdings(mem: str) -> Dict[str, dict]:
+    """What this node's memory holds of ``mem``: per checkpoint with a manifest, its step, the
+    manifest's digest, the files present (name -> size) and, per stored region, (its copies'
+    files, the ranks that held it); for :meth:`MemoryTier.choose` across nodes."""
+    out: Dict[str, dict] = {}
+    if not os.path.isdir(mem):
+        return out
+    for tag in sorted(os.listdir(mem)):
+        d = os.path.join(mem, tag)
+        path = os.path.join(d, commit.MANIFEST_NAME)
+        if not os.path.isfile(path):
+            continue
+        try:
+            raw = LOCAL.read_bytes(path)
+            m = parse(raw.decode("utf-8"), where=path)
+        except (AdaCheckError, UnicodeDecodeError, OSError) as e:
+            log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", path, e)
+            continue
+        regions: Dict[tuple, Tuple[set, set]] = {}
+        for name, e in m.tensors.items():
+            for sb in e.boxes:
+                files, holders = regions.setdefault((name, sb.box), (set(), set()))
+                files.add(sb.file)
+                holders.update(sb.holders)
+        present = {f: os.path.getsize(os.path.join(d, f)) for f in m.files if os.path.isfile(os.path.join(d, f))}
+        groups = sorted({(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()})
+        out[tag] = {"step": m.step if m.step is not None else -1, "digest": hashlib.sha256(raw).hexdigest(),
+                    "present": present, "nbytes": {f: int(i["nbytes"]) for f, i in m.files.items()},
+                    "groups": groups, "world": int(m.topology.get("world_size", 0)),
+                    "derived": any(e.derived is not None for e in m.tensors.values())}
+    return out
+
+
+def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: Optional[str],
+                  everything: bool = False) -> Optional[dict]:
+    """Pure, on rank 0: from each node leader's :func:`holdings` (``reports[r]``, None for other
+    ranks) and the node of each rank now, the newest checkpoint (or ``tag``) that the nodes'
+    memories hold complete between them: every stored region has a copy whose file is present,
+    with its size, on some node.  Returns None, or {"tag", "step", "digest", "moves"}: the files
+    (and manifest, as None) each node lacks, [(file or None, from rank, to rank)], so that every
+    node then holds the manifest and a copy of every region its ranks held when saved (every
+    region: with ``everything``, or when the job's world size is not the saving one's)."""
+    leaders = {n: nodes.index(n) for n in nodes}
+    seen: Dict[Tuple[str, str], dict] = {}
+    has: Dict[Tuple[str, str], Dict[str, set]] = {}     # checkpoint -> file -> leaders holding it
+    with_manifest: Dict[Tuple[str, str], List[int]] = {}
+    for r, rep in enumerate(reports):
+        for t, h in (rep or {}).items():
+            key = (t, h["digest"])
+            seen.setdefault(key, h)
+            with_manifest.setdefault(key, []).append(r)
+            for f, size in h["present"].items():
+                if size == h["nbytes"].get(f):
+                    has.setdefault(key, {}).setdefault(f, set()).add(r)
+    best = None
+    for key, h in seen.items():
+        if tag is not None and key[0] != tag:
+            continue
+        held = has.get(key, {})
+        if all(any(f in held for f in files) for files, _ in h["groups"]):
+            if best is None or (h["step"], key) > (seen[best]["step"], best):
+                best = key
+    if best is None:
+        return None
+    h, held = seen[best], has.get(best, {})
+    every = everything or h["world"] != len(nodes) or h["derived"]
+    moves: List[Tuple[Optional[str], int, int]] = []
+    for node in sorted(leaders, key=leaders.get):
+        lead = leaders[node]
+        mine = {r for r, n in enumerate(nodes) if n == node}
+        if lead not in with_manifest[best]:
+            moves.append((None, with_manifest[best][0], lead))
+        local = {f for f, rs in held.items() if lead in rs}
+        for files, holders in h["groups"]:
+            if not every and not mine.intersection(holders):
+                continue
+            if any(f in local for f in files):
+                continue
+            f = next(f for f in files if f in held)
+            moves.append((f, min(held[f]), lead))
+            local.add(f)
+    return {"tag": best[0], "step": h["step"], "digest": best[1], "moves": moves, "nbytes": h["nbytes"]}
+
+
+def fetch(comm, ckpt_dir: str, plan: dict) -> int:
+    """Collective: the moves of :func:`plan_recovery` into each node's ``ckpt_dir``; a received
+    manifest must hash to the agreed digest, a received shard be what that manifest says (see
+    :func:`receive_file`); the manifest is written last.  Returns the bytes received here."""
+    moves, digest = plan["moves"], plan["digest"]
+    state = {"manifest": None, "raw": None}
+    problems: List[str] = []
+
+    def manifest():
+        if state["manifest"] is None:
+            state["manifest"] = parse(LOCAL.read_bytes(os.path.join(ckpt_dir, commit.MANIFEST_NAME)).decode("utf-8"),
+                                      where=ckpt_dir)
+        return state["manifest"]
+
+    def read(i):
+        return _read_file(os.path.join(ckpt_dir, moves[i][0] or commit.MANIFEST_NAME))
+
+    def deliver(i, data):
+        fname = moves[i][0]
+        try:
+            if fname is None:
+                raw = None if data is None else bytes(data)
+                if raw is None or hashlib.sha256(raw).hexdigest() != digest:
+                    raise FormatError(f"the manifest of {plan['tag']} a peer sent is not the one agreed on: refused")
+                state["manifest"], state["raw"] = parse(raw.decode("utf-8"), where=f"{plan['tag']} from a peer"), raw
+                return
+            m = manifest()
+            if fname not in m.files:
+                raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not list: refused")
+            receive_file(ckpt_dir, fname, data, int(m.files[fname]["nbytes"]), check=shard_check(m, fname))
+        except (AdaCheckError, OSError, UnicodeDecodeError) as e:
+            problems.append(str(e))
+
+    got = comm.transfer([(src, dst) for _, src, dst in moves], read, deliver,
+                        sizes=[plan["nbytes"].get(f, 0) if f else 0 for f, _, _ in moves])
+    if problems:
+        raise FormatError("; ".join(problems))
+    if state["raw"] is not None:
+        LOCAL.write_atomic(os.path.join(ckpt_dir, commit.MANIFEST_NAME), state["raw"], fsync=False)
+    return got
 
 
 def _marker(rank: int) -> str:
@@ -166,21 +416,31 @@ class MemoryTier:
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
         self.rank = 0
-        self.one_node = False
+        self.leads = True              # this rank keeps its node's memory directory (its lowest rank)
+        self.nodes: Optional[Tuple[str, ...]] = None
+        self.across = False            # the last load ran on several nodes
 
     # ------------------------------------------------------------------ where
     def location(self, store: Storage, save_dir: str) -> str:
         return memory_location(store, save_dir, self.config.memory_dir)
 
-    def _check_one_node(self, comm) -> None:
-        if self.one_node:
+    def _placement(self, comm) -> None:
+        """At the first save (collective): the node of every rank.  Across nodes, the memory copies
+        are written once per node (each node's ranks recover from their own node's memory) and,
+        with ``peer``, sent to the next node too (see NodeSpread)."""
+        if self.nodes is not None:
             return
-        nodes = sorted(set(comm.all_gather_object(self.node_id())))
-        if len(nodes) > 1:
-            raise ConfigError(f"adacheck.tiers.memory: the ranks of this job run on {len(nodes)} nodes ({', '.join(nodes[:4])}"
-                              f"{', ...' if len(nodes) > 4 else ''}); the memory tier needs them on one node until "
-                              "the peer tier is built: turn tiers.memory off for this job")
-        self.one_node = True
+        self.nodes = tuple(comm.all_gather_object(self.node_id()))
+        count = len(set(self.nodes))
+        spread = NodeSpread(self.nodes, self.config.peer)
+        self.leads = spread.leads(comm.rank)
+        if count > 1:
+            o = self.memory.options
+            self.memory.configure(replace(o, copies=count, derive=False, spread=spread))
+        elif self.config.peer and comm.rank == 0:
+            log.warning("AdaCheck: tiers.peer: every rank of this job runs on one node (%s), so there is no other "
+                        "node to keep a copy; the memory tier works alone (set $ADACHECK_NODE per node if the "
+                        "nodes share a host name)", self.nodes[0])
 
     # ------------------------------------------------------------------ save
     def save(self, comm, store: Storage, save_dir: str, tag: str, collect, update_latest: bool,
@@ -188,11 +448,11 @@ class MemoryTier:
         """Save ``tag`` into the memory tier (``asynchronous``: return after the snapshot, the
         memory copy is written behind training as an async save); every ``persist_interval``-th
         is then copied to the checkpoint directory."""
-        self._check_one_node(comm)
+        self._placement(comm)
         self.rank = comm.rank
         mem = self.location(store, save_dir)
         durable = durable_key(store, save_dir)
-        if comm.rank == 0 and not os.path.exists(os.path.join(mem, SOURCE_NAME)):
+        if self.leads and not os.path.exists(os.path.join(mem, SOURCE_NAME)):
             os.makedirs(mem, exist_ok=True)
             LOCAL.write_atomic(os.path.join(mem, SOURCE_NAME), durable.encode(), fsync=False)
         if self.thread is not None and not self.thread.is_alive():
@@ -220,9 +480,9 @@ class MemoryTier:
 
     def _retain(self, mem: str, protect: tuple) -> None:
         """Rank 0: the newest ``keep`` memory checkpoints stay (and ``protect``, and the one being
-        copied to durable storage); the others' files are deleted.  Only while no memory save is
-        in flight (its files have no manifest yet)."""
-        if self.rank == 0:
+        copied to durable storage); the others' files are deleted (on every node, by its lowest
+        rank).  Only while no memory save is in flight (its files have no manifest yet)."""
+        if self.leads:
             protect = protect + ((self.persisting,) if self.persisting else ())
             commit.apply_retention(mem, self.config.keep, protect=protect, store=LOCAL)
             commit.collect_garbage(mem, store=LOCAL)
@@ -283,18 +543,26 @@ class MemoryTier:
                         "and the checkpoint directory is as it was: %s", tag, e)
 
     # ------------------------------------------------------------------ load
-    def choose(self, comm, store: Storage, load_dir: str, tag: Optional[str]) -> Tuple[Storage, str, str]:
-        """(storage, directory, tier) to load from: the memory tier when it holds ``tag`` (or,
-        without one, a checkpoint at least as new as durable storage's newest), else the
-        checkpoint directory; decided by rank 0 for every rank."""
+    def choose(self, comm, store: Storage, load_dir: str, tag: Optional[str],
+               everything: bool = False) -> Tuple[Storage, str, str, Optional[str]]:
+        """(storage, directory, tier, tag) to load from: the memory tier when the nodes' memories
+        hold ``tag`` complete between them (or, without one, a checkpoint at least as new as
+        durable storage's newest), else the checkpoint directory (tag as given).  Decided by rank
+        0 for every rank; a node that lacks files its ranks need (a node replaced after a loss:
+        the peer copies; another layout: every region, as with ``everything``) gets them from the
+        nodes that hold them first (collective)."""
         self.finish()
         mem = self.location(store, load_dir)
+        nodes = comm.all_gather_object(self.node_id())
+        self.across = len(set(nodes)) > 1
+        leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
+        reports = comm.all_gather_object(holdings(mem) if leads else None)
 
         def decide():
+            plan = plan_recovery(reports, nodes, None if tag is None else str(tag), everything)
+            newest = max(((h["step"], t) for rep in reports for t, h in (rep or {}).items()), default=None)
             if tag is not None:
-                in_memory = commit.has_manifest(os.path.join(mem, str(tag)), LOCAL)
-                return ("memory", None) if in_memory else ("durable", None)
-            m = newest_committed(mem, LOCAL)
+                return ("memory", plan, newest) if plan is not None else ("durable", None, newest)
             latest = commit.latest_or_none(load_dir, store) if store.is_dir(load_dir) else None
             d_step = -1
             if latest is not None:
@@ -303,27 +571,44 @@ class MemoryTier:
                     d_step = step if step is not None else -1
                 except AdaCheckError:
                     d_step = -1
-            if m is not None and m[1] >= d_step:
-                return "memory", m
-            return "durable", m
+            if plan is not None and plan["step"] >= d_step:
+                return "memory", plan, newest
+            return "durable", plan, newest
 
-        where, m = comm.broadcast_object(decide() if comm.rank == 0 else None)
+        where, plan, newest = comm.broadcast_object(decide() if comm.rank == 0 else None)
         if where == "memory":
-            log.info("AdaCheck: loading from the memory tier (%s) instead of %s", mem, load_dir)
-            return LOCAL, mem, "memory"
-        if m is None:
+            if plan["moves"]:
+                t0 = time.perf_counter()
+                try:
+                    got = agree(comm, f"AdaCheck: the memory tier's {plan['tag']} to every node",
+                                lambda: fetch(comm, os.path.join(mem, plan["tag"]), plan))
+                except AdaCheckError as e:
+                    log.warning("AdaCheck: the memory tier's %s could not be gathered from the other nodes (%s); "
+                                "loading from durable storage", plan["tag"], e)
+                    return store, load_dir, "durable", tag
+                if got:
+                    log.info("AdaCheck: rank %d received %.1f MB of %s from other nodes' memory (a node's own memory "
+                             "lacked them) in %.2fs", comm.rank, got / 1e6, plan["tag"], time.perf_counter() - t0)
+            log.info("AdaCheck: loading %s from the memory tier (%s) instead of %s", plan["tag"], mem, load_dir)
+            return LOCAL, mem, "memory", plan["tag"]
+        if newest is None:
             log.warning("AdaCheck: the memory tier holds no checkpoint of %s for this job (%s); loading from "
                         "durable storage", load_dir, mem)
+        elif plan is None:
+            log.warning("AdaCheck: the memory tier holds no complete checkpoint of %s%s (every node's memory "
+                        "together lacks files of its newest, %s, step %s: a node and its peer copy were lost); "
+                        "loading from durable storage", load_dir, "" if tag is None else f" named {tag}", newest[1],
+                        newest[0])
         else:
-            log.warning("AdaCheck: the memory tier's newest checkpoint of %s (%s, step %s) is older than durable "
-                        "storage's; loading from durable storage", load_dir, m[0], m[1])
-        return store, load_dir, "durable"
+            log.warning("AdaCheck: the memory tier's newest complete checkpoint of %s (%s, step %s) is older than "
+                        "durable storage's; loading from durable storage", load_dir, plan["tag"], plan["step"])
+        return store, load_dir, "durable", tag
 
     # ------------------------------------------------------------------ exit
     def close(self) -> None:
         """At a clean exit: the copy in flight finishes, the newest memory checkpoint of each
-        checkpoint directory is persisted if it was not, then (rank 0, once committed) the job's
-        memory files of that directory go.  No collective (see persist_checkpoint)."""
+        checkpoint directory is persisted if it was not, then (once committed) the job's memory
+        files of that directory go, on every node.  No collective (see persist_checkpoint)."""
         try:
             self.finish()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting
@@ -340,7 +625,13 @@ class MemoryTier:
                     log.warning("AdaCheck: at exit, %s could not be persisted to %s; it stays in the memory tier (%s): %s",
                                 tag, save_dir, mem, e)
                     done = False
-            if done and self.rank == 0:
+            if done and self.leads and self.rank != 0:
+                # (another node's memory: it goes once rank 0 has committed the copy in durable storage)
+                deadline, dst = time.monotonic() + 120.0, store.join(save_dir, tag)
+                while not commit.has_manifest(dst, store) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                done = commit.has_manifest(dst, store)
+            if done and self.leads:
                 LOCAL.remove_tree(mem)
                 parent = os.path.dirname(mem)
                 try:

@@ -215,7 +215,7 @@ class AdaCheckDeepSpeed:
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
         self.finish()     # an asynchronous save in flight commits first
-        if tag is None and not self.checkpointer.has_checkpoint(load_dir):
+        if tag is None and not self.checkpointer.has_checkpoint(load_dir, default_comm()):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
             return None, None
         native = _native_checkpoint(load_dir, tag)

@@ -245,7 +245,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         if tag is not None:
             raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
         tag, until = base_for_step(where, int(iteration), store), int(iteration)
-    if tag is None and not job.has_checkpoint(load_dir):
+    if tag is None and not job.has_checkpoint(load_dir, parallel.comm()):
         # (complete checkpoints without a 'latest': the load names them, see checkpoint.resolve)
         log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
         return (0, 0, {}) if return_extra_state else (0, 0)

@@ -26,6 +26,7 @@
   --adacheck-online-queue-depth N
   --adacheck-online-on-error {disable,raise}
   --adacheck-tiers-memory         tiers.memory (every save to node-local memory first)
+  --[no-]adacheck-tiers-peer      tiers.peer (each node's memory files copied to the next node's memory)
   --adacheck-tiers-persist-interval N  tiers.persist_interval (every N-th save copied to --adacheck-dir)
   --adacheck-tiers-keep N         tiers.keep (newest checkpoints kept in memory)
   --adacheck-tiers-memory-dir DIR tiers.memory_dir (default $ADACHECK_MEMORY_DIR or /dev/shm/adacheck)

@@ -16,8 +16,17 @@ per ZeRO stage x dtype; in the same run, alternating, ``--repeat`` times (the fa
                  directory (the same checkpoint; hashes verified in both)
   memory         bytes the memory tier holds for the job after ``--saves`` saves (``keep`` newest)
 
+With ``--nodes K`` the ranks are spread over K simulated nodes (``$ADACHECK_NODE`` and a memory
+directory per node) and the tiered saves also send each node's files to the next node
+(``"peer": true``); then also:
+
+  peer bytes     bytes each checkpoint sends to peers (all ranks together)
+  recovery peer  seconds of ``load_checkpoint`` from the memory tier when the last node's memory
+                 lost that checkpoint (a replacement node): its ranks' files come from the peer
+
     .venv/bin/python scripts/bench_tiers.py
     .venv/bin/python scripts/bench_tiers.py --stages 1 --dtypes bf16 --memory-dir /dev/shm/x
+    .venv/bin/python scripts/bench_tiers.py --nodes 2 --json bench_tiers_peer.json
 
 Printed as a table and written as JSON (``--json``).  ``--memory-dir`` defaults to /dev/shm.
 """
@@ -43,12 +52,18 @@ def worker(a) -> None:
 
     import adacheck_ds
     from adacheck.config import AdaCheckConfig
+    from adacheck import commit
     from adacheck.storage import LOCAL
-    from adacheck.tiers import memory_location
+    from adacheck.tiers import NodeSpread, memory_location
 
     init_distributed(deepspeed)
     dist = torch.distributed
     rank = dist.get_rank()
+    node = rank * a.nodes // dist.get_world_size()
+    if a.nodes > 1:         # (a simulated node: its name and its own memory directory)
+        os.environ["ADACHECK_NODE"] = f"node{node}"
+        os.environ["ADACHECK_MEMORY_DIR"] = os.path.join(a.memory_dir, f"node{node}")
+    peer = a.nodes > 1
 
     def timed(fn) -> float:
         dist.barrier()
@@ -74,9 +89,10 @@ def worker(a) -> None:
             block = {"enabled": True, "reference_previous": False}
             durable = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(block))
             tiered = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(
-                block, tiers={"memory": True, "persist_interval": 10 ** 6, "keep": 2})))
+                block, tiers={"memory": True, "peer": peer, "persist_interval": 10 ** 6, "keep": 2})))
             tiered_async = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(
-                block, tiers={"memory": True, "persist_interval": 10 ** 6, "keep": 2}, **{"async": True})))
+                block, tiers={"memory": True, "peer": peer, "persist_interval": 10 ** 6, "keep": 2},
+                **{"async": True})))
             ck_tier = f"{work}/tiered"
             t = {"native": [], "durable": [], "memory": [], "memory_async": []}
             for i in range(a.repeat):
@@ -106,6 +122,17 @@ def worker(a) -> None:
                 load["memory"].append(timed(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
                 # (the same checkpoint, read from the checkpoint directory by a job without tiers)
                 load["durable"].append(timed(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+            peer_bytes, load_peer = 0, []
+            if peer:
+                mem = memory_location(LOCAL, ck_tier)
+                files = commit.read_manifest(os.path.join(mem, tag)).files
+                peer_bytes = sum(files[f]["nbytes"] for f, _, _ in NodeSpread(tier.nodes, True).peer_moves(files))
+                last = min(r for r, n in enumerate(tier.nodes) if n == tier.nodes[-1])
+                for i in range(a.repeat):
+                    dist.barrier()
+                    if rank == last:        # (the last node lost this checkpoint: a replacement node)
+                        shutil.rmtree(os.path.join(mem, tag))
+                    load_peer.append(timed(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
             for i in range(a.saves):
                 tiered.save_checkpoint(ck_tier, tag=f"m{i}")
             mem_bytes = du(memory_location(LOCAL, ck_tier)) if rank == 0 else 0
@@ -117,7 +144,8 @@ def worker(a) -> None:
                        "step_quiet_s": sorted(quiet)[len(quiet) // 2],
                        "step_persisting_s": sorted(busy)[len(busy) // 2] if busy else None, "persisting_steps": len(busy),
                        "load_memory_s": min(load["memory"]), "load_durable_s": min(load["durable"]),
-                       "memory_bytes": mem_bytes, "saves": a.saves}
+                       "memory_bytes": mem_bytes, "saves": a.saves, "nodes": a.nodes, "peer_bytes": peer_bytes,
+                       "load_peer_s": min(load_peer) if load_peer else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             tier.newest.clear()        # (nothing to persist at exit: the benchmark's copies are removed)
@@ -126,6 +154,7 @@ def worker(a) -> None:
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
+            if rank == 0 or (peer and tier.leads):
                 shutil.rmtree(os.path.dirname(memory_location(LOCAL, ck_tier)), ignore_errors=True)
             engine.destroy()
     finish_worker(rows, a.rows)
@@ -134,15 +163,17 @@ def worker(a) -> None:
 def table(rows) -> str:
     head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall durable s | stall memory s | stall memory async s "
             "| memory async/native | persist s | step s quiet | step s persisting (steps) | load memory s | load durable s "
-            "| memory MB |")
-    out = [head, "|" + "---:|" * 15]
+            "| memory MB | nodes | peer MB | load peer s |")
+    out = [head, "|" + "---:|" * 18]
     for r in rows:
         busy = f"{r['step_persisting_s']:.3f} ({r['persisting_steps']})" if r["step_persisting_s"] else "-"
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['unique_bytes'] / 1e6:.0f} | "
                    f"{r['stall_native_s']:.3f} | {r['stall_durable_s']:.3f} | {r['stall_memory_s']:.3f} | "
                    f"{r['stall_memory_async_s']:.3f} | {r['stall_memory_async_s'] / r['stall_native_s']:.2f} | "
                    f"{r['persist_s']:.3f} | {r['step_quiet_s']:.3f} | "
-                   f"{busy} | {r['load_memory_s']:.3f} | {r['load_durable_s']:.3f} | {r['memory_bytes'] / 1e6:.0f} |")
+                   f"{busy} | {r['load_memory_s']:.3f} | {r['load_durable_s']:.3f} | {r['memory_bytes'] / 1e6:.0f} | "
+                   f"{r['nodes']} | {r['peer_bytes'] / 1e6:.0f} | "
+                   + (f"{r['load_peer_s']:.3f} |" if r["load_peer_s"] is not None else "- |"))
     return "\n".join(out)
 
 
@@ -157,6 +188,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6, help="quiet steps timed")
     ap.add_argument("--saves", type=int, default=5, help="memory-tier saves before its size is read")
+    ap.add_argument("--nodes", type=int, default=1, help="simulated nodes (> 1: the peer tier is on)")
     ap.add_argument("--memory-dir", default="/dev/shm/adacheck-bench", help="the memory tier's directory")
     ap.add_argument("--work", default=None, help="where the checkpoint directories go (default: a temp dir)")
     ap.add_argument("--json", default="bench_tiers.json")
@@ -171,14 +203,16 @@ def main() -> None:
     os.environ.setdefault("ADACHECK_JOB", f"bench-tiers-{os.getpid()}")
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800,
                        ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
-                        "--steps", str(a.steps), "--saves", str(a.saves), "--stages", *map(str, a.stages),
+                        "--steps", str(a.steps), "--saves", str(a.saves), "--nodes", str(a.nodes),
+                        "--memory-dir", a.memory_dir, "--stages", *map(str, a.stages),
                         "--dtypes", *a.dtypes])
     import deepspeed
     import torch
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
-                   "repeat": a.repeat, "memory_dir": a.memory_dir, "device": a.device}, f, indent=1)
+                   "repeat": a.repeat, "memory_dir": a.memory_dir, "device": a.device, "nodes": a.nodes}, f,
+                  indent=1)
     print(table(rows))
     print(f"\nJSON in {a.json}")
 

@@ -27,9 +27,10 @@ def free_port() -> int:
 
 
 def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: float = 60,
-           on_started=None, script: str = "ds_worker.py", device: str = "cpu"):
+           on_started=None, script: str = "ds_worker.py", device: str = "cpu", rank_env=None):
     """Run the worker on ``world`` ranks; returns [(returncode, output)] per rank.  ``device``
-    "cuda": DeepSpeed's CUDA accelerator, NCCL, one GPU per rank (ds_worker.py)."""
+    "cuda": DeepSpeed's CUDA accelerator, NCCL, one GPU per rank (ds_worker.py).  ``rank_env(r)``:
+    more environment for rank r (e.g. a simulated node: $ADACHECK_NODE, $ADACHECK_MEMORY_DIR)."""
     os.makedirs(out_dir, exist_ok=True)
     spec_path = os.path.join(out_dir, f"spec-{time.monotonic_ns()}.json")
     with open(spec_path, "w") as f:
@@ -41,6 +42,7 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DS_ACCELERATOR=device, ADACHECK_TEST_DEVICE=device, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep +
                    os.environ.get("PYTHONPATH", ""))
+        env.update(rank_env(rank) if rank_env is not None else {})
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
         procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), spec_path, out_dir],
                                       env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))

@@ -108,25 +108,148 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
 
 
 def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkeypatch):
-    """TP=2 megatron-core (scripts/pretrain_gpt.py's flags, --adacheck-tiers-memory, nothing copied
-    to the checkpoint directory yet): the job is killed after iteration 5; a new job (other
-    weights) loads iteration 3 from memory, and after 2 more iterations every rank's weights, main
-    weights and optimizer state equal the killed job's at iteration 5 (read from megatron-core's
-    objects)."""
+    """TP=2 megatron-core (scripts/pretrain_gpt.py's flags, --adacheck-tiers-memory and -peer,
+    nothing copied to the checkpoint directory yet), one rank on each of two simulated nodes: the
+    job is killed after iteration 5 and node b's memory is lost; a new job (other weights, rank 1
+    on a replacement node c) loads iteration 3 from memory (rank 1's part from node a's peer
+    copy), and after 2 more iterations every rank's weights, main weights and optimizer state
+    equal the killed job's at iteration 5 (read from megatron-core's objects)."""
+    import shutil
     from test_megatron import assert_same_dumps
+    d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "megatron-tiers")
-    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
-    ck = str(tmp_path / "ck")
+    ck = f"{d}/ck"
+
+    def on(nodes):
+        return lambda r: {"ADACHECK_NODE": nodes[r], "ADACHECK_MEMORY_DIR": f"{d}/shm-{nodes[r]}"}
+
     argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck",
-            "--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "10"]
+            "--adacheck-tiers-memory", "--adacheck-tiers-peer", "--adacheck-tiers-persist-interval", "10"]
     out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 3], ["save", ck], ["train", 2], ["dump", "a"],
                                                           ["die"]]}]},
-                 str(tmp_path), script="megatron_worker.py")
+                 d, script="megatron_worker.py", rank_env=on("ab"))
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
-    assert tags(ck) == [] and tags(memory_location(LOCAL, ck)) == ["iter_0000003"]
+    for node in "ab":
+        monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-{node}")
+        assert tags(ck) == [] and tags(memory_location(LOCAL, ck)) == ["iter_0000003"]
+    shutil.rmtree(f"{d}/shm-b")
     out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["train", 2], ["dump", "b"]]}]},
-                 str(tmp_path), script="megatron_worker.py")
+                 d, script="megatron_worker.py", rank_env=on("ac"))
     check(out)
     assert "loaded AdaCheck checkpoint iteration 3 from the memory tier" in out[0][1], out[0][1][-3000:]
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-c")       # (node c received rank 1's part)
+    assert tags(memory_location(LOCAL, ck)) == ["iter_0000003"]
     assert results(str(tmp_path))[0]["loaded"] == [3]
     assert_same_dumps(str(tmp_path), "a", "b", 2)
+
+
+def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path, monkeypatch):
+    """Four ranks (ZeRO-2 bf16 DP=4) on two simulated nodes (a: ranks 0-1, b: ranks 2-3, each node
+    its own memory directory), tiers memory + peer, asynchronous, every 4th save persisted.  The job is killed
+    after step 5.  Node b is lost (its memory deleted): the job restarted with a replacement node
+    c recovers step 5 exactly from node a's memory (its own files and its peer copy of b's); with
+    b's peer copy lost too it falls back to durable step 4 and says so; another layout (DP=2, one
+    rank per node) recovers step 5 from the nodes' memories as well.  The oracle is DeepSpeed's
+    own state at each step (ds_worker's dumps)."""
+    import shutil
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-2")
+    ck = f"{d}/ck"
+
+    def mem_of(node):
+        monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-{node}")
+        return memory_location(LOCAL, ck)
+
+    def on(nodes):
+        return lambda r: {"ADACHECK_NODE": nodes[r], "ADACHECK_MEMORY_DIR": f"{d}/shm-{nodes[r]}"}
+
+    # (asynchronous: writer processes write the memory copies and send the peer copies)
+    tiered = {"enabled": True, "async": True, "tiers": {"memory": True, "peer": True, "persist_interval": 4}}
+    actions = []
+    for step in range(1, 6):
+        actions += [["train", 1]] + ([["dump", f"A{step}"]] if step in (4, 5) else []) + [["save", ck]]
+    out = launch(4, {"runs": [{"stage": 2, "dtype": "bf16", "adacheck": tiered,
+                               "actions": actions + [["finish"], ["die"]]}]}, f"{d}/a", rank_env=on("aabb"))
+    assert [rc for rc, _ in out] == [-9] * 4, out[0][1][-3000:]
+    assert tags(ck) == ["global_step4"]
+    mem_a, mem_b = mem_of("a"), mem_of("b")
+    assert tags(mem_a) == tags(mem_b) == ["global_step4", "global_step5"]
+    m = commit.read_manifest(f"{mem_a}/global_step5")
+    files = {f: int(i["writer"]) for f, i in m.files.items()}
+    assert sorted(set(files.values())) == [0, 1, 2, 3], files     # (each node writes what its ranks hold)
+    for mem in (mem_a, mem_b):       # (and holds the other node's files too: its peer copy)
+        assert all(os.path.getsize(f"{mem}/global_step5/{f}") == m.files[f]["nbytes"] for f in files)
+    # the memory copies of the durable checkpoint went there with it (each writer's own)
+    assert sorted(os.listdir(f"{ck}/global_step4")) == sorted(os.listdir(f"{mem_a}/global_step4"))
+
+    # node b is lost, and node a's peer copy of its files too: nothing in memory is complete
+    keep_a = f"{d}/keep-a"
+    shutil.copytree(f"{d}/shm-a", keep_a)
+    shutil.rmtree(f"{d}/shm-b")
+    for f, w in files.items():
+        if w >= 2:
+            os.remove(f"{mem_a}/global_step5/{f}")
+            os.remove(f"{mem_a}/global_step4/{f}")
+    run = [{"stage": 2, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck], ["dump", "B"]]}]
+    out = launch(4, {"runs": run}, f"{d}/b", rank_env=on("aacc"))
+    check(out)
+    assert "the memory tier holds no complete checkpoint" in out[0][1], out[0][1][-3000:]
+    a4, keys = state(f"{d}/a", "A4")
+    assert_same(a4, dump(f"{d}/b", "B"), keys)
+
+    # with node a's memory as it was (its peer copy of b's files), the replacement node c gets them
+    shutil.rmtree(f"{d}/shm-a")
+    shutil.copytree(keep_a, f"{d}/shm-a")
+    out = launch(4, {"runs": run}, f"{d}/c", rank_env=on("aacc"))
+    check(out)
+    assert "loaded global_step5 (step 5) from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert "from other nodes' memory" in out[2][1], out[2][1][-3000:]
+    a5, keys = state(f"{d}/a", "A5")
+    assert_same(a5, dump(f"{d}/c", "B"), keys)
+    mem_c = mem_of("c")
+    assert all(w < 2 for f, w in files.items() if not os.path.exists(f"{mem_c}/global_step5/{f}"))
+
+    # another layout: DP=2, one rank on each node, from the nodes' memories
+    out = launch(2, {"runs": [dict(run[0], stage=1)]}, f"{d}/e", rank_env=on("ac"))
+    check(out)
+    assert "loaded global_step5 (step 5) from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert_same(a5, dump(f"{d}/e", "B"), keys)
+
+
+def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
+    """The peer receive path: a name that leaves the directory, a size or a header that is not
+    what the manifest says is refused, and nothing is left under the file's name."""
+    import hashlib as _h
+    import torch
+    from adacheck.exchange import SoloComm
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState
+    from adacheck.errors import FormatError
+    from adacheck.tiers import fetch, receive_file, shard_check
+    from adacheck.types import Box
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    m = Checkpointer().save(SoloComm(), src, "t1", lambda: LocalState(
+        shards=[LocalShard("w", "master", tuple(t.shape), Box.full(t.shape), t)]))
+    (fname, info), = m.files.items()
+    data = open(f"{src}/t1/{fname}", "rb").read()
+    for bad in ("../evil.safetensors", "/tmp/evil.safetensors", "a/b.safetensors", ".."):
+        with pytest.raises(FormatError, match="not a plain file name"):
+            receive_file(dst, bad, data, len(data), check=None)
+    assert not os.path.exists(str(tmp_path / "evil.safetensors"))
+    with pytest.raises(FormatError, match="the manifest says"):
+        receive_file(dst, fname, data[:-1], info["nbytes"], check=None)
+    # a shard whose header holds the manifest's key with another shape
+    from safetensors.torch import save as st_save
+    key = m.tensors["w"].boxes[0].key
+    wrong = st_save({key: torch.zeros(4, 3)}, metadata={"format": "pt"})
+    with pytest.raises(FormatError, match=r"float32\[4, 3\].*the manifest says float32\[3, 4\]"):
+        receive_file(dst, fname, wrong, len(wrong), check=shard_check(m, fname))
+    assert not os.listdir(dst)
+    receive_file(dst, fname, data, len(data), check=shard_check(m, fname))
+    assert open(f"{dst}/{fname}", "rb").read() == data
+    # a manifest that is not the agreed one is refused before anything is written
+    raw = open(f"{src}/t1/manifest.json", "rb").read()
+    plan = {"tag": "t1", "digest": _h.sha256(raw + b" ").hexdigest(), "moves": [(None, 0, 0), (fname, 0, 0)],
+            "nbytes": {}}
+    with pytest.raises(FormatError, match="not the one agreed on"):
+        fetch(SoloComm(), f"{src}/t1", plan)
