@@ -112,7 +112,13 @@ def worker(a) -> None:
             t0 = time.perf_counter()
             tier.start_persist(key)
             busy = []
-            while tier.thread is not None and tier.thread.is_alive() and len(busy) < 200:
+
+            def copying() -> bool:      # (on any rank: every rank steps as long as one still copies)
+                alive = torch.tensor([float(tier.thread is not None and tier.thread.is_alive())])
+                dist.all_reduce(alive, op=dist.ReduceOp.MAX)
+                return bool(alive.item())
+
+            while copying() and len(busy) < 200:
                 busy.append(timed(step))
             tier.finish()
             persist = slowest(time.perf_counter() - t0)
