@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from typing import Optional
@@ -10,7 +11,7 @@ import torch
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck import jsontree, lifecycle, recovery
+from adacheck import commit, jsontree, lifecycle, recovery
 from adacheck.commit import latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
@@ -21,6 +22,44 @@ from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
 
 log = logging.getLogger("adacheck")
+
+POINTER_NAME = "adacheck.json"
+
+
+def _same_dir(a, b) -> bool:
+    if is_url(str(a)) or is_url(str(b)):
+        return str(a).rstrip("/") == str(b).rstrip("/")
+    return os.path.realpath(str(a)) == os.path.realpath(str(b))
+
+
+def _write_pointer(given, tag: str, save_dir, step: int) -> None:
+    """With ``adacheck.save_dir`` set, a save called with another directory (a Hugging Face
+    Trainer's ``checkpoint-N``) leaves ``<given>/<tag>/adacheck.json`` naming where the checkpoint
+    is: the caller finds the tag directory it expects, and a load of ``given`` loads that one."""
+    if is_url(str(given)):
+        return
+    d = os.path.join(str(given), tag)
+    os.makedirs(d, exist_ok=True)
+    commit.atomic_write_text(os.path.join(d, POINTER_NAME), json.dumps(
+        {"adacheck_save_dir": os.path.abspath(str(save_dir)) if not is_url(str(save_dir)) else str(save_dir),
+         "tag": tag, "step": int(step)}) + "\n")
+
+
+def _read_pointer(load_dir, tag) -> Optional[dict]:
+    """The pointer a save left in ``load_dir`` (``tag``'s, or the one of the highest step), or None."""
+    if is_url(str(load_dir)) or not os.path.isdir(str(load_dir)):
+        return None
+    found = []
+    for name in sorted(os.listdir(str(load_dir))):
+        path = os.path.join(str(load_dir), name, POINTER_NAME)
+        if (tag is None or name == str(tag)) and os.path.isfile(path):
+            try:
+                p = json.load(open(path))
+                found.append({"save_dir": p["adacheck_save_dir"], "tag": str(p["tag"]), "step": int(p["step"])})
+            except (ValueError, KeyError, TypeError) as e:
+                raise adacheck.FormatError(f"{path}: not an AdaCheck pointer ({e}); it names the checkpoint of "
+                                           "this directory in adacheck.save_dir: restore it or load that directory") from None
+    return max(found, key=lambda p: p["step"]) if found else None
 
 # ZeRO's loss scaler (DynamicLossScaler / LossScaler) and the fp16 optimizers' LossScaleConfig
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
@@ -129,10 +168,12 @@ class AdaCheckDeepSpeed:
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
         e = self.engine
-        save_dir = self.config.save_dir or save_dir
+        given, save_dir = save_dir, self.config.save_dir or save_dir
         if not save_dir:
             raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
+        if given and not _same_dir(given, save_dir) and default_comm().rank == 0:
+            _write_pointer(given, tag, save_dir, e.global_steps)
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
         with checkpoint_event(e.optimizer):     # (an async save's snapshot is taken inside)
             if self.config.async_save and self.online is None:
@@ -210,8 +251,24 @@ class AdaCheckDeepSpeed:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        pointer = _read_pointer(load_dir, tag) if load_dir and self.config.save_dir else None
+        if pointer is not None:
+            # (a directory the caller names, e.g. a Hugging Face Trainer's checkpoint-N, whose save went to
+            # adacheck.save_dir: exactly the step it was saved at, with no online deltas after it)
+            log.info("AdaCheck: %s names %s of %s: loading step %s, the step it was saved at", load_dir,
+                     pointer["tag"], pointer["save_dir"], pointer["step"])
+            until, self.replay_until = self.replay_until, pointer["step"]
+            try:
+                return self._load(pointer["save_dir"], pointer["tag"], load_module_strict, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only, custom_load_fn)
+            finally:
+                self.replay_until = until
+        return self._load(self.config.save_dir or load_dir, tag, load_module_strict, load_optimizer_states,
+                          load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+              load_module_only, custom_load_fn):
         e = self.engine
-        load_dir = self.config.save_dir or load_dir
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
         self.finish()     # an asynchronous save in flight commits first
