@@ -427,10 +427,12 @@ class Checkpointer:
             return found
         return any(comm.all_gather_object(found))
 
-    def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool):
+    def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool,
+                     persist: Optional[bool] = None):
         lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
         store, path = self.locate(save_dir)
-        return self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous)
+        return self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous,
+                                       persist=persist)
 
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
@@ -473,15 +475,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-             update_latest: bool = True, recorder=None) -> Manifest:
+             update_latest: bool = True, recorder=None, persist: Optional[bool] = None) -> Manifest:
         """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest (its
         ``stats`` also hold, in memory only, the exchange's cost and each step's seconds).
         ``recorder``: the job's :class:`~adacheck.online.OnlineRecorder`, if it records: its
         chain is made complete up to this step first, and a checkpoint committed into its
-        directory is the base the deltas of the next steps belong to."""
+        directory is the base the deltas of the next steps belong to.  ``persist`` (with the
+        memory tier): copy this one to ``save_dir`` now (True), never (False: a non-persistent
+        checkpoint), or every ``persist_interval``-th (None)."""
         lifecycle.register()
         if self.options.tiers is not None:
-            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False)
+            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False, persist=persist)
+        if persist is False:
+            raise ConfigError("a non-persistent checkpoint goes to the memory tier, which is off: turn on "
+                              "adacheck.tiers.memory (Megatron: --adacheck-tiers-memory)")
         self.finish()
         if recorder is not None:
             recorder.flush()
@@ -494,7 +501,7 @@ class Checkpointer:
         return manifest
 
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-                   update_latest: bool = True) -> PendingSave:
+                   update_latest: bool = True, persist: Optional[bool] = None) -> PendingSave:
         """Collectively snapshot this rank's state into reusable host buffers and return: hashing,
         the exchange, planning, writing and the commit (manifest, then ``latest``) run in the
         background, on a gloo group of their own: in a thread of this process, or in this rank's
@@ -502,7 +509,10 @@ class Checkpointer:
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
         waits for it; both raise or warn about a failure (``options.on_error``)."""
         if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
-            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True)
+            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True, persist=persist)
+        if persist is False:
+            raise ConfigError("a non-persistent checkpoint goes to the memory tier, which is off: turn on "
+                              "adacheck.tiers.memory (Megatron: --adacheck-tiers-memory)")
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
         if self.options.writer == "process" and self._no_writer is None:

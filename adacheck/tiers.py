@@ -444,10 +444,12 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ save
     def save(self, comm, store: Storage, save_dir: str, tag: str, collect, update_latest: bool,
-             asynchronous: bool = False):
+             asynchronous: bool = False, persist: Optional[bool] = None):
         """Save ``tag`` into the memory tier (``asynchronous``: return after the snapshot, the
-        memory copy is written behind training as an async save); every ``persist_interval``-th
-        is then copied to the checkpoint directory."""
+        memory copy is written behind training as an async save); it is then copied to the
+        checkpoint directory when ``persist`` is True, never when it is False (a non-persistent
+        checkpoint; the newest is still copied at a clean exit), and with None when it is the
+        ``persist_interval``-th since the last copy."""
         self._placement(comm)
         self.rank = comm.rank
         mem = self.location(store, save_dir)
@@ -474,7 +476,8 @@ class MemoryTier:
             held = held_in(mem)
             log.info("AdaCheck: the memory tier holds %d checkpoint(s) of %s, %.1f MB (keep: %d)", held[0], save_dir,
                      held[1] / 1e6, self.config.keep)
-        if n % self.config.persist_interval == 0:
+        if persist or (persist is None and n % self.config.persist_interval == 0):
+            self.saves[durable] = 0
             self.start_persist(durable)
         return manifest
 

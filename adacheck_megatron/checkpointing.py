@@ -105,10 +105,15 @@ def _config(args, config: Optional[AdaCheckConfig]) -> AdaCheckConfig:
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
                     *, args: Optional[argparse.Namespace] = None, config: Optional[AdaCheckConfig] = None,
-                    extra_state: Optional[dict] = None) -> Optional[core.Manifest]:
+                    extra_state: Optional[dict] = None, non_persistent_ckpt: bool = False) -> Optional[core.Manifest]:
     """Collectively save an AdaCheck checkpoint of iteration ``iteration``; returns its manifest
     (None for an asynchronous save, ``--async-save``: it commits in the background; the
     optimizer's steps report it, the next save or load and the exit wait for it).
+
+    With the memory tier and Megatron-LM's ``--non-persistent-save-interval``: a
+    ``non_persistent_ckpt`` goes to the memory tier only, every other save to the memory tier
+    and, at once, to the checkpoint directory (``--adacheck-tiers-persist-interval`` then
+    does not apply); without that flag, every ``persist_interval``-th is copied there.
 
     ``extra_state``: more JSON-able values / tensors to keep (rank 0's copy), returned by
     load_checkpoint(..., return_extra_state=True).
@@ -157,16 +162,23 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             layout=topo, framework=framework, step=int(iteration))
 
     job, tag = checkpointer(optimizer, cfg), f"iter_{int(iteration):07d}"
+    persist = None
+    if non_persistent_ckpt or (cfg.tiers.memory and getattr(args, "non_persistent_save_interval", None)):
+        if not cfg.tiers.memory:
+            raise ConfigError("a non-persistent checkpoint with --adacheck goes to AdaCheck's memory tier: add "
+                              "--adacheck-tiers-memory")
+        persist = not non_persistent_ckpt
     if cfg.async_save and on is None and optimizer is not None:
         # (with online deltas the bases stay synchronous: the next steps' deltas need them committed)
         wrap_optimizer_step(optimizer)
         add_post_step_hook(poll_async_save)
-        job.save_async(comm, save_dir, tag, collect)
+        job.save_async(comm, save_dir, tag, collect, persist=persist)
         if comm.rank == 0:
             log.info("AdaCheck: iteration %d snapshotted in %.2fs; %s commits in the background", iteration,
                      time.perf_counter() - t0, tag)
         return None
-    manifest = job.save(comm, save_dir, tag, collect, recorder=on.recorder if on is not None else None)
+    manifest = job.save(comm, save_dir, tag, collect, recorder=on.recorder if on is not None else None,
+                        persist=persist)
     if on is not None and on.recorder.base_tag == manifest.tag:
         on.iteration = int(iteration)    # (the new base of its chain)
     if comm.rank == 0:

@@ -61,9 +61,10 @@ SAMPLE_COUNTERS = ("consumed_train_samples", "skipped_train_samples", "consumed_
 EXTRA_KEY = "megatron_lm_args"
 
 # Megatron-LM options whose checkpoints AdaCheck does not write (dest, flag).
-UNSUPPORTED = (("non_persistent_save_interval", "--non-persistent-save-interval"),
-               ("use_torch_fsdp2", "--use-torch-fsdp2"),
+UNSUPPORTED = (("use_torch_fsdp2", "--use-torch-fsdp2"),
                ("use_megatron_fsdp", "--use-megatron-fsdp"))
+# Megatron-LM's non-persistent checkpoints: with --adacheck they go to AdaCheck's memory tier
+NON_PERSISTENT = ("non_persistent_save_interval", "--non-persistent-save-interval")
 
 _INSTALLED = "_adacheck_installed"
 
@@ -100,6 +101,10 @@ def check_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentParse
     for dest, flag in UNSUPPORTED:
         if getattr(args, dest, None):
             _fail(parser, f"{flag} is not supported with --adacheck")
+    if getattr(args, NON_PERSISTENT[0], None) and not cfg.tiers.memory:
+        _fail(parser, f"{NON_PERSISTENT[1]} with --adacheck needs --adacheck-tiers-memory: AdaCheck keeps the "
+                      "non-persistent checkpoints in its memory tier (and the persistent ones there and in "
+                      "--adacheck-dir)")
     if cfg.online.enabled and getattr(args, "use_precision_aware_optimizer", False):
         # (Transformer Engine's FusedAdam reads param.decoupled_grad, which the deltas do not record)
         _fail(parser, "--use-precision-aware-optimizer (and --optimizer-cpu-offload, which needs it) is not "
@@ -126,13 +131,15 @@ def _print_rank0(message: str) -> None:
 # ----------------------------------------------------------------------------- save / load
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                    num_floating_point_operations_so_far=0, checkpointing_context=None, *, args):
+                    num_floating_point_operations_so_far=0, checkpointing_context=None, *, args,
+                    non_persistent_ckpt=False):
     """Megatron-LM's ``save_checkpoint`` with ``--adacheck``: an AdaCheck checkpoint of
-    iteration ``iteration`` (with the sample counters); returns None like Megatron-LM's."""
+    iteration ``iteration`` (with the sample counters); a non-persistent one goes to the memory
+    tier only.  Returns None like Megatron-LM's."""
     from .checkpointing import save_checkpoint as adacheck_save
     adacheck_save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                   checkpointing_context, args=args, config=_config(args),
-                  extra_state=_extra_state(args, iteration))
+                  extra_state=_extra_state(args, iteration), non_persistent_ckpt=bool(non_persistent_ckpt))
     return None
 
 
@@ -301,11 +308,12 @@ def _delegating(original, delegate):
 
 def adacheck_save_checkpoint(original):
     """Megatron-LM's ``save_checkpoint``, delegating to :func:`save_checkpoint` with --adacheck
-    (non-persistent checkpoints stay Megatron-LM's, and so does the save of a
-    ``--ckpt-convert-format`` run: AdaCheck -> native, online deltas replayed by the load)."""
-    return _delegating(original, lambda named, first, args: _NATIVE if (
-        named.get("non_persistent_ckpt", False) or getattr(args, "ckpt_convert_format", None))
-        else save_checkpoint(*first, args=args))
+    (a non-persistent checkpoint goes to the memory tier only; the save of a
+    ``--ckpt-convert-format`` run stays Megatron-LM's: AdaCheck -> native, online deltas replayed
+    by the load)."""
+    return _delegating(original, lambda named, first, args: _NATIVE if getattr(args, "ckpt_convert_format", None)
+                       else save_checkpoint(*first, args=args,
+                                            non_persistent_ckpt=bool(named.get("non_persistent_ckpt", False))))
 
 
 def adacheck_load_checkpoint(original):

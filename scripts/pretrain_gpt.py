@@ -140,6 +140,10 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="as Megatron-LM: a non-persistent checkpoint every N iterations (with --adacheck: into "
+                        "the memory tier only, needs --adacheck-tiers-memory; --save-interval's go there and to "
+                        "the checkpoint directory at once)")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop after an iteration that is a multiple of this (saving first)")
     g.add_argument("--async-save", action="store_true",
@@ -162,6 +166,12 @@ def parse_args(extra_args_provider: Optional[Callable] = None, argv=None) -> arg
         args.adacheck_config = config_from_args(args)
     except ConfigError as e:
         p.error(str(e))
+    if args.non_persistent_save_interval is not None:
+        if args.non_persistent_save_interval < 1:
+            p.error("--non-persistent-save-interval must be >= 1")
+        if not (args.adacheck and args.adacheck_config.tiers.memory):
+            p.error("--non-persistent-save-interval: this script keeps non-persistent checkpoints only in "
+                    "AdaCheck's memory tier: add --adacheck --adacheck-tiers-memory")
     if args.fp16 and args.bf16:
         p.error("--fp16 and --bf16 exclude each other: choose one")
     if args.grad_reduce_in_bf16 and not args.bf16:
@@ -494,16 +504,17 @@ def _sharded_state_dict(model, optimizer, args, is_loading: bool, with_optim: bo
     return state
 
 
-def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, args) -> None:
-    """AdaCheck with --adacheck; else the native baseline: megatron-core dist_checkpointing,
-    torch_dist format, fully parallel."""
+def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler, args, non_persistent: bool = False) -> None:
+    """AdaCheck with --adacheck (``non_persistent``: into the memory tier only); else the native
+    baseline: megatron-core dist_checkpointing, torch_dist format, fully parallel."""
     if args.overlap_param_gather:   # as Megatron-LM before a save: the last step's weights everywhere
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
     if args.adacheck:
         t0 = time.perf_counter()
         m = adacheck_megatron.save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                                              args=args, config=args.adacheck_config)
+                                              args=args, config=args.adacheck_config,
+                                              non_persistent_ckpt=non_persistent)
         if m is None:    # --async-save: snapshotted; it commits in the background
             if torch.distributed.get_rank() == 0:
                 print(f"AdaCheck checkpoint iteration {iteration}: snapshot in {time.perf_counter() - t0:.2f}s, "
@@ -713,6 +724,8 @@ def main(extra_args_provider: Optional[Callable] = None, argv=None) -> None:
                   f"{'' if ok else ' (skipped)'}", flush=True)
         if saving and args.save_interval and iteration % args.save_interval == 0:
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args)
+        elif saving and args.non_persistent_save_interval and iteration % args.non_persistent_save_interval == 0:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args, non_persistent=True)
         if args.exit_interval and iteration % args.exit_interval == 0:
             if torch.distributed.get_rank() == 0:
                 print(f"exiting at iteration {iteration} (--exit-interval)", flush=True)

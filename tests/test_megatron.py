@@ -233,11 +233,11 @@ def losses(text):
 
 
 def test_pretrain_script_flags_end_to_end(tmp_path, monkeypatch):
-    """scripts/pretrain_gpt.py --adacheck: a job that stops at iteration 2 (saving every iteration
-    into the memory tier, --adacheck-tiers-memory: none copied to --adacheck-dir before it ends,
-    the newest at its clean exit) and a new job that resumes from there by itself log the same
-    losses as one uninterrupted job (saving into --adacheck-dir directly); bad flags are clear
-    errors."""
+    """scripts/pretrain_gpt.py --adacheck: a job that stops at iteration 3 (saving every iteration
+    into the memory tier, --adacheck-tiers-memory; Megatron-LM's --non-persistent-save-interval 1
+    with --save-interval 2: only iteration 2 is copied to --adacheck-dir before it ends, the
+    newest at its clean exit) and a new job that resumes from there by itself log the same losses
+    as one uninterrupted job (saving into --adacheck-dir directly); bad flags are clear errors."""
     monkeypatch.setenv("ADACHECK_JOB", "pretrain-flags")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
 
@@ -252,20 +252,25 @@ def test_pretrain_script_flags_end_to_end(tmp_path, monkeypatch):
     with open(tmp_path / "a" / "latest") as f:
         assert f.read().strip() == "iter_0000004"
     tiers = ["--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "5"]
-    first = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b"), "--exit-interval", "2",
-                             "--save-interval", "1"] + tiers)
-    assert "exiting at iteration 2" in first
+    # Megatron-LM's --non-persistent-save-interval: iterations 1 and 3 go to the memory tier only,
+    # iteration 2 (--save-interval) to memory and the checkpoint directory at once; the newest
+    # (3) is persisted at the clean exit
+    first = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b"), "--exit-interval", "3",
+                             "--save-interval", "2", "--non-persistent-save-interval", "1"] + tiers)
+    assert "exiting at iteration 3" in first
     with open(tmp_path / "b" / "latest") as f:
-        assert f.read().strip() == "iter_0000002"        # (persisted at the clean exit)
-    assert sorted(os.listdir(tmp_path / "b")) == ["iter_0000002", "latest"]
+        assert f.read().strip() == "iter_0000003"        # (persisted at the clean exit)
+    assert sorted(os.listdir(tmp_path / "b")) == ["iter_0000002", "iter_0000003", "latest"]
     assert not os.listdir(tmp_path / "shm")               # (the job's memory files went at its exit)
     second = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b")] + tiers)
-    assert "loaded AdaCheck checkpoint iteration 2" in second
+    assert "loaded AdaCheck checkpoint iteration 3" in second
     assert losses(first) + losses(second) == losses(whole)
     assert len(losses(whole)) == 4
     bad = torchrun(1, SCRIPT[2:] + ["--adacheck", "--adacheck-keep-last", "-1"], str(tmp_path), timeout=120)
     assert bad.returncode != 0
     assert "--adacheck-keep-last must be >= 0" in bad.stderr
+    bad = torchrun(1, SCRIPT[2:] + ["--adacheck", "--non-persistent-save-interval", "1"], str(tmp_path), timeout=120)
+    assert bad.returncode != 0 and "add --adacheck --adacheck-tiers-memory" in bad.stderr, bad.stderr[-2000:]
     orphan = torchrun(1, SCRIPT[2:] + ["--adacheck-exchange", "ring"], str(tmp_path), timeout=120)
     assert orphan.returncode != 0 and "without --adacheck" in orphan.stderr
 

@@ -15,7 +15,7 @@ import pytest
 
 from launch import ROOT
 
-from adacheck_megatron.launch import UNSUPPORTED, add_args, check_args
+from adacheck_megatron.launch import NON_PERSISTENT, UNSUPPORTED, add_args, check_args
 
 
 def run_launcher(*argv, cwd, timeout=120):
@@ -69,7 +69,7 @@ def megatron_like_parser():
     p = argparse.ArgumentParser(prog="pretrain_gpt.py")
     p.add_argument("--save")
     p.add_argument("--load")
-    for dest, flag in UNSUPPORTED:
+    for dest, flag in UNSUPPORTED + (NON_PERSISTENT,):
         p.add_argument(flag, dest=dest, nargs="?", const=True, default=None)
     p.add_argument("--use-precision-aware-optimizer", action="store_true")
     return p
@@ -96,13 +96,17 @@ def test_check_args():
     # only the online deltas refuse it (they record param.grad)
     a = parse("--adacheck", "--adacheck-dir", "/ck", "--use-precision-aware-optimizer")
     assert a.adacheck_config.enabled and not a.adacheck_config.online.enabled
+    # Megatron-LM's non-persistent checkpoints: into the memory tier
+    a = parse("--adacheck", "--adacheck-dir", "/ck", "--adacheck-tiers-memory", "--non-persistent-save-interval", "2")
+    assert a.adacheck_config.tiers.memory
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--adacheck-keep-last", "2"], "--adacheck-keep-last given without --adacheck"),
     (["--adacheck", "--adacheck-redundancy-factor", "0"], "--adacheck-redundancy-factor must be >= 1"),
     (["--adacheck", "--non-persistent-save-interval", "5"],
-     "--non-persistent-save-interval is not supported with --adacheck"),
+     "--non-persistent-save-interval with --adacheck needs --adacheck-tiers-memory"),
+    (["--adacheck", "--use-torch-fsdp2"], "--use-torch-fsdp2 is not supported with --adacheck"),
     (["--adacheck", "--adacheck-dir", "/ck", "--adacheck-online", "--use-precision-aware-optimizer"],
      "--use-precision-aware-optimizer (and --optimizer-cpu-offload, which needs it) is not supported with "
      "--adacheck-online"),
