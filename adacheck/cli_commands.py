@@ -518,23 +518,37 @@ def cmd_convert(args, rest) -> int:
         return _convert_help(conv)
     for k, v in vars(own.parse_args(rest)).items():
         setattr(args, k, v)
-    show = sys.stderr.isatty() and not args.json
+    # (a progress bar on a terminal; ADACHECK_PROGRESS=1 shows it anywhere, 0 nowhere)
+    show = os.environ.get("ADACHECK_PROGRESS", "1" if sys.stderr.isatty() else "0") == "1" and not args.json
+    bars = []
 
     def progress(done, total):
-        if show:
-            frac = done / total if total else 1.0
-            sys.stderr.write(f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
-                             f"{done}/{total}" if args.to != "weights" else
-                             f"\rconvert [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
-                             f"{human(done)}/{human(total)}")
+        """``done`` of ``total`` (bytes for --to weights, else the phases of each run of ranks)."""
+        if not show:
+            return
+        try:
+            from tqdm import tqdm      # (DeepSpeed's dependency; the core runs without it, with no bar)
+        except ImportError:
+            return
+        if not bars or bars[-1].total != total or done < bars[-1].n:
+            if bars:
+                bars[-1].close()
+            weights = args.to == "weights"
+            bars.append(tqdm(total=total, desc="convert", file=sys.stderr, unit="B" if weights else " phases",
+                             unit_scale=weights, dynamic_ncols=True))
+        bars[-1].update(done - bars[-1].n)
+
+    def end_progress():
+        for b in bars:
+            b.close()
     if how in ("read", "materialise"):
         try:
             out, what = getattr(conv, how)(args.src, args.out, args, progress)
         except NotImplementedError:
             raise ConfigError(f"the {conv.name} converter cannot {'read its format' if how == 'read' else 'replay deltas'}"
                               " (adacheck convert --help lists what each format does)") from None
-        if show:
-            sys.stderr.write("\n")
+        finally:
+            end_progress()
         print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
         return 0
     store, src = located(args, args.src)
@@ -555,17 +569,19 @@ def cmd_convert(args, rest) -> int:
                              "training script with --adacheck --load SRC --adacheck-convert-save NEW "
                              "[--ckpt-step N] (or Megatron-LM's --ckpt-convert-format torch_dist).\n")
     if how == "write":
-        out, what = conv.write(d, args.out, args, progress)
-        if show:
-            sys.stderr.write("\n")
+        try:
+            out, what = conv.write(d, args.out, args, progress)
+        finally:
+            end_progress()
         print(json.dumps({"source": d, "out": out}) if args.json else f"wrote {what} to {out}")
         return 0
     if rest:
         raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
-    res = export_weights(d, args.out, dtype=args.dtype or "model", max_shard_bytes=args.max_shard_size,
-                         overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
-    if show:
-        sys.stderr.write("\n")
+    try:
+        res = export_weights(d, args.out, dtype=args.dtype or "model", max_shard_bytes=args.max_shard_size,
+                             overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
+    finally:
+        end_progress()
     if args.json:
         print(json.dumps(dict(res, source=d, out=os.path.abspath(args.out)), indent=1))
     else:

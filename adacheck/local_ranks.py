@@ -23,12 +23,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PHASE = "adacheck-progress:"
+
+
+def phase(done: int, total: int, what: str = "") -> None:
+    """In a rank's process (rank 0's counts): ``done`` of ``total`` phases of its work are done;
+    :func:`run` passes it on to its ``progress``."""
+    print(f"{PHASE} {done}/{total} {what}", flush=True)
+
+
+def _phases(text: str):
+    for line in text.splitlines():
+        if line.startswith(PHASE):
+            try:
+                done, total = line[len(PHASE):].split()[0].split("/")
+                yield int(done), int(total)
+            except ValueError:
+                continue
+
+
 def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] = None,
-        grace: float = 60.0, what: str = "conversion") -> None:
+        grace: float = 60.0, what: str = "conversion",
+        progress: Optional[Callable[[int, int], None]] = None) -> None:
     """Run ``python -m module argv`` on ``world`` local ranks and wait for all of them.  When a
     rank fails, the others get ``grace`` seconds (they may be waiting on it) before they are
     killed; the error names the rank that failed first and its last error line, and keeps every
-    rank's log.  ``env``: added to this process's environment."""
+    rank's log.  ``env``: added to this process's environment.  ``progress(done, total)``: called
+    with each :func:`phase` rank 0 reports, as it reports it."""
     port = free_port()
     logs_dir = tempfile.mkdtemp(prefix=f"adacheck-{what}-logs-")
     base = dict(os.environ, **(env or {}))
@@ -41,7 +62,22 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
                                       stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
     first_exit, first_failed = None, None
+    seen = 0        # (bytes of rank 0's log read for its phases)
+
+    def report():
+        nonlocal seen
+        if progress is None:
+            return
+        with open(os.path.join(logs_dir, "rank0.log"), "rb") as f:
+            f.seek(seen)
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]     # (whole lines only)
+        seen += len(complete)
+        for done, total in _phases(complete.decode("utf-8", errors="replace")):
+            progress(done, total)
+
     while any(p.poll() is None for p in procs):
+        report()
         failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
         if failed and first_exit is None:
             first_exit, first_failed = time.monotonic(), failed[0]
@@ -50,6 +86,7 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.2)
+    report()
     bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
     tails = {}
     for r, log in enumerate(logs):

@@ -26,15 +26,15 @@ class NativeDeepSpeed(Converter):
         native.add_arguments(parser)
 
     def write(self, ckpt_dir, out, options, progress):
-        return self._run("to-native", options.src, out, options)
+        return self._run("to-native", options.src, out, options, progress)
 
     def read(self, src, out, options, progress):
-        return self._run("from-native", src, out, options)
+        return self._run("from-native", src, out, options, progress)
 
     def materialise(self, src, out, options, progress):
-        return self._run("materialise", src, out, options)
+        return self._run("materialise", src, out, options, progress)
 
-    def _run(self, direction: str, src: str, out: str, options):
+    def _run(self, direction: str, src: str, out: str, options, progress=None):
         if (options.zero_stage is not None or options.dp is not None or options.tp is not None) \
                 and direction != "to-native":
             raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with "
@@ -49,7 +49,8 @@ class NativeDeepSpeed(Converter):
             sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
         written = native.convert(direction, src, out, dp=options.dp, zero_stage=options.zero_stage,
                                  tag=options.tag, ds_config=options.ds_config, optimizer=options.optimizer,
-                                 verify=not options.no_verify, step=options.step, tp=options.tp)
+                                 verify=not options.no_verify, step=options.step, tp=options.tp,
+                                 progress=progress)
         what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
                 "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
         return written, what

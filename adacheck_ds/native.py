@@ -361,6 +361,10 @@ def run_rank(a) -> None:
     import adacheck_ds
     logging.getLogger("adacheck").setLevel(logging.INFO)
     rank, world = _init_distributed()
+
+    def done(k: int, what: str) -> None:      # (rank 0 reports 4 phases: built, loaded, saved, published)
+        if rank == 0:
+            local_ranks.phase(k, 4, what)
     ds_config = _read_json(a.ds_config) if a.ds_config else None
     tmp = a.tmp
     try:
@@ -372,11 +376,14 @@ def run_rank(a) -> None:
                                   f"DeepSpeed loads it only into as many, not {world} (run {spec.world} ranks)")
             refuse_existing(os.path.join(a.out, os.path.basename(src)), barrier=torch.distributed.barrier)
             engine = build_engine(spec, spec.stage, spec.tp)
+            done(1, "engine built")
             _, client_state = adacheck_ds.load_native(engine, os.path.dirname(src), tag=os.path.basename(src))
+            done(2, "native checkpoint loaded")
             # DeepSpeed returns some of its own metadata among the client state; it is not the user's
             client_state = {k: v for k, v in (client_state or {}).items() if k not in _DS_METADATA}
             ac = adacheck_ds.attach(engine, {"enabled": True, "fsync": True})
             ac.save_checkpoint(a.out, tag=os.path.basename(src), client_state=client_state)
+            done(4, "AdaCheck checkpoint saved")
             return
         src = resolve(a.src, a.tag)
         spec, m = spec_from_adacheck(src, ds_config)
@@ -396,19 +403,24 @@ def run_rank(a) -> None:
         out_tag = a.out_tag or out_tag
         refuse_existing(os.path.join(a.out, out_tag), barrier=torch.distributed.barrier)
         engine = build_engine(spec, stage, tp)
+        done(1, "engine built")
         ac = adacheck_ds.attach(engine, {"enabled": True, "verify_on_load": not a.no_verify})
         ac.replay_until = last
         # AdaCheck's load: resharded to this layout, committed deltas replayed
         _, client_state = ac.load_checkpoint(os.path.dirname(src), tag=os.path.basename(src))
         if engine.global_steps != last:
             raise StateError(f"loading {src} reached step {engine.global_steps}, not step {last}")
+        done(2, "AdaCheck checkpoint loaded" + (f", {pending} online steps replayed" if pending else ""))
         if a.direction == "materialise":
             ac.save_checkpoint(a.out, tag=out_tag, client_state=client_state or {})
+            done(4, "AdaCheck checkpoint saved")
             return
         adacheck_ds.save_native(engine, tmp, tag=out_tag, client_state=client_state or {})
+        done(3, "native checkpoint written")
         torch.distributed.barrier()
         if rank == 0:
             _publish_native(tmp, a.out, out_tag)
+            done(4, "published")
     except BaseException:
         if rank == 0 and tmp and a.direction == "to-native":
             shutil.rmtree(tmp, ignore_errors=True)
@@ -431,20 +443,22 @@ def _read_json(path: str) -> dict:
         raise ConfigError(f"cannot read the DeepSpeed config {path}: {e}") from None
 
 
-def spawn(world: int, argv: List[str]) -> None:
-    """Run ``python -m adacheck_ds.native ARGV`` on ``world`` local ranks; raise if any fails."""
+def spawn(world: int, argv: List[str], progress=None) -> None:
+    """Run ``python -m adacheck_ds.native ARGV`` on ``world`` local ranks; raise if any fails.
+    ``progress(done, total)``: rank 0's phases (see run_rank), as they happen."""
     env = {}
     if "DS_ACCELERATOR" not in os.environ:
         import torch
         if not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
-    local_ranks.run("adacheck_ds.native", world, argv, env=env)
+    local_ranks.run("adacheck_ds.native", world, argv, env=env, progress=progress)
 
 
 def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_stage: Optional[int] = None,
             tag: Optional[str] = None, ds_config: Optional[str] = None, optimizer: Optional[str] = None,
-            verify: bool = True, step: Optional[int] = None, tp: Optional[int] = None) -> str:
-    """Convert on this machine (ranks started here); returns the written checkpoint directory."""
+            verify: bool = True, step: Optional[int] = None, tp: Optional[int] = None, progress=None) -> str:
+    """Convert on this machine (ranks started here); returns the written checkpoint directory.
+    ``progress(done, total)``: the phases of each run of ranks, as rank 0 reports them."""
     if direction not in DIRECTIONS:
         raise ConfigError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
     opts = ["--ds-config", ds_config] if ds_config else []
@@ -456,7 +470,7 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
         spec = spec_from_native(src_dir, _read_json(ds_config) if ds_config else None, optimizer)
         final = os.path.join(out, os.path.basename(src_dir))
         refuse_existing(final)
-        spawn(spec.world, ["from-native", src, out, *base])
+        spawn(spec.world, ["from-native", src, out, *base], progress)
         return final
     if step is not None and tag is None and not os.path.isfile(os.path.join(src, commit.MANIFEST_NAME)):
         tag = deltas.base_for_step(src, step)
@@ -473,18 +487,18 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     final = os.path.join(out, out_tag)
     refuse_existing(final)
     if direction == "materialise":
-        spawn(spec.world, ["materialise", src_dir, out, *base])
+        spawn(spec.world, ["materialise", src_dir, out, *base], progress)
         return final
     os.makedirs(out, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".adacheck-convert-", dir=out)
     try:
         if pending and (dp, stage, tp) != (spec.dp, spec.stage, spec.tp):
             # the deltas replay only in the saving layout: materialise there first
-            spawn(spec.world, ["materialise", src_dir, os.path.join(work, "base"), *base])
+            spawn(spec.world, ["materialise", src_dir, os.path.join(work, "base"), *base], progress)
             src_dir = os.path.join(work, "base", out_tag)
             base = list(opts)
         spawn(dp * tp, ["to-native", src_dir, out, "--zero-stage", str(stage), "--tp", str(tp),
-                        "--tmp", os.path.join(work, "native"), "--out-tag", out_tag, *base])
+                        "--tmp", os.path.join(work, "native"), "--out-tag", out_tag, *base], progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final

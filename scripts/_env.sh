@@ -16,9 +16,9 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
 fi
 EXTRA="${1:-}"
 STAMP=".venv/.adacheck-installed${EXTRA:+-$EXTRA}"
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ]; then
   echo "[adacheck] installing adacheck${EXTRA:+[$EXTRA]} into .venv"
-  "$VPY" -m pip install -q --disable-pip-version-check -e ".${EXTRA:+[$EXTRA]}"
+  "$VPY" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".${EXTRA:+[$EXTRA]}"
   touch "$STAMP"
 fi
 export DS_ACCELERATOR=cpu

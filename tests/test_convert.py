@@ -70,7 +70,7 @@ def test_deepspeed_universal_loads_with_stock_deepspeed(tmp_path):
         assert torch.equal(after[k], resumed[k]), k
 
 
-def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
+def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, capsys):
     """adacheck convert --to deepspeed / --from deepspeed / --to adacheck: DeepSpeed itself writes
     and reads the native files in the target layout.  Stock engine.load_checkpoint of the
     converted files gives every logical tensor of the saved state (ZeRO-2 -> 2 and -> 3 at DP=4,
@@ -97,8 +97,13 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path):
             (["on", "onm", "--to", "adacheck"]),                                      # deltas -> one base
             (["on", "on3", "--to", "adacheck", "--step", "3"]),                       # or a chosen step
             (["on", "onn", "--to", "deepspeed", "--zero-stage", "3", "--dp", "4"])]  # via the saving layout
+    monkeypatch.setenv("ADACHECK_PROGRESS", "1")      # (the progress bar, also without a terminal)
     for args in conv:
         assert cli(["convert", f"{d}/{args[0]}", f"{d}/{args[1]}", *args[2:]]) == 0, args
+        err = capsys.readouterr().err       # each run of DeepSpeed ranks reports its 4 phases as they end
+        runs = 2 if args[1] == "onn" else 1     # (deltas into another layout: materialised first)
+        assert err.count("convert:   0%") == runs and err.count(" 4/4 ") >= runs, (args, err[-2000:])
+    monkeypatch.delenv("ADACHECK_PROGRESS")
     assert open(f"{d}/nat2/latest").read() == "global_step3"
     assert sorted(os.listdir(f"{d}/onm")) == ["global_step5", "latest"]
     # never overwrites, and bad requests are refused before anything is written
