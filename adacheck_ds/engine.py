@@ -45,6 +45,23 @@ def _write_pointer(given, tag: str, save_dir, step: int) -> None:
          "tag": tag, "step": int(step)}) + "\n")
 
 
+def _newer_than(pointer: dict) -> Optional[str]:
+    """What ``adacheck.save_dir`` holds past the pointer's step (a newer ``latest``, or online
+    deltas after it), in words, or None."""
+    from adacheck import deltas
+    d = pointer["save_dir"]
+    if is_url(d):
+        return None
+    latest = latest_or_none(d) if os.path.isdir(d) else None
+    if latest is not None and latest != pointer["tag"]:
+        return f"its latest is {latest}"
+    try:
+        steps = [s for s in deltas.step_dirs(os.path.join(d, pointer["tag"])) if s > pointer["step"]]
+    except OSError:
+        steps = []
+    return f"online deltas up to step {steps[-1]}" if steps else None
+
+
 def _read_pointer(load_dir, tag) -> Optional[dict]:
     """The pointer a save left in ``load_dir`` (``tag``'s, or the one of the highest step), or None."""
     if is_url(str(load_dir)) or not os.path.isdir(str(load_dir)):
@@ -257,6 +274,12 @@ class AdaCheckDeepSpeed:
             # adacheck.save_dir: exactly the step it was saved at, with no online deltas after it)
             log.info("AdaCheck: %s names %s of %s: loading step %s, the step it was saved at", load_dir,
                      pointer["tag"], pointer["save_dir"], pointer["step"])
+            newer = _newer_than(pointer)
+            if newer and default_comm().rank == 0:
+                log.warning("AdaCheck: %s holds state newer than step %s (%s), which this load does not take: "
+                            "load %s itself for the newest state (a Hugging Face Trainer resumes at the step of its "
+                            "checkpoint-N, so there the older step is the right one)", pointer["save_dir"],
+                            pointer["step"], newer, pointer["save_dir"])
             until, self.replay_until = self.replay_until, pointer["step"]
             try:
                 return self._load(pointer["save_dir"], pointer["tag"], load_module_strict, load_optimizer_states,

@@ -47,5 +47,6 @@ def test_trainer_saves_adacheck_checkpoints_and_resumes_exactly(tmp_path, stage)
     out = launch(2, dict(spec, resume=f"{d}/out3/checkpoint-3"), f"{d}/r", script="hf_worker.py")
     check(out)
     assert "names global_step3 of" in out[0][1] and "loading step 3" in out[0][1], out[0][1][-3000:]
+    assert "holds state newer than step 3 (online deltas up to step" in out[0][1]     # (said, not silent)
     resumed = losses(f"{d}/r")
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == full[s] for s in (4, 5, 6)), (full, resumed)
