@@ -486,9 +486,7 @@ class Checkpointer:
         lifecycle.register()
         if self.options.tiers is not None:
             return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False, persist=persist)
-        if persist is False:
-            raise ConfigError("a non-persistent checkpoint goes to the memory tier, which is off: turn on "
-                              "adacheck.tiers.memory (Megatron: --adacheck-tiers-memory)")
+        _refuse_non_persistent(persist)
         self.finish()
         if recorder is not None:
             recorder.flush()
@@ -510,9 +508,7 @@ class Checkpointer:
         waits for it; both raise or warn about a failure (``options.on_error``)."""
         if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
             return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True, persist=persist)
-        if persist is False:
-            raise ConfigError("a non-persistent checkpoint goes to the memory tier, which is off: turn on "
-                              "adacheck.tiers.memory (Megatron: --adacheck-tiers-memory)")
+        _refuse_non_persistent(persist)
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
         if self.options.writer == "process" and self._no_writer is None:
@@ -770,11 +766,11 @@ class Checkpointer:
             rank_objects=tuple(g["rank_objects"] for g in gathered),
             layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
 
-        leads, here, spread = comm.rank == 0, files, self.options.spread
+        here, spread, leads = files, self.options.spread, self._leads(comm)
         if spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
-            leads, here = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (copies to other nodes)",
-                                lambda: spread.move(comm, prepared.store, prepared.ckpt_dir, files),
-                                on_failure=lambda: self._remove_mine(prepared, written.my_file))
+            here = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (copies to other nodes)",
+                         lambda: spread.move(comm, prepared.ckpt_dir, files),
+                         on_failure=lambda: self._remove_mine(prepared, written.my_file))
 
         def run():
             if leads:
@@ -785,11 +781,16 @@ class Checkpointer:
               on_failure=lambda: self._remove_mine(prepared, written.my_file))
         return manifest
 
+    def _leads(self, comm: Comm) -> bool:
+        """Whether this rank writes the manifest, ``latest`` and retention: rank 0, or in a memory-tier
+        save across nodes the lowest rank of each node (each node's directory is its own)."""
+        return comm.rank == 0 if self.options.spread is None else self.options.spread.leads(comm.rank)
+
     def publish(self, comm: Comm, prepared: Prepared, update_latest: bool = True) -> None:
         """Step 6: ``latest`` (after the manifest), retention and garbage collection, by rank 0."""
         store, save_dir, keep_last = prepared.store, prepared.save_dir, self.options.keep_last
 
-        leads = comm.rank == 0 if self.options.spread is None else self.options.spread.leads(comm.rank)
+        leads = self._leads(comm)
 
         def run():
             if leads:
@@ -869,6 +870,13 @@ class Checkpointer:
             log.info("AdaCheck: rank %d loaded %s (step %s) from the %s tier in %.2fs", comm.rank, manifest.tag,
                      manifest.step, tier, time.perf_counter() - t0)
         return ckpt_dir, manifest, result
+
+
+def _refuse_non_persistent(persist: Optional[bool]) -> None:
+    """A save that asks never to be persisted (``persist=False``) without the memory tier."""
+    if persist is False:
+        raise ConfigError("a non-persistent checkpoint goes to the memory tier, which is off: turn on "
+                          "adacheck.tiers.memory (Megatron: --adacheck-tiers-memory)")
 
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],

@@ -120,27 +120,19 @@ class NodeSpread:
                 out.append((fname, w, there[self.ranks_on(node).index(w) % len(there)]))
         return out
 
-    def move(self, comm, store: Storage, ckpt_dir: str, files: Dict[str, dict]) -> Tuple[bool, Dict[str, dict]]:
-        """Collective, after every writer's file is committed on its node: the peer copies travel;
-        returns (whether this rank writes its node's manifest, the files its node holds)."""
+    def move(self, comm, ckpt_dir: str, files: Dict[str, dict]) -> Dict[str, dict]:
+        """Collective, after every writer's file is committed on its node (in the memory
+        directory ``ckpt_dir``): the peer copies travel (a failure is raised once every move is
+        done, see Comm.transfer); returns the files this rank's node holds."""
         moves = self.peer_moves(files)
-        problems: List[str] = []
-
-        def deliver(i, data):
-            fname = moves[i][0]
-            try:
-                receive_file(ckpt_dir, fname, data, files[fname]["nbytes"], check=None)
-            except AdaCheckError as e:
-                problems.append(str(e))
-
         comm.transfer([(w, d) for _, w, d in moves], lambda i: _read_file(os.path.join(ckpt_dir, moves[i][0])),
-                      deliver, sizes=[int(files[f]["nbytes"]) for f, _, _ in moves])
-        if problems:
-            raise FormatError("; ".join(problems))
+                      lambda i, data: receive_file(ckpt_dir, moves[i][0], data, files[moves[i][0]]["nbytes"],
+                                                   check=None),
+                      sizes=[int(files[f]["nbytes"]) for f, _, _ in moves])
         mine = self.nodes[comm.rank]
         here = {f for f, info in files.items() if self.nodes[int(info["writer"])] == mine}
         here |= {f for f, _, d in moves if self.nodes[d] == mine}
-        return self.leads(comm.rank), {f: files[f] for f in sorted(here)}
+        return {f: files[f] for f in sorted(here)}
 
 
 def _read_file(path: str):
@@ -284,10 +276,10 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
 def fetch(comm, ckpt_dir: str, plan: dict) -> int:
     """Collective: the moves of :func:`plan_recovery` into each node's ``ckpt_dir``; a received
     manifest must hash to the agreed digest, a received shard be what that manifest says (see
-    :func:`receive_file`); the manifest is written last.  Returns the bytes received here."""
+    :func:`receive_file`); the manifest is written last.  A failure is raised once every move is
+    done (Comm.transfer), and then no manifest is written.  Returns the bytes received here."""
     moves, digest = plan["moves"], plan["digest"]
     state = {"manifest": None, "raw": None}
-    problems: List[str] = []
 
     def manifest():
         if state["manifest"] is None:
@@ -300,24 +292,19 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
 
     def deliver(i, data):
         fname = moves[i][0]
-        try:
-            if fname is None:
-                raw = None if data is None else bytes(data)
-                if raw is None or hashlib.sha256(raw).hexdigest() != digest:
-                    raise FormatError(f"the manifest of {plan['tag']} a peer sent is not the one agreed on: refused")
-                state["manifest"], state["raw"] = parse(raw.decode("utf-8"), where=f"{plan['tag']} from a peer"), raw
-                return
-            m = manifest()
-            if fname not in m.files:
-                raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not list: refused")
-            receive_file(ckpt_dir, fname, data, int(m.files[fname]["nbytes"]), check=shard_check(m, fname))
-        except (AdaCheckError, OSError, UnicodeDecodeError) as e:
-            problems.append(str(e))
+        if fname is None:
+            raw = None if data is None else bytes(data)
+            if raw is None or hashlib.sha256(raw).hexdigest() != digest:
+                raise FormatError(f"the manifest of {plan['tag']} a peer sent is not the one agreed on: refused")
+            state["manifest"], state["raw"] = parse(raw.decode("utf-8"), where=f"{plan['tag']} from a peer"), raw
+            return
+        m = manifest()
+        if fname not in m.files:
+            raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not list: refused")
+        receive_file(ckpt_dir, fname, data, int(m.files[fname]["nbytes"]), check=shard_check(m, fname))
 
     got = comm.transfer([(src, dst) for _, src, dst in moves], read, deliver,
                         sizes=[plan["nbytes"].get(f, 0) if f else 0 for f, _, _ in moves])
-    if problems:
-        raise FormatError("; ".join(problems))
     if state["raw"] is not None:
         LOCAL.write_atomic(os.path.join(ckpt_dir, commit.MANIFEST_NAME), state["raw"], fsync=False)
     return got

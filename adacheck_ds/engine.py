@@ -274,8 +274,8 @@ class AdaCheckDeepSpeed:
             # adacheck.save_dir: exactly the step it was saved at, with no online deltas after it)
             log.info("AdaCheck: %s names %s of %s: loading step %s, the step it was saved at", load_dir,
                      pointer["tag"], pointer["save_dir"], pointer["step"])
-            newer = _newer_than(pointer)
-            if newer and default_comm().rank == 0:
+            newer = _newer_than(pointer) if default_comm().rank == 0 else None
+            if newer:
                 log.warning("AdaCheck: %s holds state newer than step %s (%s), which this load does not take: "
                             "load %s itself for the newest state (a Hugging Face Trainer resumes at the step of its "
                             "checkpoint-N, so there the older step is the right one)", pointer["save_dir"],

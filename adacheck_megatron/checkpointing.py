@@ -162,11 +162,9 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             layout=topo, framework=framework, step=int(iteration))
 
     job, tag = checkpointer(optimizer, cfg), f"iter_{int(iteration):07d}"
+    # (the core refuses a non-persistent save without the memory tier)
     persist = None
     if non_persistent_ckpt or (cfg.tiers.memory and getattr(args, "non_persistent_save_interval", None)):
-        if not cfg.tiers.memory:
-            raise ConfigError("a non-persistent checkpoint with --adacheck goes to AdaCheck's memory tier: add "
-                              "--adacheck-tiers-memory")
         persist = not non_persistent_ckpt
     if cfg.async_save and on is None and optimizer is not None:
         # (with online deltas the bases stay synchronous: the next steps' deltas need them committed)
