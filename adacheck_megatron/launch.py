@@ -39,6 +39,7 @@ it (patched tree) while ``megatron.training`` is still being imported.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import inspect
 import os
@@ -122,6 +123,16 @@ def _config(args):
     return cfg if cfg is not None else config_from_args(args)
 
 
+def saving_config(args):
+    """The configuration a save uses: the parsed one, with ``async_save`` as Megatron-LM's
+    validation left it. Megatron-LM validates after parsing and may turn ``--async-save`` off
+    (core_v0.16.1: it needs ``--use-persistent-ckpt-worker``, else "Disabling --async-save");
+    AdaCheck then saves synchronously too, as the user was told."""
+    cfg = _config(args)
+    final = bool(getattr(args, "async_save", cfg.async_save))
+    return cfg if final == cfg.async_save else dataclasses.replace(cfg, async_save=final)
+
+
 def _print_rank0(message: str) -> None:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
@@ -138,7 +149,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
     tier only.  Returns None like Megatron-LM's."""
     from .checkpointing import save_checkpoint as adacheck_save
     adacheck_save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                  checkpointing_context, args=args, config=_config(args),
+                  checkpointing_context, args=args, config=saving_config(args),
                   extra_state=_extra_state(args, iteration), non_persistent_ckpt=bool(non_persistent_ckpt))
     return None
 

@@ -15,7 +15,7 @@ import pytest
 
 from launch import ROOT
 
-from adacheck_megatron.launch import NON_PERSISTENT, UNSUPPORTED, add_args, check_args
+from adacheck_megatron.launch import NON_PERSISTENT, UNSUPPORTED, add_args, check_args, saving_config
 
 
 def run_launcher(*argv, cwd, timeout=120):
@@ -72,6 +72,7 @@ def megatron_like_parser():
     for dest, flag in UNSUPPORTED + (NON_PERSISTENT,):
         p.add_argument(flag, dest=dest, nargs="?", const=True, default=None)
     p.add_argument("--use-precision-aware-optimizer", action="store_true")
+    p.add_argument("--async-save", action="store_true")
     return p
 
 
@@ -99,6 +100,16 @@ def test_check_args():
     # Megatron-LM's non-persistent checkpoints: into the memory tier
     a = parse("--adacheck", "--adacheck-dir", "/ck", "--adacheck-tiers-memory", "--non-persistent-save-interval", "2")
     assert a.adacheck_config.tiers.memory
+
+
+def test_a_save_follows_async_save_as_megatron_lm_validated_it():
+    # Megatron-LM validates after parsing: core_v0.16.1's validate_args turns --async-save off
+    # without --use-persistent-ckpt-worker ("Disabling --async-save"); AdaCheck's save follows.
+    a = parse("--adacheck", "--adacheck-dir", "/ck", "--async-save")
+    assert a.adacheck_config.async_save and saving_config(a).async_save
+    a.async_save = False
+    assert not saving_config(a).async_save and saving_config(a).save_dir == "/ck"
+    assert not parse("--adacheck", "--adacheck-dir", "/ck").adacheck_config.async_save
 
 
 @pytest.mark.parametrize("argv,message", [
