@@ -6,8 +6,11 @@
 - A synchronous save, and loads into other ZeRO stages.
 - Online deltas: gradients staged from the GPU by non-blocking copies replay to exactly the
   recorded run's state.
+- Training goes on after a load (ZeRO-2 fp32 sync save, ZeRO-1 bf16 async save, each loaded in
+  its own stage) with the losses of the uninterrupted run.
 
-The oracle is the state DeepSpeed's own accessors return at each point (ds_worker's dumps).
+The oracles are the state DeepSpeed's own accessors return at each point (ds_worker's dumps)
+and the uninterrupted runs' losses.
 Skipped without CUDA (CI has none); the sessions that get a GPU run it."""
 import os
 
@@ -39,7 +42,7 @@ def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
         {"stage": 3, "dtype": "bf16", "hidden": 512, "layers": 3, "adacheck": async_thread,
          "actions": [["train", 2], ["dump", "T2"], ["save", ck3], ["train", 1], ["finish"]]},
         {"stage": 2, "dtype": "fp32", "hidden": 512, "layers": 3, "adacheck": {"enabled": True},
-         "actions": [["train", 2], ["dump", "Y2"], ["save", cky]]},
+         "actions": [["train", 2], ["dump", "Y2"], ["save", cky], ["train", 2]]},
         {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3, "adacheck": online,
          "actions": [["train_dump", 5, "O"]]},
         # new engines (seed 7: other initial weights) load each checkpoint, in other ZeRO stages
@@ -51,11 +54,18 @@ def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
          "actions": [["load", cky], ["dump", "LY2"]]},
         {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
          "actions": [["load", on], ["steps"], ["dump", "LO"]]},
+        # continued training in the saving stage: the losses of the uninterrupted runs
+        {"stage": 2, "dtype": "fp32", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", cky], ["train", 2]]},
+        {"stage": 1, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", ck, {"tag": "global_step2"}], ["train", 2]]},
     ]
     check(launch(1, {"runs": runs}, d, device="cuda"))
     res = results(d)
     assert res[0]["finished"] == ["global_step3"] and res[0]["latest"] == ["global_step3"], res[0]
     assert res[7]["steps"][0] == 5, res[7]
+    assert len(res[2]["losses"]) == 4 and res[8]["losses"] == res[2]["losses"][2:], (res[2], res[8])
+    assert len(res[0]["losses"]) == 4 and res[9]["losses"] == res[0]["losses"][2:], (res[0], res[9])
     for saved, loaded in (("S2", "L2"), ("S3", "L3"), ("T2", "LT2"), ("Y2", "LY2"), ("O5", "LO")):
         a, b = dump(d, saved), dump(d, loaded)
         keys = [k for k in a if k.startswith(("model/", "master/", "optim/"))]

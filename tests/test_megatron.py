@@ -5,6 +5,7 @@ scripts/pretrain_gpt.py (adacheck_megatron.cpu redirects its CUDA device use to 
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,7 +65,7 @@ def torch_dist_full(out, *ckpts):
     process of its own (tests/torch_dist_full.py): a list of {key: tensor}."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "torch_dist_full.py"), out, *ckpts],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure(p)
     return [load_file(os.path.join(out, f"{i}.safetensors")) for i in range(len(ckpts))]
 
 
@@ -221,6 +222,15 @@ def torchrun(n, argv, cwd, timeout=300):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def failure(p) -> str:
+    """What a failed torchrun shows: its output's end and each rank's first traceback (torchrun's
+    own summary at the end of stderr would push them out of a plain tail)."""
+    err, tracebacks = p.stderr, []
+    for start in [m.start() for m in re.finditer("Traceback", err)][:4]:
+        tracebacks.append(err[start:start + 4000])
+    return p.stdout[-2000:] + "\n" + "\n".join(tracebacks) + "\n" + err[-2000:]
+
+
 SCRIPT = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
           "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
           "--micro-batch-size", "2", "--global-batch-size", "4", "--vocab-size", "200", "--lr", "1e-3",
@@ -243,7 +253,7 @@ def test_pretrain_script_flags_end_to_end(tmp_path, monkeypatch):
 
     def run(n, argv, **kw):
         p = torchrun(n, argv, str(tmp_path), **kw)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert p.returncode == 0, failure(p)
         return p.stdout
 
     whole = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "a"), "--save-interval", "2",
@@ -278,7 +288,7 @@ def test_pretrain_script_flags_end_to_end(tmp_path, monkeypatch):
 def cli(*argv):
     p = subprocess.run([sys.executable, "-m", "adacheck.cli", *argv], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 0, failure(p)
     return p.stdout
 
 
