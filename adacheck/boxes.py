@@ -53,6 +53,18 @@ def flat_range_to_boxes(shape, start: int, stop: int) -> List[Box]:
     return out
 
 
+def row_chunks(box: Box, itemsize: int, limit: int) -> List[Box]:
+    """``box`` cut along its first axis into boxes of at most ``limit`` bytes (at least one row
+    each); ``[box]`` when it fits, has no axis or one row, or ``limit`` <= 0."""
+    nbytes = box.numel * itemsize
+    if limit <= 0 or nbytes <= limit or not box.lengths or box.lengths[0] <= 1:
+        return [box]
+    rows = box.lengths[0]
+    per = max(1, limit // max(1, nbytes // rows))
+    return [Box((box.offsets[0] + a,) + tuple(box.offsets[1:]), (min(per, rows - a),) + tuple(box.lengths[1:]))
+            for a in range(0, rows, per)]
+
+
 def flat_pieces(region: Box, start: int, stop: int) -> List[Tuple[Box, slice]]:
     """Elements ``[start, stop)`` of the box ``region`` of a tensor, flattened on its own (e.g.
     one rank's slice of a logical tensor): for each piece, its box in the tensor's coordinates

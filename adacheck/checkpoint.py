@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import commit, jsontree, lifecycle, writer_process
-from .boxes import copy_intersection, flat_range_to_boxes
+from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
 from .exchange import Comm, agree, background_comm
@@ -155,18 +155,11 @@ def split_chunks(s: LocalShard, limit: int) -> List[LocalShard]:
     least one row each).  Deterministic in (box, shape, dtype), so every holder of a box and
     the next checkpoint cut it the same way and equal pieces are found by their hashes."""
     t = s.tensor
-    nbytes = t.numel() * t.element_size()
-    if limit <= 0 or nbytes <= limit or not s.box.lengths or s.box.lengths[0] <= 1:
+    boxes = row_chunks(s.box, t.element_size(), limit)
+    if len(boxes) == 1:
         return [s]
-    rows = s.box.lengths[0]
-    per = max(1, limit // max(1, nbytes // rows))
-    out = []
-    for a in range(0, rows, per):
-        n = min(per, rows - a)
-        box = Box((s.box.offsets[0] + a,) + tuple(s.box.offsets[1:]), (n,) + tuple(s.box.lengths[1:]))
-        out.append(LocalShard(s.name, s.kind, s.shape, box, t.narrow(0, a, n), derive=s.derive,
-                              derive_ok=s.derive_ok, replicated=s.replicated))
-    return out
+    return [LocalShard(s.name, s.kind, s.shape, box, t.narrow(0, box.offsets[0] - s.box.offsets[0], box.lengths[0]),
+                       derive=s.derive, derive_ok=s.derive_ok, replicated=s.replicated) for box in boxes]
 
 
 def _object_shards(tree, prefix: str, replicated: bool):
@@ -217,6 +210,23 @@ def _json(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
+def structure_of(payload: dict) -> Tuple[dict, str]:
+    """A rank's save payload without its hashes (what does not change from one save to the next
+    while the layout stays), and its digest."""
+    structure = {"metas": [[getattr(m, f) for f in _STRUCT_FIELDS] + [m.box.offsets, m.box.lengths]
+                           for m in payload["metas"]],
+                 **{k: payload[k] for k in _STATIC}}
+    return structure, hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
+
+
+def exchange_blob(payload: dict, digest: str, structure: Optional[dict]) -> bytes:
+    """The bytes a rank sends in the exchange: its hashes and the rest of its payload, with its
+    structure, or (None) only the structure's digest."""
+    d = {k: v for k, v in payload.items() if k != "metas" and k not in _STATIC}
+    d.update(digest=digest, hashes=[m.hash for m in payload["metas"]], structure=structure)
+    return _json(d)
+
+
 def _exchange(comm: Comm, payload: dict, how: str, sent: Dict[int, Dict[int, Tuple[str, list]]]):
     """Every rank's payload on every rank (compact JSON, never pickle), and the bytes received.
     ``sent``: what every rank of a world of N sent last time (N -> {rank: (digest, structure)}).
@@ -226,20 +236,14 @@ def _exchange(comm: Comm, payload: dict, how: str, sent: Dict[int, Dict[int, Tup
     hashes.  Where every rank holds the same cache of the structures sent last time (checked
     with one small all-gather of digests), a rank whose structure did not change sends its
     digest instead of the structure."""
-    structure = {"metas": [[getattr(m, f) for f in _STRUCT_FIELDS] + [m.box.offsets, m.box.lengths]
-                           for m in payload["metas"]],
-                 **{k: payload[k] for k in _STATIC}}
-    digest = hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
+    structure, digest = structure_of(payload)
     cache = sent.setdefault(comm.world_size, {})
     view = hashlib.blake2b(_json([cache.get(r, ("",))[0] for r in range(comm.world_size)]),
                            digest_size=16).hexdigest() if len(cache) == comm.world_size else None
     views = comm.all_gather_object((digest, view))
     shared = views[0][1] is not None and all(v[1] == views[0][1] for v in views)
     compact = [shared and cache[r][0] == views[r][0] for r in range(comm.world_size)]
-    d = {k: v for k, v in payload.items() if k != "metas" and k not in _STATIC}
-    d.update(digest=digest, hashes=[m.hash for m in payload["metas"]],
-             structure=None if compact[comm.rank] else structure)
-    blobs = comm.all_gather_bytes(_json(d), how)
+    blobs = comm.all_gather_bytes(exchange_blob(payload, digest, None if compact[comm.rank] else structure), how)
     gathered = []
     for r, blob in enumerate(blobs):
         g = json.loads(blob.decode("utf-8"))
