@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -173,17 +174,65 @@ def _worth_pinning(per_rank, previous: PreviousIndex, file_sizes: Dict[str, int]
         usable = {k: v for k, v in usable.items() if not any(r in thin for r, _ in v[2])}
 
 
-def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> WritePlan:
+def group_by_tensor(per_rank: Sequence[Sequence[ShardMeta]]) -> Dict[str, List[Tuple[int, ShardMeta]]]:
+    """Every rank's shards, by tensor name: name -> [(rank, shard)] in rank order."""
     by_name: Dict[str, List[Tuple[int, ShardMeta]]] = defaultdict(list)
     for rank, shards in enumerate(per_rank):
         for s in shards:
             by_name[s.name].append((rank, s))
+    return by_name
+
+
+def owner_of(name: str, n_ranks: int) -> int:
+    """The rank that decides about tensor ``name`` when the decisions are partitioned by tensor
+    (a stable hash of the name: the same on every rank, every run and every Python)."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big") % n_ranks
+
+
+def route(per_rank: Sequence[Sequence[ShardMeta]], n_owners: int):
+    """What each owner (``owner_of``) receives when the decisions are partitioned by tensor: per
+    owner, (name -> [(rank, shard)] of the tensors it owns, name -> the source shard of a derived
+    tensor it owns, as attached by the lowest rank that sends both).  ``decide`` on each owner's
+    part, with ``source_of=sources.get``, gives the whole plan's decisions for those tensors."""
+    routed = [(defaultdict(list), {}) for _ in range(n_owners)]
+    for rank, shards in enumerate(per_rank):
+        own = {s.name: s for s in shards}
+        for s in shards:
+            by_name, sources = routed[owner_of(s.name, n_owners)]
+            by_name[s.name].append((rank, s))
+            if s.derive is not None and s.derive in own:
+                sources.setdefault(s.derive, own[s.derive])
+    return routed
+
+
+@dataclass
+class Decisions:
+    """What the planner decides per tensor, before any writer is chosen: each tensor's entry
+    (stored boxes with no file yet, except those referenced from ``previous``), the boxes to
+    place among their holders, the warnings, and the bytes held and logical."""
+    tensors: Dict[str, TensorEntry]
+    items: List[Tuple[int, str, Tuple[int, ...]]]      # (nbytes, key, holders)
+    warnings: List[str]
+    logical: int
+    held: int
+
+
+def decide(by_name: Dict[str, List[Tuple[int, ShardMeta]]], previous: PreviousIndex | None, copies: int,
+           cache: PlanCache, source_of=None) -> Decisions:
+    """The per-tensor decisions of the plan (see the module docstring) for the tensors of
+    ``by_name``.  Each tensor is decided from its own holders' shards alone, and a derived
+    tensor also from its source's first shard (``source_of(name)``, None when no rank holds it;
+    default: looked up in ``by_name``), so the tensors may be decided apart (by their owners,
+    ``owner_of``) with the same outcome."""
+    if source_of is None:
+        def source_of(src):
+            return by_name[src][0][1] if src in by_name else None
     warnings: List[str] = []
     tensors: Dict[str, TensorEntry] = {}
-    items = []   # (nbytes, name, box, hash, holders, key)
+    items = []   # (nbytes, key, holders)
     logical = held = 0
     for name in sorted(by_name):
-        held_by = by_name[name]
+        held_by = sorted(by_name[name], key=lambda t: t[0])
         first = held_by[0][1]
         for rank, s in held_by:
             if (s.kind, s.dtype, s.shape) != (first.kind, first.dtype, first.shape):
@@ -208,11 +257,10 @@ def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> Wr
         if diverged and first.replicated:
             warnings.extend(f"declared replicas diverged: {d}; every variant is kept" for d in diverged)
         derivable = (first.derive is not None and not diverged
-                     and all(s.derive_ok and s.derive == first.derive for _, s in held_by)
-                     and first.derive in by_name)
+                     and all(s.derive_ok and s.derive == first.derive for _, s in held_by))
         if derivable:
-            src = by_name[first.derive][0][1]
-            derivable = src.shape == first.shape and src.derive is None
+            src = source_of(first.derive)
+            derivable = src is not None and src.shape == first.shape and src.derive is None
         if derivable:   # (not diverged: one digest per box)
             tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, derived=Derivation(
                 first.derive, boxes=tuple((box, next(iter(regions[box]))) for box in sorted(regions))))
@@ -228,12 +276,17 @@ def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> Wr
                     stored.extend(StoredBox(box, ref, key, digest, holders) for ref, key in old[2])
                     continue
                 key = f"{name}@{box.key()}" + (f"#v{vi}" if len(variants) > 1 else "")
-                items.append((box.numel * itemsize(first.dtype), name, box, digest, holders, key))
+                items.append((box.numel * itemsize(first.dtype), key, holders))
                 stored.append(StoredBox(box, "", key, digest, holders))
         tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, boxes=tuple(stored))
+    return Decisions(tensors, items, warnings, logical, held)
+
+
+def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> WritePlan:
+    d = decide(group_by_tensor(per_rank), previous, copies, cache)
+    tensors, warnings, logical, held = d.tensors, d.warnings, d.logical, d.held
     # Balanced, deterministic assignment (of what is not referenced from ``previous``).
-    writer_of, load = cache.place([(nbytes, key, holders) for nbytes, _, _, _, holders, key in items],
-                                  len(per_rank), copies, nodes)
+    writer_of, load = cache.place(d.items, len(per_rank), copies, nodes)
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
     names: Dict[int, str] = {}   # writer -> its file

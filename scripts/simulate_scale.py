@@ -17,6 +17,11 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
   exchange_rounds           sequential steps of the ring (and the digests' all-gather)
   manifest_bytes_read_per_rank   today every rank reads the whole manifest
                             (``manifest.dumps`` of the sampled stages, scaled)
+  partitioned               the same decisions partitioned by tensor (``planner.route`` to
+                            each tensor's owner, ``planner.decide`` there; equal to the whole
+                            plan's): seconds and hash bytes received per rank (mean, busiest
+                            owner) and sent, in two all-to-all rounds; the choice of writers
+                            (placement) is not partitioned yet
   max_over_mean_bytes_written    the busiest writer over the mean, from the plan
   stored_over_unique        bytes stored over each distinct box once
   projection                save seconds = max(busiest rank's bytes / per-rank share of node
@@ -260,6 +265,20 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     planner.plan_save(later, cache=cache)
     plan_s = time.perf_counter() - t
     del later
+    # decisions partitioned by tensor (planner.route / decide, the same outcome): what each
+    # owner decides and receives (hashes of a later save), over the sampled stages' tensors, the
+    # owners being the job's N ranks (each also owns tensors of the other stages: scaled)
+    routed = planner.route(sampled, ranks)
+    decide_s, received = [], []
+    for by_name, sources in routed:
+        if not by_name:
+            continue
+        t = time.perf_counter()
+        planner.decide(by_name, None, 1, planner.PlanCache(), source_of=sources.get)
+        decide_s.append(time.perf_counter() - t)
+        received.append(sum(len(x.hash) + 3 for held in by_name.values() for _, x in held))
+    sent = [sum(len(x.hash) + 3 for x in metas) for metas in sampled]
+    del routed
     man = Manifest(format_version=mf.FORMAT_VERSION, tag="iter_0001000",
                    step=1000, framework={"name": "megatron"}, topology={"world_size": ranks},
                    tensors=plan.tensors, objects={"iteration": 1000},
@@ -299,6 +318,13 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         "sampled_stages": sample_stages, "sampled_ranks": len(sampled),
         "plan_seconds_per_rank": plan_s * scale, "plan_seconds_sampled": plan_s,
         "first_plan_seconds_per_rank": first_plan_s * scale,
+        "partitioned": {
+            "decide_seconds_per_rank": sum(decide_s) * scale / ranks,
+            "decide_seconds_busiest_owner": max(decide_s) * scale,
+            "exchange_bytes_per_rank": round(sum(received) * scale / ranks),
+            "exchange_bytes_busiest_owner": round(max(received) * scale),
+            "exchange_bytes_sent_per_rank": round(sum(sent) / len(sent)),
+            "exchange_rounds": 2},
         "build_seconds": build_s,
         "exchange_bytes_per_rank": round(mean_later * (ranks - 1)),
         "first_exchange_bytes_per_rank": round(mean_first * (ranks - 1)),
@@ -330,20 +356,24 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     print("| model | ranks | shards per rank | plan s per rank (first) | exchange MB per rank (first) | rounds | "
-          "manifest MB read per rank | max / mean written | stored / unique | save s AdaCheck / native DS |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "manifest MB read per rank | max / mean written | stored / unique | save s AdaCheck / native DS | "
+          "partitioned: decide s per rank (busiest) | MB received per rank (busiest) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in a.model:
         m = MODELS[name]
         stages = a.sample_stages or sorted({0, m.pp // 2, m.pp - 1})
         for n in a.ranks:
             row = simulate(m, n, stages, a)
             rows.append(row)
-            pr = row["projection"]
+            pr, pa = row["projection"], row["partitioned"]
             print(f"| {name} | {n:,} | {row['shards_per_rank']:.0f} | {row['plan_seconds_per_rank']:.1f} ({row['first_plan_seconds_per_rank']:.1f}) | "
                   f"{row['exchange_bytes_per_rank'] / 1e6:.1f} ({row['first_exchange_bytes_per_rank'] / 1e6:.1f}) | "
                   f"{row['exchange_rounds']:,} | {row['manifest_bytes_read_per_rank'] / 1e6:.1f} | "
                   f"{row['max_over_mean_bytes_written']:.2f} | {row['stored_over_unique']:.4f} | "
-                  f"{pr['adacheck_save_seconds']:.1f} / {pr['native_deepspeed_save_seconds']:.1f} |", flush=True)
+                  f"{pr['adacheck_save_seconds']:.1f} / {pr['native_deepspeed_save_seconds']:.1f} | "
+                  f"{pa['decide_seconds_per_rank']:.3f} ({pa['decide_seconds_busiest_owner']:.3f}) | "
+                  f"{pa['exchange_bytes_per_rank'] / 1e6:.2f} ({pa['exchange_bytes_busiest_owner'] / 1e6:.2f}) |",
+                  flush=True)
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
 

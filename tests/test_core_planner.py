@@ -138,3 +138,65 @@ def test_placement_is_reused_only_while_sizes_and_holders_stay_the_same():
     assert cache.placed and cache.placed[1] is not None      # (kept for the next one)
     moved = plan_save([[], [meta("w", Box.full((8,)), (8,))], [meta("w", Box.full((8,)), (8,))]], cache=cache)
     assert set(moved.writes) <= {1, 2} and len([k for w in moved.writes.values() for k in w]) == 1
+
+
+# ----------------------------------------------------------------- decisions partitioned by tensor
+
+def random_world(rng, n_ranks):
+    """Random shard lists of a plausible job: tensors split in rows over some ranks and replicated
+    over others (declared or not), replicas that sometimes diverge, bf16 copies derived from an
+    fp32 master (proven only where a rank holds that master part), and now and then a bad job
+    (holders that disagree on a shape, rows nobody holds)."""
+    per_rank = [[] for _ in range(n_ranks)]
+    for t in range(rng.randint(1, 12)):
+        rows, cols = rng.randint(1, 9), rng.randint(1, 4)
+        parts = rng.randint(1, rows)
+        cuts = sorted(rng.sample(range(1, rows), parts - 1)) if parts > 1 else []
+        bounds = list(zip([0] + cuts, cuts + [rows]))
+        declared = rng.random() < 0.7
+        derived = rng.random() < 0.4
+        for a, b in bounds:
+            holders = rng.sample(range(n_ranks), rng.randint(1, n_ranks))
+            digest = f"h{t}-{a}-{rng.random() < 0.95}"
+            box = Box((a, 0), (b - a, cols))
+            for r in holders:
+                h = digest if rng.random() < 0.9 else f"{digest}-x{r}"
+                per_rank[r].append(meta(f"m{t}", box, (rows, cols), h=h, replicated=declared))
+                if derived:
+                    per_rank[r].append(meta(f"b{t}", box, (rows, cols), h=h + "b", dtype="bfloat16", kind="model",
+                                            derive=f"m{t}", derive_ok=rng.random() < 0.9, replicated=declared))
+        if rng.random() < 0.03:   # a rank that disagrees on the shape
+            r = rng.randrange(n_ranks)
+            per_rank[r].append(meta(f"m{t}", Box((0, 0), (1, cols)), (rows + 1, cols)))
+    if rng.random() < 0.03:       # rows that no rank holds
+        per_rank[0].append(meta("gap", Box((0,), (2,)), (5,)))
+    return per_rank
+
+
+def outcome(fn):
+    try:
+        return fn(), None
+    except Exception as e:   # (the kind of error is compared)
+        return None, type(e)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_decisions_partitioned_by_tensor_equal_the_whole_plans(seed):
+    import random
+    from adacheck.planner import decide, group_by_tensor, route
+    rng = random.Random(seed)
+    n = rng.randint(1, 8)
+    per_rank = random_world(rng, n)
+    whole, error = outcome(lambda: decide(group_by_tensor(per_rank), None, 1, PlanCache()))
+    owners = rng.randint(1, 9)
+    parts = [outcome(lambda p=p: decide(p[0], None, 1, PlanCache(), source_of=p[1].get))
+             for p in route(per_rank, owners)]
+    if error is not None:
+        assert error in {e for _, e in parts}, (error, parts)
+        return
+    assert all(e is None for _, e in parts), parts
+    got = [d for d, _ in parts]
+    assert {k: v for d in got for k, v in d.tensors.items()} == whole.tensors
+    assert sorted(i for d in got for i in d.items) == sorted(whole.items)
+    assert sorted(w for d in got for w in d.warnings) == sorted(whole.warnings)
+    assert sum(d.logical for d in got) == whole.logical and sum(d.held for d in got) == whole.held
