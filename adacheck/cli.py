@@ -136,12 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn="convert")
     s = command("ls", helptext="list the checkpoints of a save directory: damaged (a file missing or cut "
-                       "short), unverified, verified (--verify), retired or INCOMPLETE")
+                       "short, a manifest that cannot be read), unverified, verified (--verify), retired or "
+                       "INCOMPLETE (no manifest: an interrupted save)")
     s.add_argument("path", help="a save directory")
     s.add_argument("--verify", action="store_true", help="also re-hash every box of every checkpoint")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn="ls")
-    for s in sub.choices.values():
+    for name, s in sub.choices.items():
+        if name == "clean":
+            continue     # (the memory tier is node-local files, never a URL)
         s.add_argument("--storage-options", type=_json_object, metavar="JSON",
                        help="for a URL PATH (s3://bucket/prefix, ...): the fsspec filesystem's arguments, e.g. "
                             "'{\"endpoint_url\": \"http://host:9000\"}'")

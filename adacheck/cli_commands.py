@@ -154,7 +154,7 @@ def cmd_inspect(args) -> int:
     print(table(rows, ["writer", "bytes written"]))
     if args.redundancy:
         print()
-        print_redundancy(CheckpointReader(d, verify=False).manifest)
+        print_redundancy(CheckpointReader(d, verify=False, store=store).manifest)
     if args.tensors:
         print()
         rows = tensor_rows(CheckpointReader(d, verify=False, store=store).manifest)
@@ -246,6 +246,8 @@ def cmd_verify(args) -> int:
              for name, e in sorted(r.manifest.tensors.items()) if e.derived is not None for box, h in e.derived.boxes]
     total = sum(box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, box, _, _ in work)
     done, bad = 0, {}       # file (None: derived) -> {tensor: [messages]}
+    # (a one-line bar of its own, not tqdm: verify is a core command, which runs with torch,
+    # safetensors, xxhash and numpy alone; convert's bars are tqdm's, which DeepSpeed brings)
     show = sys.stderr.isatty() and not args.quiet and not args.json
     for i, (name, box, fname, check) in enumerate(work):
         try:
@@ -303,7 +305,7 @@ def cmd_ls(args) -> int:
     """Every checkpoint of a save directory: its state is "damaged" (a file missing or of the
     wrong size; with --verify also a hash mismatch), "unverified" (its files are all there; only
     --verify reads them), "verified", "retired" (kept for the files later ones read) or
-    "INCOMPLETE" (no manifest: an interrupted save)."""
+    "INCOMPLETE" (no manifest: an interrupted save); a manifest that cannot be read is "damaged"."""
     store, path = located_dir(args, args.path, "save directory")
     latest = commit.read_latest(path, store)
     found = commit.list_checkpoints(path, store)
@@ -331,8 +333,10 @@ def cmd_ls(args) -> int:
             state, note = "retired", f"holds files read by {', '.join(sorted(users[tag]))}"
             d = store.join(path, tag)
             pinned = sum(store.size(store.join(d, f)) for f in store.list(d) if f.endswith(".safetensors"))
-        else:
-            state, note = "INCOMPLETE", problem.split(":")[-1].strip()
+        else:   # (the note without the save directory's path, never cut inside the message)
+            where = store.join(path, "")
+            note = str(problem)[len(where):] if str(problem).startswith(where) else str(problem)
+            state = "INCOMPLETE" if isinstance(problem, NotFoundError) else "damaged"
         rows.append({"tag": tag, "latest": tag == latest, "state": state, "step": m.step if m else None,
                      "bytes": sum(i["nbytes"] for i in m.files.values()) if m else
                      (pinned if state == "retired" else None), "note": note})
@@ -453,7 +457,7 @@ def cmd_diff(args) -> int:
     na, nb = set(ra.manifest.tensors), set(rb.manifest.tensors)
     only_a, only_b, common = sorted(na - nb), sorted(nb - na), sorted(na & nb)
     changed, same = [], 0
-    show = sys.stderr.isatty() and not args.json
+    show = sys.stderr.isatty() and not args.json      # (a bar of its own, as verify's: a core command)
     for i, name in enumerate(common):
         what, d = _diff_entry(ra, rb, name)
         if what is None:

@@ -15,7 +15,7 @@ import re
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .errors import FormatError, NotFoundError
+from .errors import AdaCheckError, FormatError, NotFoundError
 from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, referenced_files
 from .storage import LOCAL, Storage
 from .types import Manifest
@@ -103,8 +103,10 @@ def _is_shard_or_manifest(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
 
 
-def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, Optional[Manifest], Optional[str]]]:
-    """(tag, manifest or None, problem or None) for every sub-directory with AdaCheck files."""
+def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, Optional[Manifest], Optional[AdaCheckError]]]:
+    """(tag, manifest or None, problem or None) for every sub-directory with AdaCheck files; the
+    problem is a NotFoundError (no manifest: an interrupted save) or a FormatError (a manifest
+    that cannot be read)."""
     out = []
     for name in store.list(save_dir):
         d = store.join(save_dir, name)
@@ -113,7 +115,7 @@ def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, O
         try:
             out.append((name, read_manifest(d, store), None))
         except (NotFoundError, FormatError) as e:
-            out.append((name, None, str(e)))
+            out.append((name, None, e))
     return out
 
 

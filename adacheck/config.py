@@ -81,6 +81,11 @@ on_error            "disable" an I/O error while writing a delta: "disable" the 
 ==================  ========  ==============================================================
 
 Keys starting with ``_`` are comments (JSON has none) and are ignored.
+
+Why hand-written dataclasses and not pydantic (which DeepSpeed uses for its own config): the
+core must import with torch, safetensors, xxhash and numpy alone (the CLI, a Megatron user
+without DeepSpeed), and each field's own small check says in one line which key was wrong and
+what it allows ("Did you mean ...?" for an unknown key).
 """
 from __future__ import annotations
 

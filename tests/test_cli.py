@@ -79,6 +79,24 @@ def test_conversions_refuse_what_they_would_ignore_or_overwrite(ckpt, tmp_path, 
         assert main(["convert", *argv]) == 2, argv
         assert says in capsys.readouterr().err, argv
     assert not os.path.exists(f"{ckpt}/s1/weights") and not os.path.exists(tmp_path / "u")
+    # an option of another format, or one a command has no use for: a usage error, nothing written
+    for argv in (["convert", ckpt, str(tmp_path / "w"), "--optimizer", "torch.optim.AdamW"],
+                 ["clean", "--storage-options", "{}"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err, argv
+    assert not os.path.exists(tmp_path / "w")
+
+
+def test_weights_export_in_bf16(tmp_path):
+    from safetensors.torch import load_file
+    src, out = str(tmp_path / "ck"), tmp_path / "w"
+    w = torch.linspace(-3, 3, 12, dtype=torch.float32).view(3, 4)
+    Checkpointer(options=Options(fsync=False)).save(SoloComm(), src, "s1", lambda: LocalState(
+        [LocalShard("model/w", "model", (3, 4), Box.full((3, 4)), w)], step=1))
+    assert main(["convert", src, str(out), "--dtype", "bf16"]) == 0
+    got = load_file(str(out / "model.safetensors"))
+    assert list(got) == ["w"] and got["w"].dtype == torch.bfloat16 and torch.equal(got["w"], w.to(torch.bfloat16))
 
 
 def test_sizes_count_as_hugging_face_does():
@@ -121,6 +139,34 @@ def test_ls_and_verify_name_the_damage_once(ckpt, tmp_path, capsys):
     assert main(["verify", ckpt, "--json"]) == 0 and json.loads(capsys.readouterr().out)["ok"]
 
 
+def test_ls_tells_an_interrupted_save_from_a_damaged_one(ckpt, tmp_path, capsys):
+    """A checkpoint without a manifest (an interrupted save) is INCOMPLETE; one whose manifest
+    cannot be read, or that misses a shard file, is damaged (exit 1); each note is the whole
+    message, not its last part."""
+    import json
+    import shutil
+    d = str(tmp_path / "save")
+    for tag in ("good", "torn", "garbled", "lost"):
+        shutil.copytree(f"{ckpt}/s1", f"{d}/{tag}")
+    os.remove(f"{d}/torn/manifest.json")
+    with open(f"{d}/garbled/manifest.json", "w") as f:
+        f.write("{not: json")
+    shard = next(f for f in os.listdir(f"{d}/lost") if f.endswith(".safetensors"))
+    os.remove(f"{d}/lost/{shard}")
+    assert main(["ls", d, "--json"]) == 1
+    rows = {r["tag"]: r for r in json.loads(capsys.readouterr().out)}
+    assert {t: r["state"] for t, r in rows.items()} == {"good": "unverified", "torn": "INCOMPLETE",
+                                                         "garbled": "damaged", "lost": "damaged"}, rows
+    assert rows["garbled"]["note"].startswith("garbled/manifest.json: "), rows["garbled"]
+    assert "not valid JSON" in rows["garbled"]["note"], rows["garbled"]
+    assert rows["lost"]["note"] == f"{shard} is missing", rows["lost"]
+    assert rows["torn"]["note"].startswith("torn has no manifest.json"), rows["torn"]
+    shutil.rmtree(f"{d}/garbled")
+    shutil.rmtree(f"{d}/lost")
+    assert main(["ls", d]) == 0       # an interrupted save is no damage
+    assert "INCOMPLETE" in capsys.readouterr().out
+
+
 def test_replaying_a_checkpoint_without_deltas_has_nothing_to_do(ckpt, tmp_path, capsys):
     out = str(tmp_path / "new")
     assert main(["convert", ckpt, out, "--to", "adacheck"]) == 0
@@ -154,6 +200,24 @@ def test_an_untested_framework_version_is_named():
     assert untested("deepspeed", "0.19.8") is None and untested("megatron-core", "0.16.1") is None
     text = untested("deepspeed", "0.18.2")
     assert "0.19.x" in text and "0.18.2" in text
+
+
+def test_importing_the_integration_warns_on_an_untested_version(tmp_path):
+    # a DeepSpeed whose installed metadata says 0.18.2 (a dist-info found first on the path):
+    # importing adacheck_ds names that version in an UntestedVersionWarning
+    meta = tmp_path / "deepspeed-0.18.2.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.18.2\n")
+    code = ("import warnings\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); import adacheck_ds\n"
+            "print([f'{x.category.__name__}: {x.message}' for x in w if x.category.__name__ == 'UntestedVersionWarning'])")
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    said = p.stdout.strip().splitlines()[-1]
+    assert "UntestedVersionWarning" in said and "deepspeed" in said and "0.18.2" in said, p.stdout
 
 
 def test_an_output_that_cannot_be_written_is_a_clean_error(tmp_path, capsys):

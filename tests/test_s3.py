@@ -91,6 +91,8 @@ def check_cli_on(s3, root, local, tmp_path):
     assert code == 0 and got["dir"] == f"{root}/s3" and got["tag"] == "s3"
     assert {k: v for k, v in json.loads(run("inspect", local, "--json")[1]).items() if k != "dir"} == \
         {k: v for k, v in got.items() if k != "dir"}
+    code, text = run("inspect", root, "--redundancy", *opts)
+    assert code == 0 and text.replace(root, "X") == run("inspect", local, "--redundancy")[1].replace(local, "X"), text
     code, text = run("verify", root, "--quiet", *opts)
     assert code == 0 and "OK" in text, text
     code, text = run("diff", f"{root}/s2", f"{root}/s3", "--json", *opts)
