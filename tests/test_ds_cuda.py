@@ -6,8 +6,8 @@
 - A synchronous save, and loads into other ZeRO stages.
 - Online deltas: gradients staged from the GPU by non-blocking copies replay to exactly the
   recorded run's state.
-- Training goes on after a load (ZeRO-2 fp32 sync save, ZeRO-1 bf16 async save, each loaded in
-  its own stage) with the losses of the uninterrupted run.
+- Training goes on after a load (ZeRO-2 fp32 and bf16 sync saves, a ZeRO-1 bf16 async save, each
+  loaded in its own stage) with the losses of the uninterrupted run.
 
 The oracles are the state DeepSpeed's own accessors return at each point (ds_worker's dumps)
 and the uninterrupted runs' losses.
@@ -31,7 +31,7 @@ def dump(d, name):
 
 def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
     d = str(tmp_path)
-    ck, ck3, cky, on = f"{d}/ck", f"{d}/ck3", f"{d}/cky", f"{d}/online"
+    ck, ck3, cky, ckb, on = f"{d}/ck", f"{d}/ck3", f"{d}/cky", f"{d}/ckb", f"{d}/online"
     async_process = {"enabled": True, "async": True, "async_writer": "process"}
     async_thread = {"enabled": True, "async": True, "async_writer": "thread"}
     online = {"enabled": True, "save_dir": on, "online": {"enabled": True, "base_interval": 3}}
@@ -59,6 +59,11 @@ def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
          "actions": [["load", cky], ["train", 2]]},
         {"stage": 1, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
          "actions": [["load", ck, {"tag": "global_step2"}], ["train", 2]]},
+        # ZeRO-2 bf16: save, load, resume
+        {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3, "adacheck": {"enabled": True},
+         "actions": [["train", 2], ["save", ckb], ["train", 2]]},
+        {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3, "seed": 7, "adacheck": {"enabled": True},
+         "actions": [["load", ckb], ["train", 2]]},
     ]
     check(launch(1, {"runs": runs}, d, device="cuda"))
     res = results(d)
@@ -66,6 +71,7 @@ def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
     assert res[7]["steps"][0] == 5, res[7]
     assert len(res[2]["losses"]) == 4 and res[8]["losses"] == res[2]["losses"][2:], (res[2], res[8])
     assert len(res[0]["losses"]) == 4 and res[9]["losses"] == res[0]["losses"][2:], (res[0], res[9])
+    assert len(res[10]["losses"]) == 4 and res[11]["losses"] == res[10]["losses"][2:], (res[10], res[11])
     for saved, loaded in (("S2", "L2"), ("S3", "L3"), ("T2", "LT2"), ("Y2", "LY2"), ("O5", "LO")):
         a, b = dump(d, saved), dump(d, loaded)
         keys = [k for k in a if k.startswith(("model/", "master/", "optim/"))]
