@@ -86,16 +86,51 @@ def place(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = No
     load: Dict[int, int] = defaultdict(int)
     out = {}
     for nbytes, key, holders in sorted(items, key=lambda t: (-t[0], t[1])):
-        chosen: List[int] = []
-        for _ in range(min(copies, len(holders))):
-            used = {nodes[w] for w in chosen}
-            free = [h for h in holders if h not in chosen]
-            fresh = [h for h in free if nodes[h] not in used]
-            w = min(fresh or free, key=lambda r: (load[r], r))
-            chosen.append(w)
-            load[w] += nbytes
-        out[key] = chosen
+        out[key] = _choose(nbytes, holders, copies, nodes, load)
     return out, load
+
+
+def _choose(nbytes: int, holders, copies: int, nodes, load) -> List[int]:
+    """The writers of one item: each copy to the least-loaded holder (ties: lowest rank), on a
+    node without a copy yet where there is one; ``load`` is updated."""
+    chosen: List[int] = []
+    for _ in range(min(copies, len(holders))):
+        used = {nodes[w] for w in chosen}
+        free = [h for h in holders if h not in chosen]
+        fresh = [h for h in free if nodes[h] not in used]
+        w = min(fresh or free, key=lambda r: (load[r], r))
+        chosen.append(w)
+        load[w] += nbytes
+    return chosen
+
+
+def place_by_group(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = None):
+    """Like ``place``, but each set of holders is placed apart, as its owner would without a
+    global view: items held by one rank only are that rank's (its *pinned* bytes, which it knows
+    of itself); the items of each larger holder set are placed greedily (largest first) among
+    its members, from their pinned bytes alone, not from what other holder sets gave them.
+    Returns ([writers] per key, bytes per rank).  Its balance against ``place``'s is measured by
+    scripts/simulate_scale.py; the save does not use it yet."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    nodes = list(nodes) if nodes is not None else [str(r) for r in range(n_ranks)]
+    pinned: Dict[int, int] = defaultdict(int)
+    groups: Dict[tuple, list] = defaultdict(list)
+    out = {}
+    for nbytes, key, holders in items:
+        if len(holders) == 1:
+            pinned[holders[0]] += nbytes
+            out[key] = [holders[0]]
+        else:
+            groups[tuple(holders)].append((nbytes, key))
+    total: Dict[int, int] = defaultdict(int, pinned)
+    for holders, its in groups.items():
+        load: Dict[int, int] = defaultdict(int, {h: pinned[h] for h in holders})
+        for nbytes, key in sorted(its, key=lambda t: (-t[0], t[1])):
+            out[key] = _choose(nbytes, holders, copies, nodes, load)
+            for w in out[key]:
+                total[w] += nbytes
+    return out, total
 
 
 @contextlib.contextmanager

@@ -20,8 +20,9 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
   partitioned               the same decisions partitioned by tensor (``planner.route`` to
                             each tensor's owner, ``planner.decide`` there; equal to the whole
                             plan's): seconds and hash bytes received per rank (mean, busiest
-                            owner) and sent, in two all-to-all rounds; the choice of writers
-                            (placement) is not partitioned yet
+                            owner) and sent, in two all-to-all rounds; and the balance of
+                            writers chosen per holder set (``planner.place_by_group``, no
+                            global view), against the whole plan's
   max_over_mean_bytes_written    the busiest writer over the mean, from the plan
   stored_over_unique        bytes stored over each distinct box once
   projection                save seconds = max(busiest rank's bytes / per-rank share of node
@@ -279,6 +280,11 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         received.append(sum(len(x.hash) + 3 for held in by_name.values() for _, x in held))
     sent = [sum(len(x.hash) + 3 for x in metas) for metas in sampled]
     del routed
+    # writers chosen per holder set (planner.place_by_group), against the whole plan's greedy
+    items = planner.decide(planner.group_by_tensor(sampled), None, 1, planner.PlanCache()).items
+    _, by_group = planner.place_by_group(items, len(sampled))
+    grouped_max = max(by_group.values())
+    del items
     man = Manifest(format_version=mf.FORMAT_VERSION, tag="iter_0001000",
                    step=1000, framework={"name": "megatron"}, topology={"world_size": ranks},
                    tensors=plan.tensors, objects={"iteration": 1000},
@@ -324,7 +330,8 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "exchange_bytes_per_rank": round(sum(received) * scale / ranks),
             "exchange_bytes_busiest_owner": round(max(received) * scale),
             "exchange_bytes_sent_per_rank": round(sum(sent) / len(sent)),
-            "exchange_rounds": 2},
+            "exchange_rounds": 2,
+            "max_over_mean_bytes_written_by_group": grouped_max / mean_written},
         "build_seconds": build_s,
         "exchange_bytes_per_rank": round(mean_later * (ranks - 1)),
         "first_exchange_bytes_per_rank": round(mean_first * (ranks - 1)),
@@ -357,8 +364,8 @@ def main() -> None:
     rows = []
     print("| model | ranks | shards per rank | plan s per rank (first) | exchange MB per rank (first) | rounds | "
           "manifest MB read per rank | max / mean written | stored / unique | save s AdaCheck / native DS | "
-          "partitioned: decide s per rank (busiest) | MB received per rank (busiest) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "partitioned: decide s per rank (busiest) | MB received per rank (busiest) | max / mean by holder set |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in a.model:
         m = MODELS[name]
         stages = a.sample_stages or sorted({0, m.pp // 2, m.pp - 1})
@@ -372,7 +379,8 @@ def main() -> None:
                   f"{row['max_over_mean_bytes_written']:.2f} | {row['stored_over_unique']:.4f} | "
                   f"{pr['adacheck_save_seconds']:.1f} / {pr['native_deepspeed_save_seconds']:.1f} | "
                   f"{pa['decide_seconds_per_rank']:.3f} ({pa['decide_seconds_busiest_owner']:.3f}) | "
-                  f"{pa['exchange_bytes_per_rank'] / 1e6:.2f} ({pa['exchange_bytes_busiest_owner'] / 1e6:.2f}) |",
+                  f"{pa['exchange_bytes_per_rank'] / 1e6:.2f} ({pa['exchange_bytes_busiest_owner'] / 1e6:.2f}) | "
+                  f"{pa['max_over_mean_bytes_written_by_group']:.2f} |",
                   flush=True)
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -200,3 +200,29 @@ def test_decisions_partitioned_by_tensor_equal_the_whole_plans(seed):
     assert sorted(i for d in got for i in d.items) == sorted(whole.items)
     assert sorted(w for d in got for w in d.warnings) == sorted(whole.warnings)
     assert sum(d.logical for d in got) == whole.logical and sum(d.held for d in got) == whole.held
+
+
+def test_placement_by_holder_set_places_every_item_on_its_holders():
+    import random
+    from adacheck.planner import place, place_by_group
+    rng = random.Random(5)
+    groups = [tuple(range(0, 4)), tuple(range(4, 8)), tuple(range(0, 8))]
+    items = [(rng.randint(1, 100), f"k{i}", rng.choice(groups)) for i in range(200)]
+    items += [(rng.randint(1, 400), f"p{r}", (r,)) for r in range(8)]        # pinned: one holder each
+    nodes = [f"n{r // 2}" for r in range(8)]
+    out, load = place_by_group(items, 8, copies=2, nodes=nodes)
+    assert out == place_by_group(list(reversed(items)), 8, copies=2, nodes=nodes)[0]   # deterministic
+    for nbytes, key, holders in items:
+        w = out[key]
+        assert set(w) <= set(holders) and len(w) == min(2, len(holders)) and len(set(w)) == len(w)
+        if len(holders) > 1:
+            assert len({nodes[x] for x in w}) == 2      # the copies on two nodes
+    assert sum(load.values()) == sum(n * len(out[k]) for n, k, _ in items)
+    # about as balanced as the whole job's greedy here (the simulation measures real layouts)
+    _, whole = place(items, 8, copies=2, nodes=nodes)
+    mean = sum(load.values()) / 8
+    assert max(load.values()) <= 1.25 * max(whole.values()) and max(load.values()) < 1.5 * mean
+    # a holder set's items go around its members' pinned bytes
+    heavy = [(5000, f"h{r}", (r,)) for r in range(4)] + [(100, f"s{i}", tuple(range(8))) for i in range(40)]
+    out, load = place_by_group(heavy, 8)
+    assert all(out[f"s{i}"][0] >= 4 for i in range(40)) and max(load.values()) == 5000, load
