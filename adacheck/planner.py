@@ -108,7 +108,8 @@ def place_by_group(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | 
     """Like ``place``, but each set of holders is placed apart, as its owner would without a
     global view: items held by one rank only are that rank's (its *pinned* bytes, which it knows
     of itself); the items of each larger holder set are placed greedily (largest first) among
-    its members, from their pinned bytes alone, not from what other holder sets gave them.
+    its members, from the bytes its members hold so far: their pinned bytes and what the smaller
+    sets, placed before it, gave them (sets of one size are independent in a real layout).
     Returns ([writers] per key, bytes per rank).  Its balance against ``place``'s is measured by
     scripts/simulate_scale.py; the save does not use it yet."""
     if copies < 1:
@@ -124,9 +125,12 @@ def place_by_group(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | 
         else:
             groups[tuple(holders)].append((nbytes, key))
     total: Dict[int, int] = defaultdict(int, pinned)
-    for holders, its in groups.items():
-        load: Dict[int, int] = defaultdict(int, {h: pinned[h] for h in holders})
-        for nbytes, key in sorted(its, key=lambda t: (-t[0], t[1])):
+    # smaller holder sets first (a data-parallel group before the tensor x data-parallel group that
+    # contains it): a set starts from its members' bytes so far, which its owner would learn from
+    # them, one round per size of set
+    for holders in sorted(groups, key=lambda h: (len(h), h)):
+        load: Dict[int, int] = defaultdict(int, {h: total[h] for h in holders})
+        for nbytes, key in sorted(groups[holders], key=lambda t: (-t[0], t[1])):
             out[key] = _choose(nbytes, holders, copies, nodes, load)
             for w in out[key]:
                 total[w] += nbytes

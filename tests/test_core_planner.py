@@ -226,3 +226,7 @@ def test_placement_by_holder_set_places_every_item_on_its_holders():
     heavy = [(5000, f"h{r}", (r,)) for r in range(4)] + [(100, f"s{i}", tuple(range(8))) for i in range(40)]
     out, load = place_by_group(heavy, 8)
     assert all(out[f"s{i}"][0] >= 4 for i in range(40)) and max(load.values()) == 5000, load
+    # a set that contains smaller ones is placed after them, around what they gave its members
+    nested = [(100, "a", (0, 1)), (100, "b", (2, 3)), (100, "c", (0, 1, 2, 3)), (100, "d", (0, 1, 2, 3))]
+    out, load = place_by_group(nested, 4)
+    assert (out["a"], out["b"], sorted(out["c"] + out["d"])) == ([0], [2], [1, 3]) and set(load.values()) == {100}
