@@ -24,13 +24,15 @@ def _duration(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    """Bytes of a size as Hugging Face writes them: 5GB = 5 * 10**9, 5GiB = 5 * 2**30, 1048576."""
-    m = re.match(r"^(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)B)?$", text.strip(), re.I)
+    """Bytes of a size as Hugging Face reads them: 5GB = 5 * 10**9, 5GiB = 5 * 2**30, 1048576; a
+    lowercase b after a decimal unit means bits (5Gb = 5 * 10**9 / 8 bytes)."""
+    m = re.match(r"^(\d+(?:\.\d+)?)\s*(?:([KMGT])(i?)(B))?$", text.strip(), re.I)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB (10^9 bytes), 5GiB (2^30 bytes), "
                                          "500MB or 1048576")
     power = " KMGT".index(m.group(2).upper()) if m.group(2) else 0
-    return int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power))
+    n = float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power)
+    return int(n / 8 if m.group(4) == "b" and not m.group(3) else n)
 
 
 EXIT_CODES = ("exit status: 0 ok; 1 damage found (verify, ls), tensors that differ (diff), no checkpoint in "

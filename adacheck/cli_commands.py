@@ -366,11 +366,19 @@ def cmd_prune(args) -> int:
                                    protect=(latest,) if latest else (), store=store)
     files = commit.collect_garbage(path, dry_run=True, retired=tuple(doomed), store=store)
     freed = sum(n for _, n in files)
+    going = {f for f, _ in files}
+    # checkpoints retired before, whose files kept checkpoints still read (they stay)
+    earlier = {}
+    for tag, m, _ in commit.list_checkpoints(path, store):
+        if m is None and tag not in doomed:
+            d = store.join(path, tag)
+            kept = [f for f in store.list(d) if f.endswith(".safetensors") and f"{tag}/{f}" not in going]
+            if kept:
+                earlier[tag] = sum(store.size(store.join(d, f)) for f in kept)
     if args.json:
         print(json.dumps({"retire": doomed, "delete": [f for f, _ in files], "bytes": freed,
-                          "dry_run": not args.yes}, indent=1))
+                          "retired_earlier_still_read": earlier, "dry_run": not args.yes}, indent=1))
     else:
-        going = {f for f, _ in files}
         kept_refs = [t for t in doomed if any(
             f"{t}/{f}" not in going for f in store.list(store.join(path, t)) if f.endswith(".safetensors"))]
         print(f"{'retiring' if args.yes else 'would retire'} {len(doomed)} checkpoint(s): "
@@ -380,6 +388,9 @@ def cmd_prune(args) -> int:
             stay = sum(store.size(store.join(path, t, f)) for t in kept_refs for f in store.list(store.join(path, t))
                        if f.endswith(".safetensors") and f"{t}/{f}" not in going)
             print(f"  (files in {', '.join(kept_refs)} that kept checkpoints still read stay: {human(stay)})")
+        if earlier:
+            print("  (retired earlier, files still read by kept checkpoints: "
+                  f"{', '.join(f'{t} {human(n)}' for t, n in sorted(earlier.items()))})")
     if not args.yes:
         if not args.json:
             print("dry run: nothing deleted; run again with --yes to do it")

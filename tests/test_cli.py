@@ -101,7 +101,9 @@ def test_weights_export_in_bf16(tmp_path):
 
 def test_sizes_count_as_hugging_face_does():
     assert _size("5GB") == 5 * 10 ** 9 and _size("5GiB") == 5 * 2 ** 30 and _size("1.5MB") == 1_500_000
-    assert _size("3KiB") == 3072 and _size("1048576") == 1048576 and _size("2tb") == 2 * 10 ** 12
+    assert _size("3KiB") == 3072 and _size("1048576") == 1048576 and _size("2TB") == 2 * 10 ** 12
+    # a lowercase b after a decimal unit is bits, as Hugging Face reads it
+    assert _size("5Gb") == 625_000_000 and _size("2tb") == 2 * 10 ** 12 // 8 and _size("5Gib") == 5 * 2 ** 30
     for bad in ("5 gigs", "GB", "5G", "-1"):
         with pytest.raises(Exception):
             _size(bad)

@@ -196,5 +196,11 @@ def test_keep_last_caps_the_disk_and_small_unchanged_boxes_do_not_pin_large_file
     assert main(["ls", big, "--json"]) == 0       # what the retired s1 still holds, in bytes
     rows = {r["tag"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["s1"]["state"] == "retired" and rows["s1"]["bytes"] == du(os.path.join(big, "s1"))
+    # prune says so too, for a checkpoint retired before it ran
+    assert main(["prune", big, "--keep-last", "1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["retire"] == ["s9"] and plan["retired_earlier_still_read"] == {"s1": du(os.path.join(big, "s1"))}
+    assert main(["prune", big, "--keep-last", "1"]) == 0
+    assert "retired earlier, files still read by kept checkpoints: s1" in capsys.readouterr().out
     got = load(SoloComm(), big, None, lambda r: {n: r.read(n) for n in r.manifest.tensors}, lambda st: st)[2]
     assert torch.equal(got["model/emb"], frozen) and torch.equal(got["master/w"], torch.full((768, 1024), 10.0))
