@@ -5,7 +5,8 @@ A format (DeepSpeed's native files, megatron-core's torch_dist, ...) is a :class
 registered under the entry-point group ``adacheck.converters`` by the package that knows it
 (``pyproject.toml``: ``deepspeed = "adacheck_ds.converters:NativeDeepSpeed"``); the ``adacheck
 convert`` command finds it by name and imports only the one it is asked for, so the core imports
-no integration.
+no integration.  This project's own formats are found also from a source tree on PYTHONPATH,
+which has no entry points (``OWN``).
 
 ``export_weights`` writes the model's full (unpartitioned) parameters and buffers as
 standard safetensors, the way inference and Hugging Face tooling expect them: one
@@ -33,6 +34,12 @@ from .storage import LOCAL, Storage
 from .writer import write_safetensors_to
 
 CONVERTERS = "adacheck.converters"     # the entry-point group
+# The formats this project's own integrations provide, as pyproject.toml registers them: found
+# also where the packages are importable but not installed (a source tree on PYTHONPATH, as on a
+# cluster that shares one checkout), where no entry point exists for them.
+OWN = {"deepspeed": "adacheck_ds.converters:NativeDeepSpeed",
+       "deepspeed-universal": "adacheck_ds.converters:DeepSpeedUniversal",
+       "torch-dist": "adacheck_megatron.converters:TorchDist"}
 
 
 class Converter:
@@ -67,9 +74,15 @@ class Converter:
 
 
 def registered() -> Dict[str, object]:
-    """name -> entry point of every converter installed (nothing is imported)."""
-    from importlib.metadata import entry_points
-    return {ep.name: ep for ep in entry_points(group=CONVERTERS)}
+    """name -> entry point of every converter installed, and of this project's own where their
+    package is importable without an entry point (nothing is imported)."""
+    import importlib.util
+    from importlib.metadata import EntryPoint, entry_points
+    found = {ep.name: ep for ep in entry_points(group=CONVERTERS)}
+    for name, value in OWN.items():
+        if name not in found and importlib.util.find_spec(value.split(".")[0]) is not None:
+            found[name] = EntryPoint(name, value, CONVERTERS)
+    return found
 
 
 def converter(name: str) -> Converter:

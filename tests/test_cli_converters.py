@@ -56,3 +56,31 @@ def test_installed_formats_and_a_clear_error_for_another():
     from adacheck.cli import main
     assert main(["convert", "src", "out", "--to", "onnx"]) == 2
     assert main(["convert", "src", "out", "--from", "torch-dist", "--to", "weights"]) == 2
+
+
+def test_a_source_tree_on_pythonpath_finds_its_own_formats(tmp_path):
+    """AdaCheck used from a checkout on PYTHONPATH (not installed: no entry points, as on a GPU
+    machine that shares one tree) still converts to its own formats, and the table of them is
+    the one pyproject.toml registers."""
+    import sysconfig
+    import tomllib
+    from adacheck.convert import OWN
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["entry-points"]["adacheck.converters"] == OWN
+    site = sysconfig.get_paths()["purelib"]
+    view = tmp_path / "site"            # the environment's packages without AdaCheck's metadata
+    view.mkdir()
+    for name in os.listdir(site):
+        if not (name.startswith("adacheck") or name.startswith("__editable__")):
+            os.symlink(os.path.join(site, name), view / name)
+    tree = tmp_path / "tree"            # the packages' sources alone (no egg-info beside them)
+    tree.mkdir()
+    for name in ("adacheck", "adacheck_ds", "adacheck_megatron"):
+        os.symlink(os.path.join(ROOT, name), tree / name)
+    code = ("import importlib.metadata as m, adacheck.convert as c\n"
+            "assert not m.entry_points(group='adacheck.converters')\n"
+            "print(sorted(c.registered()), c.converter('torch-dist').name)")
+    p = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{view}"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.split() == ["['deepspeed',", "'deepspeed-universal',", "'torch-dist']", "torch-dist"]
