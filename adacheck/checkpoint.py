@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import commit, jsontree, lifecycle, writer_process
+from . import commit, jsontree, lifecycle, partition, writer_process
 from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
@@ -39,9 +39,9 @@ from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, split_file
-from .planner import PlanCache, WritePlan, gc_paused, plan_save, previous_index
+from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
-from .types import Box, Manifest, ShardMeta, dtype_name, torch_dtype
+from .types import Box, Manifest, ShardMeta, dtype_name, meta_of_row, meta_row, torch_dtype
 from .staging import Staging
 from .storage import LOCAL, Storage, is_url, open_storage, storage_path, url_protocol
 from .writer import write_safetensors_to
@@ -199,10 +199,6 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, object], metadata: dict
         raise
 
 
-_META_FIELDS = ("name", "kind", "dtype", "shape", "hash", "derive", "derive_ok", "replicated")
-
-
-_STRUCT_FIELDS = tuple(f for f in _META_FIELDS if f != "hash")
 _STATIC = ("layout", "framework", "node")   # parts of a rank's save payload that stay the same
 
 
@@ -213,8 +209,7 @@ def _json(obj) -> bytes:
 def structure_of(payload: dict) -> Tuple[dict, str]:
     """A rank's save payload without its hashes (what does not change from one save to the next
     while the layout stays), and its digest."""
-    structure = {"metas": [[getattr(m, f) for f in _STRUCT_FIELDS] + [m.box.offsets, m.box.lengths]
-                           for m in payload["metas"]],
+    structure = {"metas": [meta_row(m) for m in payload["metas"]],
                  **{k: payload[k] for k in _STATIC}}
     return structure, hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
 
@@ -253,8 +248,7 @@ def _exchange(comm: Comm, payload: dict, how: str, sent: Dict[int, Dict[int, Tup
             raise FormatError(f"rank {r} sent {len(g['hashes'])} hashes for {len(st['metas'])} shards")
         cache[r] = (g["digest"], st)
         g.update({k: st[k] for k in _STATIC})
-        g["metas"] = [ShardMeta(**dict(zip(_STRUCT_FIELDS, m[:-2])), hash=h, box=Box(tuple(m[-2]), tuple(m[-1])))
-                      for m, h in zip(st["metas"], g.pop("hashes"))]
+        g["metas"] = [meta_of_row(m, h) for m, h in zip(st["metas"], g.pop("hashes"))]
         gathered.append(g)
     return gathered, comm.bytes_received([len(b) for b in blobs], how), sum(compact)
 
@@ -270,13 +264,15 @@ class Caches:
     """What a job keeps from one checkpoint to the next, in this process:
 
     - ``exchanged``: the structures every rank sent last time (a rank whose boxes did not change
-      then sends a digest and its hashes: see ``_exchange``);
+      then sends a digest and its hashes: see ``_exchange``); ``partitioned``: the same for the
+      partitioned exchange (:mod:`adacheck.partition`), per owner;
     - ``plan``: the planner's (the last placement, the structures proven to tile);
     - ``trusted``: per save directory, the checkpoint this job last loaded (every box verified by
       some rank) or committed there.  A new save references boxes of that one only: not of
       whatever 'latest' names, which may be damaged (a reference records the hash of the new
       bytes, not of the bytes on disk) or written by another job since."""
     exchanged: Dict[int, Dict[int, Tuple[str, list]]] = field(default_factory=dict)
+    partitioned: Dict[int, partition.PartitionCache] = field(default_factory=dict)   # world size -> its cache
     plan: PlanCache = field(default_factory=PlanCache)
     trusted: Dict[str, str] = field(default_factory=dict)
 
@@ -376,11 +372,17 @@ class Prepared:
 
 @dataclass
 class Exchanged:
-    """Step 2, the same on every rank: every rank's payload, and what the exchange cost."""
+    """Step 2: every rank's payload on every rank, and what the exchange cost.  With the
+    partitioned exchange (:mod:`adacheck.partition`) the (box, hash) lists go to their owners in
+    the plan step instead: ``gathered`` holds, without ``metas``, every rank's payload on rank 0
+    and this rank's (with rank 0's step and framework) elsewhere; ``nodes``: every rank's node
+    where the plan needs it (copies > 1)."""
     gathered: List[dict]
     generation: int
     previous: Optional[str]
     stats: dict
+    partitioned: bool = False
+    nodes: Optional[List[str]] = None
 
 
 @dataclass
@@ -692,8 +694,17 @@ class Checkpointer:
         return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store)
 
     def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
-        """Step 2: every rank's payload on every rank."""
+        """Step 2: every rank's payload on every rank (partitioned: see :class:`Exchanged`)."""
         t0 = time.perf_counter()
+        if self.options.exchange == "partitioned":
+            p = prepared.payload
+            head = comm.broadcast_object({k: p[k] for k in ("generation", "previous", "step", "framework")})
+            mine = {k: v for k, v in p.items() if k != "metas"}
+            everyone = comm.gather_object(mine)
+            nodes = comm.all_gather_object(p["node"]) if self.options.copies > 1 else None
+            return Exchanged(everyone or [dict(mine, step=head["step"], framework=head["framework"])],
+                             head["generation"], head["previous"],
+                             {"how": "partitioned", "seconds": time.perf_counter() - t0}, partitioned=True, nodes=nodes)
         with gc_paused():
             gathered, received, compact = _exchange(comm, prepared.payload, self.options.exchange,
                                                     self.caches.exchanged)
@@ -721,6 +732,8 @@ class Checkpointer:
 
         previous, sizes = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
                                 index_previous)
+        if exchanged.partitioned:
+            return self._plan_partitioned(comm, prepared, exchanged, previous, sizes)
         plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous, file_sizes=sizes,
                          copies=self.options.copies, nodes=[g["node"] for g in exchanged.gathered],
                          cache=self.caches.plan)
@@ -728,6 +741,25 @@ class Checkpointer:
             for w in plan.warnings:
                 warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=3)
         return plan
+
+    def _plan_partitioned(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, previous, sizes) -> WritePlan:
+        """Step 3 with the partitioned exchange: the plan's whole tables on rank 0 (warned there),
+        this rank's writes and file on every rank."""
+        t0, gen = time.perf_counter(), exchanged.generation
+        placed, got, stats = partition.plan(
+            comm, prepared.payload["metas"], gen, previous, sizes, self.options.copies, exchanged.nodes,
+            self.caches.partitioned.setdefault(comm.world_size, partition.PartitionCache()), self.caches.plan,
+            f"AdaCheck save of {prepared.ckpt_dir}")
+        exchanged.stats.update(stats, seconds=exchanged.stats["seconds"] + time.perf_counter() - t0)
+        writes = {comm.rank: tuple(placed.writes)} if placed.writes else {}
+        files = {file_name(comm.rank, gen): {"writer": comm.rank, "nbytes": placed.nbytes}} if writes else {}
+        if got is None:
+            return WritePlan(tensors={}, writes=writes, files=files, warnings=(), stats={})
+        files = {file_name(w, gen): {"writer": w, "nbytes": got.stats["per_rank_bytes"][w]} for w in got.writers}
+        for w in got.warnings:
+            warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
+        return WritePlan(tensors=got.tensors, writes=writes, files=files, warnings=tuple(got.warnings),
+                         stats=got.stats)
 
     def _remove_mine(self, prepared: Prepared, my_file: Optional[str]) -> None:
         if my_file is not None:

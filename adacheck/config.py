@@ -50,6 +50,10 @@ redundancy_factor   1         store each distinct box this many times, written b
 exchange            "ring"    how ranks share their (box, hash) lists before a save: "ring"
                               (send to next / receive from previous, N-1 steps) or
                               "allgather" (one collective, blocks padded to the longest)
+                              or "partitioned" (each tensor's shard list only to the rank that
+                              decides it, one all-to-all: a rank's traffic and planning
+                              follow its own boxes, not the job's size; not yet with the
+                              memory tier or online deltas)
 hash_chunk_bytes    67108864  boxes larger than this are split along their first axis into
                               chunks with their own hash, so an unchanged part of a large
                               tensor (rows of unused tokens, a frozen slice) is referenced
@@ -272,6 +276,10 @@ class AdaCheckConfig:
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
+        if self.exchange == "partitioned" and (self.tiers.memory or self.online.enabled):
+            raise ConfigError("adacheck.exchange \"partitioned\" does not work with "
+                              f"{'adacheck.tiers.memory' if self.tiers.memory else 'adacheck.online.enabled'} yet: "
+                              "use exchange \"ring\" (the default) with it, or turn it off")
         if self.tiers.memory and self.online.enabled:
             raise ConfigError("adacheck.tiers.memory with adacheck.online.enabled: online deltas do not go to the "
                               "memory tier yet; use one of the two")

@@ -14,7 +14,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from .errors import AdaCheckError, DistributedError, kind_of
 
 
-EXCHANGES = ("ring", "allgather")
+GATHERS = ("ring", "allgather")                 # how all_gather_bytes moves the blocks
+EXCHANGES = GATHERS + ("partitioned",)         # how a save shares what the ranks hold (adacheck.partition)
 
 
 class Comm:
@@ -31,9 +32,28 @@ class Comm:
         receives each other rank's block once and nothing funnels through one rank;
         ``allgather``: one collective over blocks padded to the longest.
         """
-        if how not in EXCHANGES:
-            raise ValueError(f"unknown exchange {how!r}; expected one of {EXCHANGES}")
+        if how not in GATHERS:
+            raise ValueError(f"unknown exchange {how!r}; expected one of {GATHERS}")
         return [data]
+
+    def all_to_all_bytes(self, blocks: Sequence[Optional[bytes]]) -> List[bytes]:
+        """``blocks[r]`` (None or empty: nothing) to rank r, in one collective; returns the block
+        each rank sent here, in rank order (empty where it sent nothing).  A rank receives what
+        was sent to it only: its traffic is its own blocks', not the world's."""
+        return [bytes(blocks[0] or b"")]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on some rank (one small reduction)."""
+        return bool(flag)
+
+    def max_each(self, values: Sequence[int]) -> List[int]:
+        """The elementwise maximum over the ranks of ``values`` (the same length on every rank)."""
+        return [int(v) for v in values]
+
+    def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
+        """Every rank's ``obj`` on rank ``dst`` (in rank order); None on the others."""
+        out = self.all_gather_object(obj)
+        return out if self.rank == dst else None
 
     def bytes_received(self, sizes: List[int], how: str) -> int:
         """Bytes this rank receives in ``all_gather_bytes`` for blocks of ``sizes``."""
@@ -133,6 +153,44 @@ class TorchComm(Comm):
 
     def barrier(self):
         self._dist.barrier(group=self.group)
+
+    def broadcast_object(self, obj, src: int = 0):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        return box[0]
+
+    def gather_object(self, obj, dst: int = 0):
+        out = [None] * self.world_size if self.rank == dst else None
+        self._dist.gather_object(obj, out, dst=self._global(dst), group=self.group)
+        return out
+
+    def any(self, flag: bool) -> bool:
+        return self.max_each([int(bool(flag))])[0] > 0
+
+    def max_each(self, values):
+        import torch
+        t = torch.tensor(list(values), dtype=torch.int64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t]
+
+    def all_to_all_bytes(self, blocks):
+        import torch
+        n = self.world_size
+        if n == 1:
+            return [bytes(blocks[0] or b"")]
+        sizes = torch.tensor([len(b or b"") for b in blocks], dtype=torch.int64)
+        incoming = torch.empty(n, dtype=torch.int64)
+        self._dist.all_to_all_single(incoming, sizes, group=self.group)
+        send = torch.frombuffer(bytearray(b"".join(b or b"" for b in blocks)) or bytearray(1), dtype=torch.uint8)
+        recv = torch.empty(max(int(incoming.sum()), 1), dtype=torch.uint8)
+        self._dist.all_to_all_single(recv[:int(incoming.sum())], send[:int(sizes.sum())],
+                                     output_split_sizes=incoming.tolist(), input_split_sizes=sizes.tolist(),
+                                     group=self.group)
+        out, at = [], 0
+        for k in incoming.tolist():
+            out.append(bytes(recv[at:at + k].numpy()))
+            at += k
+        return out
 
     def _global(self, r: int) -> int:
         return r if self.group is None else self._dist.get_global_rank(self.group, r)

@@ -80,7 +80,7 @@ def place(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = No
     Pure and deterministic: same inputs, same answer.  Largest items first; each copy to the
     least-loaded eligible holder (ties: lowest rank), preferring nodes without a copy.
     """
-    nodes = _nodes(n_ranks, copies, nodes)
+    nodes = rank_nodes(n_ranks, copies, nodes)
     load: Dict[int, int] = defaultdict(int)
     out = {}
     for nbytes, key, holders in sorted(items, key=lambda t: (-t[0], t[1])):
@@ -88,7 +88,7 @@ def place(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = No
     return out, load
 
 
-def _nodes(n_ranks: int, copies: int, nodes) -> List[str]:
+def rank_nodes(n_ranks: int, copies: int, nodes) -> List[str]:
     """Each rank's node (default: a node per rank), once ``copies`` is known to be valid."""
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
@@ -110,34 +110,36 @@ def _choose(nbytes: int, holders, copies: int, nodes, load) -> List[int]:
 
 
 def place_by_group(items, n_ranks: int, copies: int = 1, nodes: Sequence[str] | None = None):
-    """Like ``place``, but each set of holders is placed apart, as its owner would without a
-    global view: items held by one rank only are that rank's (its *pinned* bytes, which it knows
-    of itself); the items of each larger holder set are placed greedily (largest first) among
-    its members, from the bytes its members hold so far: their pinned bytes and what the smaller
-    sets, placed before it, gave them (sets of one size are independent in a real layout).
-    Returns ([writers] per key, bytes per rank).  Its balance against ``place``'s is measured by
-    scripts/simulate_scale.py; the save does not use it yet."""
-    nodes = _nodes(n_ranks, copies, nodes)
-    pinned: Dict[int, int] = defaultdict(int)
+    """Like ``place``, but each set of holders is placed apart, as its owner does in a partitioned
+    save (:mod:`adacheck.partition`) without a global view: items held by one rank only are that
+    rank's (its *pinned* bytes); the sets of holders are placed by increasing size (a data-parallel
+    group before the tensor x data-parallel group that contains it), each set greedily (largest
+    first) among its members, from the bytes its members held once the smaller sets were placed
+    (sets of one size are placed at once, from the same bytes).  Returns ([writers] per key,
+    bytes per rank).  Its balance against ``place``'s is measured by scripts/simulate_scale.py."""
+    nodes = rank_nodes(n_ranks, copies, nodes)
     groups: Dict[tuple, list] = defaultdict(list)
-    out = {}
     for nbytes, key, holders in items:
-        if len(holders) == 1:
-            pinned[holders[0]] += nbytes
-            out[key] = [holders[0]]
-        else:
-            groups[tuple(holders)].append((nbytes, key))
-    total: Dict[int, int] = defaultdict(int, pinned)
-    # smaller holder sets first (a data-parallel group before the tensor x data-parallel group that
-    # contains it): a set starts from its members' bytes so far, which its owner would learn from
-    # them, one round per size of set
-    for holders in sorted(groups, key=lambda h: (len(h), h)):
-        load: Dict[int, int] = defaultdict(int, {h: total[h] for h in holders})
-        for nbytes, key in sorted(groups[holders], key=lambda t: (-t[0], t[1])):
-            out[key] = _choose(nbytes, holders, copies, nodes, load)
-            for w in out[key]:
-                total[w] += nbytes
+        groups[tuple(holders)].append((nbytes, key))
+    total: Dict[int, int] = defaultdict(int)
+    out = {}
+    for size in sorted({len(h) for h in groups}):
+        before = dict(total)
+        for holders in sorted(h for h in groups if len(h) == size):
+            nbytes = dict((k, n) for n, k in groups[holders])
+            for key, writers in place_set(groups[holders], holders, copies, nodes, before).items():
+                out[key] = writers
+                for w in writers:
+                    total[w] += nbytes[key]
     return out, total
+
+
+def place_set(items, holders, copies: int, nodes, held: Dict[int, int]) -> Dict[str, List[int]]:
+    """The writers of the items [(nbytes, key)] of one set of ``holders``, placed greedily (largest
+    first, ties by key) from the bytes its members held before (``held``, not changed)."""
+    load: Dict[int, int] = defaultdict(int, {h: held.get(h, 0) for h in holders})
+    return {key: _choose(nbytes, holders, copies, nodes, load)
+            for nbytes, key in sorted(items, key=lambda t: (-t[0], t[1]))}
 
 
 @contextlib.contextmanager
@@ -195,25 +197,49 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
 
 def _worth_pinning(per_rank, previous: PreviousIndex, file_sizes: Dict[str, int]) -> PreviousIndex:
     """``previous`` without the boxes of files that the new checkpoint would read too little of
-    (less than MIN_PINNED_SHARE of the file's bytes, leaving more than MAX_PINNED_WASTE unread;
-    until no such file is left: a box written again reads less of its other copies' files)."""
-    current: Dict[Tuple[str, Box], set] = defaultdict(set)   # (name, box) -> its digests now
-    dtypes: Dict[str, str] = {}
-    for shards in per_rank:
-        for s in shards:
-            current[(s.name, s.box)].add(s.hash)
-            dtypes[s.name] = s.dtype
-    usable = {k: v for k, v in previous.items() if current.get(k) == {v[0]} and dtypes.get(k[0]) == v[1]}
+    (see ``thin_files``; until no such file is left: a box written again reads less of its other
+    copies' files)."""
+    usable = usable_previous(group_by_tensor(per_rank), previous)
     while True:
-        read: Dict[str, int] = defaultdict(int)
-        for (name, box), (_, dtype, refs) in usable.items():
-            for ref in {r for r, _ in refs}:
-                read[ref] += box.numel * itemsize(dtype)
-        thin = {ref for ref, n in read.items() if n < MIN_PINNED_SHARE * file_sizes.get(ref, 0)
-                and file_sizes.get(ref, 0) - n > MAX_PINNED_WASTE}
+        thin = thin_files(file_reads(usable), file_sizes)
         if not thin:
             return usable
-        usable = {k: v for k, v in usable.items() if not any(r in thin for r, _ in v[2])}
+        usable = without_files(usable, thin)
+
+
+def usable_previous(by_name: Dict[str, List[Tuple[int, ShardMeta]]], previous: PreviousIndex) -> PreviousIndex:
+    """The boxes of ``previous`` (of the tensors in ``by_name``) that every holder of the box
+    holds now unchanged, in the same dtype."""
+    out: PreviousIndex = {}
+    for name, held in by_name.items():
+        digests: Dict[Box, set] = defaultdict(set)
+        for _, s in held:
+            digests[s.box].add(s.hash)
+        dtype = held[0][1].dtype
+        for box, found in digests.items():
+            v = previous.get((name, box))
+            if v is not None and found == {v[0]} and dtype == v[1]:
+                out[(name, box)] = v
+    return out
+
+
+def file_reads(usable: PreviousIndex) -> Dict[str, int]:
+    """Bytes the new checkpoint would read of each file of ``usable``."""
+    read: Dict[str, int] = defaultdict(int)
+    for (name, box), (_, dtype, refs) in usable.items():
+        for ref in {r for r, _ in refs}:
+            read[ref] += box.numel * itemsize(dtype)
+    return read
+
+
+def thin_files(read: Dict[str, int], file_sizes: Dict[str, int]) -> set:
+    """Files read less than MIN_PINNED_SHARE of, leaving more than MAX_PINNED_WASTE bytes unread."""
+    return {ref for ref, n in read.items() if n < MIN_PINNED_SHARE * file_sizes.get(ref, 0)
+            and file_sizes.get(ref, 0) - n > MAX_PINNED_WASTE}
+
+
+def without_files(usable: PreviousIndex, files: set) -> PreviousIndex:
+    return {k: v for k, v in usable.items() if not any(r in files for r, _ in v[2])}
 
 
 def group_by_tensor(per_rank: Sequence[Sequence[ShardMeta]]) -> Dict[str, List[Tuple[int, ShardMeta]]]:
@@ -238,13 +264,26 @@ def route(per_rank: Sequence[Sequence[ShardMeta]], n_owners: int):
     part, with ``source_of=sources.get``, gives the whole plan's decisions for those tensors."""
     routed = [(defaultdict(list), {}) for _ in range(n_owners)]
     for rank, shards in enumerate(per_rank):
-        own = {s.name: s for s in shards}
-        for s in shards:
-            by_name, sources = routed[owner_of(s.name, n_owners)]
-            by_name[s.name].append((rank, s))
-            if s.derive is not None and s.derive in own:
-                sources.setdefault(s.derive, own[s.derive])
+        for owner, (mine, sources) in route_rank(shards, n_owners).items():
+            by_name, got = routed[owner]
+            for s in mine:
+                by_name[s.name].append((rank, s))
+            for name, s in sources.items():
+                got.setdefault(name, s)
     return routed
+
+
+def route_rank(shards: Sequence[ShardMeta], n_owners: int) -> Dict[int, Tuple[List[ShardMeta], Dict[str, ShardMeta]]]:
+    """What one rank sends each owner: owner -> (its shards of the tensors the owner decides, the
+    source shard of each derived one of them that this rank also holds)."""
+    own = {s.name: s for s in shards}
+    out: Dict[int, Tuple[List[ShardMeta], Dict[str, ShardMeta]]] = {}
+    for s in shards:
+        mine, sources = out.setdefault(owner_of(s.name, n_owners), ([], {}))
+        mine.append(s)
+        if s.derive is not None and s.derive in own:
+            sources.setdefault(s.derive, own[s.derive])
+    return out
 
 
 @dataclass
@@ -326,15 +365,29 @@ def decide(by_name: Dict[str, List[Tuple[int, ShardMeta]]], previous: PreviousIn
 
 def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> WritePlan:
     d = decide(group_by_tensor(per_rank), previous, copies, cache)
-    tensors, warnings, logical, held = d.tensors, d.warnings, d.logical, d.held
     # Balanced, deterministic assignment (of what is not referenced from ``previous``).
     writer_of, load = cache.place(d.items, len(per_rank), copies, nodes)
+    tensors, writes, files, referenced = assign_files(d.tensors, writer_of, generation)
+    stats = {"held_bytes": d.held, "logical_bytes": d.logical,
+             "stored_bytes": sum(f["nbytes"] for f in files.values()),
+             "derived_bytes": sum(e.nbytes for e in tensors.values() if e.derived is not None),
+             "referenced_bytes": referenced,
+             "per_rank_bytes": [load.get(r, 0) for r in range(len(per_rank))]}
+    return WritePlan(tensors=tensors, writes={r: tuple(v) for r, v in writes.items()},
+                     files=files, warnings=tuple(d.warnings), stats=stats)
+
+
+def assign_files(tensors: Dict[str, TensorEntry], writer_of: Dict[str, List[int]], generation: int):
+    """The decided entries with each box to write in its writers' files (``writer_of``: key ->
+    writers): (entries, rank -> [(name, box, key)] it writes, file -> {"writer", "nbytes"}, bytes
+    referenced from an earlier checkpoint)."""
+    out: Dict[str, TensorEntry] = {}
     writes: Dict[int, List[Tuple[str, Box, str]]] = defaultdict(list)
     files: Dict[str, dict] = {}
-    names: Dict[int, str] = {}   # writer -> its file
     referenced = 0
     for name, e in tensors.items():
         if e.derived is not None:
+            out[name] = e
             continue
         new_boxes = []
         for sb in e.boxes:
@@ -343,16 +396,10 @@ def _plan(per_rank, generation, previous, copies, nodes, cache: PlanCache) -> Wr
                 referenced += sb.box.numel * itemsize(e.dtype)
                 continue
             for w in writer_of[sb.key]:   # one stored copy per writer
-                fname = names.get(w) or names.setdefault(w, file_name(w, generation))
+                fname = file_name(w, generation)
                 files.setdefault(fname, {"writer": w, "nbytes": 0})
                 files[fname]["nbytes"] += sb.box.numel * itemsize(e.dtype)
                 writes[w].append((name, sb.box, sb.key))
                 new_boxes.append(StoredBox(sb.box, fname, sb.key, sb.hash, sb.holders))
-        tensors[name] = TensorEntry(e.name, e.kind, e.dtype, e.shape, boxes=tuple(new_boxes))
-    stored_bytes = sum(f["nbytes"] for f in files.values())
-    stats = {"held_bytes": held, "logical_bytes": logical, "stored_bytes": stored_bytes,
-             "derived_bytes": sum(e.nbytes for e in tensors.values() if e.derived is not None),
-             "referenced_bytes": referenced,
-             "per_rank_bytes": [load.get(r, 0) for r in range(len(per_rank))]}
-    return WritePlan(tensors=tensors, writes={r: tuple(v) for r, v in writes.items()},
-                     files=files, warnings=tuple(warnings), stats=stats)
+        out[name] = TensorEntry(e.name, e.kind, e.dtype, e.shape, boxes=tuple(new_boxes))
+    return out, writes, files, referenced

@@ -171,6 +171,18 @@ class ShardMeta:
         return self.box.numel * itemsize(self.dtype)
 
 
+STRUCT_FIELDS = ("name", "kind", "dtype", "shape", "derive", "derive_ok", "replicated")   # all but the hash
+
+
+def meta_row(m: ShardMeta) -> list:
+    """A shard's structure (everything but its hash) as a JSON-able row; see ``meta_of_row``."""
+    return [getattr(m, f) for f in STRUCT_FIELDS] + [list(m.box.offsets), list(m.box.lengths)]
+
+
+def meta_of_row(row: list, digest: str) -> ShardMeta:
+    return ShardMeta(**dict(zip(STRUCT_FIELDS, row[:-2])), hash=digest, box=Box(tuple(row[-2]), tuple(row[-1])))
+
+
 @dataclass(frozen=True)
 class StoredBox:
     """One stored copy of a box: where its bytes are and what they hash to."""

@@ -131,6 +131,7 @@ def run_one(run, out):
         elif kind == "save":
             args.adacheck, args.save = True, rest[0]
             pretrain_gpt.save_checkpoint(iteration, model, optimizer, scheduler, args)
+            res.setdefault("exchanges", []).append(args.adacheck_config.exchange)
         elif kind == "load":
             args.adacheck, args.load = True, rest[0]
             iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)

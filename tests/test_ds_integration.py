@@ -159,6 +159,8 @@ def test_config_block_validation_and_disabled_block(tmp_path):
            ({"adacheck": {"enabled": True, "tiers": {"peer": True}}}, "it needs tiers.memory true as well"),
            ({"adacheck": {"enabled": True, "tiers": {"memory": True}, "online": {"enabled": True}}},
             "online deltas do not go to the memory tier"),
+           ({"adacheck": {"enabled": True, "exchange": "partitioned", "online": {"enabled": True}}},
+            'adacheck.exchange "partitioned" does not work with adacheck.online.enabled yet'),
            ({"adachek": {"enabled": True}}, "top-level key 'adachek'; did you mean \"adacheck\"?"),
            ({"AdaCheck": {"enabled": True}}, "top-level key 'AdaCheck'; did you mean \"adacheck\"?")]
     runs = [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": False},
@@ -346,10 +348,13 @@ def test_redundancy_factor_two_survives_a_damaged_copy(tmp_path):
     assert cli(["verify", "--quiet", f"{d}/ck"]) == 1   # the damaged copy is still reported
 
 
-def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
+def test_ring_allgather_and_partitioned_exchanges_give_the_same_checkpoint(tmp_path):
     """Both exchanges give the same manifests; after the first save, ranks whose boxes did not
     change send only a digest and their hashes (fewer bytes, same manifests); a rank whose
-    boxes changed sends its structure again (tests/test_core_references.py)."""
+    boxes changed sends its structure again (tests/test_core_references.py).  The partitioned
+    exchange stores the same boxes (writers aside), and ZeRO-2 and ZeRO-3 checkpoints saved with
+    it load into a new engine with every tensor equal (DeepSpeed's own accessors) and the next
+    step's loss equal to the saving run's."""
     d = str(tmp_path)
     c = dict(stage=1, dtype="bf16", frozen=["inp."])
     runs = [dict(c, adacheck={"enabled": True, "exchange": how},
@@ -357,18 +362,35 @@ def test_ring_and_allgather_exchanges_give_the_same_checkpoint(tmp_path):
                           ["save", f"{d}/{how}", "t2"]])
             for how in ("ring", "allgather")]
     runs.append(dict(c, hidden=41, adacheck={"enabled": True}, actions=[["train", 1], ["save", f"{d}/other", "t"]]))
+    part = {"enabled": True, "exchange": "partitioned"}
+    runs.append(dict(c, adacheck=part, actions=[["train", 2], ["save", f"{d}/partitioned", "t"], ["train", 1],
+                                                ["save", f"{d}/partitioned", "t2"]]))
+    for stage in (2, 3):
+        runs.append(dict(stage=stage, dtype="bf16", adacheck=part,
+                         actions=[["train", 2], ["dump", f"z{stage}_saved"], ["save", f"{d}/z{stage}"], ["train", 1]]))
+        runs.append(dict(stage=stage, dtype="bf16", seed=9, adacheck=part,
+                         actions=[["load", f"{d}/z{stage}"], ["dump", f"z{stage}_loaded"], ["train", 1]]))
     check(launch(4, {"runs": runs}, d))
     for r in range(4):
         ex = results(d, r)[0]["exchange"]
         assert ex["ring"] == ex["allgather"] == ex["expected"]
     for t in ("t", "t2"):
-        ring, gather = (json.load(open(f"{d}/{how}/{t}/manifest.json")) for how in ("ring", "allgather"))
+        ring, gather, part_m = (json.load(open(f"{d}/{how}/{t}/manifest.json"))
+                                for how in ("ring", "allgather", "partitioned"))
         assert ring["tensors"] == gather["tensors"] and ring["files"] == gather["files"], t
+        without_files = lambda m: {n: {k: v if k != "boxes" else [dict(b, file="/" in b["file"]) for b in v]  # noqa: E731
+                                       for k, v in e.items()} for n, e in m["tensors"].items()}
+        assert without_files(ring) == without_files(part_m), t
+        assert ring["stats"]["stored_bytes"] == part_m["stats"]["stored_bytes"]
     ring, gather, other = (results(d)[i]["exchanges"] for i in range(3))
     # caches are per job (engine): each engine's first save sends its structure
     assert [e["ranks_sent_digest_only"] for e in ring + gather + other] == [0, 4, 0, 4, 0]
     assert ring[1]["bytes_received"] < ring[0]["bytes_received"] / 2, ring
     assert other[0]["bytes_received"] > ring[1]["bytes_received"]
+    for stage, i in ((2, 4), (3, 6)):
+        assert_same(load_file(f"{d}/z{stage}_saved.safetensors"), load_file(f"{d}/z{stage}_loaded.safetensors"))
+        saved, loaded = results(d)[i], results(d)[i + 1]
+        assert loaded["losses"] == saved["losses"][-1:], stage
 
 
 def test_diverged_replica_is_reported_and_both_copies_kept(tmp_path):

@@ -132,8 +132,11 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     torch_dist checkpoint it saves after AdaCheck's load holds exactly the tensors of the one it
     saved in the saving layout (both read whole by its own loader), and the next iterations'
     losses equal those of a run that loads that native checkpoint with megatron-core (where it
-    can: not EP=2 -> EP=1)."""
-    runs = resume_runs(tmp_path, RESUME_2, gbs=4)
+    can: not EP=2 -> EP=1).  The TP=2, PP=2 and EP=2 jobs save with the partitioned exchange
+    (--adacheck-exchange partitioned): the same checks judge it."""
+    layouts = {k: v + (["--adacheck", "--adacheck-exchange", "partitioned"] if k in ("tp2_fp32", "pp2_bf16", "ep2_moe") else [])
+               for k, v in RESUME_2.items()}
+    runs = resume_runs(tmp_path, layouts, gbs=4)
     # (megatron-core 0.16.1 cannot load the EP=2 job's chained dense + expert optimizer into the
     # EP=1 job's single one: KeyError 'pre_wd_mult' in _filter_and_reorder_param_groups; there
     # the oracle is its full tensors alone)
@@ -158,7 +161,9 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
                  "actions": [["expect_error", "model configurations differ", ["load", tp2]], ["train", 1]]})
     check(launch(2, {"runs": runs}, str(tmp_path), script="megatron_worker.py"))
     res = results(str(tmp_path))
-    check_resumed(tmp_path, RESUME_2, res)
+    check_resumed(tmp_path, layouts, res)
+    assert [res[2 * i].get("exchanges") for i in range(len(layouts))] == [
+        ["partitioned" if "partitioned" in argv else "ring"] for argv in layouts.values()]
     i = first_target
     for name, _, _, native in targets:
         ada = res[i]

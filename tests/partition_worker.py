@@ -1,0 +1,108 @@
+"""One rank of an 8-rank job (two simulated nodes) that saves the same synthetic layout with the
+ring exchange and with the partitioned one, for tests/test_partition.py.
+
+The layout (world 8, TP=2 x DP=4): an embedding replicated on every rank; a TP-sharded weight
+replicated over each DP group; a master weight partitioned by rows over all ranks (ZeRO), cut into
+row chunks; a bf16 copy of a master tensor, derivable; a LayerNorm weight whose replica on rank 5
+diverged; a per-rank RNG state; a large master tensor held by ranks 4-7 only, so that their files
+are large and the unchanged boxes in them are written again rather than referenced (too little
+of those files would be read), while those in the small files of ranks 0-3 are referenced.  Every full tensor is made here from seeds, so the test can judge
+the loads against them.  ``python partition_worker.py SPEC OUT_DIR``."""
+import json
+import os
+import sys
+import warnings
+import zlib
+
+import torch
+
+WORLD, TP = 8, 2
+CONSTANT = ("model/emb", "master/d")        # unchanged from one save to the next
+
+
+def made_at(name, step):
+    return 0 if name in CONSTANT else step
+
+
+def full(name, step):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}@{step}".encode()))
+    shapes = {"model/emb": (16, 8), "model/w": (8, 12), "master/w": (64, 6), "master/d": (8, 4),
+              "model/ln": (12,), "master/big": (4 * 640, 1024)}
+    return torch.randn(*shapes[name], generator=g)
+
+
+def state(rank, step, LocalShard, LocalState, Box):
+    tp, shards = rank % TP, []
+    emb = full("model/emb", 0)
+    shards.append(LocalShard("model/emb", "model", tuple(emb.shape), Box.full(emb.shape), emb.clone()))
+    w = full("model/w", step)
+    cols = w.shape[1] // TP
+    shards.append(LocalShard("model/w", "model", tuple(w.shape), Box((0, tp * cols), (w.shape[0], cols)),
+                             w[:, tp * cols:(tp + 1) * cols].clone()))
+    m = full("master/w", step)
+    rows = m.shape[0] // WORLD
+    shards.append(LocalShard("master/w", "master", tuple(m.shape), Box((rank * rows, 0), (rows, m.shape[1])),
+                             m[rank * rows:(rank + 1) * rows].clone(), replicated=False))
+    d = full("master/d", 0)
+    rows = d.shape[0] // WORLD
+    shards.append(LocalShard("master/d", "master", tuple(d.shape), Box((rank * rows, 0), (rows, d.shape[1])),
+                             d[rank * rows:(rank + 1) * rows].clone(), replicated=False))
+    shards.append(LocalShard("model/d", "model", tuple(d.shape), Box.full(d.shape), d.to(torch.bfloat16),
+                             derive="master/d", derive_ok=True))
+    ln = full("model/ln", step) + (1.0 if rank == 5 else 0.0)      # a replica that diverged
+    shards.append(LocalShard("model/ln", "model", tuple(ln.shape), Box.full(ln.shape), ln))
+    if rank >= 4:
+        big, rows = full("master/big", step), 640
+        shards.append(LocalShard("master/big", "master", tuple(big.shape), Box(((rank - 4) * rows, 0), (rows, 1024)),
+                                 big[(rank - 4) * rows:(rank - 3) * rows].clone(), replicated=False))
+    rng = torch.tensor([rank, step], dtype=torch.int64)
+    return LocalState(shards, objects={"step": step}, rank_objects={"rng": rng}, step=step,
+                      layout={"tp": tp, "dp": rank // TP})
+
+
+def main():
+    spec, out = json.load(open(sys.argv[1])), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    torch.distributed.init_process_group("gloo")
+    from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options
+    from adacheck.errors import AdaCheckError
+    from adacheck.exchange import default_comm
+    from adacheck.types import Box
+    comm, rec = default_comm(), {"saves": {}}
+    for how in ("ring", "partitioned"):
+        opts = Options(exchange=how, copies=spec["copies"], chunk_bytes=spec["chunk_bytes"])
+        job = Checkpointer(options=opts)
+        for step in (1, 2, 3):
+            if step == 3 and rank == 3:
+                job = Checkpointer(options=opts)         # this rank lost its caches (a new job object)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m = job.save(comm, f"{spec['dir']}/{how}", f"s{step}",
+                             lambda: state(rank, step, LocalShard, LocalState, Box))
+            rec["saves"][f"{how}/s{step}"] = {"exchange": m.stats["exchange"],
+                                              "warnings": sorted(str(w.message) for w in caught)}
+        # a rank that disagrees on a tensor's dtype: every rank raises, nothing is published
+        bad = lambda: state(rank, 4, LocalShard, LocalState, Box)    # noqa: E731
+        if rank == 2:
+            def bad():
+                s = state(rank, 4, LocalShard, LocalState, Box)
+                s.shards[0] = LocalShard("model/emb", "model", (16, 8), Box.full((16, 8)),
+                                         torch.zeros(16, 8, dtype=torch.float16))
+                return s
+        try:
+            job.save(comm, f"{spec['dir']}/{how}", "s4", bad)
+            rec[f"{how}/refused"] = None
+        except AdaCheckError as e:
+            rec[f"{how}/refused"] = type(e).__name__ + ": " + str(e)
+        # every rank reads every full tensor back (judged against the seeds by the test)
+        reader = CheckpointReader(f"{spec['dir']}/{how}/s3")
+        rec[f"{how}/exact"] = {n: bool(torch.equal(reader.read(n), full(n, made_at(n, 3))))
+                               for n in ("model/emb", "model/w", "master/w", "master/d", "master/big")}
+        rec[f"{how}/exact"]["model/d"] = bool(torch.equal(reader.read("model/d"), full("master/d", 0).to(torch.bfloat16)))
+        rec[f"{how}/exact"]["rng"] = reader.objects(rank)["rng"].tolist() == [rank, 3]
+    with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The partitioned exchange (``exchange: "partitioned"``, adacheck.partition) against the ring, in
+one launch of 8 real gloo ranks on two simulated nodes (tests/partition_worker.py): the same
+boxes stored, derived and referenced, the same divergence warnings, the writers that the
+per-holder-set placement gives from a global view, copies on distinct nodes, loads equal to
+the tensors the worker made from seeds, and a refusal on every rank."""
+import json
+import os
+import re
+
+import pytest
+
+from launch import check, launch
+
+from adacheck import planner
+from adacheck.manifest import parse
+from adacheck.types import itemsize
+
+
+def results(d, rank):
+    with open(os.path.join(d, f"result-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+def manifest(path):
+    return parse(open(os.path.join(path, "manifest.json")).read())
+
+
+def stored(m):
+    """What a checkpoint stores, writers and files left out: per tensor, its kind, dtype, shape,
+    derivation, and per box its hash, holders and whether it is referenced from an earlier one."""
+    out = {}
+    for name, e in m.tensors.items():
+        boxes = sorted((sb.box.offsets, sb.box.lengths, sb.key, sb.hash, sb.holders, "/" in sb.file) for sb in e.boxes)
+        out[name] = (e.kind, e.dtype, e.shape, e.derived, boxes)
+    return out
+
+
+def writers(m):
+    got = {}
+    for e in m.tensors.values():
+        for sb in e.boxes:
+            if "/" not in sb.file:
+                got.setdefault(sb.key, []).append(int(re.match(r"rank(\d+)-", sb.file).group(1)))
+    return got
+
+
+@pytest.mark.parametrize("copies", [2])
+def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
+    d = str(tmp_path)
+    nodes = ["a"] * 4 + ["b"] * 4
+    check(launch(8, {"dir": d, "copies": copies, "chunk_bytes": 64}, d, script="partition_worker.py", timeout=300,
+                 rank_env=lambda r: {"ADACHECK_NODE": nodes[r]}))
+    res = [results(d, r) for r in range(8)]
+    for r in range(8):
+        for how in ("ring", "partitioned"):
+            assert all(res[r][f"{how}/exact"].values()), (r, how, res[r][f"{how}/exact"])
+            assert "StateError" in res[r][f"{how}/refused"] and "model/emb" in res[r][f"{how}/refused"], res[r]
+    for how in ("ring", "partitioned"):
+        assert not os.path.exists(f"{d}/{how}/s4/manifest.json")
+        assert open(f"{d}/{how}/latest").read().strip() == "s3"
+    for tag in ("s1", "s2", "s3"):
+        ring, part = manifest(f"{d}/ring/{tag}"), manifest(f"{d}/partitioned/{tag}")
+        assert stored(ring) == stored(part), tag
+        for k in ("held_bytes", "logical_bytes", "stored_bytes", "derived_bytes", "referenced_bytes"):
+            assert ring.stats[k] == part.stats[k], (tag, k)
+        assert part.rank_objects == ring.rank_objects and part.objects == ring.objects
+        assert part.topology == ring.topology and part.layout == ring.layout
+        # each writer is the one the per-holder-set placement chooses from the whole job's boxes
+        items = {sb.key: (sb.box.numel * itemsize(e.dtype), sb.key, sb.holders)
+                 for e in ring.tensors.values() for sb in e.boxes if "/" not in sb.file}
+        want, _ = planner.place_by_group(list(items.values()), 8, copies=copies, nodes=nodes)
+        got = writers(part)
+        assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in want.items()}, tag
+        for key, ws in got.items():
+            assert len({nodes[w] for w in ws}) == min(copies, len({nodes[h] for h in next(
+                sb.holders for e in part.tensors.values() for sb in e.boxes if sb.key == key)})), key
+    # s3 references unchanged boxes of s2 in small files, and writes again those in large files
+    ref = {(n, sb.box.offsets) for n, e in ring.tensors.items() for sb in e.boxes if "/" in sb.file}
+    again = {(n, sb.box.offsets) for n, e in ring.tensors.items() for sb in e.boxes
+             if "/" not in sb.file and n == "master/d"}
+    assert ref and again, (ref, again)
+    # the same warnings, on rank 0 only
+    for tag in ("s1", "s2", "s3"):
+        w = res[0]["saves"][f"ring/{tag}"]["warnings"]
+        assert any("declared replicas diverged: model/ln" in x for x in w), w
+        assert res[0]["saves"][f"partitioned/{tag}"]["warnings"] == w
+        assert all(not res[r]["saves"][f"partitioned/{tag}"]["warnings"] for r in range(1, 8))
+    # traffic: the second save sends hashes only; rank 3 lost its caches before the third, and the
+    # structures were sent again (two more rounds) where it was involved
+    ex = [{t: res[r]["saves"][f"partitioned/{t}"]["exchange"] for t in ("s1", "s2", "s3")} for r in range(8)]
+    assert all(e["s1"]["ranks_sent_digest_only"] == 0 for e in ex)
+    assert sum(e["s1"]["senders"] for e in ex) > 8
+    assert all(e["s2"]["ranks_sent_digest_only"] == e["s2"]["senders"] and e["s2"]["rounds"]["route"] == 1 for e in ex)
+    assert ex[3]["s3"]["ranks_sent_digest_only"] == 0 < ex[3]["s3"]["senders"]
+    assert all(e["s3"]["ranks_sent_digest_only"] >= e["s3"]["senders"] - 1 for r, e in enumerate(ex) if r != 3)
+    assert sum(e["s2"]["bytes_received"] for e in ex) < sum(e["s1"]["bytes_received"] for e in ex) / 2
+    assert all(e["s3"]["rounds"]["route"] == 3 for e in ex)
+    ring_in = sum(res[r]["saves"]["ring/s1"]["exchange"]["bytes_received"] for r in range(8))
+    assert sum(e["s1"]["bytes_received"] for e in ex) < ring_in
