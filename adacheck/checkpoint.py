@@ -38,7 +38,8 @@ from .tiers import MemoryTier, newest_committed
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
-from .manifest import BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, split_file
+from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PARTED_SINCE, PartedTensors,
+                       part_name, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -383,6 +384,7 @@ class Exchanged:
     stats: dict
     partitioned: bool = False
     nodes: Optional[List[str]] = None
+    index: Optional[dict] = None        # partitioned, on rank 0: the manifest's index (its parts' hashes at the commit)
 
 
 @dataclass
@@ -716,7 +718,7 @@ class Checkpointer:
         """Step 3 (pure, the same on every rank once the checkpoint to reference is indexed)."""
         store, save_dir, prev_tag = prepared.store, prepared.save_dir, exchanged.previous
 
-        def index_previous():
+        def index_previous(names=None):
             if prev_tag is None:
                 return None, None
             m = commit.read_manifest(store.join(save_dir, prev_tag), store)
@@ -727,13 +729,13 @@ class Checkpointer:
                     sizes[ref] = store.size_if_file(store.join(save_dir, ref))
                 return sizes[ref]
 
-            index = previous_index(prev_tag, m, lambda ref: size(ref) is not None, saving=prepared.tag)
+            index = previous_index(prev_tag, m, lambda ref: size(ref) is not None, saving=prepared.tag, names=names)
             return index, {ref: n for ref, n in sizes.items() if n is not None}
 
+        if exchanged.partitioned:
+            return self._plan_partitioned(comm, prepared, exchanged, index_previous)
         previous, sizes = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
                                 index_previous)
-        if exchanged.partitioned:
-            return self._plan_partitioned(comm, prepared, exchanged, previous, sizes)
         plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous, file_sizes=sizes,
                          copies=self.options.copies, nodes=[g["node"] for g in exchanged.gathered],
                          cache=self.caches.plan)
@@ -742,30 +744,34 @@ class Checkpointer:
                 warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=3)
         return plan
 
-    def _plan_partitioned(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, previous, sizes) -> WritePlan:
-        """Step 3 with the partitioned exchange: the plan's whole tables on rank 0 (warned there),
-        this rank's writes and file on every rank."""
+    def _plan_partitioned(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, previous_of) -> WritePlan:
+        """Step 3 with the partitioned exchange: this rank's writes and file, the entries of the
+        tensors it owns (the part of the manifest it writes at the commit); on rank 0 also every
+        file, the warnings (warned there) and the counts."""
         t0, gen = time.perf_counter(), exchanged.generation
-        placed, got, stats = partition.plan(
-            comm, prepared.payload["metas"], gen, previous, sizes, self.options.copies, exchanged.nodes,
+        placed, own, got, stats = partition.plan(
+            comm, prepared.payload["metas"], gen, previous_of, self.options.copies, exchanged.nodes,
             self.caches.partitioned.setdefault(comm.world_size, partition.PartitionCache()), self.caches.plan,
             f"AdaCheck save of {prepared.ckpt_dir}")
         exchanged.stats.update(stats, seconds=exchanged.stats["seconds"] + time.perf_counter() - t0)
         writes = {comm.rank: tuple(placed.writes)} if placed.writes else {}
         files = {file_name(comm.rank, gen): {"writer": comm.rank, "nbytes": placed.nbytes}} if writes else {}
         if got is None:
-            return WritePlan(tensors={}, writes=writes, files=files, warnings=(), stats={})
+            return WritePlan(tensors=own, writes=writes, files=files, warnings=(), stats={})
         files = {file_name(w, gen): {"writer": w, "nbytes": got.stats["per_rank_bytes"][w]} for w in got.writers}
         for w in got.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
-        return WritePlan(tensors=got.tensors, writes=writes, files=files, warnings=tuple(got.warnings),
-                         stats=got.stats)
+        exchanged.index = {"generation": gen, "parts": comm.world_size, "hashes": [], "tensors": got.tensors,
+                           "referenced": got.referenced}
+        return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats)
 
-    def _remove_mine(self, prepared: Prepared, my_file: Optional[str]) -> None:
-        if my_file is not None:
-            store = prepared.store
-            for p in (store.join(prepared.ckpt_dir, my_file), store.join(prepared.ckpt_dir, my_file) + commit.TMP_SUFFIX):
-                store.remove(p)
+    def _remove_mine(self, prepared: Prepared, *mine: Optional[str]) -> None:
+        """This rank's files of a save that failed (its shard file, its part of the manifest)."""
+        store = prepared.store
+        for name in mine:
+            if name is not None:
+                for p in (store.join(prepared.ckpt_dir, name), store.join(prepared.ckpt_dir, name) + commit.TMP_SUFFIX):
+                    store.remove(p)
 
     def write(self, comm: Comm, prepared: Prepared, plan: WritePlan) -> Written:
         """Step 4: the boxes this rank writes, in one file, committed (or nothing left of it)."""
@@ -793,14 +799,27 @@ class Checkpointer:
         gathered, copies = exchanged.gathered, self.options.copies
         files = {f: dict(info, nbytes=written.sizes[info["writer"]]) for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
+        version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
+        tensors, index, store = plan.tensors, None, prepared.store
+        if exchanged.partitioned:       # each owner's part of the tensor table, bound by its hash
+            version, mine = PARTED_SINCE, part_name(exchanged.generation, comm.rank)
+            digest = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest parts)", lambda: commit.write_part(
+                prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag, plan.tensors, self.options.fsync,
+                store) if plan.tensors else None, on_failure=lambda: self._remove_mine(prepared, written.my_file, mine))
+            hashes = comm.gather_object(digest)
+            if hashes is not None:
+                index = dict(exchanged.index, hashes=hashes)
+                tensors = PartedTensors(index, files, prepared.tag, version,
+                                        lambda name: store.read_bytes(store.join(prepared.ckpt_dir, name)),
+                                        store.join(prepared.ckpt_dir, MANIFEST_NAME))
         manifest = Manifest(
-            format_version=COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION, tag=prepared.tag, step=gathered[0]["step"],
+            format_version=version, tag=prepared.tag, step=gathered[0]["step"],
             framework=dict(gathered[0]["framework"], generation=exchanged.generation),
             topology=dict({"world_size": comm.world_size},
                           **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {})),
-            tensors=plan.tensors, objects=gathered[0]["objects"],
+            tensors=tensors, objects=gathered[0]["objects"],
             rank_objects=tuple(g["rank_objects"] for g in gathered),
-            layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats)
+            layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats, index=index)
 
         here, spread, leads = files, self.options.spread, self._leads(comm)
         if spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
@@ -813,8 +832,9 @@ class Checkpointer:
                 confirm_files(prepared.store, prepared.ckpt_dir, here)
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
+        part = part_name(exchanged.generation, comm.rank) if exchanged.partitioned and plan.tensors else None
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
-              on_failure=lambda: self._remove_mine(prepared, written.my_file))
+              on_failure=lambda: self._remove_mine(prepared, written.my_file, part))
         return manifest
 
     def _leads(self, comm: Comm) -> bool:

@@ -16,7 +16,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from .errors import AdaCheckError, FormatError, NotFoundError
-from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, referenced_files
+from .hashing import hash_buffer
+from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, part_bytes, part_name, part_names, referenced_files
 from .storage import LOCAL, Storage
 from .types import Manifest
 
@@ -44,7 +45,17 @@ def read_manifest(ckpt_dir: str, store: Storage = LOCAL) -> Manifest:
                             "checkpoint (an interrupted save, or another format)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: cannot read manifest: {e}") from e
-    return parse(text, where=path)
+    return parse(text, where=path, open_part=lambda name: store.read_bytes(store.join(ckpt_dir, name)))
+
+
+def write_part(ckpt_dir: str, generation: int, part: int, tag: str, tensors, fsync: bool = True,
+               store: Storage = LOCAL) -> str:
+    """Part ``part`` of a manifest in parts (format 4), written whole; returns its hash, which the
+    manifest's index binds it by.  Written before the manifest: until that is committed, nothing
+    reads it (an interrupted save's parts are garbage, removed like its shard files)."""
+    data = part_bytes(tag, part, tensors)
+    store.write_atomic(store.join(ckpt_dir, part_name(generation, part)), data, fsync=fsync)
+    return hash_buffer(data)
 
 
 def has_manifest(ckpt_dir: str, store: Storage = LOCAL) -> bool:
@@ -131,7 +142,8 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     return 1 + max(gens) if gens else 0
 
 
-_SHARD_FILE = re.compile(r"^rank\d{5}-g\d+\.safetensors(" + re.escape(TMP_SUFFIX) + ")?$")
+_SHARD_FILE = re.compile(r"^(rank\d{5}-g\d+\.safetensors|manifest-g\d+-part-\d{5,}\.json)("
+                         + re.escape(TMP_SUFFIX) + ")?$")     # (a shard file, a manifest's part)
 
 
 def _tree_size(store: Storage, path: str) -> int:
@@ -166,6 +178,7 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
             continue
         for ref_tag, name in referenced_files(m):
             need.setdefault(ref_tag or tag, set()).add(name)
+        need.setdefault(tag, set()).update(part_names(m))
     removed = []
     for tag in store.list(save_dir):
         d = store.join(save_dir, tag)

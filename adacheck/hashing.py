@@ -10,6 +10,7 @@ place or tensor (swapped offsets, swapped names) no longer matches its bytes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Sequence
 
@@ -97,3 +98,10 @@ def check_digest_format(digest) -> bool:
         return False
     hexpart = digest[len(ALGORITHM) + 1:]
     return len(hexpart) == 32 and all(c in "0123456789abcdef" for c in hexpart)
+
+
+def owner_of(name: str, n: int) -> int:
+    """Which of ``n`` owners a name belongs to: the rank that decides about a tensor when a save's
+    decisions are partitioned (adacheck.partition), the part of a manifest that lists it.  A
+    stable hash of the name: the same on every rank, every run and every Python."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big") % n

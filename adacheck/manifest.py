@@ -9,23 +9,33 @@ the same shape; hashes are well-formed; object trees refer only to stored tensor
 
 Format versions: 2 (written now) records each box's hash over its identity and bytes
 (:func:`adacheck.hashing.bound_digest`) and a ``checksum`` of the manifest; 1 (still read,
-with a warning from the reader) recorded hashes of the bytes alone and no checksum.
+with a warning from the reader) recorded hashes of the bytes alone and no checksum; 3 as 2, and
+shard files may be encoded (compressed); 4 (written by the partitioned exchange) keeps the
+tensor table in parts: ``manifest-g<generation>-part-<i>.json``, part i listing the tensors
+whose name's ``owner_of`` is i, each bound to the manifest by its xxh3-128 in ``index``; a part
+is read, checked against its hash and validated only when a tensor of it is asked for
+(:class:`PartedTensors`), so a reader reads the parts it uses.
 """
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from typing import Callable, Dict, Optional
 
 from .boxes import check_tiling
 from .errors import FormatError, IntegrityError
-from .hashing import check_digest_format, hash_buffer
+from .hashing import check_digest_format, hash_buffer, owner_of
 from .jsontree import tensor_refs
 from .types import KINDS, DTYPES, Box, Derivation, Manifest, StoredBox, TensorEntry
 
 FORMAT = "adacheck"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 COMPRESSED_SINCE = 3   # format versions from here on may hold encoded (compressed) shard files
+PARTED_SINCE = 4       # format versions from here on may keep the tensor table in parts (``index``)
+PART_FORMAT = "adacheck-manifest-part"
+PART_RE = re.compile(r"^manifest-g\d+-part-\d{5,}\.json$")
 BOUND_SINCE = 2        # format versions from here on bind box hashes to their identity
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
@@ -41,14 +51,34 @@ def split_file(ref: str):
 
 
 def referenced_files(m: Manifest):
-    """{(tag, file)} this checkpoint needs, with tag None for its own directory."""
+    """{(tag, file)} this checkpoint needs, with tag None for its own directory (a manifest in
+    parts: its own files and the references its index lists, no part read)."""
+    if m.index is not None:
+        return {(None, f) for f in m.files} | {split_file(r) for r in m.index["referenced"]}
     return {split_file(b.file) for e in m.tensors.values() for b in e.boxes}
 
 
-def to_json(m: Manifest) -> dict:
-    tensors = {}
-    for name in sorted(m.tensors):
-        e = m.tensors[name]
+def part_name(generation: int, part: int) -> str:
+    return f"manifest-g{generation}-part-{part:05d}.json"
+
+
+def part_names(m: Manifest):
+    """The part files of a manifest in parts (none for one in one file)."""
+    if m.index is None:
+        return []
+    return [part_name(m.index["generation"], i) for i, h in enumerate(m.index["hashes"]) if h is not None]
+
+
+def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry]) -> bytes:
+    """The text of part ``part`` of checkpoint ``tag``'s tensor table (its hash goes in the index)."""
+    return json.dumps({"format": PART_FORMAT, "tag": tag, "part": part, "tensors": tensors_json(tensors)},
+                      separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+
+
+def tensors_json(tensors) -> dict:
+    out = {}
+    for name in sorted(tensors):
+        e = tensors[name]
         d = {"kind": e.kind, "dtype": e.dtype, "shape": list(e.shape)}
         if e.derived is not None:
             d["derived"] = {"source": e.derived.source, "op": e.derived.op}
@@ -59,13 +89,22 @@ def to_json(m: Manifest) -> dict:
             d["boxes"] = [{"offsets": list(b.box.offsets), "lengths": list(b.box.lengths),
                            "file": b.file, "key": b.key, "hash": b.hash,
                            "holders": list(b.holders)} for b in e.boxes]
-        tensors[name] = d
-    return {
+        out[name] = d
+    return out
+
+
+def to_json(m: Manifest) -> dict:
+    d = {
         "format": FORMAT, "format_version": m.format_version, "tag": m.tag, "step": m.step,
         "framework": m.framework, "topology": m.topology, "files": m.files,
         "stats": m.stats, "objects": m.objects, "rank_objects": list(m.rank_objects),
-        "layout": m.layout, "tensors": tensors,
+        "layout": m.layout,
     }
+    if m.index is not None:
+        d["index"] = m.index
+    else:
+        d["tensors"] = tensors_json(m.tensors)
+    return d
 
 
 def checksum(d: dict) -> str:
@@ -97,36 +136,10 @@ def _need(d, key, types, where):
     return v
 
 
-def parse(text: str, where: str = "manifest.json") -> Manifest:
-    try:
-        d = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{where}: not valid JSON ({e}); the checkpoint is corrupt") from e
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise FormatError(f"{where}: not an AdaCheck manifest (field 'format' != {FORMAT!r})")
-    version = _need(d, "format_version", int, where)
-    if version not in READABLE_VERSIONS:
-        raise FormatError(f"{where}: format_version {version} is not supported by this AdaCheck "
-                          f"(reads {', '.join(map(str, READABLE_VERSIONS))}); upgrade AdaCheck to read it")
-    if version >= BOUND_SINCE:
-        recorded = d.get(CHECKSUM)
-        if recorded != checksum(d):
-            raise IntegrityError(
-                f"{where}: the manifest does not match its checksum (recorded {recorded!r}): it was edited "
-                "or damaged after AdaCheck wrote it, so nothing it says can be trusted. Restore it from a "
-                "copy, or load an older checkpoint (adacheck ls lists them)")
-    tag = _need(d, "tag", str, where)
-    step = d.get("step")
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
-    files = _need(d, "files", dict, where)
-    for fname, info in files.items():
-        if not _FILE_RE.match(fname):
-            raise FormatError(f"{where}: shard file name {fname!r} is not a plain "
-                              "'*.safetensors' name inside the checkpoint directory")
-        _need(info, "nbytes", int, f"files[{fname}]")
-        _need(info, "writer", int, f"files[{fname}]")
-    raw_tensors = _need(d, "tensors", dict, where)
+def _tensors(raw_tensors: dict, version: int, files: dict, tag: str, where: str,
+             referenced: Optional[set] = None) -> Dict[str, TensorEntry]:
+    """The tensor table (or one part of it), validated; ``referenced``: the references to earlier
+    checkpoints a part may hold (those its index lists), None: any."""
     tensors = {}
     for name, t in raw_tensors.items():
         w = f"tensors[{name}]"
@@ -166,7 +179,8 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
                     raise FormatError(f"manifest: {wb} refers to file {fname!r} that the "
                                       "manifest does not list")
                 if ref_tag is not None and (not TAG_RE.match(ref_tag) or ref_tag in ("latest", tag)
-                                            or not _FILE_RE.match(plain)):
+                                            or not _FILE_RE.match(plain)
+                                            or (referenced is not None and fname not in referenced)):
                     raise FormatError(f"manifest: {wb} refers to {fname!r}, which is not "
                                       "'<earlier tag>/<shard>.safetensors' in the save directory")
                 digest = _need(b, "hash", str, wb)
@@ -179,17 +193,150 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
             check_tiling(name, shape, [b.box for b in boxes])
             entry = TensorEntry(name, kind, dtype, shape, boxes=tuple(boxes))
         tensors[name] = entry
+    return tensors
+
+
+def _check_sources(tensors: Dict[str, TensorEntry], lookup: Callable[[str], Optional[TensorEntry]]) -> None:
     for name, e in tensors.items():
         if e.derived is not None:
-            src = tensors.get(e.derived.source)
+            src = lookup(e.derived.source)
             if src is None or src.derived is not None or src.shape != e.shape:
                 raise FormatError(f"manifest: {name} is derived from {e.derived.source!r}, which is "
                                   "missing, itself derived, or of another shape")
+
+
+def _index(d: dict, where: str) -> dict:
+    index = _need(d, "index", dict, where)
+    generation = _need(index, "generation", int, where + ".index")
+    parts = _need(index, "parts", int, where + ".index")
+    hashes = _need(index, "hashes", list, where + ".index")
+    count = _need(index, "tensors", int, where + ".index")
+    referenced = _need(index, "referenced", list, where + ".index")
+    if generation < 0 or parts < 1 or len(hashes) != parts or count < 0:
+        raise FormatError(f"{where}: index does not describe its parts (generation {generation}, "
+                          f"{parts} parts, {len(hashes)} hashes, {count} tensors)")
+    for h in hashes:
+        if h is not None and not (isinstance(h, str) and check_digest_format(h)):
+            raise FormatError(f"{where}: index hash {h!r} is not an xxh3_128 digest")
+    for r in referenced:
+        ref_tag, plain = split_file(r) if isinstance(r, str) else (None, None)
+        if ref_tag is None or not TAG_RE.match(ref_tag) or not _FILE_RE.match(plain):
+            raise FormatError(f"{where}: index.referenced holds {r!r}, not '<earlier tag>/<shard>.safetensors'")
+    return index
+
+
+class PartedTensors(Mapping):
+    """The tensor table of a manifest in parts: a part is read (``open_part(name)`` -> bytes),
+    checked against its hash in the index and validated the first time one of its tensors is
+    asked for; iterating reads them all.  ``bytes_read``: the part bytes read so far."""
+
+    def __init__(self, index: dict, files: dict, tag: str, version: int,
+                 open_part: Optional[Callable[[str], bytes]], where: str):
+        self.index, self.files, self.tag, self.version, self.where = index, files, tag, version, where
+        self.open_part = open_part
+        self.referenced = set(index["referenced"])
+        self.loaded: Dict[int, Dict[str, TensorEntry]] = {}
+        self.bytes_read = 0
+
+    def part(self, i: int) -> Dict[str, TensorEntry]:
+        if i in self.loaded:
+            return self.loaded[i]
+        digest = self.index["hashes"][i]
+        if digest is None:
+            self.loaded[i] = {}
+            return self.loaded[i]
+        name = part_name(self.index["generation"], i)
+        if self.open_part is None:
+            raise FormatError(f"{self.where}: the tensor table is in parts ({name}, ...), and nothing was "
+                              "given to read them with (read the manifest with adacheck.commit.read_manifest)")
+        try:
+            data = self.open_part(name)
+        except FileNotFoundError:
+            raise FormatError(f"{self.where}: its part {name} is missing: the checkpoint is incomplete or "
+                              "damaged") from None
+        except OSError as e:
+            raise FormatError(f"{self.where}: cannot read its part {name}: {e}") from e
+        if hash_buffer(data) != digest:
+            raise IntegrityError(f"{self.where}: its part {name} does not match the hash the manifest binds it "
+                                 "by: it was edited or damaged after AdaCheck wrote it, so nothing it says can be "
+                                 "trusted. Restore it from a copy, or load an older checkpoint (adacheck ls "
+                                 "lists them)")
+        self.bytes_read += len(data)
+        where = f"{self.where} part {name}"
+        try:
+            d = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:
+            raise FormatError(f"{where}: not valid JSON ({e})") from e
+        if not isinstance(d, dict) or d.get("format") != PART_FORMAT or d.get("tag") != self.tag or d.get("part") != i:
+            raise FormatError(f"{where}: not part {i} of checkpoint {self.tag!r}")
+        tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where,
+                           referenced=self.referenced)
+        strays = [n for n in tensors if owner_of(n, self.index["parts"]) != i]
+        if strays:
+            raise FormatError(f"{where}: lists {strays[0]!r}, which belongs to another part")
+        self.loaded[i] = tensors
+        _check_sources(tensors, self.get)
+        return tensors
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self.part(owner_of(name, self.index["parts"]))[name]
+
+    def __contains__(self, name) -> bool:
+        return isinstance(name, str) and name in self.part(owner_of(name, self.index["parts"]))
+
+    def __iter__(self):
+        names = [n for i in range(self.index["parts"]) for n in self.part(i)]
+        if len(names) != self.index["tensors"]:
+            raise FormatError(f"{self.where}: its parts list {len(names)} tensors, its index {self.index['tensors']}")
+        return iter(sorted(names))
+
+    def __len__(self) -> int:
+        return self.index["tensors"]
+
+
+def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[[str], bytes]] = None) -> Manifest:
+    """The manifest ``text``, validated; ``open_part(name)``: the bytes of a part of a manifest in
+    parts (format 4), read when a tensor of it is first asked for."""
+    try:
+        d = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise FormatError(f"{where}: not an AdaCheck manifest (field 'format' != {FORMAT!r})")
+    version = _need(d, "format_version", int, where)
+    if version not in READABLE_VERSIONS:
+        raise FormatError(f"{where}: format_version {version} is not supported by this AdaCheck "
+                          f"(reads {', '.join(map(str, READABLE_VERSIONS))}); upgrade AdaCheck to read it")
+    if version >= BOUND_SINCE:
+        recorded = d.get(CHECKSUM)
+        if recorded != checksum(d):
+            raise IntegrityError(
+                f"{where}: the manifest does not match its checksum (recorded {recorded!r}): it was edited "
+                "or damaged after AdaCheck wrote it, so nothing it says can be trusted. Restore it from a "
+                "copy, or load an older checkpoint (adacheck ls lists them)")
+    tag = _need(d, "tag", str, where)
+    step = d.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
+    files = _need(d, "files", dict, where)
+    for fname, info in files.items():
+        if not _FILE_RE.match(fname):
+            raise FormatError(f"{where}: shard file name {fname!r} is not a plain "
+                              "'*.safetensors' name inside the checkpoint directory")
+        _need(info, "nbytes", int, f"files[{fname}]")
+        _need(info, "writer", int, f"files[{fname}]")
+    index = None
+    if version >= PARTED_SINCE and "index" in d:
+        index = _index(d, where)
+        tensors = PartedTensors(index, files, tag, version, open_part, where)
+    else:
+        tensors = _tensors(_need(d, "tensors", dict, where), version, files, tag, where)
+        _check_sources(tensors, tensors.get)
     objects = d.get("objects", {})
     rank_objects = d.get("rank_objects", [])
     if not isinstance(rank_objects, list):
         raise FormatError(f"{where}: rank_objects must be a list")
-    for ref in tensor_refs(objects) + tensor_refs(rank_objects):
+    for ref in tensor_refs(objects) + ([] if index is not None else tensor_refs(rank_objects)):
         if not isinstance(ref, str) or ref not in tensors:
             raise FormatError(f"{where}: saved objects refer to tensor {ref!r} that is not stored")
     layout, stats = d.get("layout", {}), d.get("stats", {})
@@ -199,4 +346,4 @@ def parse(text: str, where: str = "manifest.json") -> Manifest:
                     framework=_need(d, "framework", dict, where),
                     topology=_need(d, "topology", dict, where), tensors=tensors,
                     objects=objects, rank_objects=tuple(rank_objects),
-                    layout=layout, files=files, stats=stats)
+                    layout=layout, files=files, stats=stats, index=index)

@@ -18,13 +18,14 @@ hash of its name) and each set of holders has one too:
    itself).  The sets are placed by increasing size, each greedily from its members' bytes so
    far (:func:`adacheck.planner.place_by_group`, which gives the same writers from a global
    view); three all-to-alls per distinct set size.
-4. **assign**: each writer learns the boxes it writes, each tensor owner its boxes' files; rank 0
-   gathers the owners' entries, warnings and counts, and writes the manifest as before.
+4. **assign**: each writer learns the boxes it writes, each tensor owner its boxes' files; each
+   owner writes its part of the manifest's tensor table (format 4, :mod:`adacheck.manifest`) and
+   rank 0 gathers the parts' hashes, the warnings and counts, and commits the manifest.
 
 The outcome equals the ring's in what is stored (the same boxes deduplicated, derived and
-referenced, the same warnings); the writers may differ (placed per holder set).  Rank 0 still
-gathers the whole manifest, and every rank still reads the previous checkpoint's manifest to
-reference unchanged boxes: both are the next step (a manifest sharded by owner).
+referenced, the same warnings); the writers may differ (placed per holder set).  Each owner reads
+only its tensors' entries of the checkpoint it references (of a manifest in parts saved by as
+many ranks: its own part).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import hashlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from . import planner
 from .errors import FormatError
@@ -150,17 +151,17 @@ def usable_previous(comm: Comm, routed: Routed, previous: Optional[PreviousIndex
     """Step 2's references: the boxes of ``previous`` this owner's tensors may reference, without
     those of files too thin to keep (:func:`adacheck.planner.thin_files`, summed over all owners by
     each file's owner, as the whole plan does), and the all-to-all rounds it took."""
-    if not previous:
+    if previous is None:        # (the same on every rank: no checkpoint to reference)
         return previous, 0
     usable = planner.usable_previous(routed.by_name, previous)
-    if file_sizes is None:
+    if file_sizes is None:      # (likewise)
         return usable, 0
     n, rounds, faults = comm.world_size, 0, _Faults()
     while True:
         def parts():
             out: List[Dict[str, int]] = [dict() for _ in range(n)]
-            for ref, k in planner.file_reads(usable).items():
-                out[planner.owner_of(ref, n)][ref] = k
+            for ref, k in planner.file_reads(usable).items():     # (with the file's size, known here)
+                out[planner.owner_of(ref, n)][ref] = [k, file_sizes.get(ref, 0)]
             return [_json(p) if p else None for p in out]
 
         got = comm.all_to_all_bytes(faults.run(parts, [None] * n))
@@ -168,13 +169,15 @@ def usable_previous(comm: Comm, routed: Routed, previous: Optional[PreviousIndex
 
         def thin():
             read: Dict[str, int] = defaultdict(int)
+            sizes: Dict[str, int] = {}
             for src, b in enumerate(got):
                 if b:
                     mine = _load(b)
                     asked[src] = list(mine)
-                    for ref, k in mine.items():
+                    for ref, (k, size) in mine.items():
                         read[ref] += k
-            return planner.thin_files(read, file_sizes)
+                        sizes[ref] = size
+            return planner.thin_files(read, sizes)
 
         found = faults.run(thin, set())
         told = comm.all_to_all_bytes([_json([r for r in asked[dst] if r in found]) if dst in asked else None
@@ -278,40 +281,44 @@ def place(comm: Comm, decided: Decisions, copies: int, nodes: Optional[List[str]
 
 @dataclass
 class Gathered:
-    """Step 4's end, on rank 0: every owner's entries, warnings and counts; each rank's bytes."""
-    tensors: Dict[str, TensorEntry]
+    """Step 4's end, on rank 0: the warnings, the plan's counts, the number of tensors, the
+    references to earlier checkpoints ("<tag>/<file>") and the ranks that write a file."""
     warnings: List[str]
     stats: dict
-    writers: List[int]       # the ranks that write a file
+    tensors: int
+    referenced: List[str]
+    writers: List[int]
 
 
 def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, referenced: int,
            placed: Placed) -> Optional[Gathered]:
-    """The manifest's tensors, warnings and plan counts on rank 0 (None elsewhere)."""
-    mine = (tensors, decided.warnings, decided.held, decided.logical, referenced,
-            sum(e.nbytes for e in tensors.values() if e.derived is not None), placed.nbytes, bool(placed.writes))
+    """What rank 0 needs of every owner for the manifest (not the entries: each owner writes its
+    part of the table itself); None elsewhere."""
+    refs = sorted({sb.file for e in tensors.values() if e.derived is None for sb in e.boxes if "/" in sb.file})
+    mine = (decided.warnings, decided.held, decided.logical, referenced,
+            sum(e.nbytes for e in tensors.values() if e.derived is not None), placed.nbytes, bool(placed.writes),
+            len(tensors), refs)
     parts = comm.gather_object(mine)
     if parts is None:
         return None
-    out: Dict[str, TensorEntry] = {}
-    warned: List[str] = []
-    for t, w, *_ in parts:
-        out.update(t)
-        warned.extend(w)
-    per_rank = [p[6] for p in parts]
-    stats = {"held_bytes": sum(p[2] for p in parts), "logical_bytes": sum(p[3] for p in parts),
-             "stored_bytes": sum(per_rank), "derived_bytes": sum(p[5] for p in parts),
-             "referenced_bytes": sum(p[4] for p in parts), "per_rank_bytes": per_rank}
-    return Gathered(dict(sorted(out.items())), sorted(warned), stats, [r for r, p in enumerate(parts) if p[7]])
+    per_rank = [p[5] for p in parts]
+    stats = {"held_bytes": sum(p[1] for p in parts), "logical_bytes": sum(p[2] for p in parts),
+             "stored_bytes": sum(per_rank), "derived_bytes": sum(p[4] for p in parts),
+             "referenced_bytes": sum(p[3] for p in parts), "per_rank_bytes": per_rank}
+    return Gathered(sorted(w for p in parts for w in p[0]), stats, sum(p[7] for p in parts),
+                    sorted({r for p in parts for r in p[8]}), [r for r, p in enumerate(parts) if p[6]])
 
 
-def plan(comm: Comm, metas: List[ShardMeta], generation: int, previous: Optional[PreviousIndex],
-         file_sizes: Optional[Dict[str, int]], copies: int, nodes: Optional[List[str]],
-         cache: PartitionCache, plan_cache: PlanCache, what: str):
-    """Steps 1-4 (see the module docstring): (this rank's writes, the files of rank 0's manifest
-    or of this rank alone, rank 0's Gathered or None, the exchange's stats).  ``what`` names the
-    save in errors; a failure on any rank is raised on every rank."""
+def plan(comm: Comm, metas: List[ShardMeta], generation: int,
+         previous_of: Callable[[List[str]], Tuple[Optional[PreviousIndex], Optional[Dict[str, int]]]],
+         copies: int, nodes: Optional[List[str]], cache: PartitionCache, plan_cache: PlanCache, what: str):
+    """Steps 1-4 (see the module docstring): (what this rank writes, the entries of the tensors it
+    owns with their files, rank 0's Gathered or None, the exchange's stats).  ``previous_of(names)``:
+    the boxes of the checkpoint to reference for those tensors, and its files' sizes (each owner
+    reads only its tensors' entries).  ``what`` names the save in errors; a failure on any rank is
+    raised on every rank."""
     routed = agree(comm, f"{what} (partitioned exchange)", lambda: route(comm, metas, cache))
+    previous, file_sizes = agree(comm, f"{what} (previous checkpoint)", lambda: previous_of(sorted(routed.by_name)))
     usable, pin_rounds = usable_previous(comm, routed, previous, file_sizes)
     decided = agree(comm, f"{what} (plan)", lambda: planner.decide(
         routed.by_name, usable, copies, plan_cache, source_of=routed.sources.get))
@@ -322,4 +329,4 @@ def plan(comm: Comm, metas: List[ShardMeta], generation: int, previous: Optional
              "owned_tensors": len(routed.by_name), "senders": routed.senders,
              "rounds": {"route": routed.rounds, "references": pin_rounds, "place": placed.rounds},
              "ranks_sent_digest_only": routed.digest_only}
-    return placed, gathered, stats
+    return placed, tensors, gathered, stats

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .boxes import check_tiling
 from .errors import StateError
+from .hashing import owner_of
 from .types import Box, Derivation, ShardMeta, StoredBox, TensorEntry, itemsize
 
 
@@ -53,14 +53,17 @@ PreviousIndex = Dict[Tuple[str, Box], Tuple[str, str, List[Tuple[str, str]]]]
 # (name, box) -> (hash, dtype, [(file ref, key) per stored copy])
 
 
-def previous_index(tag: str, manifest, exists=lambda ref: True, saving: str = "") -> PreviousIndex:
+def previous_index(tag: str, manifest, exists=lambda ref: True, saving: str = "", names=None) -> PreviousIndex:
     """What a later save may reference of committed checkpoint ``tag``: every box stored in
     one variant, with each copy's file as seen from the save directory (``<tag>/<file>``;
     a box that checkpoint itself referenced keeps pointing at where its bytes are).
     ``exists(ref)`` filters out files that are gone; files of the tag being ``saving`` (an
-    earlier generation of a re-saved tag) are never referenced: it is rewritten instead."""
+    earlier generation of a re-saved tag) are never referenced: it is rewritten instead.
+    ``names``: only these tensors (a manifest in parts reads only the parts that list them)."""
     out: PreviousIndex = {}
-    for name, e in manifest.tensors.items():
+    entries = (manifest.tensors.items() if names is None
+               else ((n, manifest.tensors[n]) for n in names if n in manifest.tensors))
+    for name, e in entries:
         by_box: Dict[Box, list] = defaultdict(list)
         for sb in e.boxes:
             by_box[sb.box].append(sb)
@@ -249,12 +252,6 @@ def group_by_tensor(per_rank: Sequence[Sequence[ShardMeta]]) -> Dict[str, List[T
         for s in shards:
             by_name[s.name].append((rank, s))
     return by_name
-
-
-def owner_of(name: str, n_ranks: int) -> int:
-    """The rank that decides about tensor ``name`` when the decisions are partitioned by tensor
-    (a stable hash of the name: the same on every rank, every run and every Python)."""
-    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big") % n_ranks
 
 
 def route(per_rank: Sequence[Sequence[ShardMeta]], n_owners: int):

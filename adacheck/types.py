@@ -225,3 +225,4 @@ class Manifest:
     layout: dict                       # framework description of what each rank held
     files: dict = field(default_factory=dict)   # file -> {"nbytes": int, "writer": rank}
     stats: dict = field(default_factory=dict)
+    index: Optional[dict] = None       # format 4 in parts: {"generation", "parts", "hashes", "tensors", "referenced"}

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adacheck import manifest as mf  # noqa: E402
 from adacheck import planner  # noqa: E402
 from adacheck.boxes import flat_pieces, row_chunks  # noqa: E402
+from adacheck.hashing import owner_of as hash_owner  # noqa: E402
 from adacheck.checkpoint import exchange_blob, structure_of  # noqa: E402
 from adacheck.types import Box, Manifest, ShardMeta  # noqa: E402
 
@@ -296,6 +297,20 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
                    files=plan.files, stats=plan.stats)
     manifest_sampled = len(mf.dumps(man).encode("utf-8"))
     scale = m.pp / len(sample_stages)
+    # the same manifest in parts (format 4, as the partitioned exchange writes it): a part per
+    # rank of the job, each tensor in the part its name hashes to; a rank that loads reads the
+    # root (the per-rank tables and the parts' hashes) and the parts that list its tensors
+    by_part = {}
+    for name, e in plan.tensors.items():
+        by_part.setdefault(hash_owner(name, ranks), {})[name] = e
+    part_size = {i: len(mf.part_bytes(man.tag, i, t)) * scale for i, t in by_part.items()}
+    digest = "xxh3_128:" + "0" * 32
+    root = replace(man, tensors={}, index={"generation": 0, "parts": ranks, "hashes": [None], "tensors": 0,
+                                           "referenced": []})
+    root_bytes = (len(mf.dumps(root).encode("utf-8")) * scale + (len(digest) + 3) * ranks)
+    part_reads = [root_bytes + sum(part_size.get(i, 0) for i in {hash_owner(x.name, ranks) for x in metas})
+                  for metas in sampled]
+    del by_part
     written = [0] * len(sampled)
     for f, info in plan.files.items():
         written[info["writer"]] += info["nbytes"]
@@ -334,7 +349,10 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "exchange_bytes_busiest_owner_sampled": max(received),
             "exchange_bytes_sent_per_rank": round(sum(sent) / len(sent)),
             "exchange_rounds": 2,
-            "max_over_mean_bytes_written_by_group": grouped_max / mean_written},
+            "max_over_mean_bytes_written_by_group": grouped_max / mean_written,
+            "manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
+            "manifest_bytes_read_busiest_rank": round(max(part_reads)),
+            "manifest_root_bytes": round(root_bytes)},
         "build_seconds": build_s,
         "exchange_bytes_per_rank": round(mean_later * (ranks - 1)),
         "first_exchange_bytes_per_rank": round(mean_first * (ranks - 1)),
@@ -367,8 +385,9 @@ def main() -> None:
     rows = []
     print("| model | ranks | shards per rank | plan s per rank (first) | exchange MB per rank (first) | rounds | "
           "manifest MB read per rank | max / mean written | stored / unique | save s AdaCheck / native DS | "
-          "partitioned: decide s per rank (busiest) | MB received per rank (busiest) | max / mean by holder set |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "partitioned: decide s per rank (busiest) | MB received per rank (busiest) | max / mean by holder set | "
+          "manifest MB read per rank (busiest) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in a.model:
         m = MODELS[name]
         stages = a.sample_stages or sorted({0, m.pp // 2, m.pp - 1})
@@ -383,7 +402,8 @@ def main() -> None:
                   f"{pr['adacheck_save_seconds']:.1f} / {pr['native_deepspeed_save_seconds']:.1f} | "
                   f"{pa['decide_seconds_per_rank']:.3f} ({pa['decide_seconds_busiest_owner_sampled']:.3f}) | "
                   f"{pa['exchange_bytes_per_rank'] / 1e6:.2f} ({pa['exchange_bytes_busiest_owner_sampled'] / 1e6:.2f}) | "
-                  f"{pa['max_over_mean_bytes_written_by_group']:.2f} |",
+                  f"{pa['max_over_mean_bytes_written_by_group']:.2f} | "
+                  f"{pa['manifest_bytes_read_per_rank'] / 1e6:.1f} ({pa['manifest_bytes_read_busiest_rank'] / 1e6:.1f}) |",
                   flush=True)
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -82,13 +82,12 @@ def main():
             rec["saves"][f"{how}/s{step}"] = {"exchange": m.stats["exchange"],
                                               "warnings": sorted(str(w.message) for w in caught)}
         # a rank that disagrees on a tensor's dtype: every rank raises, nothing is published
-        bad = lambda: state(rank, 4, LocalShard, LocalState, Box)    # noqa: E731
-        if rank == 2:
-            def bad():
-                s = state(rank, 4, LocalShard, LocalState, Box)
+        def bad():
+            s = state(rank, 4, LocalShard, LocalState, Box)
+            if rank == 2:
                 s.shards[0] = LocalShard("model/emb", "model", (16, 8), Box.full((16, 8)),
                                          torch.zeros(16, 8, dtype=torch.float16))
-                return s
+            return s
         try:
             job.save(comm, f"{spec['dir']}/{how}", "s4", bad)
             rec[f"{how}/refused"] = None

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from launch import ROOT, check, free_port, launch
 
 from adacheck.checkpoint import CheckpointReader, resolve
+from adacheck.commit import read_manifest
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -183,9 +184,9 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
         err = results(str(tmp_path), rank)[-1]["errors"]
         assert len(err) == 1 and "holds shape" in err[0] and "needs" in err[0], err
     # the bf16 model weights are proven casts of the fp32 masters: stored once
-    man = json.load(open(os.path.join(resolve(str(tmp_path / "pp2_bf16-ck")), "manifest.json")))
-    model = {n: t for n, t in man["tensors"].items() if t["kind"] == "model"}
-    assert model and all("derived" in t for t in model.values())
+    man = read_manifest(resolve(str(tmp_path / "pp2_bf16-ck")))     # (partitioned: format 4, in parts)
+    model = {n: t for n, t in man.tensors.items() if t.kind == "model"}
+    assert man.format_version == 4 and model and all(t.derived is not None for t in model.values())
 
 
 def test_reshape_on_4_ranks(tmp_path):

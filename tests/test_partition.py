@@ -12,7 +12,7 @@ import pytest
 from launch import check, launch
 
 from adacheck import planner
-from adacheck.manifest import parse
+from adacheck.commit import read_manifest
 from adacheck.types import itemsize
 
 
@@ -22,7 +22,7 @@ def results(d, rank):
 
 
 def manifest(path):
-    return parse(open(os.path.join(path, "manifest.json")).read())
+    return read_manifest(path)
 
 
 def stored(m):
@@ -97,3 +97,47 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
     assert all(e["s3"]["rounds"]["route"] == 3 for e in ex)
     ring_in = sum(res[r]["saves"]["ring/s1"]["exchange"]["bytes_received"] for r in range(8))
     assert sum(e["s1"]["bytes_received"] for e in ex) < ring_in
+    parted_checks(d)
+
+
+def parted_checks(d):
+    """The partitioned saves' manifests are in parts (format 4): a reader of one tensor reads the
+    root and one part; an edited part is an IntegrityError, a missing one a FormatError (also for
+    `adacheck verify`); retention and garbage collection keep the parts of what is kept, and
+    remove those of retired or never committed saves."""
+    import shutil
+    from adacheck import commit
+    from adacheck.cli import main as cli
+    from adacheck.errors import FormatError, IntegrityError
+    from adacheck.hashing import owner_of
+    from adacheck.manifest import part_name
+    ck = f"{d}/partitioned/s3"
+    m = read_manifest(ck)
+    assert m.format_version == 4 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
+    parts = sorted(f for f in os.listdir(ck) if f.startswith("manifest-g"))
+    assert parts == [part_name(0, i) for i, h in enumerate(m.index["hashes"]) if h is not None] and len(parts) > 1
+    assert m.tensors["model/emb"].shape == (16, 8)
+    one = os.path.getsize(os.path.join(ck, part_name(0, owner_of("model/emb", 8))))
+    assert m.tensors.bytes_read == one < sum(os.path.getsize(os.path.join(ck, p)) for p in parts)
+    assert len(list(m.tensors)) == len(m.tensors) == len(read_manifest(f"{d}/ring/s3").tensors)
+    assert cli(["verify", "--quiet", ck]) == 0
+    bad = f"{d}/bad/s3"
+    shutil.copytree(ck, bad)
+    victim = os.path.join(bad, part_name(0, owner_of("model/emb", 8)))
+    text = open(victim).read()
+    open(victim, "w").write(text.replace('"shape":[16,8]', '"shape":[8,16]'))
+    with pytest.raises(IntegrityError, match="does not match the hash"):
+        read_manifest(bad).tensors["model/emb"]
+    assert cli(["verify", "--quiet", bad]) == 2      # (a damaged manifest stops the command)
+    os.remove(victim)
+    with pytest.raises(FormatError, match="is missing"):
+        read_manifest(bad).tensors["model/emb"]
+    # an interrupted save's part and a retired checkpoint's parts are garbage; the kept ones stay
+    save_dir = f"{d}/partitioned"
+    os.makedirs(f"{save_dir}/s9")
+    shutil.copy(os.path.join(ck, parts[0]), f"{save_dir}/s9/{parts[0]}")
+    commit.apply_retention(save_dir, 1, protect=("s3",))
+    commit.collect_garbage(save_dir)
+    assert not os.path.exists(f"{save_dir}/s9") and not any(f.startswith("manifest-g") for f in os.listdir(f"{save_dir}/s1"))
+    assert sorted(f for f in os.listdir(ck) if f.startswith("manifest-g")) == parts
+    assert all(m2.tensors["master/w"] for m2 in [read_manifest(ck)])
