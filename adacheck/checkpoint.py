@@ -809,8 +809,7 @@ class Checkpointer:
             hashes = comm.gather_object(digest)
             if hashes is not None:
                 index = dict(exchanged.index, hashes=hashes)
-                tensors = PartedTensors(index, files, prepared.tag, version,
-                                        lambda name: store.read_bytes(store.join(prepared.ckpt_dir, name)),
+                tensors = PartedTensors(index, files, prepared.tag, version, commit.PartFiles(store, prepared.ckpt_dir),
                                         store.join(prepared.ckpt_dir, MANIFEST_NAME))
         manifest = Manifest(
             format_version=version, tag=prepared.tag, step=gathered[0]["step"],

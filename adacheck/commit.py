@@ -45,7 +45,18 @@ def read_manifest(ckpt_dir: str, store: Storage = LOCAL) -> Manifest:
                             "checkpoint (an interrupted save, or another format)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: cannot read manifest: {e}") from e
-    return parse(text, where=path, open_part=lambda name: store.read_bytes(store.join(ckpt_dir, name)))
+    return parse(text, where=path, open_part=PartFiles(store, ckpt_dir))
+
+
+class PartFiles:
+    """Reads the parts of a manifest in parts from its checkpoint directory (picklable: a
+    manifest goes from an asynchronous save's writer process to the rank)."""
+
+    def __init__(self, store: Storage, ckpt_dir: str):
+        self.store, self.ckpt_dir = store, ckpt_dir
+
+    def __call__(self, name: str) -> bytes:
+        return self.store.read_bytes(self.store.join(self.ckpt_dir, name))
 
 
 def write_part(ckpt_dir: str, generation: int, part: int, tag: str, tensors, fsync: bool = True,
