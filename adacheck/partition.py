@@ -17,7 +17,8 @@ hash of its name) and each set of holders has one too:
 3. **place**: each box to write goes to the owner of its holder set (a set of one: the holder
    itself).  The sets are placed by increasing size, each greedily from its members' bytes so
    far (:func:`adacheck.planner.place_by_group`, which gives the same writers from a global
-   view); three all-to-alls per distinct set size.
+   view); three all-to-alls per distinct set size, none when no owner's boxes to write changed
+   since the last save (the last placement is reused).
 4. **assign**: each writer learns the boxes it writes, each tensor owner its boxes' files; each
    owner writes its part of the manifest's tensor table (format 4, :mod:`adacheck.manifest`) and
    rank 0 gathers the parts' hashes, the warnings and counts, and commits the manifest.
@@ -45,9 +46,11 @@ from .types import Box, ShardMeta, TensorEntry, meta_of_row, meta_row
 @dataclass
 class PartitionCache:
     """What a job's partitioned exchange keeps between saves (per world size): the structure last
-    sent to each owner and received from each rank, as (digest, rows)."""
+    sent to each owner and received from each rank, as (digest, rows); and the last placement,
+    with the digest of what it placed (this owner's boxes to write, the copies and the nodes)."""
     sent: Dict[int, str] = field(default_factory=dict)
     received: Dict[int, Tuple[str, dict]] = field(default_factory=dict)
+    placed: Optional[Tuple[str, "Placed"]] = None
 
 
 class _Faults:
@@ -208,9 +211,23 @@ class Placed:
     rounds: int
 
 
-def place(comm: Comm, decided: Decisions, copies: int, nodes: Optional[List[str]]) -> Placed:
+def place(comm: Comm, decided: Decisions, copies: int, nodes: Optional[List[str]],
+          cache: Optional[PartitionCache] = None) -> Placed:
     """Steps 3 and 4: the boxes ``decided`` leaves to write, placed by the owners of their holder
-    sets (see the module docstring); ``nodes``: every rank's node (needed with copies > 1)."""
+    sets (see the module docstring); ``nodes``: every rank's node (needed with copies > 1).  With
+    ``cache``: when no owner's boxes to write changed since the last save (one reduction says so),
+    the last placement is reused (the steady state of a job whose boxes and holders stay)."""
+    if cache is not None:
+        digest = hashlib.blake2b(_json([sorted([n_, k, list(h)] for n_, k, h in decided.items), copies, nodes]),
+                                 digest_size=16).hexdigest()
+        last = cache.placed
+        cache.placed = None      # (set again once placed: a failure leaves nothing to reuse)
+        if not comm.any(last is None or last[0] != digest):
+            cache.placed = last
+            return Placed(last[1].writes, last[1].writer_of, last[1].nbytes, 0)
+        placed = place(comm, decided, copies, nodes)
+        cache.placed = (digest, placed)
+        return placed
     n, faults = comm.world_size, _Faults()
     sets: Dict[Tuple[int, ...], list] = defaultdict(list)       # the holder sets this rank places
 
@@ -322,11 +339,12 @@ def plan(comm: Comm, metas: List[ShardMeta], generation: int,
     usable, pin_rounds = usable_previous(comm, routed, previous, file_sizes)
     decided = agree(comm, f"{what} (plan)", lambda: planner.decide(
         routed.by_name, usable, copies, plan_cache, source_of=routed.sources.get))
-    placed = place(comm, decided, copies, nodes)
+    placed = place(comm, decided, copies, nodes, cache)
     tensors, _, _, referenced = planner.assign_files(decided.tensors, placed.writer_of, generation)
     gathered = gather(comm, tensors, decided, referenced, placed)
     stats = {"how": "partitioned", "bytes_received": routed.received_bytes, "bytes_sent": routed.sent_bytes,
              "owned_tensors": len(routed.by_name), "senders": routed.senders,
              "rounds": {"route": routed.rounds, "references": pin_rounds, "place": placed.rounds},
+             "placement_reused": placed.rounds == 0,
              "ranks_sent_digest_only": routed.digest_only}
     return placed, tensors, gathered, stats

@@ -72,7 +72,7 @@ def main():
     for how in ("ring", "partitioned"):
         opts = Options(exchange=how, copies=spec["copies"], chunk_bytes=spec["chunk_bytes"])
         job = Checkpointer(options=opts)
-        for step in (1, 2, 3):
+        for step in (1, 2, 3, 4):
             if step == 3 and rank == 3:
                 job = Checkpointer(options=opts)         # this rank lost its caches (a new job object)
             with warnings.catch_warnings(record=True) as caught:
@@ -83,13 +83,13 @@ def main():
                                               "warnings": sorted(str(w.message) for w in caught)}
         # a rank that disagrees on a tensor's dtype: every rank raises, nothing is published
         def bad():
-            s = state(rank, 4, LocalShard, LocalState, Box)
+            s = state(rank, 5, LocalShard, LocalState, Box)
             if rank == 2:
                 s.shards[0] = LocalShard("model/emb", "model", (16, 8), Box.full((16, 8)),
                                          torch.zeros(16, 8, dtype=torch.float16))
             return s
         try:
-            job.save(comm, f"{spec['dir']}/{how}", "s4", bad)
+            job.save(comm, f"{spec['dir']}/{how}", "s5", bad)
             rec[f"{how}/refused"] = None
         except AdaCheckError as e:
             rec[f"{how}/refused"] = type(e).__name__ + ": " + str(e)

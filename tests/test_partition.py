@@ -56,9 +56,9 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
             assert all(res[r][f"{how}/exact"].values()), (r, how, res[r][f"{how}/exact"])
             assert "StateError" in res[r][f"{how}/refused"] and "model/emb" in res[r][f"{how}/refused"], res[r]
     for how in ("ring", "partitioned"):
-        assert not os.path.exists(f"{d}/{how}/s4/manifest.json")
-        assert open(f"{d}/{how}/latest").read().strip() == "s3"
-    for tag in ("s1", "s2", "s3"):
+        assert not os.path.exists(f"{d}/{how}/s5/manifest.json")
+        assert open(f"{d}/{how}/latest").read().strip() == "s4"
+    for tag in ("s1", "s2", "s3", "s4"):
         ring, part = manifest(f"{d}/ring/{tag}"), manifest(f"{d}/partitioned/{tag}")
         assert stored(ring) == stored(part), tag
         for k in ("held_bytes", "logical_bytes", "stored_bytes", "derived_bytes", "referenced_bytes"):
@@ -80,14 +80,14 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
              if "/" not in sb.file and n == "master/d"}
     assert ref and again, (ref, again)
     # the same warnings, on rank 0 only
-    for tag in ("s1", "s2", "s3"):
+    for tag in ("s1", "s2", "s3", "s4"):
         w = res[0]["saves"][f"ring/{tag}"]["warnings"]
         assert any("declared replicas diverged: model/ln" in x for x in w), w
         assert res[0]["saves"][f"partitioned/{tag}"]["warnings"] == w
         assert all(not res[r]["saves"][f"partitioned/{tag}"]["warnings"] for r in range(1, 8))
     # traffic: the second save sends hashes only; rank 3 lost its caches before the third, and the
     # structures were sent again (two more rounds) where it was involved
-    ex = [{t: res[r]["saves"][f"partitioned/{t}"]["exchange"] for t in ("s1", "s2", "s3")} for r in range(8)]
+    ex = [{t: res[r]["saves"][f"partitioned/{t}"]["exchange"] for t in ("s1", "s2", "s3", "s4")} for r in range(8)]
     assert all(e["s1"]["ranks_sent_digest_only"] == 0 for e in ex)
     assert sum(e["s1"]["senders"] for e in ex) > 8
     assert all(e["s2"]["ranks_sent_digest_only"] == e["s2"]["senders"] and e["s2"]["rounds"]["route"] == 1 for e in ex)
@@ -95,6 +95,10 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
     assert all(e["s3"]["ranks_sent_digest_only"] >= e["s3"]["senders"] - 1 for r, e in enumerate(ex) if r != 3)
     assert sum(e["s2"]["bytes_received"] for e in ex) < sum(e["s1"]["bytes_received"] for e in ex) / 2
     assert all(e["s3"]["rounds"]["route"] == 3 for e in ex)
+    # the fourth save places what the third did (same boxes, holders, references): reused, no round
+    assert all(not e[t]["placement_reused"] for e in ex for t in ("s1", "s2", "s3"))
+    assert all(e["s4"]["placement_reused"] and e["s4"]["rounds"]["place"] == 0 for e in ex)
+    assert writers(manifest(f"{d}/partitioned/s4")) == writers(manifest(f"{d}/partitioned/s3"))
     ring_in = sum(res[r]["saves"]["ring/s1"]["exchange"]["bytes_received"] for r in range(8))
     assert sum(e["s1"]["bytes_received"] for e in ex) < ring_in
     parted_checks(d)
