@@ -389,9 +389,11 @@ class Exchanged:
 
 @dataclass
 class Written:
-    """Step 4: the size of every rank's file (0: it wrote none) and this rank's file name."""
+    """Step 4: the size of every rank's file (0: it wrote none; partitioned: on rank 0 only, elsewhere
+    empty) and this rank's file name and size."""
     sizes: List[int]
     my_file: Optional[str]
+    my_size: int = 0
 
 
 class Checkpointer:
@@ -791,21 +793,36 @@ class Checkpointer:
 
         size = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
                      on_failure=lambda: self._remove_mine(prepared, my_file))
-        return Written(comm.all_gather_object(size), my_file)
+        if self.options.exchange == "partitioned":      # (the sizes to rank 0 alone)
+            return Written(comm.gather_object(size) or [], my_file, size)
+        return Written(comm.all_gather_object(size), my_file, size)
 
     def commit(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, plan: WritePlan,
                written: Written) -> Manifest:
         """Step 5: the manifest, written by rank 0 once every rank's file is committed."""
         gathered, copies = exchanged.gathered, self.options.copies
-        files = {f: dict(info, nbytes=written.sizes[info["writer"]]) for f, info in plan.files.items()}
+        files = {f: dict(info, nbytes=written.sizes[info["writer"]] if written.sizes else written.my_size)
+                 for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
         tensors, index, store = plan.tensors, None, prepared.store
         if exchanged.partitioned:       # each owner's part of the tensor table, bound by its hash
             version, mine = PARTED_SINCE, part_name(exchanged.generation, comm.rank)
-            digest = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest parts)", lambda: commit.write_part(
-                prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag, plan.tensors, self.options.fsync,
-                store) if plan.tensors else None, on_failure=lambda: self._remove_mine(prepared, written.my_file, mine))
+            # each rank confirms the next rank's file (no rank stats them all; a save directory that
+            # is not shared between nodes fails where the job crosses a node)
+            n = comm.world_size
+            told = comm.all_to_all_bytes([json.dumps([written.my_file, written.my_size]).encode()
+                                          if written.my_file and dst == (comm.rank - 1) % n else None
+                                          for dst in range(n)])
+            nxt = [(json.loads(b), src) for src, b in enumerate(told) if b]
+
+            def write_part():
+                confirm_files(store, prepared.ckpt_dir, {f: {"writer": src, "nbytes": k} for (f, k), src in nxt})
+                return commit.write_part(prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag,
+                                         plan.tensors, self.options.fsync, store) if plan.tensors else None
+
+            digest = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest parts)", write_part,
+                           on_failure=lambda: self._remove_mine(prepared, written.my_file, mine))
             hashes = comm.gather_object(digest)
             if hashes is not None:
                 index = dict(exchanged.index, hashes=hashes)
@@ -828,7 +845,8 @@ class Checkpointer:
 
         def run():
             if leads:
-                confirm_files(prepared.store, prepared.ckpt_dir, here)
+                if not exchanged.partitioned:       # (partitioned: confirmed by the ranks, above)
+                    confirm_files(prepared.store, prepared.ckpt_dir, here)
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
         part = part_name(exchanged.generation, comm.rank) if exchanged.partitioned and plan.tensors else None

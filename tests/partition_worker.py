@@ -99,6 +99,20 @@ def main():
                                for n in ("model/emb", "model/w", "master/w", "master/d", "master/big")}
         rec[f"{how}/exact"]["model/d"] = bool(torch.equal(reader.read("model/d"), full("master/d", 0).to(torch.bfloat16)))
         rec[f"{how}/exact"]["rng"] = reader.objects(rank)["rng"].tolist() == [rank, 3]
+    # a save directory that is not shared between the nodes (a relative path from each node's own
+    # working directory): the files of the other node are not there, and the save is refused on
+    # every rank, with the ring (rank 0 confirms every file) and partitioned (each rank the next's)
+    node = os.environ["ADACHECK_NODE"]
+    os.makedirs(f"{spec['dir']}/{node}/local/t", exist_ok=True)
+    os.chdir(f"{spec['dir']}/{node}")
+    for how in ("ring", "partitioned"):
+        os.makedirs(f"local/{how}/t", exist_ok=True)
+        try:
+            Checkpointer(options=Options(exchange=how)).save(comm, f"local/{how}", "t",
+                                                             lambda: state(rank, 1, LocalShard, LocalState, Box))
+            rec[f"{how}/local"] = None
+        except AdaCheckError as e:
+            rec[f"{how}/local"] = type(e).__name__ + ": " + str(e)
     with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
         json.dump(rec, f)
 

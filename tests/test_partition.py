@@ -55,6 +55,12 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
         for how in ("ring", "partitioned"):
             assert all(res[r][f"{how}/exact"].values()), (r, how, res[r][f"{how}/exact"])
             assert "StateError" in res[r][f"{how}/refused"] and "model/emb" in res[r][f"{how}/refused"], res[r]
+    for r in range(8):       # a directory not shared between the nodes: refused on every rank
+        for how in ("ring", "partitioned"):
+            assert "IntegrityError" in res[r][f"{how}/local"] and "is not on the storage" in res[r][f"{how}/local"], \
+                res[r][f"{how}/local"]
+    assert not any(os.path.exists(f"{d}/{node}/local/{how}/t/manifest.json") for node in "ab"
+                   for how in ("ring", "partitioned"))
     for how in ("ring", "partitioned"):
         assert not os.path.exists(f"{d}/{how}/s5/manifest.json")
         assert open(f"{d}/{how}/latest").read().strip() == "s4"
