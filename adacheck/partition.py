@@ -117,9 +117,9 @@ def route(comm: Comm, metas: List[ShardMeta], cache: PartitionCache) -> Routed:
     got = comm.all_to_all_bytes(blocks)
     sent, received, rounds = sum(len(b or b"") for b in blocks), sum(len(b) for b in got), 1
     decoded = faults.run(lambda: {src: _load(b) for src, b in enumerate(got) if b}, {})
-    missing = [src for src, d in decoded.items()
-               if d.get("structure") is None and cache.received.get(src, ("",))[0] != d.get("digest")]
-    digest_only = sum(1 for d in decoded.values() if d.get("structure") is None) - len(missing)
+    missing = faults.run(lambda: [src for src, d in decoded.items() if d["structure"] is None
+                                  and cache.received.get(src, ("",))[0] != d["digest"]], [])
+    digest_only = faults.run(lambda: sum(1 for d in decoded.values() if d["structure"] is None) - len(missing), 0)
     if comm.any(bool(missing)):       # (a cache lost on one side: the structures are sent again)
         asked = comm.all_to_all_bytes([b"?" if src in missing else None for src in range(n)])
         again = [_json(structures.get(dst)) if a else None for dst, a in enumerate(asked)]
