@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import AdaCheckError, FormatError, NotFoundError
 from .hashing import hash_buffer
-from .manifest import MANIFEST_NAME, TAG_RE, dumps, parse, part_bytes, part_name, part_names, referenced_files
+from .manifest import (MANIFEST_NAME, PART_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name, part_names,
+                       referenced_files)
 from .storage import LOCAL, Storage
 from .types import Manifest
 
@@ -153,7 +154,7 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     return 1 + max(gens) if gens else 0
 
 
-_SHARD_FILE = re.compile(r"^(rank\d{5}-g\d+\.safetensors|manifest-g\d+-part-\d{5,}\.json)("
+_SHARD_FILE = re.compile(r"^(rank\d{5}-g\d+\.safetensors|" + PART_PATTERN + ")("
                          + re.escape(TMP_SUFFIX) + ")?$")     # (a shard file, a manifest's part)
 
 
