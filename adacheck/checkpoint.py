@@ -344,17 +344,34 @@ class Snapshot:
 class PendingSave:
     """An asynchronous save whose persist runs in the background (:meth:`Checkpointer.save_async`)."""
 
-    def __init__(self, tag: str, ckpt_dir: str):
-        self.tag, self.ckpt_dir = tag, ckpt_dir
+    def __init__(self, snap: Snapshot, update_latest: bool):
+        self.tag, self.ckpt_dir, self.save_dir, self.store = snap.tag, snap.ckpt_dir, snap.save_dir, snap.store
+        self.update_latest = update_latest
         self.manifest: Optional[Manifest] = None
         self.error: Optional[BaseException] = None
         self.started = time.perf_counter()
         self.finished: Optional[float] = None
         self.thread: Optional[threading.Thread] = None
         self.trusted: Optional[Dict[str, str]] = None
+        self.manifest_before: Optional[float] = None    # (the modification time of a manifest already there)
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
+
+    def manifest_time(self) -> Optional[float]:
+        path = self.store.join(self.ckpt_dir, MANIFEST_NAME)
+        return self.store.mtime(path) if self.store.is_file(path) else None
+
+    def committed_all_the_same(self) -> Optional[Manifest]:
+        """After a failure: the manifest this save committed before it failed (in publishing
+        ``latest`` or retention, or its writer process died before it replied), else None."""
+        try:
+            now = self.manifest_time()
+            if now is None or now == self.manifest_before:
+                return None
+            return commit.read_manifest(self.ckpt_dir, self.store)
+        except (AdaCheckError, OSError):
+            return None
 
 
 @dataclass
@@ -532,12 +549,13 @@ class Checkpointer:
         if not in_process and self._background is None:
             self._background = background_comm(comm)
         snap = self.snapshot(comm, save_dir, tag, collect, staging=self.staging)
-        pending = PendingSave(tag, snap.ckpt_dir)
+        pending = PendingSave(snap, update_latest)
         background, writer, staging, options = self._background, self.writer, self.staging, self.options
         trusted = dict(self.caches.trusted)
 
         def run():
             try:
+                pending.manifest_before = pending.manifest_time()
                 if not in_process:
                     pending.manifest = self.persist(background, snap, update_latest)
                     return
@@ -580,12 +598,7 @@ class Checkpointer:
             log.warning("AdaCheck: the save of %s waited %.2fs for the previous asynchronous save (%s) to "
                         "commit; saving less often avoids the wait", waiting_for, waited, pending.tag)
         if pending.error is not None:
-            if self.options.on_error == "raise":
-                raise pending.error
-            warnings.warn(f"AdaCheck: the asynchronous save of {pending.ckpt_dir} failed; training goes on "
-                          f"from the previous checkpoint (on_error: warn):\n{pending.error}", SaveWarning,
-                          stacklevel=3)
-            return None
+            return self._failed(pending)
         seconds = pending.finished - pending.started
         pending.manifest.stats["seconds"]["background"] = seconds
         log.info("AdaCheck: %s committed in the background (%.2fs after the save call)", pending.ckpt_dir, seconds)
@@ -593,6 +606,35 @@ class Checkpointer:
             self.caches.trusted.update(pending.trusted)
         self.last_committed = pending.manifest
         return pending.manifest
+
+    def _failed(self, pending: PendingSave) -> Optional[Manifest]:
+        """An asynchronous save that failed: said as it is on storage.  Failed before its commit:
+        the previous checkpoint is the newest.  After it (its manifest is there): it counts as
+        committed when ``latest`` names it too, else it loads by its tag only."""
+        error, manifest = pending.error, pending.committed_all_the_same()
+        if manifest is None:
+            if self.options.on_error == "raise":
+                raise error
+            warnings.warn(f"AdaCheck: the asynchronous save of {pending.ckpt_dir} failed; training goes on "
+                          f"from the previous checkpoint (on_error: warn):\n{error}", SaveWarning, stacklevel=4)
+            return None
+        latest = commit.latest_or_none(pending.save_dir, pending.store) if pending.update_latest else pending.tag
+        said = (f"AdaCheck: checkpoint {pending.tag!r} was committed (its manifest is in {pending.ckpt_dir}), but "
+                f"its asynchronous save failed after the commit:\n{error}\n")
+        if latest == pending.tag:
+            warnings.warn(said + ("'latest' names it" if pending.update_latest else "it was saved without updating "
+                                  "'latest'") + ", and it loads as any committed checkpoint; training goes on",
+                          SaveWarning, stacklevel=4)
+            self.last_committed = manifest
+            return manifest
+        said += (f"'latest' names {repr(latest) if latest else 'no intact checkpoint'}, not this one: load "
+                 f"{pending.tag!r} by its tag, or write {pending.tag} into "
+                 f"{pending.store.join(pending.save_dir, commit.LATEST)}")
+        if self.options.on_error == "raise":
+            error.args = (said,)
+            raise error
+        warnings.warn(said + " (on_error: warn; training goes on)", SaveWarning, stacklevel=4)
+        return None
 
     def configure(self, options: Options) -> None:
         """Other options from the next save or load on (the one in flight finishes first)."""

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 import torch
 
@@ -31,9 +32,25 @@ def main():
     manifest = job.finish()
     got = CheckpointReader(os.path.join(spec["dir"], "s1")).read("master/w")[4 * rank:4 * rank + 4]
     got0 = CheckpointReader(os.path.join(spec["dir"], "s0")).read("master/w")[4 * rank:4 * rank + 4]
+    # A failure after the commit: 'latest' cannot be written (a directory stands in its place), so
+    # the save fails with its manifest committed, and says so (not "goes on from the previous one").
+    default_comm().barrier()
+    if rank == 0:
+        os.remove(os.path.join(spec["dir"], "latest"))
+        os.makedirs(os.path.join(spec["dir"], "latest", "in-the-way"))
+    default_comm().barrier()
+    at_call2 = w.clone()
+    job.save_async(default_comm(), spec["dir"], "s2", lambda: state)
+    w.add_(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        failed = job.finish()
+    got2 = CheckpointReader(os.path.join(spec["dir"], "s2")).read("master/w")[4 * rank:4 * rank + 4]
     with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
         json.dump({"committed": manifest is not None and manifest.tag == "s1", "writer": job.writer is not None,
-                   "equal": bool(torch.equal(got, at_call) and torch.equal(got0, at_call))}, f)
+                   "equal": bool(torch.equal(got, at_call) and torch.equal(got0, at_call)),
+                   "after_commit": {"returned": failed is not None, "warnings": [str(c.message) for c in caught],
+                                    "equal": bool(torch.equal(got2, at_call2))}}, f)
 
 
 if __name__ == "__main__":

@@ -133,4 +133,11 @@ def test_a_job_without_a_tcp_store_persists_in_a_thread(tmp_path, backend):
     out = check(launch(2, spec, str(tmp_path), script="core_async_worker.py", timeout=180))
     for rank, (_, text) in enumerate(out):
         assert "persist in a thread" in text and "TCP store" in text, text
-        assert results(str(tmp_path), rank) == {"committed": True, "writer": False, "equal": True}
+        got = results(str(tmp_path), rank)
+        after = got.pop("after_commit")
+        assert got == {"committed": True, "writer": False, "equal": True}
+        # 'latest' could not be written after s2's manifest was: said as committed, loadable by its tag
+        assert not after["returned"] and after["equal"], after
+        said = " ".join(after["warnings"])
+        assert "'s2' was committed" in said and "load 's2' by its tag" in said, said
+        assert "from the previous checkpoint" not in said, said
