@@ -455,11 +455,24 @@ class Checkpointer:
         return any(comm.all_gather_object(found))
 
     def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool,
-                     persist: Optional[bool] = None):
+                     persist: Optional[bool] = None, recorder=None):
         lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
         store, path = self.locate(save_dir)
-        return self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous,
-                                       persist=persist)
+        if recorder is not None:
+            recorder.flush()
+        manifest = self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous,
+                                           persist=persist, online=recorder is not None)
+        if recorder is not None:
+            _start_chain(recorder, LOCAL, self.memory_tier().location(store, path), manifest)
+        return manifest
+
+    def chain_location(self, save_dir: str) -> Tuple[Storage, str]:
+        """Where online deltas of the bases saved to ``save_dir`` go: with the memory tier, its
+        copies in memory (each chain in its base's directory there), else ``save_dir`` itself."""
+        store, path = self.locate(save_dir)
+        if self.options.tiers is not None:
+            return LOCAL, self.memory_tier().location(store, path)
+        return store, path
 
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
@@ -512,17 +525,16 @@ class Checkpointer:
         checkpoint), or every ``persist_interval``-th (None)."""
         lifecycle.register()
         if self.options.tiers is not None:
-            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False, persist=persist)
+            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False, persist=persist,
+                                     recorder=recorder)
         _refuse_non_persistent(persist)
         self.finish()
         if recorder is not None:
             recorder.flush()
         snap = self.snapshot(comm, save_dir, tag, collect)
         manifest = self.persist(comm, snap, update_latest)
-        store, save_dir = snap.store, snap.save_dir
-        if recorder is not None and store.canonical(save_dir) == store.canonical(recorder.save_dir):
-            recorder.start_chain(tag, int(manifest.step), int(manifest.stats.get("file_bytes", 0)),
-                                 manifest.stats["seconds"]["total"])
+        if recorder is not None:
+            _start_chain(recorder, snap.store, snap.save_dir, manifest)
         return manifest
 
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
@@ -985,6 +997,14 @@ class Checkpointer:
             log.info("AdaCheck: rank %d loaded %s (step %s) from the %s tier in %.2fs", comm.rank, manifest.tag,
                      manifest.step, tier, time.perf_counter() - t0)
         return ckpt_dir, manifest, result
+
+
+def _start_chain(recorder, store: Storage, save_dir: str, manifest: Manifest) -> None:
+    """A base just committed into the directory ``recorder`` records to: the deltas of the next
+    steps belong to it."""
+    if store.canonical(save_dir) == store.canonical(recorder.save_dir):
+        recorder.start_chain(manifest.tag, int(manifest.step), int(manifest.stats.get("file_bytes", 0)),
+                             manifest.stats["seconds"]["total"])
 
 
 def _refuse_non_persistent(persist: Optional[bool]) -> None:

@@ -280,9 +280,6 @@ class AdaCheckConfig:
             raise ConfigError("adacheck.exchange \"partitioned\" does not work with "
                               f"{'adacheck.tiers.memory' if self.tiers.memory else 'adacheck.online.enabled'} yet: "
                               "use exchange \"ring\" (the default) with it, or turn it off")
-        if self.tiers.memory and self.online.enabled:
-            raise ConfigError("adacheck.tiers.memory with adacheck.online.enabled: online deltas do not go to the "
-                              "memory tier yet; use one of the two")
 
     @classmethod
     def from_dict(cls, block, where: str = "adacheck") -> "AdaCheckConfig":

@@ -58,7 +58,7 @@ from . import commit, jsontree, lifecycle
 from .errors import ConfigError, FormatError, IntegrityError
 from .hashing import bound_digest, check_digest_format, hash_tensor, identity
 from .reader import SafetensorsFile
-from .storage import LOCAL, Storage
+from .storage import LOCAL, Storage, copy_file
 from .types import DTYPES, dtype_name, torch_dtype
 from .writer import BLOCK
 
@@ -217,6 +217,7 @@ class DeltaLog:
     ``add(key, grad)`` copies one gradient into it, ``submit(step, record)`` hands the step
     to the background writer.  ``flush()`` waits for everything submitted.
     """
+    exit_order = 0      # (closed at exit before a memory tier copies the chain: lifecycle)
 
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
                  queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL):
@@ -404,6 +405,34 @@ def write_chain(ckpt_dir: str, info: dict, fsync: bool = True, store: Storage = 
     store.make_dirs(deltas_dir(ckpt_dir, store))
     commit.atomic_write_text(store.join(deltas_dir(ckpt_dir, store), CHAIN),
                              json.dumps(info, sort_keys=True, allow_nan=False), fsync=fsync, store=store)
+
+
+def copy_chain(src_dir: str, src_store: Storage, dst_dir: str, dst_store: Storage, rank: int,
+               fsync: bool = True, after: Optional[int] = None) -> Optional[int]:
+    """Copy rank ``rank``'s part of the delta chain of checkpoint ``src_dir`` to the same
+    checkpoint at ``dst_dir`` (a memory-tier base persisted to durable storage), step by step:
+    its gradients file, then its record, which commits the step for this rank (rank 0 copies
+    the chain file first).  A step counts at the destination only once every rank's record is
+    there, so a copy cut short leaves a shorter chain, never a wrong one.  ``after``: the last
+    step copied before (only later ones are copied; None: from the start).  Returns the last
+    step copied now or before."""
+    if after is None and rank == 0 and read_chain(src_dir, src_store) is not None:
+        dst_store.make_dirs(deltas_dir(dst_dir, dst_store))
+        copy_file(src_store, src_store.join(deltas_dir(src_dir, src_store), CHAIN), dst_store,
+                  dst_store.join(deltas_dir(dst_dir, dst_store), CHAIN), fsync=fsync)
+    for s in step_dirs(src_dir, src_store):
+        if after is not None and s <= after:
+            continue
+        src, dst = step_dir(src_dir, s, src_store), step_dir(dst_dir, s, dst_store)
+        names = set(src_store.list(src))
+        if f"rank{rank}.json" not in names:
+            break          # (this rank's chain ends here, for now)
+        dst_store.make_dirs(dst)
+        for name in (f"rank{rank}.safetensors", f"rank{rank}.json"):
+            if name in names:
+                copy_file(src_store, src_store.join(src, name), dst_store, dst_store.join(dst, name), fsync=fsync)
+        after = s
+    return after
 
 
 def read_chain(ckpt_dir: str, store: Storage = LOCAL) -> Optional[dict]:

@@ -65,7 +65,8 @@ SETTLE_SECONDS = 0.1
 
 
 def at_exit() -> None:
-    for obj in list(_OPEN):
+    # (lower exit_order first: an online delta log is complete before a memory tier copies it)
+    for obj in sorted(_OPEN, key=lambda o: getattr(o, "exit_order", 1)):
         try:
             obj.close()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting: report, do not raise

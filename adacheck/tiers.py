@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import commit
+from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
 from .exchange import agree
@@ -52,6 +52,7 @@ DEFAULT_MEMORY_DIR = "/dev/shm/adacheck"
 MEMORY_ENV, JOB_ENV = "ADACHECK_MEMORY_DIR", "ADACHECK_JOB"
 PERSIST_TIMEOUT_S = 600.0
 SOURCE_NAME = "SOURCE"          # in a memory location: the checkpoint directory it stands for
+CHAIN_COPIED = ".deltas-persisted-rank"     # in a memory checkpoint: this rank's deltas are in durable storage
 
 
 def job_identity() -> Tuple[Optional[str], str]:
@@ -386,6 +387,59 @@ def held_in(mem: str) -> Tuple[int, int]:
     return count, size
 
 
+class ChainCopy:
+    """Behind training, in a thread of its own: this rank's online deltas of a base that was
+    persisted, copied from the memory tier to durable storage as they are written
+    (:func:`adacheck.deltas.copy_chain`: gradients, then the record).  Training never waits for
+    it: durable storage takes the steps at its own pace.  When the next base is persisted, this
+    chain has ended: the thread copies what is left of it and ends.  A chain it could not finish
+    (the memory tier retired its base first, a storage error) stays in durable storage as far as
+    it got, a shorter chain, never a wrong one, and that is said."""
+
+    POLL_S = 0.05
+
+    def __init__(self, rank: int, src: str, store: Storage, dst: str, fsync: bool):
+        self.rank, self.src, self.store, self.dst, self.fsync = rank, src, store, dst, fsync
+        self.last: Optional[int] = None       # the last step copied
+        self.error: Optional[BaseException] = None
+        self._ending = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="adacheck-chain-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._ending.wait(self.POLL_S):
+            if not self.copy():
+                break
+        self.copy()
+
+    def copy(self) -> bool:
+        """Copy the steps written since the last pass; False once copying failed."""
+        with self._lock:
+            if self.error is None:
+                try:
+                    self.last = deltas.copy_chain(self.src, LOCAL, self.dst, self.store, self.rank,
+                                                  fsync=self.fsync, after=self.last)
+                except BaseException as e:  # noqa: BLE001 - said once, here; the chain stays as far as it got
+                    self.error = e
+                    self._report()
+            return self.error is None
+
+    def _report(self) -> None:
+        if self.error is not None:
+            log.warning("AdaCheck: the online deltas of %s went to durable storage (%s) up to %s: %s; durable "
+                        "storage recovers that far, the memory tier the newer steps",
+                        os.path.basename(self.src), self.dst,
+                        f"step {self.last}" if self.last is not None else "its base", self.error)
+
+    def end(self, wait: bool) -> None:
+        """The chain is complete (the next base was taken): copy the rest and stop; ``wait``
+        for that (at exit), else it goes on behind training."""
+        self._ending.set()
+        if wait:
+            self._thread.join()
+
+
 class MemoryTier:
     """The memory tier of one job's Checkpointer (see the module's docstring).  ``memory`` is the
     Checkpointer that writes the memory copies (no fsync, no references between checkpoints, its
@@ -406,6 +460,8 @@ class MemoryTier:
         self.leads = True              # this rank keeps its node's memory directory (its lowest rank)
         self.nodes: Optional[Tuple[str, ...]] = None
         self.across = False            # the last load ran on several nodes
+        self.online = False            # the job records online deltas into the memory copies
+        self.chain: Optional[ChainCopy] = None     # the persisted base's deltas going to durable storage
 
     # ------------------------------------------------------------------ where
     def location(self, store: Storage, save_dir: str) -> str:
@@ -431,13 +487,19 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ save
     def save(self, comm, store: Storage, save_dir: str, tag: str, collect, update_latest: bool,
-             asynchronous: bool = False, persist: Optional[bool] = None):
+             asynchronous: bool = False, persist: Optional[bool] = None, online: bool = False):
         """Save ``tag`` into the memory tier (``asynchronous``: return after the snapshot, the
         memory copy is written behind training as an async save); it is then copied to the
         checkpoint directory when ``persist`` is True, never when it is False (a non-persistent
         checkpoint; the newest is still copied at a clean exit), and with None when it is the
-        ``persist_interval``-th since the last copy."""
+        ``persist_interval``-th since the last copy.  ``online``: the job records online deltas
+        into the memory copies (a chain per base, in the base's directory), on one node only yet."""
         self._placement(comm)
+        self.online = online
+        if online and len(set(self.nodes)) > 1:
+            raise ConfigError(f"online deltas with the memory tier work within one node yet, and this job runs on "
+                              f"{len(set(self.nodes))} ({', '.join(sorted(set(self.nodes)))}): turn off "
+                              "adacheck.online (or tiers.memory) for a job across nodes")
         self.rank = comm.rank
         mem = self.location(store, save_dir)
         durable = durable_key(store, save_dir)
@@ -507,6 +569,10 @@ class MemoryTier:
 
         self.thread = threading.Thread(target=run, name=f"adacheck-persist-{tag}", daemon=True)
         self.thread.start()
+        if self.online:       # (its deltas follow it; a chain not finished stays as far as it got)
+            if self.chain is not None:
+                self.chain.end(wait=False)
+            self.chain = ChainCopy(rank, os.path.join(mem, tag), store, store.join(save_dir, tag), self.fsync)
 
     def finish(self) -> None:
         """Wait for the copy to durable storage in flight; a failure is a warning (or raises with
@@ -518,6 +584,8 @@ class MemoryTier:
             for mem, tag, *_ in list(self.newest.values()):
                 self._retain(mem, (tag,))
         self._end_copy()
+        if self.chain is not None:
+            self.chain.copy()         # (the persisted base's deltas written so far)
 
     def _end_copy(self) -> None:
         """Wait for the copy to durable storage in flight (only that) and report it."""
@@ -595,6 +663,37 @@ class MemoryTier:
         return store, load_dir, "durable", tag
 
     # ------------------------------------------------------------------ exit
+    def _persist_chain(self, mem: str, tag: str, store: Storage, save_dir: str, after: Optional[int] = None,
+                       timeout_s: float = 120.0) -> None:
+        """At a clean exit, after its base: this rank's online deltas of the newest memory checkpoint
+        go to durable storage with it (so the job's last steps outlive its memory files); a node's
+        lowest rank then waits until every rank of the node has copied its part (a marker each)."""
+        src = os.path.join(mem, tag)
+        if not os.path.isdir(deltas.deltas_dir(src)):
+            return
+        try:
+            last = deltas.copy_chain(src, LOCAL, store.join(save_dir, tag), store, self.rank, fsync=self.fsync,
+                                     after=after)
+            LOCAL.write_atomic(os.path.join(src, f"{CHAIN_COPIED}{self.rank:05d}"), b"", fsync=False)
+            if last is not None:
+                log.info("AdaCheck: rank %d's online deltas of %s are in %s up to step %d (at exit)", self.rank, tag,
+                         save_dir, last)
+        except Exception as e:  # noqa: BLE001 - the interpreter is exiting: the memory copy stays
+            log.warning("AdaCheck: at exit, the online deltas of %s could not be persisted to %s (%s); durable "
+                        "storage recovers its base step", tag, save_dir, e)
+        if not self.leads or self.nodes is None:
+            return
+        node = self.nodes[self.rank]
+        waiting = NodeSpread(self.nodes, False).ranks_on(node)
+        deadline = time.monotonic() + timeout_s
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not os.path.exists(os.path.join(src, f"{CHAIN_COPIED}{r:05d}"))]
+            if waiting:
+                time.sleep(0.05)
+        if waiting:
+            log.warning("AdaCheck: at exit, ranks %s did not copy their online deltas of %s within %.0fs", waiting,
+                        tag, timeout_s)
+
     def close(self) -> None:
         """At a clean exit: the copy in flight finishes, the newest memory checkpoint of each
         checkpoint directory is persisted if it was not, then (once committed) the job's memory
@@ -603,6 +702,9 @@ class MemoryTier:
             self.finish()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting
             log.warning("AdaCheck: %s", e)
+        chain, self.chain = self.chain, None
+        if chain is not None:
+            chain.end(wait=True)
         for durable, (mem, tag, store, save_dir, update_latest) in list(self.newest.items()):
             done = (durable, tag) in self.persisted
             if not done:
@@ -615,6 +717,9 @@ class MemoryTier:
                     log.warning("AdaCheck: at exit, %s could not be persisted to %s; it stays in the memory tier (%s): %s",
                                 tag, save_dir, mem, e)
                     done = False
+            if done:
+                copied = chain.last if chain is not None and chain.src == os.path.join(mem, tag) else None
+                self._persist_chain(mem, tag, store, save_dir, after=copied)
             if done and self.leads and self.rank != 0:
                 # (another node's memory: it goes once rank 0 has committed the copy in durable storage)
                 deadline, dst = time.monotonic() + 120.0, store.join(save_dir, tag)

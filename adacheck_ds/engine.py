@@ -159,6 +159,8 @@ class AdaCheckDeepSpeed:
     def _finish_and_destroy(self, *args, **kwargs):
         self.finish()
         if self.checkpointer.tiered is not None:
+            if self.online is not None:
+                self.online.flush()       # (its last steps go to durable storage with their base)
             self.checkpointer.tiered.close()
         return self._destroy(*args, **kwargs)
 

@@ -66,7 +66,7 @@ class OnlineDS:
         if self.lay.wrapper.replicated:   # stored once per data-parallel group, by a balanced choice
             me, dp = data_parallel(e)
             mine = online.replica_share(self.tap, sorted(self.tap.tensors), list(range(dp)), me)
-        store, where = ac.checkpointer.locate(self.save_dir)
+        store, where = ac.checkpointer.chain_location(self.save_dir)
         self.recorder = online.OnlineRecorder(self.tap, ac.config.online, where, ac.comm, self._take_base,
                                               fsync=ac.config.fsync, mine=mine, store=store,
                                               preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))

@@ -109,7 +109,7 @@ class OnlineMegatron:
         self.iteration = 0
         self.tap = make_tap(optimizer)
         mine = None if distributed_optimizers(optimizer) else _replica_share(self.tap, optimizer, parallel.comm())
-        store, where = checkpointer(optimizer, config).locate(self.save_dir)
+        store, where = checkpointer(optimizer, config).chain_location(self.save_dir)
         self.recorder = online.OnlineRecorder(self.tap, config.online, where, parallel.comm, self._take_base,
                                               fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip,
                                               store=store)

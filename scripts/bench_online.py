@@ -26,6 +26,15 @@ Printed (and written as JSON to ``--json``):
                      the online engine, and whether it equals the deviation the online
                      engine measured while recording (its shadow of the optimizer state)
 
+With ``--tiers`` a third engine records its deltas into the memory tier (``"tiers": {"memory":
+true}``; its bases and, behind training, their deltas go to the checkpoint directory at their own
+pace), in the same alternating blocks: ``tiers overhead`` is its time per step against the plain
+engine's, ``tiers exact`` whether an engine recovering from it (the memory tier: base + every
+delta) equals it bit for bit.  ``--durable-mbps X`` throttles the checkpoint directory (the
+durable tier) of both online engines to X MB/s per rank (an fsspec filesystem that sleeps in
+every write: a slow disk or network store on this VM), so the deltas to disk cannot keep up;
+the memory tier's deltas are not throttled, only its copies behind training.
+
 and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
 added up (the ranks wait for each other at each collective, so one rank's writer delays all),
 and how much more CPU time per step the host spent in each /proc/stat category during online
@@ -35,6 +44,7 @@ I/O completions; steal: the hypervisor's; idle+iowait: cores waiting)
     .venv/bin/python scripts/bench_online.py
     .venv/bin/python scripts/bench_online.py --stages 2 --dtypes bf16 --steps 6
     .venv/bin/python scripts/bench_online.py --stages 1 --dtypes fp32 --compact
+    .venv/bin/python scripts/bench_online.py --stages 1 --dtypes bf16 fp32 --tiers --durable-mbps 200
 """
 from __future__ import annotations
 
@@ -49,6 +59,45 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_ds import add_device_flag, device, du, finish_worker, init_distributed, on_device, run_workers, device_sync, tiny_engine  # noqa: E402,E501
+
+
+def slow_storage(mbps: float) -> str:
+    """Register the fsspec protocol ``slowfile``: the local filesystem with every write slowed to
+    ``mbps`` MB/s (per process); returns the URL prefix of a local path on it."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class Throttled:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            time.sleep(memoryview(data).nbytes / (mbps * 1e6))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    class SlowFileSystem(LocalFileSystem):
+        protocol = ("slowfile",)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            path = str(path)
+            return super()._strip_protocol(path[len("slowfile://"):] if path.startswith("slowfile://") else path)
+
+        def _open(self, path, mode="rb", **kwargs):
+            f = super()._open(path, mode, **kwargs)
+            return Throttled(f) if ("w" in mode or "a" in mode) else f
+
+    fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
+    return "slowfile://"
 
 
 def worker(a) -> None:
@@ -97,20 +146,26 @@ def worker(a) -> None:
         return out
 
     rows = []
+    url = slow_storage(a.durable_mbps) if a.durable_mbps else ""
     for stage in a.stages:
         for dtype in a.dtypes:
             work = os.path.join(a.work, f"z{stage}-{dtype}")
-            ck = os.path.join(work, "online")
+            ck, ck_tiers = os.path.join(work, "online"), os.path.join(work, "online-tiers")
+            online = {"enabled": True, "base_interval": 10 ** 6, "compact": a.compact}
             plain = engine_for(stage, dtype, {"enabled": True})
-            on = engine_for(stage, dtype, {"enabled": True, "save_dir": ck,
-                                           "online": {"enabled": True, "base_interval": 10 ** 6,
-                                                      "compact": a.compact}})
+            on = engine_for(stage, dtype, {"enabled": True, "save_dir": url + ck, "online": online})
+            tiers = {"enabled": True, "save_dir": url + ck_tiers, "online": online,
+                     "tiers": {"memory": True, "memory_dir": a.memory_dir}}
+            tiered = engine_for(stage, dtype, tiers) if a.tiers else None
             train(plain, 2)
             train(on, 2)            # the base (step 1) and the first delta
-            t_plain, t_on, h_plain, h_on = [], [], [], []
+            if tiered is not None:
+                train(tiered, 2)
+            t_plain, t_on, t_tiers, h_plain, h_on = [], [], [], [], []
             for block in range(a.blocks):
-                pair = [(t_plain, h_plain, plain), (t_on, h_on, on)]
-                for times, host, eng in (pair if block % 2 == 0 else pair[::-1]):
+                order = [(t_plain, h_plain, plain), (t_on, h_on, on)] + ([(t_tiers, None, tiered)] if tiered else [])
+                k = block % len(order)      # (each engine in each position in turn)
+                for times, host, eng in order[k:] + order[:k]:
                     times.append(train(eng, a.steps, host))
             t0 = time.perf_counter()
             on.adacheck.online.flush()
@@ -124,6 +179,16 @@ def worker(a) -> None:
             writers = costs[2].clone()                  # every rank's writer, added up
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
             dist.all_reduce(writers)
+            tiers_exact = None
+            if tiered is not None:
+                tiered.adacheck.online.flush()
+                rec_tiers = engine_for(stage, dtype, {"enabled": True, "tiers": tiers["tiers"]})
+                rec_tiers.load_checkpoint(url + ck_tiers)      # (from the memory tier: base + deltas)
+                same = [torch.equal(x, y) for x, y in zip(state(tiered), state(rec_tiers))]
+                flag = on_device(torch.tensor(int(all(same) and len(same) == len(state(tiered)))))
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                tiers_exact = bool(flag.item())
+                rec_tiers.destroy()
             native = os.path.join(work, "native")
             adacheck_ds.save_native(on, native, tag="n")
             base_dir = os.path.join(ck, "global_step1")
@@ -173,10 +238,18 @@ def worker(a) -> None:
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
                              "exact": bool(flag.item()), "differs": diff[:8], "compact": a.compact,
                              "distance": far.item(),
-                             "measured": max(measured.values()) if measured else None})
+                             "measured": max(measured.values()) if measured else None,
+                             "durable_mbps": a.durable_mbps})
+                if t_tiers:
+                    tt = statistics.median(t_tiers)
+                    rows[-1].update(step_tiers_s=tt, overhead_tiers=tt / tp - 1, tiers_exact=tiers_exact,
+                                    overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)])
                 print(json.dumps(rows[-1]), flush=True)
-            for eng in (plain, on, rec_engine):
-                eng.destroy()
+            t0 = time.perf_counter()
+            for eng in (plain, on, rec_engine) + ((tiered,) if tiered is not None else ()):
+                eng.destroy()       # (the tiered one copies its newest base and deltas to durable storage)
+            if rank == 0 and rows and tiered is not None:
+                rows[-1]["tiers_close_s"] = time.perf_counter() - t0
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
@@ -229,6 +302,17 @@ def table(rows) -> str:
                    f"{r['full_over_delta']:.2f}x | {r['native_over_delta']:.2f}x | {r['bf16_share']:.0%} | "
                    f"{r['step_s']:.3f} | {r['overhead']:+.1%}{spread} | {hook} | {writer} | "
                    f"{r['replay_over_step']:.2f} | {exact} |")
+    tiered = [r for r in rows if "overhead_tiers" in r]
+    if tiered:
+        out += ["", "| DP | ZeRO | dtype | durable MB/s | step s | overhead: deltas to disk | overhead: deltas to the "
+                "memory tier | tiers exact | exit copy s |", "|" + "---:|" * 9]
+        for r in tiered:
+            def ov(key):
+                pairs = r[f"{key}_pairs"]
+                return f"{r[key]:+.1%} ({min(pairs):+.1%}..{max(pairs):+.1%})"
+            out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['durable_mbps'] or 'unthrottled'} | "
+                       f"{r['step_s']:.3f} | {ov('overhead')} | {ov('overhead_tiers')} | "
+                       f"{'yes' if r['tiers_exact'] else 'NO'} | {r['tiers_close_s']:.1f} |")
     return "\n".join(out)
 
 
@@ -245,6 +329,10 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="alternating timed blocks per engine")
     ap.add_argument("--work", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--compact", action="store_true", help="online.compact: gradients in bf16 even when lossy")
+    ap.add_argument("--tiers", action="store_true", help="a third engine records into the memory tier")
+    ap.add_argument("--durable-mbps", type=float, default=None,
+                    help="throttle the checkpoint directories to this many MB/s per rank (default: not throttled)")
+    ap.add_argument("--memory-dir", default=None, help="the memory tier's directory (default: /dev/shm/adacheck)")
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
@@ -253,16 +341,20 @@ def main() -> None:
     os.environ["ADACHECK_BENCH_DEVICE"] = a.device
     if a.worker:
         return worker(a)
+    os.environ.setdefault("ADACHECK_JOB", f"bench-online-{os.getpid()}")     # (the memory tier's job)
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700,
                        ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
                         "--clip", str(a.clip), "--steps", str(a.steps), "--blocks", str(a.blocks),
-                        "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else []))
+                        "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
+                       + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
+                       + (["--memory-dir", a.memory_dir] if a.memory_dir else []))
     import deepspeed
     import torch
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
+                   "tiers": a.tiers, "durable_mbps": a.durable_mbps,
                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     extra = attribution(rows)

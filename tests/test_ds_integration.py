@@ -160,8 +160,6 @@ def test_config_block_validation_and_disabled_block(tmp_path):
            ({"adacheck": {"enabled": True, "online": []}}, "adacheck.online must be an object"),
            ({"adacheck": {"enabled": True, "tiers": {"memory": "yes"}}}, "adacheck.tiers.memory must be true or false"),
            ({"adacheck": {"enabled": True, "tiers": {"peer": True}}}, "it needs tiers.memory true as well"),
-           ({"adacheck": {"enabled": True, "tiers": {"memory": True}, "online": {"enabled": True}}},
-            "online deltas do not go to the memory tier"),
            ({"adacheck": {"enabled": True, "exchange": "partitioned", "online": {"enabled": True}}},
             'adacheck.exchange "partitioned" does not work with adacheck.online.enabled yet'),
            ({"adachek": {"enabled": True}}, "top-level key 'adachek'; did you mean \"adacheck\"?"),

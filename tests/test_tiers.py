@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from launch import ROOT, check, launch
 from test_ds_integration import assert_same, results
 
-from adacheck import commit
+from adacheck import commit, deltas
 from adacheck.storage import LOCAL
 from adacheck.tiers import memory_location
 
@@ -34,6 +34,11 @@ def cli(*argv):
                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout
+
+
+def committed(ckpt_dir, base_step, world=2):
+    """The delta steps of ``ckpt_dir`` every rank has a record of."""
+    return [st.step for st in deltas.committed_steps(ckpt_dir, base_step, world)[0]]
 
 
 def tags(path):
@@ -105,6 +110,96 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     assert_same(a4, dump(f"{d}/d", "D4"), keys)
     e3, keys = state(f"{d}/b", "E3")
     assert_same(e3, dump(f"{d}/d", "F3"), keys)
+
+
+def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_storage_at_exit(tmp_path, monkeypatch):
+    """Online deltas with the memory tier (ZeRO-2 bf16, 2 ranks): bases every 3 steps and every
+    step's deltas go to memory; every 2nd base also to the checkpoint directory, its deltas copied
+    after it behind training.  The job is SIGKILLed after step 8: a new job recovers step 8 exactly
+    from memory (base 7 + delta 8), newer than durable storage's newest (base 4 + deltas 5, 6: what
+    a job without the memory recovers), continues the chain in memory, and ends cleanly after step
+    11: its newest base (10) and delta 11 go to durable storage at exit, and a job without the
+    memory recovers step 11 from there.  The oracle: a run never checkpointed (DeepSpeed's own
+    accessors at each step, and its losses)."""
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-online")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck = f"{d}/ck"
+    mem = memory_location(LOCAL, ck)
+    ac = {"enabled": True, "save_dir": ck, "online": {"enabled": True, "base_interval": 3},
+          "tiers": {"memory": True, "persist_interval": 2}}
+    model = {"stage": 2, "dtype": "bf16"}
+    out = launch(2, {"runs": [dict(model, actions=[["train_dump", 11, "U"]]),
+                              dict(model, adacheck=ac, actions=[["train", 8], ["finish"], ["die"]])]}, f"{d}/a")
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    ref = results(f"{d}/a")[0]["losses"]
+    assert tags(ck) == ["global_step4"] and tags(mem) == ["global_step4", "global_step7"]
+    assert deltas.step_dirs(os.path.join(mem, "global_step7")) == [8]
+    assert committed(os.path.join(ck, "global_step4"), 4) == [5, 6]    # (copied behind training)
+    # without the memory tier (another memory directory): durable storage's base 4 + deltas 5, 6
+    out = launch(2, {"runs": [dict(model, seed=5, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "D6"]])]},
+                 f"{d}/d6", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
+    check(out)
+    assert "memory tier holds no checkpoint" in out[0][1] and results(f"{d}/d6")[0]["steps"][0] == 6
+    u6, keys = state(f"{d}/a", "U6")
+    assert_same(u6, dump(f"{d}/d6", "D6"), keys)
+
+    out = launch(2, {"runs": [dict(model, seed=7, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "B8"],
+                                                                          ["train_to", 11]])]}, f"{d}/b")
+    check(out)
+    assert "loaded global_step7 (step 7) from the memory tier" in out[0][1], out[0][1][-3000:]
+    b = results(f"{d}/b")[0]
+    assert b["steps"][0] == 8 and b["losses"] == ref[8:11], (b, ref)
+    u8, keys = state(f"{d}/a", "U8")
+    assert_same(u8, dump(f"{d}/b", "B8"), keys)
+    assert not os.path.exists(mem)          # (a clean end: the newest base and its deltas are durable)
+    assert tags(ck) == ["global_step10", "global_step4"] and commit.read_latest(ck) == "global_step10"
+    assert committed(os.path.join(ck, "global_step10"), 10) == [11]
+
+    out = launch(2, {"runs": [dict(model, seed=9, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "C11"]])]},
+                 f"{d}/c")
+    check(out)
+    assert "memory tier holds no checkpoint" in out[0][1], out[0][1][-3000:]
+    assert results(f"{d}/c")[0]["steps"][0] == 11
+    u11, keys = state(f"{d}/a", "U11")
+    assert_same(u11, dump(f"{d}/c", "C11"), keys)
+
+    # across nodes, each node's memory would hold its own ranks' deltas only: refused, clearly
+    out = launch(2, {"nodes": ["a", "b"], "runs": [dict(model, adacheck=dict(ac, save_dir=f"{d}/ck4"), actions=[
+        ["expect_error", "online deltas with the memory tier work within one node yet", "train", 1]])]}, f"{d}/d")
+    check(out)
+    assert tags(f"{d}/ck4") == []
+
+
+def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_path, monkeypatch):
+    """TP=2 megatron-core (scripts/pretrain_gpt.py's flags) with --adacheck-online (bases every 3
+    iterations) and --adacheck-tiers-memory: killed after iteration 6, a new job (other weights)
+    recovers iteration 6 from the memory tier (base 4 + deltas 5, 6) with every rank's weights,
+    main weights and optimizer state equal to the killed job's there (megatron-core's objects),
+    and trains on with the losses of a run never checkpointed."""
+    from test_megatron import assert_same_dumps
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "megatron-online-tiers")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck = f"{d}/ck"
+    argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"]
+    on = argv + ["--adacheck", "--adacheck-dir", ck, "--adacheck-online", "--adacheck-online-base-interval", "3",
+                 "--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "10"]
+    out = launch(2, {"runs": [{"argv": on, "actions": [["online"], ["train", 6], ["dump", "a"], ["online", False],
+                                                       ["die"]]}]}, d, script="megatron_worker.py")
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    assert tags(ck) == [] and tags(memory_location(LOCAL, ck)) == ["iter_0000001", "iter_0000004"]
+    out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 8]]},
+                              {"argv": on, "actions": [["online"], ["scramble"], ["load", ck], ["dump", "b"],
+                                                       ["train", 2], ["online", False]]}]},
+                 d, script="megatron_worker.py")
+    check(out)
+    said = out[0][1]
+    assert "loaded AdaCheck checkpoint iteration 6 from the memory tier" in said, said[-3000:]
+    assert "replayed 2 gradient deltas (steps 5-6) on base step 4" in said, said[-3000:]
+    ref, b = results(d)
+    assert b["loaded"] == [6] and b["losses"] == ref["losses"][6:8], (b, ref)
+    assert_same_dumps(d, "a", "b", 2)
 
 
 def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkeypatch):
