@@ -155,7 +155,7 @@ def worker(a) -> None:
             plain = engine_for(stage, dtype, {"enabled": True})
             on = engine_for(stage, dtype, {"enabled": True, "save_dir": url + ck, "online": online})
             tiers = {"enabled": True, "save_dir": url + ck_tiers, "online": online,
-                     "tiers": {"memory": True, "memory_dir": a.memory_dir}}
+                     "tiers": {"memory": True, "memory_dir": a.memory_dir, "persist_interval": a.persist_interval}}
             tiered = engine_for(stage, dtype, tiers) if a.tiers else None
             train(plain, 2)
             train(on, 2)            # the base (step 1) and the first delta
@@ -333,6 +333,8 @@ def main() -> None:
     ap.add_argument("--durable-mbps", type=float, default=None,
                     help="throttle the checkpoint directories to this many MB/s per rank (default: not throttled)")
     ap.add_argument("--memory-dir", default=None, help="the memory tier's directory (default: /dev/shm/adacheck)")
+    ap.add_argument("--persist-interval", type=int, default=1,
+                    help="tiers.persist_interval (1: the base, and its deltas behind training, go to the directory)")
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
@@ -347,14 +349,15 @@ def main() -> None:
                         "--clip", str(a.clip), "--steps", str(a.steps), "--blocks", str(a.blocks),
                         "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
                        + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
-                       + (["--memory-dir", a.memory_dir] if a.memory_dir else []))
+                       + (["--memory-dir", a.memory_dir] if a.memory_dir else [])
+                       + ["--persist-interval", str(a.persist_interval)])
     import deepspeed
     import torch
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
-                   "tiers": a.tiers, "durable_mbps": a.durable_mbps,
+                   "tiers": a.tiers, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     extra = attribution(rows)

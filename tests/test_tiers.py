@@ -116,7 +116,7 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     """Online deltas with the memory tier (ZeRO-2 bf16, 2 ranks): bases every 3 steps and every
     step's deltas go to memory; every 2nd base also to the checkpoint directory, its deltas copied
     after it behind training.  The job is SIGKILLed after step 8: a new job recovers step 8 exactly
-    from memory (base 7 + delta 8), newer than durable storage's newest (base 4 + deltas 5, 6: what
+    from memory (base 7 + delta 8; so does a DP=1 job, from the saving ranks' partitions), newer than durable storage's newest (base 4 + deltas 5, 6: what
     a job without the memory recovers), continues the chain in memory, and ends cleanly after step
     11: its newest base (10) and delta 11 go to durable storage at exit, and a job without the
     memory recovers step 11 from there.  The oracle: a run never checkpointed (DeepSpeed's own
@@ -136,33 +136,31 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     assert tags(ck) == ["global_step4"] and tags(mem) == ["global_step4", "global_step7"]
     assert deltas.step_dirs(os.path.join(mem, "global_step7")) == [8]
     assert committed(os.path.join(ck, "global_step4"), 4) == [5, 6]    # (copied behind training)
-    # without the memory tier (another memory directory): durable storage's base 4 + deltas 5, 6
-    out = launch(2, {"runs": [dict(model, seed=5, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "D6"]])]},
-                 f"{d}/d6", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
-    check(out)
-    assert "memory tier holds no checkpoint" in out[0][1] and results(f"{d}/d6")[0]["steps"][0] == 6
-    u6, keys = state(f"{d}/a", "U6")
-    assert_same(u6, dump(f"{d}/d6", "D6"), keys)
+    def recovers(name, step, said, world=2, seed=5, more=(), **kw):
+        """A new job of ``world`` ranks loads ck: it reaches ``step`` (its log says ``said``), and
+        its state equals the run never checkpointed at that step."""
+        out = launch(world, {"runs": [dict(model, seed=seed, adacheck=ac, actions=[["load", ck], ["steps"],
+                                                                                    ["dump", name], *more])]},
+                     f"{d}/{name}", **kw)
+        check(out)
+        assert said in out[0][1], out[0][1][-3000:]
+        got = results(f"{d}/{name}")[0]
+        assert got["steps"][0] == step, got
+        u, keys = state(f"{d}/a", f"U{step}")
+        assert_same(u, dump(f"{d}/{name}", name), keys)
+        return got
 
-    out = launch(2, {"runs": [dict(model, seed=7, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "B8"],
-                                                                          ["train_to", 11]])]}, f"{d}/b")
-    check(out)
-    assert "loaded global_step7 (step 7) from the memory tier" in out[0][1], out[0][1][-3000:]
-    b = results(f"{d}/b")[0]
-    assert b["steps"][0] == 8 and b["losses"] == ref[8:11], (b, ref)
-    u8, keys = state(f"{d}/a", "U8")
-    assert_same(u8, dump(f"{d}/b", "B8"), keys)
+    # without the memory tier (another memory directory): durable storage's base 4 + deltas 5, 6
+    recovers("D6", 6, "memory tier holds no checkpoint", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
+    # another layout (DP=1) recovers step 8 from the memory tier: the saving ranks' partitions are
+    # rebuilt from base 7 and stepped with their deltas (read only: it neither trains nor saves)
+    recovers("E8", 8, "loaded global_step7 (step 7) from the memory tier", world=1, seed=3)
+    b = recovers("B8", 8, "loaded global_step7 (step 7) from the memory tier", seed=7, more=[["train_to", 11]])
+    assert b["losses"] == ref[8:11], (b, ref)
     assert not os.path.exists(mem)          # (a clean end: the newest base and its deltas are durable)
     assert tags(ck) == ["global_step10", "global_step4"] and commit.read_latest(ck) == "global_step10"
     assert committed(os.path.join(ck, "global_step10"), 10) == [11]
-
-    out = launch(2, {"runs": [dict(model, seed=9, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "C11"]])]},
-                 f"{d}/c")
-    check(out)
-    assert "memory tier holds no checkpoint" in out[0][1], out[0][1][-3000:]
-    assert results(f"{d}/c")[0]["steps"][0] == 11
-    u11, keys = state(f"{d}/a", "U11")
-    assert_same(u11, dump(f"{d}/c", "C11"), keys)
+    recovers("C11", 11, "memory tier holds no checkpoint", seed=9)
 
     # across nodes, each node's memory would hold its own ranks' deltas only: refused, clearly
     out = launch(2, {"nodes": ["a", "b"], "runs": [dict(model, adacheck=dict(ac, save_dir=f"{d}/ck4"), actions=[
