@@ -127,19 +127,22 @@ class OnlineRecorder:
         return self.shadow.deviation(self.tap)
 
     def _decide_interval(self) -> None:
-        """``base_interval: "auto"``: one collective after the first delta of a chain."""
-        mine = {"bytes": 0, "seconds": self.tap.step_seconds}
+        """``base_interval: "auto"``: one collective after the first delta of a chain.  Every rank
+        decides from the same numbers (the base's size and time as the slowest rank saw them), so
+        all take the next base at the same step: a rank's own save time would differ."""
+        mine = {"bytes": 0, "seconds": self.tap.step_seconds, "base_bytes": int(self.chain_info.get("base_bytes", 0)),
+                "base_seconds": float(self.chain_info.get("base_seconds", 0.0))}
         if self.log is not None:
             self.log.flush()
             mine["bytes"] = self.log.bytes_written
         allr = self.comm().all_gather_object(mine)
         delta_bytes = sum(a["bytes"] for a in allr)
-        base_bytes = int(self.chain_info.get("base_bytes", 0))
-        base_seconds = float(self.chain_info.get("base_seconds", 0.0))
+        base_bytes = max(a["base_bytes"] for a in allr)
+        base_seconds = max(a["base_seconds"] for a in allr)
         read_seconds = delta_bytes * base_seconds / base_bytes if base_bytes else 0.0
         replay = max(a["seconds"] for a in allr) + read_seconds
         self.interval = deltas.auto_interval(base_bytes, base_seconds, delta_bytes, replay)
-        log.info("AdaCheck online: base_interval auto = %d (base %d B in %.2fs; delta %d B, replay ~%.3fs)",
+        log.info("AdaCheck online: base_interval auto = %d (base %d B in %rs; delta %d B, replay ~%rs)",
                  self.interval, base_bytes, base_seconds, delta_bytes, replay)
 
     def flush(self) -> None:
