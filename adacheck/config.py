@@ -53,7 +53,7 @@ exchange            "ring"    how ranks share their (box, hash) lists before a s
                               or "partitioned" (each tensor's shard list only to the rank that
                               decides it, one all-to-all: a rank's traffic and planning
                               follow its own boxes, not the job's size; not yet with the
-                              memory tier or online deltas)
+                              memory tier)
 hash_chunk_bytes    67108864  boxes larger than this are split along their first axis into
                               chunks with their own hash, so an unchanged part of a large
                               tensor (rows of unused tokens, a frozen slice) is referenced
@@ -276,10 +276,9 @@ class AdaCheckConfig:
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
-        if self.exchange == "partitioned" and (self.tiers.memory or self.online.enabled):
-            raise ConfigError("adacheck.exchange \"partitioned\" does not work with "
-                              f"{'adacheck.tiers.memory' if self.tiers.memory else 'adacheck.online.enabled'} yet: "
-                              "use exchange \"ring\" (the default) with it, or turn it off")
+        if self.exchange == "partitioned" and self.tiers.memory:
+            raise ConfigError("adacheck.exchange \"partitioned\" does not work with adacheck.tiers.memory yet: "
+                              "use exchange \"ring\" (the default) with it, or turn the memory tier off")
 
     @classmethod
     def from_dict(cls, block, where: str = "adacheck") -> "AdaCheckConfig":

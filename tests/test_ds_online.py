@@ -305,7 +305,8 @@ def test_compact_and_auto_bases(tmp_path):
     how much, and that is what `adacheck inspect` reports and exactly how far the recovered
     master weights and moments are from the recording run's (measured while recording).
     base_interval "auto": the interval the engine logged is the rule's answer for the numbers
-    it logged (the same on both ranks), the bases follow it, and recovery is exact."""
+    it logged (the same on both ranks), the bases follow it (saved with the partitioned exchange),
+    and recovery is exact."""
     import re
     import subprocess
     import sys
@@ -314,7 +315,9 @@ def test_compact_and_auto_bases(tmp_path):
              "actions": [["train_dump", 6, "C"]]},
             {"stage": 1, "dtype": "fp32", "adacheck": online(f"{d}/c", base_interval=100, compact=True),
              "actions": [["load", f"{d}/c"], ["steps"], ["dump", "D"]]},
-            {"stage": 2, "dtype": "bf16", "hidden": 128, "adacheck": online(f"{d}/a", base_interval="auto"),
+            # (its bases saved with the partitioned exchange)
+            {"stage": 2, "dtype": "bf16", "hidden": 128,
+             "adacheck": dict(online(f"{d}/a", base_interval="auto"), exchange="partitioned"),
              "actions": [["train_dump", 9, "E"]]},
             {"stage": 2, "dtype": "bf16", "hidden": 128, "adacheck": online(f"{d}/a", base_interval="auto"),
              "actions": [["load", f"{d}/a"], ["steps"], ["dump", "F"]]}]
