@@ -44,6 +44,8 @@ def _resume_runs(d, name, argv):
     :func:`_check_resumed`)."""
     on = argv + ["--adacheck", "--adacheck-dir", f"{d}/ck-{name}", "--adacheck-online",
                  "--adacheck-online-base-interval", "3"]
+    if name == "dp2-distopt-bf16":      # (its bases saved with the partitioned exchange)
+        on += ["--adacheck-exchange", "partitioned"]
     return [{"argv": argv, "actions": [["train", 8]]},
             {"argv": on, "actions": [["online"], ["train", 6], ["dump", f"A-{name}"], ["online", False]]},
             {"argv": on, "actions": [["online"], ["scramble"], ["load", f"{d}/ck-{name}"], ["dump", f"B-{name}"],
@@ -66,7 +68,9 @@ def _check_resumed(d, name, i):
 def test_recovery_replays_deltas_bit_exactly(tmp_path):
     """Bases every 3 iterations (1, 4), deltas 2-3 and 5-6; a new job's load replays base 4 +
     deltas 5, 6: every rank's weights, main weights, optimizer state and LR equal the
-    uninterrupted run's, and the next losses equal those of a run never checkpointed."""
+    uninterrupted run's, and the next losses equal those of a run never checkpointed.  (The
+    distributed-optimizer layout saves its bases with the partitioned exchange: a manifest in
+    parts.)"""
     d = str(tmp_path)
     check(launch(2, {"runs": [run for name, argv in LAYOUTS.items() for run in _resume_runs(d, name, argv)]}, d,
                  script="megatron_worker.py"))
@@ -74,6 +78,8 @@ def test_recovery_replays_deltas_bit_exactly(tmp_path):
         _check_resumed(d, name, i)
         ck = f"{d}/ck-{name}"
         assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000004", "iter_0000007", "latest"], name
+        parts = [f for f in os.listdir(f"{ck}/iter_0000004") if f.startswith("manifest-g")]
+        assert bool(parts) == (name == "dp2-distopt-bf16"), (name, parts)
 
 
 def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
