@@ -134,6 +134,9 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
     ref = results(f"{d}/a")[0]["losses"]
     assert tags(ck) == ["global_step4"] and tags(mem) == ["global_step4", "global_step7"]
+    # memory holds the newest keep (2) bases with their chains, nothing of the retired base 1
+    assert sorted(os.listdir(mem)) == ["SOURCE", "global_step4", "global_step7", "latest"], os.listdir(mem)
+    assert deltas.step_dirs(os.path.join(mem, "global_step4")) == [5, 6]
     assert deltas.step_dirs(os.path.join(mem, "global_step7")) == [8]
     assert committed(os.path.join(ck, "global_step4"), 4) == [5, 6]    # (copied behind training)
     def recovers(name, step, said, world=2, seed=5, more=(), **kw):
