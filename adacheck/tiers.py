@@ -664,35 +664,41 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ exit
     def _persist_chain(self, mem: str, tag: str, store: Storage, save_dir: str, after: Optional[int] = None,
-                       timeout_s: float = 120.0) -> None:
+                       timeout_s: float = 120.0) -> bool:
         """At a clean exit, after its base: this rank's online deltas of the newest memory checkpoint
-        go to durable storage with it (so the job's last steps outlive its memory files); a node's
-        lowest rank then waits until every rank of the node has copied its part (a marker each)."""
+        go to durable storage with it (so the job's last steps outlive its memory files), and a
+        marker says how that went.  On a node's lowest rank: whether every rank of the node copied
+        its part (it waits for their markers); only then may the memory files go."""
         src = os.path.join(mem, tag)
         if not os.path.isdir(deltas.deltas_dir(src)):
-            return
+            return True
+        outcome = b"ok"
         try:
             last = deltas.copy_chain(src, LOCAL, store.join(save_dir, tag), store, self.rank, fsync=self.fsync,
                                      after=after)
-            LOCAL.write_atomic(os.path.join(src, f"{CHAIN_COPIED}{self.rank:05d}"), b"", fsync=False)
             if last is not None:
                 log.info("AdaCheck: rank %d's online deltas of %s are in %s up to step %d (at exit)", self.rank, tag,
                          save_dir, last)
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting: the memory copy stays
-            log.warning("AdaCheck: at exit, the online deltas of %s could not be persisted to %s (%s); durable "
-                        "storage recovers its base step", tag, save_dir, e)
+            outcome = b"failed"
+            log.warning("AdaCheck: at exit, rank %d's online deltas of %s could not be copied to %s (%s); they stay "
+                        "in the memory tier (%s)", self.rank, tag, save_dir, e, mem)
+        LOCAL.write_atomic(os.path.join(src, f"{CHAIN_COPIED}{self.rank:05d}"), outcome, fsync=False)
         if not self.leads or self.nodes is None:
-            return
-        node = self.nodes[self.rank]
-        waiting = NodeSpread(self.nodes, False).ranks_on(node)
+            return outcome == b"ok"
+        markers = [os.path.join(src, f"{CHAIN_COPIED}{r:05d}") for r in NodeSpread(self.nodes, False).ranks_on(
+            self.nodes[self.rank])]
         deadline = time.monotonic() + timeout_s
-        while waiting and time.monotonic() < deadline:
-            waiting = [r for r in waiting if not os.path.exists(os.path.join(src, f"{CHAIN_COPIED}{r:05d}"))]
-            if waiting:
-                time.sleep(0.05)
-        if waiting:
-            log.warning("AdaCheck: at exit, ranks %s did not copy their online deltas of %s within %.0fs", waiting,
-                        tag, timeout_s)
+        while not all(os.path.exists(m) for m in markers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        missing = [m for m in markers if not os.path.exists(m)]
+        failed = [m for m in markers if m not in missing and LOCAL.read_bytes(m) != b"ok"]
+        if missing or failed:
+            log.warning("AdaCheck: at exit, not every rank copied its online deltas of %s to %s (%d did not finish "
+                        "within %.0fs, %d failed); the memory tier keeps them (%s)", tag, save_dir, len(missing),
+                        timeout_s, len(failed), mem)
+            return False
+        return True
 
     def close(self) -> None:
         """At a clean exit: the copy in flight finishes, the newest memory checkpoint of each
@@ -719,7 +725,7 @@ class MemoryTier:
                     done = False
             if done:
                 copied = chain.last if chain is not None and chain.src == os.path.join(mem, tag) else None
-                self._persist_chain(mem, tag, store, save_dir, after=copied)
+                done = self._persist_chain(mem, tag, store, save_dir, after=copied)
             if done and self.leads and self.rank != 0:
                 # (another node's memory: it goes once rank 0 has committed the copy in durable storage)
                 deadline, dst = time.monotonic() + 120.0, store.join(save_dir, tag)

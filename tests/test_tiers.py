@@ -119,7 +119,8 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     from memory (base 7 + delta 8; so does a DP=1 job, from the saving ranks' partitions), newer than durable storage's newest (base 4 + deltas 5, 6: what
     a job without the memory recovers), continues the chain in memory, and ends cleanly after step
     11: its newest base (10) and delta 11 go to durable storage at exit, and a job without the
-    memory recovers step 11 from there.  The oracle: a run never checkpointed (DeepSpeed's own
+    memory recovers step 11 from there.  A clean end whose deltas cannot be copied keeps them in
+    memory, from where the next job recovers them.  The oracle: a run never checkpointed (DeepSpeed's own
     accessors at each step, and its losses)."""
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "job-online")
@@ -129,7 +130,7 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     ac = {"enabled": True, "save_dir": ck, "online": {"enabled": True, "base_interval": 3},
           "tiers": {"memory": True, "persist_interval": 2}}
     model = {"stage": 2, "dtype": "bf16"}
-    out = launch(2, {"runs": [dict(model, actions=[["train_dump", 11, "U"]]),
+    out = launch(2, {"runs": [dict(model, actions=[["train_dump", 14, "U"]]),
                               dict(model, adacheck=ac, actions=[["train", 8], ["finish"], ["die"]])]}, f"{d}/a")
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
     ref = results(f"{d}/a")[0]["losses"]
@@ -164,6 +165,16 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     assert tags(ck) == ["global_step10", "global_step4"] and commit.read_latest(ck) == "global_step10"
     assert committed(os.path.join(ck, "global_step10"), 10) == [11]
     recovers("C11", 11, "memory tier holds no checkpoint", seed=9)
+
+    # a clean end whose deltas cannot reach the directory (a file stands where their directory
+    # goes): the memory tier keeps them, says so, and the next job recovers them from there
+    os.makedirs(f"{ck}/global_step12")
+    open(f"{ck}/global_step12/deltas", "w").close()
+    recovers("F11", 11, "memory tier holds no checkpoint", seed=9, more=[["train_to", 14]])
+    said = open(f"{d}/F11/rank0.log").read()
+    assert "the memory tier keeps them" in said, said[-3000:]
+    assert tags(ck) == ["global_step10", "global_step12", "global_step4"] and committed(f"{mem}/global_step12", 12) == [13, 14]
+    recovers("G14", 14, "loaded global_step12 (step 12) from the memory tier", seed=9)
 
     # across nodes, each node's memory would hold its own ranks' deltas only: refused, clearly
     out = launch(2, {"nodes": ["a", "b"], "runs": [dict(model, adacheck=dict(ac, save_dir=f"{d}/ck4"), actions=[
