@@ -341,6 +341,9 @@ class Snapshot:
     given_dir: str = ""     # save_dir as the caller named it (a URL for remote storage)
 
 
+UNKNOWN = object()
+
+
 class PendingSave:
     """An asynchronous save whose persist runs in the background (:meth:`Checkpointer.save_async`)."""
 
@@ -353,7 +356,7 @@ class PendingSave:
         self.finished: Optional[float] = None
         self.thread: Optional[threading.Thread] = None
         self.trusted: Optional[Dict[str, str]] = None
-        self.manifest_before: Optional[float] = None    # (the modification time of a manifest already there)
+        self.manifest_before = None     # (the modification time of a manifest already there, or UNKNOWN)
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
@@ -365,6 +368,8 @@ class PendingSave:
     def committed_all_the_same(self) -> Optional[Manifest]:
         """After a failure: the manifest this save committed before it failed (in publishing
         ``latest`` or retention, or its writer process died before it replied), else None."""
+        if self.manifest_before is UNKNOWN:
+            return None
         try:
             now = self.manifest_time()
             if now is None or now == self.manifest_before:
@@ -568,6 +573,9 @@ class Checkpointer:
         def run():
             try:
                 pending.manifest_before = pending.manifest_time()
+            except Exception:  # noqa: BLE001 - then a failure is not told apart from a commit (said as before)
+                pending.manifest_before = UNKNOWN
+            try:
                 if not in_process:
                     pending.manifest = self.persist(background, snap, update_latest)
                     return
