@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--tag", help="checkpoint tag inside PATH (default: the one 'latest' names)")
         s.set_defaults(fn=name)
     sub.choices["inspect"].add_argument("--json", action="store_true", help="machine-readable output")
+    sub.choices["inspect"].add_argument("--memory-dir", metavar="DIR", default=None,
+                                        help="the memory tier's directory, for what it holds of this checkpoint "
+                                             "directory (default: $ADACHECK_MEMORY_DIR, else /dev/shm/adacheck)")
     sub.choices["inspect"].add_argument("--tensors", action="store_true", help="list every logical tensor")
     sub.choices["inspect"].add_argument("--redundancy", action="store_true",
                                         help="bytes held / distinct / written / referenced per kind "

@@ -96,10 +96,21 @@ def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
     }
 
 
+def in_memory(store: Storage, save_dir: str, memory_dir: Optional[str]) -> list:
+    """What the memory tier (tiers.memory) holds for the checkpoint directory ``save_dir``, per job:
+    its checkpoints there (with their online deltas), the newest, and the bytes."""
+    from .tiers import durable_key, memory_root
+    key = durable_key(store, save_dir)
+    return [dict(x, job=j["job"], path=j["path"]) for j in memory_jobs(memory_dir or memory_root(None))
+            for x in j["checkpoint_dirs"] if x["source"] == key]
+
+
 def cmd_inspect(args) -> int:
     store, path = located_dir(args, args.path)
     d = resolve(path, args.tag, store)
     s = summary(d, store)
+    s["memory_tier"] = [{k: x[k] for k in ("job", "path", "checkpoints", "newest", "bytes")}
+                        for x in in_memory(store, store.parent(d), args.memory_dir)]
     if args.json:
         if args.redundancy:
             s["redundancy"] = redundancy(CheckpointReader(d, verify=False, store=store).manifest)
@@ -137,6 +148,9 @@ def cmd_inspect(args) -> int:
                 print(f"            measured deviation of a load from the recording run at step {dl['last']}: "
                       f"weights {dev['weights']:.3g}, optimizer state {dev['state']:.3g} (largest at any "
                       f"step of the chain: {top['weights']:.3g}, {top['state']:.3g})")
+    for x in s["memory_tier"]:
+        print(f"memory tier job {x['job']} holds {x['checkpoints']} checkpoint(s) of this directory, newest "
+              f"{x['newest'] or '-'}, {human(x['bytes'])} (online deltas included) in {x['path']}")
     print(f"bytes       held by all ranks {human(st.get('held_bytes', 0))}, logical {human(logical)}, "
           f"derived (not stored) {human(st.get('derived_bytes', 0))}, on disk {human(stored)}")
     if s["references"]:
@@ -401,30 +415,43 @@ def cmd_prune(args) -> int:
     return 0
 
 
+def memory_jobs(root: str, only=None) -> list:
+    """What jobs keep in the memory tier under ``root``: per job (``only``: these), its checkpoint
+    directories' memory copies (the directory each stands for, its newest checkpoint, bytes)."""
+    from .tiers import SOURCE_NAME, held_in, newest_committed
+    jobs = []
+    for job in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        d = os.path.join(root, job)
+        if not os.path.isdir(d) or (only and job not in only):
+            continue
+        dirs = []
+        for key in sorted(os.listdir(d)):
+            loc = os.path.join(d, key)
+            try:
+                source = open(os.path.join(loc, SOURCE_NAME)).read()
+            except OSError:
+                source = None
+            newest = newest_committed(loc, LOCAL)
+            count, size = held_in(loc)
+            dirs.append({"for": source.split("|", 1)[-1] if source else None, "source": source,
+                         "newest": newest[0] if newest else None, "checkpoints": count, "bytes": size})
+        jobs.append({"job": job, "path": d, "bytes": sum(x["bytes"] for x in dirs), "checkpoint_dirs": dirs})
+    return jobs
+
+
 def cmd_clean(args) -> int:
-    from .tiers import SOURCE_NAME, held_in, memory_root, newest_committed
-    root = memory_root(args.memory_dir)
+    from .tiers import memory_root
+    root = args.memory_dir or memory_root(None)      # (the flag, else $ADACHECK_MEMORY_DIR, else the default)
     if not os.path.isdir(root):
         if args.json:
             print(json.dumps({"memory_dir": root, "jobs": [], "bytes": 0, "dry_run": not args.yes}, indent=1))
         else:
             print(f"{root}: no memory tier here (nothing to clean)")
         return 0
-    jobs = []
-    for job in sorted(os.listdir(root)):
-        d = os.path.join(root, job)
-        if not os.path.isdir(d) or (args.job and job not in args.job):
-            continue
-        dirs = []
-        for key in sorted(os.listdir(d)):
-            loc = os.path.join(d, key)
-            try:
-                source = open(os.path.join(loc, SOURCE_NAME)).read().split("|", 1)[-1]
-            except OSError:
-                source = None
-            newest = newest_committed(loc, LOCAL)
-            dirs.append({"for": source, "newest": newest[0] if newest else None, "bytes": held_in(loc)[1]})
-        jobs.append({"job": job, "path": d, "bytes": sum(x["bytes"] for x in dirs), "checkpoint_dirs": dirs})
+    jobs = memory_jobs(root, args.job)
+    for j in jobs:
+        for x in j["checkpoint_dirs"]:
+            del x["source"], x["checkpoints"]
     total = sum(j["bytes"] for j in jobs)
     if args.json:
         print(json.dumps({"memory_dir": root, "jobs": jobs, "bytes": total, "dry_run": not args.yes}, indent=1))

@@ -3,6 +3,7 @@ node): every save goes to memory, every 4th is copied to the checkpoint director
 training, and recovery takes the newest state across the tiers.
 
 The oracle is the state DeepSpeed's own accessors return at each save (ds_worker's dumps)."""
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,13 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     assert tags(ck) == ["global_step4"] and commit.read_latest(ck) == "global_step4"
     mem = memory_location(LOCAL, ck)
     assert tags(mem) == ["global_step5", "global_step6"]
+    # `adacheck inspect` of the directory's checkpoint says what the memory tier holds for it
+    said = cli("inspect", ck)
+    assert "memory tier job job-1 holds 2 checkpoint(s) of this directory, newest global_step6" in said, said
+    held = json.loads(cli("inspect", ck, "--json"))["memory_tier"]
+    assert [(x["job"], x["checkpoints"], x["newest"]) for x in held] == [("job-1", 2, "global_step6")], held
+    assert held[0]["bytes"] == sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(mem) for f in fs)
+    assert json.loads(cli("inspect", ck, "--json", "--memory-dir", f"{d}/elsewhere"))["memory_tier"] == []
 
     # a new job (same identity): the newest state is in memory, newer than durable storage
     runs = [{"stage": 1, "dtype": "bf16", "seed": 7, "adacheck": tiered, "actions": [["load", ck], ["dump", "B6"]]},
