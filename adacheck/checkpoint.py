@@ -468,7 +468,7 @@ class Checkpointer:
         manifest = self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous,
                                            persist=persist, online=recorder is not None)
         if recorder is not None:
-            _start_chain(recorder, LOCAL, self.memory_tier().location(store, path), manifest)
+            _start_chain(recorder, *self.chain_location(save_dir), manifest)
         return manifest
 
     def chain_location(self, save_dir: str) -> Tuple[Storage, str]:

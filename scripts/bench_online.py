@@ -184,8 +184,9 @@ def worker(a) -> None:
                 tiered.adacheck.online.flush()
                 rec_tiers = engine_for(stage, dtype, {"enabled": True, "tiers": tiers["tiers"]})
                 rec_tiers.load_checkpoint(url + ck_tiers)      # (from the memory tier: base + deltas)
-                same = [torch.equal(x, y) for x, y in zip(state(tiered), state(rec_tiers))]
-                flag = on_device(torch.tensor(int(all(same) and len(same) == len(state(tiered)))))
+                ta, tb = state(tiered), state(rec_tiers)
+                same = len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
+                flag = on_device(torch.tensor(int(same)))
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 tiers_exact = bool(flag.item())
                 rec_tiers.destroy()
