@@ -34,7 +34,7 @@ from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
 from .exchange import Comm, agree, background_comm
-from .tiers import MemoryTier, newest_committed
+from .tiers import DeltaSpread, MemoryTier, newest_committed
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
@@ -478,6 +478,15 @@ class Checkpointer:
         if self.options.tiers is not None:
             return LOCAL, self.memory_tier().location(store, path)
         return store, path
+
+    def delta_spread(self, comm: Comm) -> Optional[DeltaSpread]:
+        """How online deltas are kept when the memory tier spans nodes (:class:`~adacheck.tiers.DeltaSpread`:
+        each node's chains, with ``tiers.peer`` copied to the next node), else None.  Collective
+        with the memory tier: every rank calls it where it makes its online recorder."""
+        if self.options.tiers is None:
+            return None
+        nodes = comm.all_gather_object(node_id())
+        return DeltaSpread(comm, nodes, self.options.tiers.peer) if len(set(nodes)) > 1 else None
 
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own

@@ -50,7 +50,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -220,8 +220,11 @@ class DeltaLog:
     exit_order = 0      # (closed at exit before a memory tier copies the chain: lifecycle)
 
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
-                 queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL):
+                 queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL,
+                 on_written: Optional[Callable[[str, int, bool], None]] = None):
         self.ckpt_dir, self.rank, self.nonce, self.store = ckpt_dir, rank, nonce, store
+        # (called with (ckpt_dir, step, written?) for every step submitted, in order, written or not)
+        self.on_written = on_written
         self.fsync, self.compact, self.on_error = fsync, compact, on_error
         self.disabled = False
         self.error: Optional[BaseException] = None
@@ -288,8 +291,9 @@ class DeltaLog:
         """Queue step ``step`` (``record``: JSON; ``rank_tensors``: small extra tensors;
         ``deviation``: compact mode's measured distance of a recovery to this step from the
         live state, by kind)."""
-        if self.disabled:
+        if self.disabled:       # (the writer reports it as not written, after the steps queued before it)
             self._slot = None
+            self._jobs.put((step, None, {}, {}, None, []))
             return
         self._check_error()
         slot, self._slot = self._slot, None
@@ -336,11 +340,13 @@ class DeltaLog:
                 self._jobs.task_done()
                 return
             step, slot, record, extra, deviation, events = job
+            written = False
             try:
                 if self.error is None:
                     t0, c0 = time.perf_counter(), time.thread_time()
                     _wait(events)
                     self._write(step, slot, record, extra, deviation)
+                    written = True
                     if slot is not None:
                         _arrange(slot)
                     self.write_seconds += time.perf_counter() - t0
@@ -350,7 +356,15 @@ class DeltaLog:
             finally:
                 if slot is not None:
                     self._free.put(slot)
+                self._written(step, written)
                 self._jobs.task_done()
+
+    def _written(self, step: int, ok: bool) -> None:
+        if self.on_written is not None:
+            try:
+                self.on_written(self.ckpt_dir, step, ok)
+            except Exception as e:  # noqa: BLE001 - a follower's failure is its own to report
+                log.warning("AdaCheck online: after step %d was written: %s", step, e)
 
     def _write(self, step: int, slot: Optional[_Slot], record: dict, extra: Dict[str, torch.Tensor],
                deviation: Optional[Dict[str, float]] = None) -> None:
@@ -451,6 +465,11 @@ class Step:
     records: Dict[int, dict]
     store: Storage = LOCAL      # where the step's files are
 
+    @property
+    def nonce(self) -> str:
+        """The chain id of the run that recorded it (every record's: committed_steps checks)."""
+        return next(iter(self.records.values()))["nonce"]
+
     def holder_of(self, key: str, prefer: int) -> int:
         """A rank whose file holds the gradient ``key`` (``prefer`` if it has it)."""
         if prefer in self.records and key in self.records[prefer]["tensors"]:
@@ -547,6 +566,67 @@ def check_record(rec, step: int, rank: int, where: str) -> dict:
     return rec
 
 
+def receive_step(ckpt_dir: str, step: int, rank: int, files: Dict[str, bytes], where: str) -> None:
+    """Write rank ``rank``'s files of ``step`` that another node sent (``files``: name -> bytes)
+    into the chain of ``ckpt_dir`` (node-local memory), each only once it is what a reader relies
+    on: the names this rank's step has (nothing else, nowhere else), a valid record of that step
+    and rank, and a gradients file of the record's size whose header holds the record's tensors
+    with their dtypes and shapes (the hashes are checked when they are replayed).  The record is
+    written last: it commits the step for that rank here."""
+    json_name, file_name = f"rank{rank}.json", f"rank{rank}.safetensors"
+    if not isinstance(files, dict) or set(files) - {json_name, file_name} or json_name not in files:
+        raise FormatError(f"{where}: step {step} of rank {rank} came as {sorted(files)!r}, not {json_name} "
+                          f"(and {file_name}): refused")
+    try:
+        rec = json.loads(bytes(files[json_name]).decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"{where}: the record of step {step}, rank {rank} is not JSON: {e}") from None
+    check_record(rec, step, rank, f"{where}: step {step}, rank {rank}")
+    if (rec["file"] is None) != (file_name not in files):
+        raise FormatError(f"{where}: step {step} of rank {rank} came {'with' if file_name in files else 'without'} "
+                          f"{file_name}, its record says {rec['file']!r}: refused")
+    d = step_dir(ckpt_dir, step)
+    os.makedirs(d, exist_ok=True)
+    if rec["file"] is not None:
+        data = files[file_name]
+        if len(data) != rec["file_bytes"]:
+            raise FormatError(f"{where}: {file_name} of step {step} is {len(data)} bytes, its record says "
+                              f"{rec['file_bytes']}: refused")
+        path = os.path.join(d, file_name)
+        tmp = path + commit.TMP_SUFFIX
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            held = SafetensorsFile(tmp, LOCAL).entries
+            want = {GRAD + k: (m["stored"], m["shape"]) for k, m in rec["tensors"].items()}
+            want.update({k: (m["dtype"], m["shape"]) for k, m in rec["extra"].items()})
+            for name, (dname, shape) in want.items():
+                if name not in held or held[name][0] != dname or list(held[name][1]) != list(shape):
+                    got = f"{held[name][0]}{list(held[name][1])}" if name in held else "nothing"
+                    raise FormatError(f"{where}: {file_name} of step {step} holds {got} as {name!r}, its record "
+                                      f"says {dname}{list(shape)}: refused")
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    LOCAL.write_atomic(os.path.join(d, json_name), bytes(files[json_name]), fsync=False)
+
+
+def step_files(ckpt_dir: str, step: int, rank: int) -> Optional[Dict[str, bytes]]:
+    """Rank ``rank``'s committed files of ``step`` in node-local ``ckpt_dir`` (name -> bytes; the
+    record read first: the gradients it commits are whole); None when its record is not there."""
+    d = step_dir(ckpt_dir, step)
+    try:
+        out = {f"rank{rank}.json": LOCAL.read_bytes(os.path.join(d, f"rank{rank}.json"))}
+    except FileNotFoundError:
+        return None
+    path = os.path.join(d, f"rank{rank}.safetensors")
+    if os.path.exists(path):
+        out[f"rank{rank}.safetensors"] = LOCAL.read_bytes(path)
+    return out
+
+
 def _read_record(path: str, step: int, rank: int, store: Storage = LOCAL) -> Optional[dict]:
     """The valid record at ``path``; None when there is none (the step is not committed there);
     a FormatError when a file is there but is not a valid record of that step and rank."""
@@ -572,9 +652,10 @@ def step_dirs(ckpt_dir: str, store: Storage = LOCAL) -> List[int]:
 
 
 def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = True,
-                    store: Storage = LOCAL) -> Tuple[List[Step], str]:
+                    store: Storage = LOCAL, ranks: Optional[Sequence[int]] = None) -> Tuple[List[Step], str]:
     """The committed steps directly after ``base_step`` (in order, up to the first gap) and a
-    one-line reason why the chain stops where it does.  A record that is there but invalid is
+    one-line reason why the chain stops where it does.  A step is committed when the records of
+    ``ranks`` (default: all ``world``) are there.  A record that is there but invalid is
     damage, not a gap: a FormatError naming it (``strict``), or where the chain stops, saying so."""
     out: List[Step] = []
     want = base_step + 1
@@ -584,7 +665,7 @@ def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = Tr
         if s != want:
             return out, f"step {want} was never written"
         recs = {}
-        for r in range(world):
+        for r in (range(world) if ranks is None else ranks):
             try:
                 rec = _read_record(store.join(step_dir(ckpt_dir, s, store), f"rank{r}.json"), s, r, store)
             except FormatError as e:

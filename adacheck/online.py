@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from . import deltas, jsontree
 from .config import OnlineConfig
@@ -31,8 +31,10 @@ class OnlineRecorder:
     def __init__(self, tap: OptimizerTap, config: OnlineConfig, save_dir: str, comm: Callable[[], Comm],
                  take_base: Callable[[], None], fsync: bool = True, mine: Optional[set] = None,
                  rank_state: Callable[[], dict] = rng_state,
-                 preclip: Optional[Callable[[str, object, object], None]] = None, store: Storage = LOCAL):
+                 preclip: Optional[Callable[[str, object, object], None]] = None, store: Storage = LOCAL,
+                 spread=None):
         self.tap, self.config, self.save_dir, self.store = tap, config, save_dir, store
+        self.spread = spread      # a memory tier across nodes: each node keeps its ranks' chains (tiers.DeltaSpread)
         self.comm, self.take_base, self.fsync, self.mine = comm, take_base, fsync, mine
         self.rank_state, self.preclip = rank_state, preclip
         # compact: the state a recovery reaches, stepped along with the gradients as stored
@@ -145,15 +147,21 @@ class OnlineRecorder:
         log.info("AdaCheck online: base_interval auto = %d (base %d B in %rs; delta %d B, replay ~%rs)",
                  self.interval, base_bytes, base_seconds, delta_bytes, replay)
 
-    def flush(self) -> None:
+    def flush(self, peers: bool = False) -> None:
+        """Wait until the steps recorded so far are written (and, ``peers``, copied to the next node)."""
         if self.log is not None:
             self.log.flush()
+        if peers and self.spread is not None:
+            self.spread.flush()
 
     def close(self) -> None:
+        """Stop recording: the steps recorded are written (and copied to the next node)."""
         self.tap.remove()
         if self.log is not None:
             self.log.close()
             self.log = None
+        if self.spread is not None:
+            self.spread.flush()
 
     def start_chain(self, tag: str, step: int, base_bytes: int = 0, base_seconds: float = 0.0,
                     resume_after: Optional[int] = None) -> None:
@@ -164,14 +172,32 @@ class OnlineRecorder:
             self.log.close()
             self.log = None
         ckpt_dir = self.store.join(self.save_dir, tag)
+        spread = self.spread
+        leads = spread.leads(comm.rank) if spread is not None else comm.rank == 0   # (each node's chain file)
         if resume_after is None:
             info = {"base_tag": tag, "base_step": step, "base_bytes": base_bytes,
                     "base_seconds": base_seconds, "world_size": comm.world_size}
-            if comm.rank == 0:
+            if spread is not None:
+                info["nodes"] = list(spread.nodes)
+            if leads:
                 deltas.write_chain(ckpt_dir, info, fsync=self.fsync, store=self.store)
         else:
-            info = deltas.read_chain(ckpt_dir, self.store) or {"base_bytes": base_bytes, "base_seconds": base_seconds}
-            if comm.rank == 0:
+            # a chain kept per node goes on only where the ranks share nodes as they did (each
+            # node stores the gradients its ranks share once): else the next step takes a base
+            info = deltas.read_chain(ckpt_dir, self.store) or {}
+            same = node_groups(info.get("nodes"), comm.world_size) == node_groups(
+                spread.nodes if spread is not None else None, comm.world_size)
+            same, info = comm.broadcast_object((same, info) if comm.rank == 0 else None)
+            if not same:
+                log.info("AdaCheck online: the chain of %s was kept per node by other nodes than this job's; the "
+                         "next step takes a base", tag)
+                self.base_step = None
+                return
+            info = info or {"base_bytes": base_bytes, "base_seconds": base_seconds}
+            if leads and spread is not None:     # (every node's the same, naming the nodes now)
+                deltas.write_chain(ckpt_dir, dict(info, nodes=list(spread.nodes)), fsync=self.fsync,
+                                   store=self.store)
+            if leads:
                 deltas.remove_steps_after(ckpt_dir, resume_after, self.store)
         nonce = comm.broadcast_object(os.urandom(8).hex() if comm.rank == 0 else None)
         comm.barrier()
@@ -182,14 +208,26 @@ class OnlineRecorder:
         if self.config.base_interval == "auto":
             self.interval = None
         self.log = deltas.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
-                              compact=self.config.compact, on_error=self.config.on_error, store=self.store)
+                                   compact=self.config.compact, on_error=self.config.on_error, store=self.store,
+                                   on_written=spread.written if spread is not None else None)
         self._stored = {}
         self.shadow = Shadow(self.tap) if self.config.compact else None
 
 
-def replica_share(tap: OptimizerTap, keys: List[str], group: List[int], me: int) -> set:
+def node_groups(nodes: Optional[Sequence[str]], world: int) -> List[List[int]]:
+    """The ranks that keep their online deltas together: per node when a chain is kept per node
+    (``nodes``, each rank's), else all of them."""
+    if not nodes:
+        return [list(range(world))]
+    return sorted([r for r in range(len(nodes)) if nodes[r] == n] for n in set(nodes))
+
+
+def replica_share(tap: OptimizerTap, keys: List[str], group: List[int], me: int, spread=None) -> set:
     """The gradients (of ``keys``) rank ``me`` writes when the ranks of ``group`` all hold them,
     under the same keys: each is written by one rank of the group, balanced by size (the
-    planner's placement); the recorder's ``mine``."""
+    planner's placement); the recorder's ``mine``.  With a ``spread`` (chains kept per node) the
+    group is split by node: each node stores them once."""
+    if spread is not None:
+        group = [r for r in group if r in spread.group(me)]
     writers, _ = place([(tap.tensors[k].numel() * 4, k, list(range(len(group)))) for k in keys], len(group))
     return {k for k, w in writers.items() if group[w[0]] == me}

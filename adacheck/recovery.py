@@ -148,7 +148,9 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
     if it records, whose tap replays and which continues the chain or takes a new base."""
     base = int(manifest.step)
     world = int(manifest.topology.get("world_size", 1))
-    steps, why, damage = chain(comm, ckpt_dir, base, world, until=until, strict=strict, store=store)
+    latest = all(comm.all_gather_object(bool(latest)))   # (across nodes' memories: each node's own "latest")
+    steps, why, damage = chain(comm, ckpt_dir, base, world, until=until, strict=strict, store=store,
+                               same_layout=lambda: job.plan(manifest).same_layout)
     if until is not None and damage is None and until != (steps[-1].step if steps else base):
         raise ConfigError(f"{ckpt_dir} (step {base}) does not reach step {until} with committed online deltas")
     plan = job.plan(manifest) if steps or recorder is not None else None
@@ -230,14 +232,39 @@ def holder(grad: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def node_group(comm: Comm, ckpt_dir: str, world: int, store: Storage = LOCAL,
+               same_layout: Callable[[], bool] = lambda: True) -> Optional[List[int]]:
+    """The saving ranks whose records make a step committed for this rank: with a chain kept per
+    node (its chain file names every rank's node: the memory tier across nodes), the ranks that
+    shared this rank's node, when every rank reads the same nodes and the job replays in the
+    saving layout; else None (every rank's).  Collective."""
+    info = deltas.read_chain(ckpt_dir, store)
+    saved = info.get("nodes") if isinstance(info, dict) else None
+    views = comm.all_gather_object(saved if isinstance(saved, list) else None)
+    if views[0] is None or any(v != views[0] for v in views) or not (len(saved) == world == comm.world_size):
+        return None
+    return [r for r in range(world) if saved[r] == saved[comm.rank]] if same_layout() else None
+
+
 def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
-              strict: bool = True, store: Storage = LOCAL):
+              strict: bool = True, store: Storage = LOCAL, same_layout: Callable[[], bool] = lambda: True):
     """The committed steps every rank agrees on (those up to step ``until`` if given), and why
     the log stops.  A damaged record is a FormatError on every rank (``strict``), or where the
-    chain stops."""
+    chain stops.  A chain kept per node (:func:`node_group`) is read on each node: the ranks
+    agree on the steps and on the run that recorded each."""
+    ranks = node_group(comm, ckpt_dir, world, store, same_layout)
     steps, why = agree(comm, f"AdaCheck: reading the delta log of {ckpt_dir}",
-                       lambda: deltas.committed_steps(ckpt_dir, base_step, world, strict=strict, store=store))
-    n = min(comm.all_gather_object(len(steps)))
+                       lambda: deltas.committed_steps(ckpt_dir, base_step, world, strict=strict, store=store,
+                                                      ranks=ranks))
+    seen = comm.all_gather_object([(s.step, s.nonce) for s in steps])
+    n = 0
+    while all(len(v) > n and v[n] == seen[0][n] for v in seen):
+        n += 1
+    if n < len(steps):
+        why = (f"step {steps[n].step} was recorded by different runs on different nodes" if all(len(v) > n for v in seen)
+               else f"step {steps[n].step} is not committed for every rank (on every node)")
+        log.warning("AdaCheck: rank %d holds the online deltas of %s up to step %d, but %s: every rank stops at "
+                    "step %d", comm.rank, ckpt_dir, steps[-1].step, why, steps[n - 1].step if n else base_step)
     steps = steps[:n]
     if until is not None and steps and steps[-1].step > until:
         steps, why = [s for s in steps if s.step <= until], f"stopped at the requested step {until}"
@@ -245,17 +272,20 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
 
 
 def chain(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
-          strict: bool = True, store: Storage = LOCAL) -> Tuple[List[deltas.Step], str, Optional[AdaCheckError]]:
+          strict: bool = True, store: Storage = LOCAL, same_layout: Callable[[], bool] = lambda: True
+          ) -> Tuple[List[deltas.Step], str, Optional[AdaCheckError]]:
     """:func:`committed`, with damage of the log returned instead of raised: (the steps to replay,
     why the log stops, the damage or None).  ``strict``: no step is replayed from a damaged log;
     otherwise those before the damage are."""
     try:
-        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=True, store=store)
+        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=True, store=store,
+                               same_layout=same_layout)
         return steps, why, None
     except AdaCheckError as e:
         if strict:
             return [], str(e), e
-        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=False, store=store)
+        steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=False, store=store,
+                               same_layout=same_layout)
         return steps, why, e
 
 

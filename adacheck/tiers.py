@@ -30,8 +30,10 @@ from the nodes that hold it before any rank reads, each file checked against the
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import queue
 import re
 import threading
 import time
@@ -108,6 +110,14 @@ class NodeSpread:
         order = sorted(set(self.nodes))
         return order[(order.index(node) + 1) % len(order)]
 
+    def partner(self, rank: int) -> Optional[int]:
+        """The rank of the next node that keeps copies of what ``rank`` writes (None: one node)."""
+        node = self.nodes[rank]
+        there = self.ranks_on(self.next_node(node))
+        if self.nodes[there[0]] == node:
+            return None
+        return there[self.ranks_on(node).index(rank) % len(there)]
+
     def peer_moves(self, files: Dict[str, dict]) -> List[Tuple[str, int, int]]:
         """(file, writer, the rank of the next node that keeps its copy), the same on every rank."""
         if not self.peer:
@@ -115,10 +125,9 @@ class NodeSpread:
         out = []
         for fname, info in sorted(files.items()):
             w = int(info["writer"])
-            node = self.nodes[w]
-            there = self.ranks_on(self.next_node(node))
-            if self.nodes[there[0]] != node:
-                out.append((fname, w, there[self.ranks_on(node).index(w) % len(there)]))
+            d = self.partner(w)
+            if d is not None:
+                out.append((fname, w, d))
         return out
 
     def move(self, comm, ckpt_dir: str, files: Dict[str, dict]) -> Dict[str, dict]:
@@ -134,6 +143,136 @@ class NodeSpread:
         here = {f for f, info in files.items() if self.nodes[int(info["writer"])] == mine}
         here |= {f for f, _, d in moves if self.nodes[d] == mine}
         return {f: files[f] for f in sorted(here)}
+
+
+class DeltaSpread:
+    """Online deltas of a job whose memory tier spans nodes (``OnlineRecorder``'s ``spread``).
+
+    Each node's memory holds its own ranks' chains: a gradient that several ranks hold is stored
+    once per node (the recorder's replica share runs within the node), the chain file is the node's
+    lowest rank's, and a step counts when the records of the node's ranks are there (all nodes
+    agree on the step at recovery: :func:`adacheck.recovery.committed`).  With ``peer`` every step
+    a rank writes is also sent to its partner on the next node (:meth:`NodeSpread.partner`) by a
+    thread of its own, over a gloo process group of its own: training never waits for it.  Every
+    rank hands the thread the same steps in the same order (written or not: a step a rank could not
+    write travels as nothing, and its partner says so), so each step is one round of
+    :meth:`Comm.transfer` on every rank; the receiver checks what arrives like a reader would
+    (:func:`adacheck.deltas.receive_step`).  Made collectively (every rank, at the same point)."""
+
+    exit_order = 0.5      # (at exit: after the delta logs, which hand it their last steps)
+
+    def __init__(self, comm, nodes: Sequence[str], peer: bool, timeout_s: float = 300.0):
+        from . import lifecycle
+        from .exchange import background_comm
+        self.rank, self.nodes = comm.rank, tuple(nodes)
+        self.layout = NodeSpread(self.nodes, peer)
+        self.moves = [(w, d) for w in range(len(self.nodes)) for d in [self.layout.partner(w)] if d is not None] \
+            if peer else []
+        self.comm = background_comm(comm, timeout_s) if self.moves else None
+        self.sent = self.received = 0          # steps (this rank's) and bytes
+        self.failures = 0
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        if self.comm is not None:
+            lifecycle.keep(self)
+
+    def group(self, rank: int) -> List[int]:
+        """The ranks whose chains are kept with ``rank``'s (its node's)."""
+        return self.layout.ranks_on(self.nodes[rank])
+
+    def leads(self, rank: int) -> bool:
+        return self.layout.leads(rank)
+
+    def written(self, ckpt_dir: str, step: int, ok: bool) -> None:
+        """DeltaLog's ``on_written``: step ``step`` of the chain in ``ckpt_dir`` is written here
+        (``ok``) or not; its peer copy follows behind training."""
+        if self.comm is None or self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="adacheck-peer-deltas", daemon=True)
+            self._thread.start()
+        self._jobs.put((ckpt_dir, step, ok))
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._send(*job)
+            finally:
+                self._jobs.task_done()
+
+    def _send(self, ckpt_dir: str, step: int, ok: bool) -> None:
+        def read(i):
+            files = deltas.step_files(ckpt_dir, step, self.moves[i][0]) if ok else None
+            if files is None:
+                raise FormatError(f"rank {self.rank} has no step {step} to send (its delta log did not write it)")
+            return pack_files(files)
+
+        def deliver(i, data):
+            src = self.moves[i][0]
+            if data is None:
+                raise FormatError(f"rank {src} sent nothing for step {step}")
+            deltas.receive_step(ckpt_dir, step, src, unpack_files(data), f"a peer's delta (from rank {src})")
+
+        try:
+            got = self.comm.transfer(self.moves, read, deliver, sizes=[0] * len(self.moves))   # (one round)
+            self.received += got
+            self.sent += 1
+        except Exception as e:  # noqa: BLE001 - a step without its peer copy: said, the next ones go on
+            self.failures += 1
+            if self.failures <= 3:
+                log.warning("AdaCheck: step %d of the online deltas in %s has no copy on the next node: %s%s", step,
+                            ckpt_dir, e, " (further failures are not reported)" if self.failures == 3 else "")
+
+    def flush(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every step handed over so far has travelled (at most ``timeout_s``: a
+        partner that died leaves its steps behind); whether they did."""
+        deadline = time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._jobs.unfinished_tasks
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """The steps handed over travel (every rank closes after the same steps), then the thread
+        ends; it is left behind after ``timeout_s`` (a partner that died)."""
+        if self._closed:
+            return
+        self._closed = True
+        from . import lifecycle
+        lifecycle.release(self)
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("AdaCheck: the peer copies of the online deltas did not finish within %.0fs", timeout_s)
+
+
+def pack_files(files: Dict[str, bytes]) -> bytes:
+    """Named files as one block (a JSON table of names and sizes, then the contents)."""
+    head = json.dumps([[n, len(b)] for n, b in sorted(files.items())]).encode()
+    return b"".join([len(head).to_bytes(8, "little"), head, *(bytes(files[n]) for n in sorted(files))])
+
+
+def unpack_files(data) -> Dict[str, bytes]:
+    """:func:`pack_files`'s files; a FormatError when ``data`` is not such a block."""
+    data = memoryview(data).cast("B")
+    try:
+        n = int.from_bytes(bytes(data[:8]), "little")
+        table = json.loads(bytes(data[8:8 + n]).decode("utf-8")) if 8 + n <= len(data) else None
+    except (ValueError, UnicodeDecodeError):
+        table = None
+    if not isinstance(table, list) or not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+                                              and isinstance(e[1], int) and e[1] >= 0 for e in table) \
+            or 8 + n + sum(e[1] for e in table) != len(data):
+        raise FormatError("a peer sent a block that is not a table of files and their contents: refused")
+    out, at = {}, 8 + n
+    for name, size in table:
+        out[name] = bytes(data[at:at + size])
+        at += size
+    return out
 
 
 def _read_file(path: str):
@@ -219,8 +358,62 @@ def holdings(mem: str) -> Dict[str, dict]:
         out[tag] = {"step": m.step if m.step is not None else -1, "digest": hashlib.sha256(raw).hexdigest(),
                     "present": present, "nbytes": {f: int(i["nbytes"]) for f, i in m.files.items()},
                     "groups": groups, "world": int(m.topology.get("world_size", 0)),
-                    "derived": any(e.derived is not None for e in m.tensors.values())}
+                    "derived": any(e.derived is not None for e in m.tensors.values()),
+                    "chain": deltas.read_chain(d), "steps": _delta_steps(d)}
     return out
+
+
+_RECORD = re.compile(r"^rank(\d+)\.json$")
+
+
+def _delta_steps(ckpt_dir: str) -> Dict[int, Dict[int, int]]:
+    """The online delta steps a memory checkpoint holds: step -> {rank with a record: its bytes}."""
+    out: Dict[int, Dict[int, int]] = {}
+    for s in deltas.step_dirs(ckpt_dir):
+        d = deltas.step_dir(ckpt_dir, s)
+        for name in os.listdir(d):
+            m = _RECORD.match(name)
+            if m:
+                grads = os.path.join(d, f"rank{m.group(1)}.safetensors")
+                out.setdefault(s, {})[int(m.group(1))] = os.path.getsize(os.path.join(d, name)) + (
+                    os.path.getsize(grads) if os.path.exists(grads) else 0)
+    return out
+
+
+def _delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str], nodes: Sequence[str],
+                 every: bool) -> List[Tuple[Optional[int], int, int, int, int]]:
+    """The online deltas of the chosen checkpoint each node lacks, for :func:`plan_recovery`:
+    (step, or None for the chain file; saving rank; from rank; to rank; bytes).  A node needs the
+    chains its ranks read: those of the ranks that shared a node with them when recorded (a chain
+    kept per node: :class:`DeltaSpread`), or every rank's (``every``, or a chain not kept per
+    node), step after step while some node holds each."""
+    held = {r: rep[key[0]] for r, rep in enumerate(reports)
+            if rep and key[0] in rep and rep[key[0]]["digest"] == key[1]}
+    info = next((x["chain"] for x in held.values() if x["chain"] is not None), None)
+    if info is None:
+        return []
+    saved = info.get("nodes")
+    world = h["world"]
+    moves: List[Tuple[Optional[int], int, int, int, int]] = []
+    for node in sorted(set(nodes), key=nodes.index):
+        lead = nodes.index(node)
+        mine = [r for r, n in enumerate(nodes) if n == node]
+        if every or not saved or len(saved) != world:
+            need = list(range(world))
+        else:
+            need = sorted({q for r in mine if r < world for q in range(world) if saved[q] == saved[r]})
+        if lead not in held or held[lead]["chain"] is None:
+            moves.append((None, 0, min(held, key=lambda r: held[r]["chain"] is None), lead, 0))
+        step = h["step"] + 1
+        while True:
+            missing = [q for q in need if q not in held.get(lead, {}).get("steps", {}).get(step, {})]
+            sources = {q: [r for r, x in held.items() if q in x["steps"].get(step, {})] for q in missing}
+            if any(not src for src in sources.values()) or not any(
+                    step in x["steps"] for x in held.values()):
+                break
+            moves += [(step, q, min(src), lead, held[min(src)]["steps"][step][q]) for q, src in sources.items()]
+            step += 1
+    return moves
 
 
 def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: Optional[str],
@@ -271,7 +464,8 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
             f = next(f for f in files if f in held)
             moves.append((f, min(held[f]), lead))
             local.add(f)
-    return {"tag": best[0], "step": h["step"], "digest": best[1], "moves": moves, "nbytes": h["nbytes"]}
+    return {"tag": best[0], "step": h["step"], "digest": best[1], "moves": moves, "nbytes": h["nbytes"],
+            "deltas": _delta_moves(h, reports, best, nodes, every)}
 
 
 def fetch(comm, ckpt_dir: str, plan: dict) -> int:
@@ -279,7 +473,7 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
     manifest must hash to the agreed digest, a received shard be what that manifest says (see
     :func:`receive_file`); the manifest is written last.  A failure is raised once every move is
     done (Comm.transfer), and then no manifest is written.  Returns the bytes received here."""
-    moves, digest = plan["moves"], plan["digest"]
+    moves, digest, steps = plan["moves"], plan["digest"], plan.get("deltas", [])
     state = {"manifest": None, "raw": None}
 
     def manifest():
@@ -289,9 +483,31 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
         return state["manifest"]
 
     def read(i):
+        if i >= len(moves):
+            step, rank = steps[i - len(moves)][:2]
+            if step is None:
+                return LOCAL.read_bytes(os.path.join(deltas.deltas_dir(ckpt_dir), deltas.CHAIN))
+            return pack_files(deltas.step_files(ckpt_dir, step, rank))
         return _read_file(os.path.join(ckpt_dir, moves[i][0] or commit.MANIFEST_NAME))
 
     def deliver(i, data):
+        if i >= len(moves):
+            step, rank = steps[i - len(moves)][:2]
+            if data is None:
+                raise FormatError(f"the online deltas of {plan['tag']} (step {step}) could not be read on the node "
+                                  "that holds them")
+            if step is not None:
+                deltas.receive_step(ckpt_dir, step, rank, unpack_files(data), f"{plan['tag']} from a peer")
+                return
+            try:
+                info = json.loads(bytes(data).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                info = None
+            if not isinstance(info, dict):
+                raise FormatError(f"the chain file of {plan['tag']} a peer sent is not a JSON object: refused")
+            os.makedirs(deltas.deltas_dir(ckpt_dir), exist_ok=True)
+            LOCAL.write_atomic(os.path.join(deltas.deltas_dir(ckpt_dir), deltas.CHAIN), bytes(data), fsync=False)
+            return
         fname = moves[i][0]
         if fname is None:
             raw = None if data is None else bytes(data)
@@ -304,8 +520,9 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
             raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not list: refused")
         receive_file(ckpt_dir, fname, data, int(m.files[fname]["nbytes"]), check=shard_check(m, fname))
 
-    got = comm.transfer([(src, dst) for _, src, dst in moves], read, deliver,
-                        sizes=[plan["nbytes"].get(f, 0) if f else 0 for f, _, _ in moves])
+    got = comm.transfer([(src, dst) for _, src, dst in moves] + [(src, dst) for _, _, src, dst, _ in steps],
+                        read, deliver, sizes=[plan["nbytes"].get(f, 0) if f else 0 for f, _, _ in moves]
+                        + [n for *_, n in steps])
     if state["raw"] is not None:
         LOCAL.write_atomic(os.path.join(ckpt_dir, commit.MANIFEST_NAME), state["raw"], fsync=False)
     return got
@@ -493,13 +710,10 @@ class MemoryTier:
         checkpoint directory when ``persist`` is True, never when it is False (a non-persistent
         checkpoint; the newest is still copied at a clean exit), and with None when it is the
         ``persist_interval``-th since the last copy.  ``online``: the job records online deltas
-        into the memory copies (a chain per base, in the base's directory), on one node only yet."""
+        into the memory copies (a chain per base, in the base's directory; across nodes each
+        node's, see DeltaSpread)."""
         self._placement(comm)
         self.online = online
-        if online and len(set(self.nodes)) > 1:
-            raise ConfigError(f"online deltas with the memory tier work within one node yet, and this job runs on "
-                              f"{len(set(self.nodes))} ({', '.join(sorted(set(self.nodes)))}): turn off "
-                              "adacheck.online (or tiers.memory) for a job across nodes")
         self.rank = comm.rank
         mem = self.location(store, save_dir)
         durable = durable_key(store, save_dir)
@@ -635,7 +849,7 @@ class MemoryTier:
 
         where, plan, newest = comm.broadcast_object(decide() if comm.rank == 0 else None)
         if where == "memory":
-            if plan["moves"]:
+            if plan["moves"] or plan["deltas"]:
                 t0 = time.perf_counter()
                 try:
                     got = agree(comm, f"AdaCheck: the memory tier's {plan['tag']} to every node",
@@ -647,6 +861,8 @@ class MemoryTier:
                 if got:
                     log.info("AdaCheck: rank %d received %.1f MB of %s from other nodes' memory (a node's own memory "
                              "lacked them) in %.2fs", comm.rank, got / 1e6, plan["tag"], time.perf_counter() - t0)
+            if tag is None and leads and os.path.isdir(mem) and commit.latest_or_none(mem, LOCAL) != plan["tag"]:
+                commit.write_latest(mem, plan["tag"], LOCAL)     # (a node that lacked it: its newest now)
             log.info("AdaCheck: loading %s from the memory tier (%s) instead of %s", plan["tag"], mem, load_dir)
             return LOCAL, mem, "memory", plan["tag"]
         if newest is None:

@@ -35,7 +35,7 @@ from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.rng import set_rng_state
 
 from .saved import RankObjects, StepScalars
-from .state import class_path, data_parallel, describe, read_partition
+from .state import class_path, data_parallel, data_parallel_ranks, describe, read_partition
 from .wrappers import Frag
 
 log = logging.getLogger("adacheck")
@@ -62,13 +62,13 @@ class OnlineDS:
                               "step, before any save_checkpoint call names a directory")
         self.save_dir = ac.config.save_dir
         self.lay, self.tap = _tap(e)
-        mine = None
-        if self.lay.wrapper.replicated:   # stored once per data-parallel group, by a balanced choice
-            me, dp = data_parallel(e)
-            mine = online.replica_share(self.tap, sorted(self.tap.tensors), list(range(dp)), me)
+        mine, spread = None, ac.checkpointer.delta_spread(ac.comm())
+        if self.lay.wrapper.replicated:   # stored once per data-parallel group (per node), by a balanced choice
+            me, group = data_parallel(e)[0], data_parallel_ranks(e)
+            mine = online.replica_share(self.tap, sorted(self.tap.tensors), group, group[me], spread)
         store, where = ac.checkpointer.chain_location(self.save_dir)
         self.recorder = online.OnlineRecorder(self.tap, ac.config.online, where, ac.comm, self._take_base,
-                                              fsync=ac.config.fsync, mine=mine, store=store,
+                                              fsync=ac.config.fsync, mine=mine, store=store, spread=spread,
                                               preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not
@@ -105,7 +105,7 @@ class OnlineDS:
         return self._orig_destroy(*args, **kwargs)
 
     def flush(self) -> None:
-        self.recorder.flush()
+        self.recorder.flush(peers=True)
 
     def close(self) -> None:
         self.recorder.close()

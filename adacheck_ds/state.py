@@ -55,6 +55,16 @@ def data_parallel(engine) -> Tuple[int, int]:
     return torch.distributed.get_rank(group), int(getattr(engine, "dp_world_size", 1))
 
 
+def data_parallel_ranks(engine) -> List[int]:
+    """The global ranks of the engine's data-parallel group, in its rank order."""
+    if not torch.distributed.is_initialized():
+        return [0]
+    group = getattr(engine, "data_parallel_group", None)
+    if group is None:
+        return list(range(torch.distributed.get_world_size()))
+    return list(torch.distributed.get_process_group_ranks(group))
+
+
 def _place_params(engine, lay: "Layout") -> None:
     """Each parameter's logical shape and the box of it this rank holds (``lay.origin``)."""
     from deepspeed.runtime.utils import is_model_parallel_parameter

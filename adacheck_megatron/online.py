@@ -61,7 +61,7 @@ def active(optimizer) -> Optional["OnlineMegatron"]:
     return online_of(optimizer)
 
 
-def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
+def _replica_share(tap: OptimizerTap, optimizer, comm, spread=None) -> set:
     """The gradients this rank writes when every data-parallel rank steps the same (not
     distributed) optimizer: the ranks holding the same gradients under the same names
     (``make_tap``) split them by the balanced plan, so each is stored once per replica group:
@@ -87,7 +87,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm) -> set:
         group = [r for r, (t, d) in enumerate(alls) if recovery.same_coords(t, alls[me][0], coords) and d.get(kind) == digest[kind]]
         if kind == "expert":    # (place() breaks ties towards a group's first rank: start at the other end)
             group.reverse()
-        mine |= online.replica_share(tap, ks, group, me)
+        mine |= online.replica_share(tap, ks, group, me, spread)
     return mine
 
 
@@ -108,11 +108,14 @@ class OnlineMegatron:
         self.increment = int(args.global_batch_size)
         self.iteration = 0
         self.tap = make_tap(optimizer)
-        mine = None if distributed_optimizers(optimizer) else _replica_share(self.tap, optimizer, parallel.comm())
-        store, where = checkpointer(optimizer, config).chain_location(self.save_dir)
+        job = checkpointer(optimizer, config)
+        spread = job.delta_spread(parallel.comm())
+        mine = None if distributed_optimizers(optimizer) else _replica_share(self.tap, optimizer, parallel.comm(),
+                                                                              spread)
+        store, where = job.chain_location(self.save_dir)
         self.recorder = online.OnlineRecorder(self.tap, config.online, where, parallel.comm, self._take_base,
                                               fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip,
-                                              store=store)
+                                              store=store, spread=spread)
         _tap_clipping()
         _RECORDING.add(self)
         self._ok = True

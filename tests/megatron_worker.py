@@ -80,7 +80,7 @@ def run_one(run, out):
                       f"ep{ps.get_expert_model_parallel_rank()}.")
             saved = online.make_tap, online._replica_share
             online.make_tap = lambda opt: OptimizerTap([o.optimizer for o in state.optimizer_parts(opt)], prefix=prefix)
-            online._replica_share = lambda tap, opt, comm: set(tap.tensors)
+            online._replica_share = lambda tap, opt, comm, spread=None: set(tap.tensors)
             try:
                 online.attach(model, optimizer, scheduler, args, args.adacheck_config)
             finally:

@@ -42,6 +42,17 @@ def committed(ckpt_dir, base_step, world=2):
     return [st.step for st in deltas.committed_steps(ckpt_dir, base_step, world)[0]]
 
 
+def on_nodes(d, nodes):
+    """rank_env for simulated nodes: rank r on node nodes[r], with the memory directory d/shm-<node>."""
+    return lambda r: {"ADACHECK_NODE": nodes[r], "ADACHECK_MEMORY_DIR": f"{d}/shm-{nodes[r]}"}
+
+
+def memory_of(monkeypatch, d, ck, node):
+    """The memory location of ck on simulated node ``node`` (see on_nodes)."""
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-{node}")
+    return memory_location(LOCAL, ck)
+
+
 def tags(path):
     return sorted(t for t, m, _ in commit.list_checkpoints(path, LOCAL) if m is not None) if os.path.isdir(path) else []
 
@@ -184,39 +195,179 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     assert tags(ck) == ["global_step10", "global_step12", "global_step4"] and committed(f"{mem}/global_step12", 12) == [13, 14]
     recovers("G14", 14, "loaded global_step12 (step 12) from the memory tier", seed=9)
 
-    # across nodes, each node's memory would hold its own ranks' deltas only: refused, clearly
-    out = launch(2, {"nodes": ["a", "b"], "runs": [dict(model, adacheck=dict(ac, save_dir=f"{d}/ck4"), actions=[
-        ["expect_error", "online deltas with the memory tier work within one node yet", "train", 1]])]}, f"{d}/d")
-    check(out)
-    assert tags(f"{d}/ck4") == []
+
+def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one(tmp_path, monkeypatch):
+    """Online deltas with the memory and peer tiers on two simulated nodes (a: ranks 0-1, b: ranks
+    2-3; ZeRO-0 fp32 DP=4, whose replicated gradients each node stores once; bases every 3 steps,
+    none persisted).  Each node's memory holds its ranks' chains and, copied behind training, the
+    other node's.  The job is SIGKILLed after step 8, and node b is lost with its memory:
+    - with node a's copies of b's step 8 gone too, every rank agrees on step 7 (base 7 alone);
+    - another layout (DP=2, nodes a and c) recovers step 8 from the memories;
+    - a restart with a replacement node c recovers step 8 (c receives b's base files and deltas
+      from node a), trains to step 11 with the uninterrupted run's losses and ends cleanly;
+    - a job without the memory then recovers step 11 from the checkpoint directory (base 10 and
+      the deltas of step 11 that each rank copied there at exit).
+    The oracle is a run never checkpointed (DeepSpeed's own accessors at each step, its losses)."""
+    import shutil
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-online-nodes")
+    ck = f"{d}/ck"
+
+    def mem_of(node):
+        return memory_of(monkeypatch, d, ck, node)
+
+    def on(nodes):
+        return on_nodes(d, nodes)
+
+    ac = {"enabled": True, "save_dir": ck, "online": {"enabled": True, "base_interval": 3},
+          "tiers": {"memory": True, "peer": True, "persist_interval": 10}}
+    model = {"stage": 0, "dtype": "fp32"}
+    out = launch(4, {"runs": [dict(model, actions=[["train_dump", 11, "U"]]),
+                              dict(model, adacheck=ac, actions=[["train", 8], ["finish"], ["die"]])]},
+                 f"{d}/a", rank_env=on("aabb"))
+    assert [rc for rc, _ in out] == [-9] * 4, out[0][1][-3000:]
+    ref = results(f"{d}/a")[0]["losses"]
+    mem_a, mem_b = mem_of("a"), mem_of("b")
+    assert tags(ck) == [] and tags(mem_a) == tags(mem_b) == ["global_step4", "global_step7"]
+    for mem in (mem_a, mem_b):        # every rank's chain on both nodes: its own node's, and the peer copies
+        assert committed(f"{mem}/global_step4", 4, world=4) == [5, 6]
+        assert committed(f"{mem}/global_step7", 7, world=4) == [8]
+        assert deltas.read_chain(f"{mem}/global_step7")["nodes"] == list("aabb")
+    rec = deltas.committed_steps(f"{mem_a}/global_step7", 7, 4)[0][0].records
+    keys = [set(rec[r]["tensors"]) for r in range(4)]
+    # the replicated gradients are split within each node: each node stores each once
+    assert keys[0] and keys[1] and not keys[0] & keys[1] and keys[0] | keys[1] == keys[2] | keys[3], keys
+    assert not keys[2] & keys[3]
+
+    def recovers(name, step, world=4, nodes="aacc", more=(), said=(), env=on):
+        out = launch(world, {"runs": [dict(model, seed=7, adacheck=ac, actions=[
+            ["load", ck], ["steps"], ["dump", name], *more])]}, f"{d}/{name}", rank_env=env(nodes))
+        check(out)
+        for rank, text in said:
+            assert text in out[rank][1], out[rank][1][-3000:]
+        got = results(f"{d}/{name}")[0]
+        assert got["steps"][0] == step, got
+        u, k = state(f"{d}/a", f"U{step}")
+        assert_same(u, dump(f"{d}/{name}", name), k)
+        return got
+
+    keep_a = f"{d}/keep-a"
+    shutil.copytree(f"{d}/shm-a", keep_a)
+    # each node without its peer copies: a step counts when the node's own ranks have it
+    for node, others in (("a", ("rank2.", "rank3.")), ("b", ("rank0.", "rank1."))):
+        for root, _, fs in os.walk(mem_of(node)):
+            for f in fs:
+                if f.startswith(others):
+                    os.remove(os.path.join(root, f))
+    recovers("N8", 8, nodes="aabb", said=[(0, "replayed 1 gradient delta")])
+    shutil.rmtree(f"{d}/shm-a")
+    shutil.copytree(keep_a, f"{d}/shm-a")
+    shutil.rmtree(f"{d}/shm-b")
+    # node a's copies of b's step 8 lost too: no rank replays a step the others cannot
+    for f in os.listdir(deltas.step_dir(f"{mem_a}/global_step7", 8)):
+        if f.startswith(("rank2.", "rank3.")):
+            os.remove(os.path.join(deltas.step_dir(f"{mem_a}/global_step7", 8), f))
+    recovers("D7", 7, said=[(0, "loaded global_step7 (step 7) from the memory tier"),
+                            (0, "up to step 8, but step 8 is not committed for every rank")])
+
+    def restore_a():
+        shutil.rmtree(f"{d}/shm-a")
+        shutil.copytree(keep_a, f"{d}/shm-a")
+        shutil.rmtree(f"{d}/shm-c", ignore_errors=True)
+
+    restore_a()
+    recovers("E8", 8, world=2, nodes="ac", said=[(0, "replayed 1 gradient delta")])
+    restore_a()
+    b = recovers("B8", 8, more=[["train_to", 11]], said=[(2, "from other nodes' memory")])
+    assert b["losses"] == ref[8:11], (b, ref)
+    assert not os.path.exists(mem_a) and not os.path.exists(mem_of("c"))     # (a clean end)
+    assert tags(ck) == ["global_step10"] and committed(f"{ck}/global_step10", 10, world=4) == [11]
+    recovers("C11", 11, nodes="aabb", said=[(0, "memory tier holds no checkpoint")],
+             env=lambda nodes: lambda r: {"ADACHECK_NODE": nodes[r], "ADACHECK_MEMORY_DIR": f"{d}/other-{nodes[r]}"})
+
+
+def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
+    """The peer receive path of online deltas: a step arrives as its rank's files only, with a valid
+    record of that step and rank and a gradients file of the record's size, dtypes and shapes;
+    anything else is refused and nothing is left where the step's files go.  The oracle for the
+    step that is accepted: the gradient read back equals the tensor recorded."""
+    import torch
+    from adacheck.errors import FormatError
+    from adacheck.tiers import pack_files, unpack_files
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    lg = deltas.DeltaLog(src, 2, "n0nce", fsync=False)
+    lg.begin(5)
+    lg.add("w", g)
+    lg.submit(5, {"lr": 0.1})
+    lg.close()
+    files = deltas.step_files(src, 5, 2)
+    assert sorted(files) == ["rank2.json", "rank2.safetensors"]
+    here = deltas.step_dir(dst, 5)
+
+    def refused(bad, match, rank=2):
+        with pytest.raises(FormatError, match=match):
+            deltas.receive_step(dst, 5, rank, bad, "test")
+        assert not os.path.isdir(here) or not os.listdir(here)
+
+    refused({"../rank2.json": files["rank2.json"]}, "came as")
+    refused(dict(files, **{"rank2.json.evil": b"x"}), "came as")
+    refused({"rank3.json": files["rank2.json"], "rank3.safetensors": files["rank2.safetensors"]},
+            "lies where step 5 of rank 3 belongs", rank=3)
+    refused({"rank2.json": files["rank2.json"]}, "without rank2.safetensors")
+    refused(dict(files, **{"rank2.safetensors": files["rank2.safetensors"][:-1]}), "its record says")
+    wrong = files["rank2.safetensors"].replace(b'"shape":[3,4]', b'"shape":[4,3]')   # (the same size)
+    assert wrong != files["rank2.safetensors"]
+    refused(dict(files, **{"rank2.safetensors": wrong}), r"bfloat16\[4, 3\] as 'grad/w', its record says bfloat16\[3, 4\]")
+    with pytest.raises(FormatError, match="not a table of files"):
+        unpack_files(b"\xff" * 20)
+    deltas.receive_step(dst, 5, 2, unpack_files(pack_files(files)), "test")
+    steps, _ = deltas.committed_steps(dst, 4, 3, ranks=[2])
+    assert [s.step for s in steps] == [5]
+    assert torch.equal(deltas.read_grad(dst, steps[0], "w", 2).float(), g)
 
 
 def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_path, monkeypatch):
     """TP=2 megatron-core (scripts/pretrain_gpt.py's flags) with --adacheck-online (bases every 3
-    iterations) and --adacheck-tiers-memory: killed after iteration 6, a new job (other weights)
-    recovers iteration 6 from the memory tier (base 4 + deltas 5, 6) with every rank's weights,
-    main weights and optimizer state equal to the killed job's there (megatron-core's objects),
-    and trains on with the losses of a run never checkpointed."""
+    iterations), --adacheck-tiers-memory and -peer, one rank on each of two simulated nodes:
+    killed after iteration 6, node b lost with its memory; a new job (other weights, rank 1 on a
+    replacement node c) recovers iteration 6 from the memory tier (base 4 + deltas 5, 6; rank 1's
+    part of all three from node a's peer copies) with every rank's weights, main weights and
+    optimizer state equal to the killed job's there (megatron-core's objects), and trains on with
+    the losses of a run never checkpointed."""
+    import shutil
     from test_megatron import assert_same_dumps
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "megatron-online-tiers")
-    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
     ck = f"{d}/ck"
+
+    def on(nodes):
+        return on_nodes(d, nodes)
+
     argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"]
-    on = argv + ["--adacheck", "--adacheck-dir", ck, "--adacheck-online", "--adacheck-online-base-interval", "3",
-                 "--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "10"]
-    out = launch(2, {"runs": [{"argv": on, "actions": [["online"], ["train", 6], ["dump", "a"], ["online", False],
-                                                       ["die"]]}]}, d, script="megatron_worker.py")
+    on_argv = argv + ["--adacheck", "--adacheck-dir", ck, "--adacheck-online", "--adacheck-online-base-interval", "3",
+                      "--adacheck-tiers-memory", "--adacheck-tiers-peer", "--adacheck-tiers-persist-interval", "10"]
+    out = launch(2, {"runs": [{"argv": on_argv, "actions": [["online"], ["train", 6], ["dump", "a"],
+                                                            ["online", False], ["die"]]}]},
+                 d, script="megatron_worker.py", rank_env=on("ab"))
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
-    assert tags(ck) == [] and tags(memory_location(LOCAL, ck)) == ["iter_0000001", "iter_0000004"]
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-a")
+    mem_a = memory_location(LOCAL, ck)
+    assert tags(ck) == [] and tags(mem_a) == ["iter_0000001", "iter_0000004"]
+    assert committed(f"{mem_a}/iter_0000004", 4) == [5, 6]      # (rank 1's steps: node b's, copied here)
+    shutil.rmtree(f"{d}/shm-b")
     out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 8]]},
-                              {"argv": on, "actions": [["online"], ["scramble"], ["load", ck], ["dump", "b"],
-                                                       ["train", 2], ["online", False]]}]},
-                 d, script="megatron_worker.py")
+                              {"argv": on_argv, "actions": [["online"], ["scramble"], ["load", ck], ["dump", "b"],
+                                                            ["train", 2], ["online", False]]}]},
+                 d, script="megatron_worker.py", rank_env=on("ac"))
     check(out)
     said = out[0][1]
     assert "loaded AdaCheck checkpoint iteration 6 from the memory tier" in said, said[-3000:]
     assert "replayed 2 gradient deltas (steps 5-6) on base step 4" in said, said[-3000:]
+    # node c received node b's part of base 4 and rank 1's deltas from node a's peer copies
+    mem_c = memory_of(monkeypatch, d, ck, "c")
+    assert "iter_0000004" in tags(mem_c)
+    assert [s.step for s in deltas.committed_steps(f"{mem_c}/iter_0000004", 4, 2, ranks=[1])[0]] == [5, 6]
     ref, b = results(d)
     assert b["loaded"] == [6] and b["losses"] == ref["losses"][6:8], (b, ref)
     assert_same_dumps(d, "a", "b", 2)
@@ -236,7 +387,7 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
     ck = f"{d}/ck"
 
     def on(nodes):
-        return lambda r: {"ADACHECK_NODE": nodes[r], "ADACHECK_MEMORY_DIR": f"{d}/shm-{nodes[r]}"}
+        return on_nodes(d, nodes)
 
     argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck",
             "--adacheck-tiers-memory", "--adacheck-tiers-peer", "--adacheck-tiers-persist-interval", "10"]
@@ -272,11 +423,10 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     ck = f"{d}/ck"
 
     def mem_of(node):
-        monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-{node}")
-        return memory_location(LOCAL, ck)
+        return memory_of(monkeypatch, d, ck, node)
 
     def on(nodes):
-        return lambda r: {"ADACHECK_NODE": nodes[r], "ADACHECK_MEMORY_DIR": f"{d}/shm-{nodes[r]}"}
+        return on_nodes(d, nodes)
 
     # (asynchronous: writer processes write the memory copies and send the peer copies)
     tiered = {"enabled": True, "async": True, "tiers": {"memory": True, "peer": True, "persist_interval": 4}}
