@@ -22,6 +22,8 @@ An integration implements :class:`Replaying`; the functions below it are the ste
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
@@ -240,10 +242,15 @@ def node_group(comm: Comm, ckpt_dir: str, world: int, store: Storage = LOCAL,
     saving layout; else None (every rank's).  Collective."""
     info = deltas.read_chain(ckpt_dir, store)
     saved = info.get("nodes") if isinstance(info, dict) else None
-    views = comm.all_gather_object(saved if isinstance(saved, list) else None)
-    if views[0] is None or any(v != views[0] for v in views) or not (len(saved) == world == comm.world_size):
+    saved = saved if isinstance(saved, list) and len(saved) == world == comm.world_size else None
+    views = comm.all_gather_object(None if saved is None else _digest(saved))     # (a digest: small at any size)
+    if views[0] is None or any(v != views[0] for v in views):
         return None
     return [r for r in range(world) if saved[r] == saved[comm.rank]] if same_layout() else None
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
@@ -256,12 +263,15 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
     steps, why = agree(comm, f"AdaCheck: reading the delta log of {ckpt_dir}",
                        lambda: deltas.committed_steps(ckpt_dir, base_step, world, strict=strict, store=store,
                                                       ranks=ranks))
-    seen = comm.all_gather_object([(s.step, s.nonce) for s in steps])
-    n = 0
-    while all(len(v) > n and v[n] == seen[0][n] for v in seen):
-        n += 1
+    n = min(comm.all_gather_object(len(steps)))
+    held = [(s.step, s.nonce) for s in steps]
+    parted = False
+    if len(set(comm.all_gather_object(_digest(held[:n])))) > 1:
+        # (chains kept per node by different runs: where they part, from every rank's list; rare)
+        seen = comm.all_gather_object(held[:n])
+        n, parted = next((i for i in range(n) if any(v[i] != seen[0][i] for v in seen)), n), True
     if n < len(steps):
-        why = (f"step {steps[n].step} was recorded by different runs on different nodes" if all(len(v) > n for v in seen)
+        why = (f"step {steps[n].step} was recorded by different runs on different nodes" if parted
                else f"step {steps[n].step} is not committed for every rank (on every node)")
         log.warning("AdaCheck: rank %d holds the online deltas of %s up to step %d, but %s: every rank stops at "
                     "step %d", comm.rank, ckpt_dir, steps[-1].step, why, steps[n - 1].step if n else base_step)

@@ -359,41 +359,48 @@ def holdings(mem: str) -> Dict[str, dict]:
                     "present": present, "nbytes": {f: int(i["nbytes"]) for f, i in m.files.items()},
                     "groups": groups, "world": int(m.topology.get("world_size", 0)),
                     "derived": any(e.derived is not None for e in m.tensors.values()),
-                    "chain": deltas.read_chain(d), "steps": _delta_steps(d)}
+                    "chain": deltas.read_chain(d), "steps": _delta_steps(d, m.step if m.step is not None else -1)}
     return out
 
 
 _RECORD = re.compile(r"^rank(\d+)\.json$")
 
 
-def _delta_steps(ckpt_dir: str) -> Dict[int, Dict[int, int]]:
-    """The online delta steps a memory checkpoint holds: step -> {rank with a record: its bytes}."""
-    out: Dict[int, Dict[int, int]] = {}
+def _delta_steps(ckpt_dir: str, base_step: int) -> Dict[int, Tuple[int, int]]:
+    """The online deltas a memory checkpoint holds, per rank with a record of step base+1: how many
+    steps in a row from there (a chain is read up to its first gap) and their bytes.  A few numbers
+    per rank, whatever the chain's length: every node's leader sends them to every rank."""
+    out: Dict[int, Tuple[int, int]] = {}
     for s in deltas.step_dirs(ckpt_dir):
+        if s <= base_step:
+            continue
         d = deltas.step_dir(ckpt_dir, s)
         for name in os.listdir(d):
             m = _RECORD.match(name)
-            if m:
-                grads = os.path.join(d, f"rank{m.group(1)}.safetensors")
-                out.setdefault(s, {})[int(m.group(1))] = os.path.getsize(os.path.join(d, name)) + (
-                    os.path.getsize(grads) if os.path.exists(grads) else 0)
+            if not m:
+                continue
+            r = int(m.group(1))
+            n, size = out.get(r, (0, 0))
+            if s == base_step + 1 + n:        # (the next step of rank r's run from the base)
+                grads = os.path.join(d, f"rank{r}.safetensors")
+                out[r] = (n + 1, size + os.path.getsize(os.path.join(d, name))
+                          + (os.path.getsize(grads) if os.path.exists(grads) else 0))
     return out
 
 
-def _delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str], nodes: Sequence[str],
+def delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str], nodes: Sequence[str],
                  every: bool) -> List[Tuple[Optional[int], int, int, int, int]]:
     """The online deltas of the chosen checkpoint each node lacks, for :func:`plan_recovery`:
-    (step, or None for the chain file; saving rank; from rank; to rank; bytes).  A node needs the
-    chains its ranks read: those of the ranks that shared a node with them when recorded (a chain
-    kept per node: :class:`DeltaSpread`), or every rank's (``every``, or a chain not kept per
-    node), step after step while some node holds each."""
+    (step, or None for the chain file; saving rank; from rank; to rank; its expected bytes).  A
+    node needs the chains its ranks read: those of the ranks that shared a node with them when
+    recorded (a chain kept per node: :class:`DeltaSpread`), or every rank's (``every``, or a chain
+    not kept per node), up to the last step that some node holds for each of them."""
     held = {r: rep[key[0]] for r, rep in enumerate(reports)
             if rep and key[0] in rep and rep[key[0]]["digest"] == key[1]}
     info = next((x["chain"] for x in held.values() if x["chain"] is not None), None)
     if info is None:
         return []
-    saved = info.get("nodes")
-    world = h["world"]
+    saved, world, base = info.get("nodes"), h["world"], h["step"]
     moves: List[Tuple[Optional[int], int, int, int, int]] = []
     for node in sorted(set(nodes), key=nodes.index):
         lead = nodes.index(node)
@@ -403,16 +410,13 @@ def _delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str
         else:
             need = sorted({q for r in mine if r < world for q in range(world) if saved[q] == saved[r]})
         if lead not in held or held[lead]["chain"] is None:
-            moves.append((None, 0, min(held, key=lambda r: held[r]["chain"] is None), lead, 0))
-        step = h["step"] + 1
-        while True:
-            missing = [q for q in need if q not in held.get(lead, {}).get("steps", {}).get(step, {})]
-            sources = {q: [r for r, x in held.items() if q in x["steps"].get(step, {})] for q in missing}
-            if any(not src for src in sources.values()) or not any(
-                    step in x["steps"] for x in held.values()):
-                break
-            moves += [(step, q, min(src), lead, held[min(src)]["steps"][step][q]) for q, src in sources.items()]
-            step += 1
+            moves.append((None, 0, min(r for r in held if held[r]["chain"] is not None), lead, 0))
+        have = {q: held[lead]["steps"].get(q, (0, 0))[0] if lead in held else 0 for q in need}
+        source = {q: max(held, key=lambda r: (held[r]["steps"].get(q, (0, 0))[0], -r)) for q in need}
+        upto = min((held[source[q]]["steps"].get(q, (0, 0))[0] for q in need), default=0)
+        for q in need:
+            n, size = held[source[q]]["steps"].get(q, (0, 0))
+            moves += [(base + 1 + i, q, source[q], lead, size // max(n, 1)) for i in range(have[q], upto)]
     return moves
 
 
@@ -465,7 +469,7 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
             moves.append((f, min(held[f]), lead))
             local.add(f)
     return {"tag": best[0], "step": h["step"], "digest": best[1], "moves": moves, "nbytes": h["nbytes"],
-            "deltas": _delta_moves(h, reports, best, nodes, every)}
+            "deltas": delta_moves(h, reports, best, nodes, every)}
 
 
 def fetch(comm, ckpt_dir: str, plan: dict) -> int:

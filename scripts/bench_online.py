@@ -33,7 +33,10 @@ engine's, ``tiers exact`` whether an engine recovering from it (the memory tier:
 delta) equals it bit for bit.  ``--durable-mbps X`` throttles the checkpoint directory (the
 durable tier) of both online engines to X MB/s per rank (an fsspec filesystem that sleeps in
 every write: a slow disk or network store on this VM), so the deltas to disk cannot keep up;
-the memory tier's deltas are not throttled, only its copies behind training.
+the memory tier's deltas are not throttled, only its copies behind training.  ``--nodes N``
+splits the ranks over N simulated nodes (each its own memory directory) with the peer tier on:
+every step's deltas also travel to the next node behind training (``peer MB/step``: what the
+busiest rank received per step).
 
 and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
 added up (the ranks wait for each other at each collective, so one rank's writer delays all),
@@ -147,6 +150,11 @@ def worker(a) -> None:
 
     rows = []
     url = slow_storage(a.durable_mbps) if a.durable_mbps else ""
+    memory_dir, peer = a.memory_dir, False
+    if a.nodes > 1:     # simulated nodes: consecutive ranks share one, each node its own memory directory
+        node = f"node{rank * a.nodes // dist.get_world_size()}"
+        os.environ["ADACHECK_NODE"] = node
+        memory_dir, peer = os.path.join(a.memory_dir or "/dev/shm/adacheck", node), True
     for stage in a.stages:
         for dtype in a.dtypes:
             work = os.path.join(a.work, f"z{stage}-{dtype}")
@@ -155,7 +163,8 @@ def worker(a) -> None:
             plain = engine_for(stage, dtype, {"enabled": True})
             on = engine_for(stage, dtype, {"enabled": True, "save_dir": url + ck, "online": online})
             tiers = {"enabled": True, "save_dir": url + ck_tiers, "online": online,
-                     "tiers": {"memory": True, "memory_dir": a.memory_dir, "persist_interval": a.persist_interval}}
+                     "tiers": {"memory": True, "memory_dir": memory_dir, "peer": peer,
+                               "persist_interval": a.persist_interval}}
             tiered = engine_for(stage, dtype, tiers) if a.tiers else None
             train(plain, 2)
             train(on, 2)            # the base (step 1) and the first delta
@@ -180,8 +189,14 @@ def worker(a) -> None:
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
             dist.all_reduce(writers)
             tiers_exact = None
+            peer_mb = None
             if tiered is not None:
-                tiered.adacheck.online.flush()
+                tiered.adacheck.online.flush()       # (and the peer copies of its steps)
+                spread = tiered.adacheck.online.recorder.spread
+                if spread is not None:          # MB this rank received from its peer per step
+                    peer_mb = on_device(torch.tensor(spread.received / max(1, spread.sent) / 1e6, dtype=torch.float64))
+                    dist.all_reduce(peer_mb, op=dist.ReduceOp.MAX)
+                    peer_mb = peer_mb.item()
                 rec_tiers = engine_for(stage, dtype, {"enabled": True, "tiers": tiers["tiers"]})
                 rec_tiers.load_checkpoint(url + ck_tiers)      # (from the memory tier: base + deltas)
                 ta, tb = state(tiered), state(rec_tiers)
@@ -244,6 +259,7 @@ def worker(a) -> None:
                 if t_tiers:
                     tt = statistics.median(t_tiers)
                     rows[-1].update(step_tiers_s=tt, overhead_tiers=tt / tp - 1, tiers_exact=tiers_exact,
+                                    nodes=a.nodes, peer_mb_per_step=peer_mb,
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)])
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
@@ -305,15 +321,17 @@ def table(rows) -> str:
                    f"{r['replay_over_step']:.2f} | {exact} |")
     tiered = [r for r in rows if "overhead_tiers" in r]
     if tiered:
-        out += ["", "| DP | ZeRO | dtype | durable MB/s | step s | overhead: deltas to disk | overhead: deltas to the "
-                "memory tier | tiers exact | exit copy s |", "|" + "---:|" * 9]
+        out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | overhead: deltas to disk | overhead: deltas "
+                "to the memory tier | peer MB/step | tiers exact | exit copy s |", "|" + "---:|" * 11]
         for r in tiered:
             def ov(key):
                 pairs = r[f"{key}_pairs"]
                 return f"{r[key]:+.1%} ({min(pairs):+.1%}..{max(pairs):+.1%})"
-            out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['durable_mbps'] or 'unthrottled'} | "
-                       f"{r['step_s']:.3f} | {ov('overhead')} | {ov('overhead_tiers')} | "
-                       f"{'yes' if r['tiers_exact'] else 'NO'} | {r['tiers_close_s']:.1f} |")
+            peer = f"{r['peer_mb_per_step']:.1f}" if r.get("peer_mb_per_step") is not None else "-"
+            out.append(f"| {r['dp']} | {r.get('nodes', 1)} | {r['stage']} | {r['dtype']} | "
+                       f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {ov('overhead')} | "
+                       f"{ov('overhead_tiers')} | {peer} | {'yes' if r['tiers_exact'] else 'NO'} | "
+                       f"{r['tiers_close_s']:.1f} |")
     return "\n".join(out)
 
 
@@ -336,6 +354,9 @@ def main() -> None:
     ap.add_argument("--memory-dir", default=None, help="the memory tier's directory (default: /dev/shm/adacheck)")
     ap.add_argument("--persist-interval", type=int, default=1,
                     help="tiers.persist_interval (1: the base, and its deltas behind training, go to the directory)")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="with --tiers: simulated nodes (ranks split in order; each its own memory directory "
+                         "under --memory-dir) and the peer tier: every step's deltas also go to the next node")
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
@@ -351,7 +372,7 @@ def main() -> None:
                         "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
                        + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
                        + (["--memory-dir", a.memory_dir] if a.memory_dir else [])
-                       + ["--persist-interval", str(a.persist_interval)])
+                       + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes)])
     import deepspeed
     import torch
     with open(a.json, "w") as f:
@@ -359,6 +380,7 @@ def main() -> None:
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
                    "tiers": a.tiers, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
+                   "nodes": a.nodes,
                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     extra = attribution(rows)

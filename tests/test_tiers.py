@@ -518,3 +518,28 @@ def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
             "nbytes": {}}
     with pytest.raises(FormatError, match="not the one agreed on"):
         fetch(SoloComm(), f"{src}/t1", plan)
+
+
+def test_a_replacement_node_is_planned_the_deltas_its_ranks_read():
+    """delta_moves (pure): three nodes a, b, e recorded a chain per node (b's peer copies on e);
+    b is replaced by c.  Node c is sent the chain file and ranks 2-3's steps from e, up to the
+    last step e holds for both (rank 2: 2 steps, rank 3: 3), and nodes a and e nothing.  A
+    report of another checkpoint under the same tag (another digest) counts for nothing.  In
+    another layout (3 ranks, one per node) every node is sent every rank's steps it lacks."""
+    from adacheck.tiers import delta_moves
+    rep = {"digest": "x", "chain": {"nodes": list("aabbee")}}
+    on_a = {"t": dict(rep, steps={0: (3, 300), 1: (3, 300), 4: (3, 300), 5: (3, 300)})}
+    on_e = {"t": dict(rep, steps={4: (3, 300), 5: (3, 300), 2: (2, 200), 3: (3, 300)})}
+    h = {"world": 6, "step": 10}
+    moves = delta_moves(h, [on_a, None, None, None, on_e, None], ("t", "x"), list("aaccee"), every=False)
+    assert moves == [(None, 0, 0, 2, 0), (11, 2, 4, 2, 100), (12, 2, 4, 2, 100), (11, 3, 4, 2, 100),
+                     (12, 3, 4, 2, 100)], moves
+    other = {"t": dict(on_a["t"], digest="y")}
+    moves = delta_moves(h, [other, None, None, None, on_e, None], ("t", "x"), list("aaccee"), every=False)
+    assert (None, 0, 4, 0, 0) in moves and (11, 0, 4, 0, 100) not in moves, moves   # (e holds no step of 0)
+    every = delta_moves(h, [on_a, None, on_e], ("t", "x"), list("ace"), every=True)
+    assert sorted(m for m in every if m[0] is None) == [(None, 0, 0, 1, 0)]
+    assert sorted((s, q, src, d) for s, q, src, d, _ in every if s is not None) == sorted(
+        [(s, q, 2, 0) for q in (2, 3) for s in (11, 12)]
+        + [(s, q, 2 if q in (2, 3) else 0, 1) for q in range(6) for s in (11, 12)]
+        + [(s, q, 0, 2) for q in (0, 1) for s in (11, 12)])
