@@ -479,14 +479,16 @@ class Checkpointer:
             return LOCAL, self.memory_tier().location(store, path)
         return store, path
 
-    def delta_spread(self, comm: Comm) -> Optional[DeltaSpread]:
-        """How online deltas are kept when the memory tier spans nodes (:class:`~adacheck.tiers.DeltaSpread`:
-        each node's chains, with ``tiers.peer`` copied to the next node), else None.  Collective
-        with the memory tier: every rank calls it where it makes its online recorder."""
+    def recording(self, comm: Comm, save_dir: str) -> "Recording":
+        """Where and how an online recorder of the bases saved to ``save_dir`` records (see
+        :class:`Recording`).  Collective with the memory tier: every rank calls it where it makes
+        its recorder."""
+        store, where = self.chain_location(save_dir)
         if self.options.tiers is None:
-            return None
+            return Recording(store, where)
         nodes = comm.all_gather_object(node_id())
-        return DeltaSpread(comm, nodes, self.options.tiers.peer) if len(set(nodes)) > 1 else None
+        spread = DeltaSpread(comm, nodes, self.options.tiers.peer) if len(set(nodes)) > 1 else None
+        return Recording(store, where, spread, bridge=True)
 
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
@@ -1014,6 +1016,20 @@ class Checkpointer:
             log.info("AdaCheck: rank %d loaded %s (step %s) from the %s tier in %.2fs", comm.rank, manifest.tag,
                      manifest.step, tier, time.perf_counter() - t0)
         return ckpt_dir, manifest, result
+
+
+@dataclass(frozen=True)
+class Recording:
+    """How an online recorder records (:meth:`Checkpointer.recording`): into ``where`` on
+    ``store`` (with the memory tier, the memory copies of the bases); ``spread``: each node keeps
+    its ranks' chains (the memory tier across nodes, :class:`~adacheck.tiers.DeltaSpread`);
+    ``bridge``: a step that takes a base is also recorded as the last delta of the chain before
+    it, so that the chain of a base persisted to durable storage goes on through the bases kept
+    in memory only (the memory tier: durable storage then reaches every step it received)."""
+    store: Storage
+    where: str
+    spread: Optional[DeltaSpread] = None
+    bridge: bool = False
 
 
 def _start_chain(recorder, store: Storage, save_dir: str, manifest: Manifest) -> None:

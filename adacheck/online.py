@@ -28,13 +28,18 @@ log = logging.getLogger("adacheck")
 
 
 class OnlineRecorder:
-    def __init__(self, tap: OptimizerTap, config: OnlineConfig, save_dir: str, comm: Callable[[], Comm],
+    def __init__(self, tap: OptimizerTap, config: OnlineConfig, where, comm: Callable[[], Comm],
                  take_base: Callable[[], None], fsync: bool = True, mine: Optional[set] = None,
                  rank_state: Callable[[], dict] = rng_state,
-                 preclip: Optional[Callable[[str, object, object], None]] = None, store: Storage = LOCAL,
-                 spread=None):
-        self.tap, self.config, self.save_dir, self.store = tap, config, save_dir, store
+                 preclip: Optional[Callable[[str, object, object], None]] = None, store: Storage = LOCAL):
+        """``where``: the directory the chains go to (on ``store``), or the Checkpointer's
+        :class:`~adacheck.checkpoint.Recording` (its store, directory, spread and bridge)."""
+        spread, bridge = None, False
+        if not isinstance(where, str):
+            store, spread, bridge, where = where.store, where.spread, where.bridge, where.where
+        self.tap, self.config, self.save_dir, self.store = tap, config, where, store
         self.spread = spread      # a memory tier across nodes: each node keeps its ranks' chains (tiers.DeltaSpread)
+        self.bridge = bridge      # a step that takes a base is also the last delta of the chain before it
         self.comm, self.take_base, self.fsync, self.mine = comm, take_base, fsync, mine
         self.rank_state, self.preclip = rank_state, preclip
         # compact: the state a recovery reaches, stepped along with the gradients as stored
@@ -90,7 +95,8 @@ class OnlineRecorder:
         pre, self._pre = self._pre, {}
         stored, self._stored = self._stored, {}
         self._next = step + 1
-        if self.base_step is None or (self.interval is not None and step - self.base_step >= self.interval):
+        due = self.base_step is None or (self.interval is not None and step - self.base_step >= self.interval)
+        if due and not (self.bridge and self.log is not None and self.base_step is not None):
             if self.log is not None:
                 self.log.discard()
             self.take_base()
@@ -101,6 +107,9 @@ class OnlineRecorder:
         deviation = self._shadow_step(calls, pre, stored) if self.shadow is not None else None
         if self.log is not None:
             self.log.submit(step, enc, dict(tensors), deviation=deviation)
+        if due:       # (bridge: recorded above, then the base)
+            self.take_base()
+            return
         if self.interval is None and step == self.base_step + 2:
             self._decide_interval()
         if self.log is not None and not self._warned_slow and step - self.base_step >= 10:

@@ -612,21 +612,32 @@ class ChainCopy:
     """Behind training, in a thread of its own: this rank's online deltas of a base that was
     persisted, copied from the memory tier to durable storage as they are written
     (:func:`adacheck.deltas.copy_chain`: gradients, then the record).  Training never waits for
-    it: durable storage takes the steps at its own pace.  When the next base is persisted, this
-    chain has ended: the thread copies what is left of it and ends.  A chain it could not finish
-    (the memory tier retired its base first, a storage error) stays in durable storage as far as
-    it got, a shorter chain, never a wrong one, and that is said."""
+    it: durable storage takes the steps at its own pace.  The chain goes on through the bases
+    kept in memory only (:meth:`follow`): the recorder also records a base's own step as the last
+    delta of the chain before it (``Recording.bridge``), so the next base's deltas continue the
+    persisted base's chain in durable storage, step after step.  When the next base is
+    persisted, this chain has ended: the thread copies what is left of it and ends.  A chain it
+    could not finish (the memory tier retired a base first, a storage error) stays in durable
+    storage as far as it got, a shorter chain, never a wrong one, and that is said: durable
+    storage then falls back to its bases."""
 
     POLL_S = 0.05
 
     def __init__(self, rank: int, src: str, store: Storage, dst: str, fsync: bool):
         self.rank, self.src, self.store, self.dst, self.fsync = rank, src, store, dst, fsync
+        self.sources = [src]                  # the memory bases whose chains continue this one, in order
+        self.at = 0                           # the one being copied
         self.last: Optional[int] = None       # the last step copied
         self.error: Optional[BaseException] = None
         self._ending = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="adacheck-chain-copy", daemon=True)
         self._thread.start()
+
+    def follow(self, src: str) -> None:
+        """The base in ``src`` (memory) was not persisted: its deltas continue this chain."""
+        with self._lock:
+            self.sources.append(src)
 
     def _run(self) -> None:
         while not self._ending.wait(self.POLL_S):
@@ -637,13 +648,24 @@ class ChainCopy:
     def copy(self) -> bool:
         """Copy the steps written since the last pass; False once copying failed."""
         with self._lock:
-            if self.error is None:
+            while self.error is None:
+                src = self.sources[self.at]
                 try:
-                    self.last = deltas.copy_chain(self.src, LOCAL, self.dst, self.store, self.rank,
+                    if not os.path.isdir(src):
+                        raise FileNotFoundError(f"the memory tier retired {os.path.basename(src)} before its "
+                                                "deltas were copied")
+                    self.last = deltas.copy_chain(src, LOCAL, self.dst, self.store, self.rank,
                                                   fsync=self.fsync, after=self.last)
                 except BaseException as e:  # noqa: BLE001 - said once, here; the chain stays as far as it got
                     self.error = e
                     self._report()
+                    break
+                # (on to the next base once its first step continues the chain: the bridged step is here)
+                if self.at + 1 < len(self.sources) and self.last is not None and \
+                        self.last + 1 in deltas.step_dirs(self.sources[self.at + 1]):
+                    self.at += 1
+                    continue
+                break
             return self.error is None
 
     def _report(self) -> None:
@@ -746,6 +768,8 @@ class MemoryTier:
         if persist or (persist is None and n % self.config.persist_interval == 0):
             self.saves[durable] = 0
             self.start_persist(durable)
+        elif self.chain is not None and os.path.dirname(self.chain.src) == mem:
+            self.chain.follow(os.path.join(mem, tag))     # (its deltas go on from the persisted base's)
         return manifest
 
     def _retain(self, mem: str, protect: tuple) -> None:

@@ -62,13 +62,12 @@ class OnlineDS:
                               "step, before any save_checkpoint call names a directory")
         self.save_dir = ac.config.save_dir
         self.lay, self.tap = _tap(e)
-        mine, spread = None, ac.checkpointer.delta_spread(ac.comm())
+        mine, rec = None, ac.checkpointer.recording(ac.comm(), self.save_dir)
         if self.lay.wrapper.replicated:   # stored once per data-parallel group (per node), by a balanced choice
             me, group = data_parallel(e)[0], data_parallel_ranks(e)
-            mine = online.replica_share(self.tap, sorted(self.tap.tensors), group, group[me], spread)
-        store, where = ac.checkpointer.chain_location(self.save_dir)
-        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, where, ac.comm, self._take_base,
-                                              fsync=ac.config.fsync, mine=mine, store=store, spread=spread,
+            mine = online.replica_share(self.tap, sorted(self.tap.tensors), group, group[me], rec.spread)
+        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, rec, ac.comm, self._take_base,
+                                              fsync=ac.config.fsync, mine=mine,
                                               preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not

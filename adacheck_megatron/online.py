@@ -108,14 +108,11 @@ class OnlineMegatron:
         self.increment = int(args.global_batch_size)
         self.iteration = 0
         self.tap = make_tap(optimizer)
-        job = checkpointer(optimizer, config)
-        spread = job.delta_spread(parallel.comm())
+        rec = checkpointer(optimizer, config).recording(parallel.comm(), self.save_dir)
         mine = None if distributed_optimizers(optimizer) else _replica_share(self.tap, optimizer, parallel.comm(),
-                                                                              spread)
-        store, where = job.chain_location(self.save_dir)
-        self.recorder = online.OnlineRecorder(self.tap, config.online, where, parallel.comm, self._take_base,
-                                              fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip,
-                                              store=store, spread=spread)
+                                                                              rec.spread)
+        self.recorder = online.OnlineRecorder(self.tap, config.online, rec, parallel.comm, self._take_base,
+                                              fsync=config.fsync, mine=mine, rank_state=rank_state, preclip=preclip)
         _tap_clipping()
         _RECORDING.add(self)
         self._ok = True

@@ -134,9 +134,11 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
 def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_storage_at_exit(tmp_path, monkeypatch):
     """Online deltas with the memory tier (ZeRO-2 bf16, 2 ranks): bases every 3 steps and every
     step's deltas go to memory; every 2nd base also to the checkpoint directory, its deltas copied
-    after it behind training.  The job is SIGKILLed after step 8: a new job recovers step 8 exactly
-    from memory (base 7 + delta 8; so does a DP=1 job, from the saving ranks' partitions), newer than durable storage's newest (base 4 + deltas 5, 6: what
-    a job without the memory recovers), continues the chain in memory, and ends cleanly after step
+    after it behind training, and on through the next base (kept in memory only: its step is
+    also recorded as the last delta of the chain before it).  The job is SIGKILLed after step 8:
+    a new job recovers step 8 exactly from memory (base 7 + delta 8; so does a DP=1 job, from the
+    saving ranks' partitions); a job without the memory recovers step 8 too, from durable storage
+    (base 4 + deltas 5-8, across base 7); the first job continues the chain in memory, and ends cleanly after step
     11: its newest base (10) and delta 11 go to durable storage at exit, and a job without the
     memory recovers step 11 from there.  A clean end whose deltas cannot be copied keeps them in
     memory, from where the next job recovers them.  The oracle: a run never checkpointed (DeepSpeed's own
@@ -156,9 +158,11 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     assert tags(ck) == ["global_step4"] and tags(mem) == ["global_step4", "global_step7"]
     # memory holds the newest keep (2) bases with their chains, nothing of the retired base 1
     assert sorted(os.listdir(mem)) == ["SOURCE", "global_step4", "global_step7", "latest"], os.listdir(mem)
-    assert deltas.step_dirs(os.path.join(mem, "global_step4")) == [5, 6]
+    # (step 7 took a base and is also the last delta of base 4's chain: the chains join up)
+    assert deltas.step_dirs(os.path.join(mem, "global_step4")) == [5, 6, 7]
     assert deltas.step_dirs(os.path.join(mem, "global_step7")) == [8]
-    assert committed(os.path.join(ck, "global_step4"), 4) == [5, 6]    # (copied behind training)
+    # copied behind training: base 4's chain, then base 7's (kept in memory only) after it
+    assert committed(os.path.join(ck, "global_step4"), 4) == [5, 6, 7, 8]
     def recovers(name, step, said, world=2, seed=5, more=(), **kw):
         """A new job of ``world`` ranks loads ck: it reaches ``step`` (its log says ``said``), and
         its state equals the run never checkpointed at that step."""
@@ -173,8 +177,8 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
         assert_same(u, dump(f"{d}/{name}", name), keys)
         return got
 
-    # without the memory tier (another memory directory): durable storage's base 4 + deltas 5, 6
-    recovers("D6", 6, "memory tier holds no checkpoint", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
+    # without the memory tier (another memory directory): durable storage's base 4 + deltas 5-8
+    recovers("D8", 8, "memory tier holds no checkpoint", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
     # another layout (DP=1) recovers step 8 from the memory tier: the saving ranks' partitions are
     # rebuilt from base 7 and stepped with their deltas (read only: it neither trains nor saves)
     recovers("E8", 8, "loaded global_step7 (step 7) from the memory tier", world=1, seed=3)
@@ -230,7 +234,7 @@ def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one
     mem_a, mem_b = mem_of("a"), mem_of("b")
     assert tags(ck) == [] and tags(mem_a) == tags(mem_b) == ["global_step4", "global_step7"]
     for mem in (mem_a, mem_b):        # every rank's chain on both nodes: its own node's, and the peer copies
-        assert committed(f"{mem}/global_step4", 4, world=4) == [5, 6]
+        assert committed(f"{mem}/global_step4", 4, world=4) == [5, 6, 7]
         assert committed(f"{mem}/global_step7", 7, world=4) == [8]
         assert deltas.read_chain(f"{mem}/global_step7")["nodes"] == list("aabb")
     rec = deltas.committed_steps(f"{mem_a}/global_step7", 7, 4)[0][0].records
@@ -367,7 +371,8 @@ def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_p
     # node c received node b's part of base 4 and rank 1's deltas from node a's peer copies
     mem_c = memory_of(monkeypatch, d, ck, "c")
     assert "iter_0000004" in tags(mem_c)
-    assert [s.step for s in deltas.committed_steps(f"{mem_c}/iter_0000004", 4, 2, ranks=[1])[0]] == [5, 6]
+    # (5, 6 received; 7, the next base's iteration, recorded by the resumed chain on node c)
+    assert [s.step for s in deltas.committed_steps(f"{mem_c}/iter_0000004", 4, 2, ranks=[1])[0]] == [5, 6, 7]
     ref, b = results(d)
     assert b["loaded"] == [6] and b["losses"] == ref["losses"][6:8], (b, ref)
     assert_same_dumps(d, "a", "b", 2)
