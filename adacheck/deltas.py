@@ -566,13 +566,11 @@ def check_record(rec, step: int, rank: int, where: str) -> dict:
     return rec
 
 
-def receive_step(ckpt_dir: str, step: int, rank: int, files: Dict[str, bytes], where: str) -> None:
-    """Write rank ``rank``'s files of ``step`` that another node sent (``files``: name -> bytes)
-    into the chain of ``ckpt_dir`` (node-local memory), each only once it is what a reader relies
-    on: the names this rank's step has (nothing else, nowhere else), a valid record of that step
-    and rank, and a gradients file of the record's size whose header holds the record's tensors
-    with their dtypes and shapes (the hashes are checked when they are replayed).  The record is
-    written last: it commits the step for that rank here."""
+def received_record(files: Dict[str, bytes], step: int, rank: int, where: str) -> dict:
+    """The record of rank ``rank``'s step ``step`` that another node sent (``files``: name ->
+    bytes), once the files are what a reader relies on: the names this rank's step has (nothing
+    else, nowhere else), a valid record of that step and rank, and the gradients file it names
+    (whose header :func:`file_check` checks as it is kept: ``tiers.receive_step``)."""
     json_name, file_name = f"rank{rank}.json", f"rank{rank}.safetensors"
     if not isinstance(files, dict) or set(files) - {json_name, file_name} or json_name not in files:
         raise FormatError(f"{where}: step {step} of rank {rank} came as {sorted(files)!r}, not {json_name} "
@@ -585,32 +583,24 @@ def receive_step(ckpt_dir: str, step: int, rank: int, files: Dict[str, bytes], w
     if (rec["file"] is None) != (file_name not in files):
         raise FormatError(f"{where}: step {step} of rank {rank} came {'with' if file_name in files else 'without'} "
                           f"{file_name}, its record says {rec['file']!r}: refused")
-    d = step_dir(ckpt_dir, step)
-    os.makedirs(d, exist_ok=True)
-    if rec["file"] is not None:
-        data = files[file_name]
-        if len(data) != rec["file_bytes"]:
-            raise FormatError(f"{where}: {file_name} of step {step} is {len(data)} bytes, its record says "
-                              f"{rec['file_bytes']}: refused")
-        path = os.path.join(d, file_name)
-        tmp = path + commit.TMP_SUFFIX
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            held = SafetensorsFile(tmp, LOCAL).entries
-            want = {GRAD + k: (m["stored"], m["shape"]) for k, m in rec["tensors"].items()}
-            want.update({k: (m["dtype"], m["shape"]) for k, m in rec["extra"].items()})
-            for name, (dname, shape) in want.items():
-                if name not in held or held[name][0] != dname or list(held[name][1]) != list(shape):
-                    got = f"{held[name][0]}{list(held[name][1])}" if name in held else "nothing"
-                    raise FormatError(f"{where}: {file_name} of step {step} holds {got} as {name!r}, its record "
-                                      f"says {dname}{list(shape)}: refused")
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-    LOCAL.write_atomic(os.path.join(d, json_name), bytes(files[json_name]), fsync=False)
+    return rec
+
+
+def file_check(rec: dict, step: int, where: str) -> Callable[[str], None]:
+    """A check of a received gradients file (``tiers.receive_file``): its header holds every
+    tensor of the record ``rec`` with the record's stored dtype and shape (the hashes are checked
+    when they are replayed)."""
+    want = {GRAD + k: (m["stored"], m["shape"]) for k, m in rec["tensors"].items()}
+    want.update({k: (m["dtype"], m["shape"]) for k, m in rec["extra"].items()})
+
+    def check(path: str) -> None:
+        held = SafetensorsFile(path, LOCAL).entries
+        for name, (dname, shape) in want.items():
+            if name not in held or held[name][0] != dname or list(held[name][1]) != list(shape):
+                got = f"{held[name][0]}{list(held[name][1])}" if name in held else "nothing"
+                raise FormatError(f"{where}: {rec['file']} of step {step} holds {got} as {name!r}, its record "
+                                  f"says {dname}{list(shape)}: refused")
+    return check
 
 
 def step_files(ckpt_dir: str, step: int, rank: int) -> Optional[Dict[str, bytes]]:

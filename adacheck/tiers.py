@@ -157,7 +157,7 @@ class DeltaSpread:
     rank hands the thread the same steps in the same order (written or not: a step a rank could not
     write travels as nothing, and its partner says so), so each step is one round of
     :meth:`Comm.transfer` on every rank; the receiver checks what arrives like a reader would
-    (:func:`adacheck.deltas.receive_step`).  Made collectively (every rank, at the same point)."""
+    (:func:`receive_step`).  Made collectively (every rank, at the same point)."""
 
     exit_order = 0.5      # (at exit: after the delta logs, which hand it their last steps)
 
@@ -215,7 +215,7 @@ class DeltaSpread:
             src = self.moves[i][0]
             if data is None:
                 raise FormatError(f"rank {src} sent nothing for step {step}")
-            deltas.receive_step(ckpt_dir, step, src, unpack_files(data), f"a peer's delta (from rank {src})")
+            receive_step(ckpt_dir, step, src, unpack_files(data), f"a peer's delta (from rank {src})")
 
         try:
             got = self.comm.transfer(self.moves, read, deliver, sizes=[0] * len(self.moves))   # (one round)
@@ -283,17 +283,17 @@ def _read_file(path: str):
 
 
 def receive_file(ckpt_dir: str, fname: str, data: Optional[bytes], nbytes: int,
-                 check: Optional[Callable[[str], None]]) -> None:
+                 check: Optional[Callable[[str], None]], by: str = "the manifest") -> None:
     """Write a file another rank sent into the memory directory ``ckpt_dir``, under its name only
-    once it is what the manifest says: ``nbytes`` long and, with ``check``, a shard whose header
-    holds the manifest's dtypes and shapes.  ``fname`` must be a plain name: nothing is written
+    once it is what the manifest (or ``by``) says: ``nbytes`` long and, with ``check``, a file
+    whose header holds its dtypes and shapes.  ``fname`` must be a plain name: nothing is written
     outside ``ckpt_dir``."""
     if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", "..") or "\\" in fname:
         raise FormatError(f"a peer sent {fname!r}, which is not a plain file name: refused")
     if data is None:
         raise FormatError(f"{fname}: the rank that holds it could not read it")
     if len(data) != nbytes:
-        raise FormatError(f"{fname}: a peer sent {len(data)} bytes, the manifest says {nbytes}: refused")
+        raise FormatError(f"{fname}: a peer sent {len(data)} bytes, {by} says {nbytes}: refused")
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, fname)
     tmp = path + commit.TMP_SUFFIX
@@ -307,6 +307,20 @@ def receive_file(ckpt_dir: str, fname: str, data: Optional[bytes], nbytes: int,
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def receive_step(ckpt_dir: str, step: int, rank: int, files: Dict[str, bytes], where: str) -> None:
+    """Keep rank ``rank``'s files of ``step`` that another node sent (``files``: name -> bytes) in
+    the chain of the memory checkpoint ``ckpt_dir``, each only once it is what a reader relies on
+    (:func:`adacheck.deltas.received_record`, :func:`adacheck.deltas.file_check`); the record is
+    written last: it commits the step for that rank here."""
+    rec = deltas.received_record(files, step, rank, where)
+    d = deltas.step_dir(ckpt_dir, step)
+    if rec["file"] is not None:
+        receive_file(d, rec["file"], files[rec["file"]], rec["file_bytes"], check=deltas.file_check(rec, step, where),
+                     by="its record")
+    os.makedirs(d, exist_ok=True)
+    LOCAL.write_atomic(os.path.join(d, f"rank{rank}.json"), bytes(files[f"rank{rank}.json"]), fsync=False)
 
 
 def shard_check(manifest, fname: str) -> Callable[[str], None]:
@@ -401,6 +415,11 @@ def delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str]
     if info is None:
         return []
     saved, world, base = info.get("nodes"), h["world"], h["step"]
+
+    def chain_of(r: int, q: int) -> Tuple[int, int]:
+        """(steps in a row, their bytes) of rank q's chain on the node led by rank r."""
+        return held[r]["steps"].get(q, (0, 0)) if r in held else (0, 0)
+
     moves: List[Tuple[Optional[int], int, int, int, int]] = []
     for node in sorted(set(nodes), key=nodes.index):
         lead = nodes.index(node)
@@ -411,12 +430,12 @@ def delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str]
             need = sorted({q for r in mine if r < world for q in range(world) if saved[q] == saved[r]})
         if lead not in held or held[lead]["chain"] is None:
             moves.append((None, 0, min(r for r in held if held[r]["chain"] is not None), lead, 0))
-        have = {q: held[lead]["steps"].get(q, (0, 0))[0] if lead in held else 0 for q in need}
-        source = {q: max(held, key=lambda r: (held[r]["steps"].get(q, (0, 0))[0], -r)) for q in need}
-        upto = min((held[source[q]]["steps"].get(q, (0, 0))[0] for q in need), default=0)
+        source = {q: max(held, key=lambda r: (chain_of(r, q)[0], -r)) for q in need}
+        upto = min((chain_of(source[q], q)[0] for q in need), default=0)
         for q in need:
-            n, size = held[source[q]]["steps"].get(q, (0, 0))
-            moves += [(base + 1 + i, q, source[q], lead, size // max(n, 1)) for i in range(have[q], upto)]
+            n, size = chain_of(source[q], q)
+            moves += [(base + 1 + i, q, source[q], lead, size // max(n, 1))
+                      for i in range(chain_of(lead, q)[0], upto)]
     return moves
 
 
@@ -501,7 +520,7 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
                 raise FormatError(f"the online deltas of {plan['tag']} (step {step}) could not be read on the node "
                                   "that holds them")
             if step is not None:
-                deltas.receive_step(ckpt_dir, step, rank, unpack_files(data), f"{plan['tag']} from a peer")
+                receive_step(ckpt_dir, step, rank, unpack_files(data), f"{plan['tag']} from a peer")
                 return
             try:
                 info = json.loads(bytes(data).decode("utf-8"))
@@ -509,8 +528,7 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
                 info = None
             if not isinstance(info, dict):
                 raise FormatError(f"the chain file of {plan['tag']} a peer sent is not a JSON object: refused")
-            os.makedirs(deltas.deltas_dir(ckpt_dir), exist_ok=True)
-            LOCAL.write_atomic(os.path.join(deltas.deltas_dir(ckpt_dir), deltas.CHAIN), bytes(data), fsync=False)
+            deltas.write_chain(ckpt_dir, info, fsync=False)
             return
         fname = moves[i][0]
         if fname is None:
@@ -624,8 +642,8 @@ class ChainCopy:
     POLL_S = 0.05
 
     def __init__(self, rank: int, src: str, store: Storage, dst: str, fsync: bool):
-        self.rank, self.src, self.store, self.dst, self.fsync = rank, src, store, dst, fsync
-        self.sources = [src]                  # the memory bases whose chains continue this one, in order
+        self.rank, self.store, self.dst, self.fsync = rank, store, dst, fsync
+        self.sources = [src]                  # the persisted base, then those whose chains continue it, in order
         self.at = 0                           # the one being copied
         self.last: Optional[int] = None       # the last step copied
         self.error: Optional[BaseException] = None
@@ -633,6 +651,11 @@ class ChainCopy:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="adacheck-chain-copy", daemon=True)
         self._thread.start()
+
+    @property
+    def src(self) -> str:
+        """The persisted base's memory directory."""
+        return self.sources[0]
 
     def follow(self, src: str) -> None:
         """The base in ``src`` (memory) was not persisted: its deltas continue this chain."""

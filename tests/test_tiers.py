@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 from safetensors.torch import load_file
@@ -217,11 +218,7 @@ def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one
     monkeypatch.setenv("ADACHECK_JOB", "job-online-nodes")
     ck = f"{d}/ck"
 
-    def mem_of(node):
-        return memory_of(monkeypatch, d, ck, node)
-
-    def on(nodes):
-        return on_nodes(d, nodes)
+    mem_of, on = partial(memory_of, monkeypatch, d, ck), partial(on_nodes, d)
 
     ac = {"enabled": True, "save_dir": ck, "online": {"enabled": True, "base_interval": 3},
           "tiers": {"memory": True, "peer": True, "persist_interval": 10}}
@@ -297,7 +294,7 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     step that is accepted: the gradient read back equals the tensor recorded."""
     import torch
     from adacheck.errors import FormatError
-    from adacheck.tiers import pack_files, unpack_files
+    from adacheck.tiers import pack_files, receive_step, unpack_files
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     lg = deltas.DeltaLog(src, 2, "n0nce", fsync=False)
@@ -311,7 +308,7 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
 
     def refused(bad, match, rank=2):
         with pytest.raises(FormatError, match=match):
-            deltas.receive_step(dst, 5, rank, bad, "test")
+            receive_step(dst, 5, rank, bad, "test")
         assert not os.path.isdir(here) or not os.listdir(here)
 
     refused({"../rank2.json": files["rank2.json"]}, "came as")
@@ -325,7 +322,7 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     refused(dict(files, **{"rank2.safetensors": wrong}), r"bfloat16\[4, 3\] as 'grad/w', its record says bfloat16\[3, 4\]")
     with pytest.raises(FormatError, match="not a table of files"):
         unpack_files(b"\xff" * 20)
-    deltas.receive_step(dst, 5, 2, unpack_files(pack_files(files)), "test")
+    receive_step(dst, 5, 2, unpack_files(pack_files(files)), "test")
     steps, _ = deltas.committed_steps(dst, 4, 3, ranks=[2])
     assert [s.step for s in steps] == [5]
     assert torch.equal(deltas.read_grad(dst, steps[0], "w", 2).float(), g)
@@ -345,8 +342,7 @@ def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_p
     monkeypatch.setenv("ADACHECK_JOB", "megatron-online-tiers")
     ck = f"{d}/ck"
 
-    def on(nodes):
-        return on_nodes(d, nodes)
+    on = partial(on_nodes, d)
 
     argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "2"]
     on_argv = argv + ["--adacheck", "--adacheck-dir", ck, "--adacheck-online", "--adacheck-online-base-interval", "3",
@@ -355,8 +351,7 @@ def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_p
                                                             ["online", False], ["die"]]}]},
                  d, script="megatron_worker.py", rank_env=on("ab"))
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
-    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-a")
-    mem_a = memory_location(LOCAL, ck)
+    mem_a = memory_of(monkeypatch, d, ck, "a")
     assert tags(ck) == [] and tags(mem_a) == ["iter_0000001", "iter_0000004"]
     assert committed(f"{mem_a}/iter_0000004", 4) == [5, 6]      # (rank 1's steps: node b's, copied here)
     shutil.rmtree(f"{d}/shm-b")
@@ -391,8 +386,7 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
     monkeypatch.setenv("ADACHECK_JOB", "megatron-tiers")
     ck = f"{d}/ck"
 
-    def on(nodes):
-        return on_nodes(d, nodes)
+    on = partial(on_nodes, d)
 
     argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck",
             "--adacheck-tiers-memory", "--adacheck-tiers-peer", "--adacheck-tiers-persist-interval", "10"]
@@ -401,15 +395,13 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
                  d, script="megatron_worker.py", rank_env=on("ab"))
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
     for node in "ab":
-        monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-{node}")
-        assert tags(ck) == [] and tags(memory_location(LOCAL, ck)) == ["iter_0000003"]
+        assert tags(ck) == [] and tags(memory_of(monkeypatch, d, ck, node)) == ["iter_0000003"]
     shutil.rmtree(f"{d}/shm-b")
     out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["train", 2], ["dump", "b"]]}]},
                  d, script="megatron_worker.py", rank_env=on("ac"))
     check(out)
     assert "loaded AdaCheck checkpoint iteration 3 from the memory tier" in out[0][1], out[0][1][-3000:]
-    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm-c")       # (node c received rank 1's part)
-    assert tags(memory_location(LOCAL, ck)) == ["iter_0000003"]
+    assert tags(memory_of(monkeypatch, d, ck, "c")) == ["iter_0000003"]       # (node c received rank 1's part)
     assert results(str(tmp_path))[0]["loaded"] == [3]
     assert_same_dumps(str(tmp_path), "a", "b", 2)
 
@@ -427,11 +419,7 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     monkeypatch.setenv("ADACHECK_JOB", "job-2")
     ck = f"{d}/ck"
 
-    def mem_of(node):
-        return memory_of(monkeypatch, d, ck, node)
-
-    def on(nodes):
-        return on_nodes(d, nodes)
+    mem_of, on = partial(memory_of, monkeypatch, d, ck), partial(on_nodes, d)
 
     # (asynchronous: writer processes write the memory copies and send the peer copies)
     tiered = {"enabled": True, "async": True, "tiers": {"memory": True, "peer": True, "persist_interval": 4}}
