@@ -188,15 +188,24 @@ def host_tensors(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str,
 
 
 def persist(ckpt_dir: str, fname: str, staged: Dict[str, object], metadata: dict,
-            fsync: bool = True, store: Storage = LOCAL) -> int:
-    """Write one shard file and commit it (durable under its final name, or nothing left)."""
-    fw = store.open_writer(store.join(ckpt_dir, fname), fsync=fsync)
+            fsync: bool = True, store: Storage = LOCAL) -> Tuple[int, Optional[str]]:
+    """Write one shard file and commit it (durable under its final name, or nothing left).
+    Returns its size and the storage's tag of its content as the storage shows it once
+    committed (:meth:`Storage.file_state`), for the commit to confirm."""
+    path = store.join(ckpt_dir, fname)
+    fw = store.open_writer(path, fsync=fsync)
     try:
         write_safetensors_to(fw, [(k, t.dtype, tuple(t.shape)) for k, t in staged.items()],
                              lambda k: _bytes_of(staged[k]), metadata)
-        return fw.commit()
+        size = fw.commit()
+        state = store.file_state(path)
+        if state is None or state[0] != size:
+            raise IntegrityError(f"{path}: {size} bytes were written and committed, but the storage then shows "
+                                 + ("no such file" if state is None else f"{state[0]} bytes")
+                                 + f" ({store.describe()}); the checkpoint is not published")
+        return state
     except BaseException:
-        fw.abort()
+        fw.abort()      # (after the commit it leaves the file to the save's cleanup)
         raise
 
 
@@ -411,11 +420,14 @@ class Exchanged:
 
 @dataclass
 class Written:
-    """Step 4: the size of every rank's file (0: it wrote none; partitioned: on rank 0 only, elsewhere
-    empty) and this rank's file name and size."""
+    """Step 4: the size of every rank's file (0: it wrote none) and the storage's tag of its content
+    (None: none), both per rank (partitioned: on rank 0 only, elsewhere empty), and this rank's
+    file name, size and tag."""
     sizes: List[int]
+    tags: List[Optional[str]]
     my_file: Optional[str]
     my_size: int = 0
+    my_tag: Optional[str] = None
 
 
 class Checkpointer:
@@ -855,7 +867,7 @@ class Checkpointer:
 
         def run():
             if not mine:
-                return 0
+                return 0, None
             staged = host_tensors(prepared.shards, mine)
             metadata = {"format": "pt", "adacheck_tag": prepared.tag}
             encoding = check_compression(self.options.compression)
@@ -864,11 +876,13 @@ class Checkpointer:
                 metadata[ENCODING_KEY] = encoding
             return persist(prepared.ckpt_dir, my_file, staged, metadata, self.options.fsync, prepared.store)
 
-        size = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
-                     on_failure=lambda: self._remove_mine(prepared, my_file))
+        size, tag = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
+                          on_failure=lambda: self._remove_mine(prepared, my_file))
         if self.options.exchange == "partitioned":      # (the sizes to rank 0 alone)
-            return Written(comm.gather_object(size) or [], my_file, size)
-        return Written(comm.all_gather_object(size), my_file, size)
+            every = comm.gather_object((size, tag)) or []
+        else:
+            every = comm.all_gather_object((size, tag))
+        return Written([k for k, _ in every], [t for _, t in every], my_file, size, tag)
 
     def commit(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, plan: WritePlan,
                written: Written) -> Manifest:
@@ -884,13 +898,14 @@ class Checkpointer:
             # each rank confirms the next rank's file (no rank stats them all; a save directory that
             # is not shared between nodes fails where the job crosses a node)
             n = comm.world_size
-            told = comm.all_to_all_bytes([json.dumps([written.my_file, written.my_size]).encode()
+            told = comm.all_to_all_bytes([json.dumps([written.my_file, written.my_size, written.my_tag]).encode()
                                           if written.my_file and dst == (comm.rank - 1) % n else None
                                           for dst in range(n)])
             nxt = [(json.loads(b), src) for src, b in enumerate(told) if b]
 
             def write_part():
-                confirm_files(store, prepared.ckpt_dir, {f: {"writer": src, "nbytes": k} for (f, k), src in nxt})
+                confirm_files(store, prepared.ckpt_dir,
+                              {f: {"writer": src, "nbytes": k, "tag": t} for (f, k, t), src in nxt})
                 return commit.write_part(prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag,
                                          plan.tensors, self.options.fsync, store) if plan.tensors else None
 
@@ -919,7 +934,9 @@ class Checkpointer:
         def run():
             if leads:
                 if not exchanged.partitioned:       # (partitioned: confirmed by the ranks, above)
-                    confirm_files(prepared.store, prepared.ckpt_dir, here)
+                    confirm_files(prepared.store, prepared.ckpt_dir,
+                                  here if spread is not None else    # (other nodes' copies: their sizes)
+                                  {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
         part = part_name(exchanged.generation, comm.rank) if exchanged.partitioned and plan.tensors else None
@@ -1060,16 +1077,24 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 def confirm_files(store: Storage, ckpt_dir: str, files: Dict[str, dict]) -> None:
     """Before the manifest names them: every file of the new checkpoint is on the storage with the
     size its writer committed (an object store's upload completed, a shared filesystem's rename
-    visible here).  Their contents are checked by hash whenever they are read."""
+    visible here) and, where the storage tags content (an object store's ETag), the tag its writer
+    saw once its upload completed: the object is the one that rank wrote, not one written again
+    under its name since.  Their contents are checked by hash whenever they are read."""
     for fname, info in sorted(files.items()):
         path = store.join(ckpt_dir, fname)
-        size = store.size_if_file(path)
-        if size is None:
+        state = store.file_state(path)
+        if state is None:
             raise IntegrityError(f"{path} was committed by rank {info['writer']} but is not on the storage; "
                                  "the checkpoint is not published")
+        size, tag = state
         if size != info["nbytes"]:
             raise IntegrityError(f"{path} holds {size} bytes on the storage, but rank {info['writer']} wrote "
                                  f"{info['nbytes']}; the checkpoint is not published")
+        if info.get("tag") is not None and tag != info["tag"]:
+            raise IntegrityError(
+                f"{path} on the storage is not the object rank {info['writer']} wrote: its content tag was "
+                f"{info['tag']} when that rank's upload completed and is {tag} now, so something wrote it again "
+                "since (another job saving the same tag into this directory?); the checkpoint is not published")
 
 
 def resolve(load_dir: str, tag: Optional[str] = None, store: Storage = LOCAL) -> str:

@@ -101,6 +101,15 @@ class Storage:
         except FileNotFoundError:
             return None
 
+    def file_state(self, path: str) -> Optional[Tuple[int, Optional[str]]]:
+        """The size of the file at ``path`` and the storage's tag of its content, or None when there
+        is no file (one query).  The tag is what the storage itself says of the bytes it holds, and
+        it changes whenever the object is written again: an object store's ETag (S3: a hash of the
+        bytes).  None where the storage keeps no such tag (POSIX: a file is published by a rename
+        of its writer's own temporary)."""
+        size = self.size_if_file(path)
+        return None if size is None else (size, None)
+
     def mtime(self, path: str) -> float:
         raise NotImplementedError
 
@@ -416,6 +425,18 @@ class FsspecStorage(Storage):
 
     def size(self, path):
         return self.fs.size(self._fresh(path))
+
+    CONTENT_TAGS = ("ETag", "etag", "md5Hash")     # (S3; Azure and GCS; GCS)
+
+    def file_state(self, path):
+        try:
+            info = self.fs.info(self._fresh(path))
+        except FileNotFoundError:
+            return None
+        if info.get("type") != "file":
+            return None
+        tag = next((str(info[k]) for k in self.CONTENT_TAGS if info.get(k)), None)
+        return int(info["size"]), tag
 
     def mtime(self, path):
         return self.fs.modified(self._fresh(path)).timestamp()

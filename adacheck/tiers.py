@@ -568,17 +568,23 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     dst = dst_store.join(dst_dir, tag)
     dst_store.make_dirs(dst)
     writers = sorted({int(info["writer"]) for info in manifest.files.values()})
+    tags = {}       # (the storage's content tag of each file copied, as it showed once committed)
     for fname, info in sorted(manifest.files.items()):
         if int(info["writer"]) == rank:
-            copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, dst_store.join(dst, fname), fsync=fsync)
+            path = dst_store.join(dst, fname)
+            copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, path, fsync=fsync)
+            tags[fname] = (dst_store.file_state(path) or (None, None))[1]
     if rank in writers:
-        dst_store.write_atomic(dst_store.join(dst, _marker(rank)), nonce.encode(), fsync=fsync)
+        dst_store.write_atomic(dst_store.join(dst, _marker(rank)), json.dumps({"nonce": nonce, "tags": tags}).encode(),
+                               fsync=fsync)
     if rank != 0:
         return True
     deadline = time.monotonic() + timeout_s
     waiting = list(writers)
     while waiting:
-        waiting = [r for r in waiting if not _marked(dst_store, dst, r, nonce)]
+        said = {r: _marked(dst_store, dst, r, nonce) for r in waiting}
+        tags.update(t for told in said.values() if told for t in told.items())
+        waiting = [r for r, told in said.items() if told is None]
         if not waiting:
             break
         if time.monotonic() > deadline:
@@ -586,7 +592,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
                         "it stays in the memory tier", tag, dst_dir, waiting, timeout_s)
             return False
         time.sleep(0.05)
-    confirm(dst_store, dst, {f: dict(info) for f, info in manifest.files.items()})
+    confirm(dst_store, dst, {f: dict(info, tag=tags.get(f)) for f, info in manifest.files.items()})
     commit.write_manifest(dst, manifest, dst_store)
     for r in writers:
         dst_store.remove(dst_store.join(dst, _marker(r)))
@@ -599,11 +605,14 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     return True
 
 
-def _marked(store: Storage, ckpt: str, rank: int, nonce: str) -> bool:
+def _marked(store: Storage, ckpt: str, rank: int, nonce: str) -> Optional[dict]:
+    """The content tags of the files ``rank`` copied for the checkpoint whose manifest hashes to
+    ``nonce``, once its marker says it is done; None before."""
     try:
-        return store.read_bytes(store.join(ckpt, _marker(rank))).decode() == nonce
-    except (FileNotFoundError, UnicodeDecodeError):
-        return False
+        said = json.loads(store.read_bytes(store.join(ckpt, _marker(rank))))
+    except (FileNotFoundError, UnicodeDecodeError, ValueError):
+        return None
+    return said["tags"] if isinstance(said, dict) and said.get("nonce") == nonce else None
 
 
 def newest_committed(save_dir: str, store: Storage) -> Optional[Tuple[str, int]]:

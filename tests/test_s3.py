@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from adacheck import commit
 from adacheck.checkpoint import CheckpointReader, Checkpointer, Options
 from adacheck.cli import main
-from adacheck.errors import AdaCheckError
+from adacheck.errors import AdaCheckError, IntegrityError
 from adacheck.exchange import SoloComm
 from adacheck.storage import LOCAL
 from launch import check, launch
@@ -141,6 +141,63 @@ def test_server_lost_during_a_save_keeps_the_previous_checkpoint(s3):
     save_steps(checkpointer, root, (3,), frozen)
     assert not [k for k in s3.keys("lost/s2")], s3.keys("lost")
     assert commit.read_latest(where, store) == "s3"
+
+
+class WrittenAgain(Checkpointer):
+    """A job whose shard object someone else writes again, same size, other bytes, between its upload
+    and the commit (a save of the same tag still running elsewhere)."""
+
+    def __init__(self, s3, **kw):
+        super().__init__(options=Options(storage_options=s3.options, chunk_bytes=32, **kw))
+        self.s3 = s3
+
+    def commit(self, comm, prepared, exchanged, plan, written):
+        path = prepared.store.join(prepared.ckpt_dir, written.my_file)
+        data = bytearray(self.s3.fs.cat_file(path))
+        data[-1] ^= 1
+        self.s3.fs.pipe_file(path, bytes(data))
+        return super().commit(comm, prepared, exchanged, plan, written)
+
+
+@pytest.mark.parametrize("exchange", ["ring", "partitioned"])
+def test_an_object_written_again_before_the_commit_is_not_published(s3, exchange):
+    frozen = torch.ones(3, 3)
+    root = s3.url(f"again-{exchange}")
+    weights = save_steps(job(s3, exchange=exchange), root, (1,), frozen)
+    with pytest.raises(IntegrityError) as err:
+        save_steps(WrittenAgain(s3, exchange=exchange), root, (2,), frozen)
+    text = str(err.value)
+    assert "s2/rank00000-g0.safetensors" in text and "is not the object rank 0 wrote" in text, text
+    checkpointer = job(s3, exchange=exchange)
+    store, where = checkpointer.locate(root)
+    assert commit.read_latest(where, store) == "s1"
+    assert not commit.has_manifest(store.join(where, "s2"), store)
+    got = checkpointer.load(SoloComm(), root, None, lambda r: r.read("master/w"), lambda t: t)
+    assert got[1].tag == "s1" and torch.equal(got[2], weights[1])
+    save_steps(checkpointer, root, (2,), frozen)      # the next save of that tag goes through
+    assert commit.read_latest(where, store) == "s2"
+
+
+def test_a_memory_checkpoint_copied_to_s3_is_confirmed_by_its_objects_tags(s3, tmp_path):
+    from adacheck.checkpoint import confirm_files
+    from adacheck.tiers import persist_checkpoint
+    local = str(tmp_path / "memory")
+    save_steps(Checkpointer(options=Options(chunk_bytes=32)), local, (1,), torch.zeros(3, 3))
+    store, where = job(s3).locate(s3.url("copied"))
+
+    def written_again_then_confirmed(dst_store, dst, files):
+        path = dst_store.join(dst, "rank00000-g0.safetensors")
+        data = bytearray(s3.fs.cat_file(path))
+        data[-1] ^= 1
+        s3.fs.pipe_file(path, bytes(data))
+        confirm_files(dst_store, dst, files)
+
+    with pytest.raises(IntegrityError, match="is not the object rank 0 wrote"):
+        persist_checkpoint(0, os.path.join(local, "s1"), store, where, "s1", True, True, None,
+                           written_again_then_confirmed)
+    assert not commit.has_manifest(store.join(where, "s1"), store) and commit.read_latest(where, store) is None
+    assert persist_checkpoint(0, os.path.join(local, "s1"), store, where, "s1", True, True, None, confirm_files)
+    assert commit.read_latest(where, store) == "s1"
 
 
 def results(d, rank=0):
