@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Optional
@@ -11,7 +10,7 @@ import torch
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck import commit, jsontree, lifecycle, recovery
+from adacheck import jsontree, lifecycle, pointer, recovery
 from adacheck.commit import latest_or_none
 from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
@@ -22,61 +21,6 @@ from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
 
 log = logging.getLogger("adacheck")
-
-POINTER_NAME = "adacheck.json"
-
-
-def _same_dir(a, b) -> bool:
-    if is_url(str(a)) or is_url(str(b)):
-        return str(a).rstrip("/") == str(b).rstrip("/")
-    return os.path.realpath(str(a)) == os.path.realpath(str(b))
-
-
-def _write_pointer(given, tag: str, save_dir, step: int) -> None:
-    """With ``adacheck.save_dir`` set, a save called with another directory (a Hugging Face
-    Trainer's ``checkpoint-N``) leaves ``<given>/<tag>/adacheck.json`` naming where the checkpoint
-    is: the caller finds the tag directory it expects, and a load of ``given`` loads that one."""
-    if is_url(str(given)):
-        return
-    d = os.path.join(str(given), tag)
-    os.makedirs(d, exist_ok=True)
-    commit.atomic_write_text(os.path.join(d, POINTER_NAME), json.dumps(
-        {"adacheck_save_dir": os.path.abspath(str(save_dir)) if not is_url(str(save_dir)) else str(save_dir),
-         "tag": tag, "step": int(step)}) + "\n")
-
-
-def _newer_than(pointer: dict) -> Optional[str]:
-    """What ``adacheck.save_dir`` holds past the pointer's step (a newer ``latest``, or online
-    deltas after it), in words, or None."""
-    from adacheck import deltas
-    d = pointer["save_dir"]
-    if is_url(d):
-        return None
-    latest = latest_or_none(d) if os.path.isdir(d) else None
-    if latest is not None and latest != pointer["tag"]:
-        return f"its latest is {latest}"
-    try:
-        steps = [s for s in deltas.step_dirs(os.path.join(d, pointer["tag"])) if s > pointer["step"]]
-    except OSError:
-        steps = []
-    return f"online deltas up to step {steps[-1]}" if steps else None
-
-
-def _read_pointer(load_dir, tag) -> Optional[dict]:
-    """The pointer a save left in ``load_dir`` (``tag``'s, or the one of the highest step), or None."""
-    if is_url(str(load_dir)) or not os.path.isdir(str(load_dir)):
-        return None
-    found = []
-    for name in sorted(os.listdir(str(load_dir))):
-        path = os.path.join(str(load_dir), name, POINTER_NAME)
-        if (tag is None or name == str(tag)) and os.path.isfile(path):
-            try:
-                p = json.load(open(path))
-                found.append({"save_dir": p["adacheck_save_dir"], "tag": str(p["tag"]), "step": int(p["step"])})
-            except (ValueError, KeyError, TypeError) as e:
-                raise adacheck.FormatError(f"{path}: not an AdaCheck pointer ({e}); it names the checkpoint of "
-                                           "this directory in adacheck.save_dir: restore it or load that directory") from None
-    return max(found, key=lambda p: p["step"]) if found else None
 
 # ZeRO's loss scaler (DynamicLossScaler / LossScaler) and the fp16 optimizers' LossScaleConfig
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor",
@@ -191,8 +135,11 @@ class AdaCheckDeepSpeed:
         if not save_dir:
             raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
-        if given and not _same_dir(given, save_dir) and default_comm().rank == 0:
-            _write_pointer(given, tag, save_dir, e.global_steps)
+        if given and default_comm().rank == 0:
+            # (a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer)
+            (here, at), (store, where) = self._where(given), self._where(save_dir)
+            if here.canonical(at) != store.canonical(where):
+                pointer.write(here, at, tag, store.canonical(where), e.global_steps)
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
         with checkpoint_event(e.optimizer):     # (an async save's snapshot is taken inside)
             if self.config.async_save and self.online is None:
@@ -203,6 +150,10 @@ class AdaCheckDeepSpeed:
                     default_comm(), save_dir, tag, collect, update_latest=save_latest,
                     recorder=self.online.recorder if self.online is not None else None)
         return True
+
+    def _where(self, path):
+        """The storage and path of a directory: a URL on its fsspec filesystem, a plain path local."""
+        return self.checkpointer.locate(path) if is_url(str(path)) else (self.checkpointer.store, str(path))
 
     def _collect(self, client_state, exclude_frozen):
         e = self.engine
@@ -270,21 +221,21 @@ class AdaCheckDeepSpeed:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        pointer = _read_pointer(load_dir, tag) if load_dir and self.config.save_dir else None
-        if pointer is not None:
+        found = pointer.find(*self._where(load_dir), tag) if load_dir and self.config.save_dir else None
+        if found is not None:
             # (a directory the caller names, e.g. a Hugging Face Trainer's checkpoint-N, whose save went to
             # adacheck.save_dir: exactly the step it was saved at, with no online deltas after it)
             log.info("AdaCheck: %s names %s of %s: loading step %s, the step it was saved at", load_dir,
-                     pointer["tag"], pointer["save_dir"], pointer["step"])
-            newer = _newer_than(pointer) if default_comm().rank == 0 else None
+                     found.tag, found.save_dir, found.step)
+            newer = pointer.newer_state(*self._where(found.save_dir), found) if default_comm().rank == 0 else None
             if newer:
                 log.warning("AdaCheck: %s holds state newer than step %s (%s), which this load does not take: "
                             "load %s itself for the newest state (a Hugging Face Trainer resumes at the step of its "
-                            "checkpoint-N, so there the older step is the right one)", pointer["save_dir"],
-                            pointer["step"], newer, pointer["save_dir"])
-            until, self.replay_until = self.replay_until, pointer["step"]
+                            "checkpoint-N, so there the older step is the right one)", found.save_dir,
+                            found.step, newer, found.save_dir)
+            until, self.replay_until = self.replay_until, found.step
             try:
-                return self._load(pointer["save_dir"], pointer["tag"], load_module_strict, load_optimizer_states,
+                return self._load(found.save_dir, found.tag, load_module_strict, load_optimizer_states,
                                   load_lr_scheduler_states, load_module_only, custom_load_fn)
             finally:
                 self.replay_until = until

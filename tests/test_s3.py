@@ -200,6 +200,25 @@ def test_a_memory_checkpoint_copied_to_s3_is_confirmed_by_its_objects_tags(s3, t
     assert commit.read_latest(where, store) == "s1"
 
 
+def test_a_pointer_to_a_checkpoint_on_s3_is_written_and_followed_there(s3):
+    """A save called with another directory than the job's (a Hugging Face Trainer's checkpoint-N)
+    leaves a pointer there, also on S3; a load finds it and hears of newer state in the job's
+    directory."""
+    from adacheck import pointer
+    store, given = job(s3).locate(s3.url("trainer/checkpoint-3"))
+    _, save_dir = job(s3).locate(s3.url("run"))
+    save_steps(job(s3), s3.url("run"), (3, 4), torch.zeros(3, 3))
+    pointer.write(store, given, "s3", store.canonical(save_dir), 3)
+    assert json.loads(s3.fs.cat_file(f"{s3.bucket}/trainer/checkpoint-3/s3/adacheck.json")) == \
+        {"adacheck_save_dir": s3.url("run"), "tag": "s3", "step": 3}
+    found = pointer.find(store, given)
+    assert found == pointer.Pointer(s3.url("run"), "s3", 3) and pointer.find(store, given, "s4") is None
+    assert pointer.newer_state(store, save_dir, found) == "its latest is s4"
+    s3.fs.pipe_file(f"{s3.bucket}/trainer/checkpoint-3/s3/adacheck.json", b"{}")
+    with pytest.raises(AdaCheckError, match="not an AdaCheck pointer"):
+        pointer.find(store, given)
+
+
 def results(d, rank=0):
     with open(os.path.join(d, f"result-rank{rank}.json")) as f:
         return json.load(f)
