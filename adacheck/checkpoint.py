@@ -34,7 +34,7 @@ from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
 from .exchange import Comm, agree, background_comm
-from .tiers import DeltaSpread, MemoryTier, newest_committed
+from .tiers import DeltaSpread, MemoryTier, newest_committed, spares_of
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
@@ -500,7 +500,8 @@ class Checkpointer:
             return Recording(store, where)
         nodes = comm.all_gather_object(node_id())
         spread = DeltaSpread(comm, nodes, self.options.tiers.peer) if len(set(nodes)) > 1 else None
-        return Recording(store, where, spread, bridge=True)
+        return Recording(store, where, spread, bridge=True,
+                         spares=None if spread is not None and spread.moves else spares_of(where))
 
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
@@ -1042,11 +1043,14 @@ class Recording:
     its ranks' chains (the memory tier across nodes, :class:`~adacheck.tiers.DeltaSpread`);
     ``bridge``: a step that takes a base is also recorded as the last delta of the chain before
     it, so that the chain of a base persisted to durable storage goes on through the bases kept
-    in memory only (the memory tier: durable storage then reaches every step it received)."""
+    in memory only (the memory tier: durable storage then reaches every step it received);
+    ``spares``: the directory of the memory tier's spare delta files, which steps are written
+    over (:func:`~adacheck.tiers.spares_of`; not with peer copies)."""
     store: Storage
     where: str
     spread: Optional[DeltaSpread] = None
     bridge: bool = False
+    spares: Optional[str] = None
 
 
 def _start_chain(recorder, store: Storage, save_dir: str, manifest: Manifest) -> None:

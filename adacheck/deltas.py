@@ -39,6 +39,7 @@ Nothing here calls torch.distributed: the integration agrees on the nonce and th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -58,9 +59,9 @@ from . import commit, jsontree, lifecycle
 from .errors import ConfigError, FormatError, IntegrityError
 from .hashing import bound_digest, check_digest_format, hash_tensor, identity
 from .reader import SafetensorsFile
-from .storage import LOCAL, Storage, copy_file
+from .storage import LOCAL, PosixStorage, Storage, copy_file
 from .types import DTYPES, dtype_name, torch_dtype
-from .writer import BLOCK
+from .writer import BLOCK, SpareFiles
 
 log = logging.getLogger("adacheck")
 
@@ -221,7 +222,7 @@ class DeltaLog:
 
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
                  queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL,
-                 on_written: Optional[Callable[[str, int, bool], None]] = None):
+                 on_written: Optional[Callable[[str, int, bool], None]] = None, spares: Optional[str] = None):
         self.ckpt_dir, self.rank, self.nonce, self.store = ckpt_dir, rank, nonce, store
         # (called with (ckpt_dir, step, written?) for every step submitted, in order, written or not)
         self.on_written = on_written
@@ -243,10 +244,17 @@ class DeltaLog:
         self._slot: Optional[_Slot] = None
         self._slot_step: Optional[int] = None
         self._file_writer = store.tensor_writer()     # (the background thread's: O_DIRECT on POSIX)
+        if spares is not None and self._file_writer is not None:     # (files to write over: the memory tier's)
+            self._file_writer.spares = SpareFiles(spares)
         self._thread = threading.Thread(target=self._run, name=f"adacheck-deltas-r{rank}", daemon=True)
         self._thread.start()
         self._closed = False
         lifecycle.keep(self)      # flushed and joined at interpreter exit if still open
+
+    @property
+    def files_reused(self) -> int:
+        """Steps whose file was written over a spare (the memory tier's) instead of a new one."""
+        return getattr(self._file_writer, "reused", 0)
 
     # -- hook side (training thread)
     def begin(self, step: int) -> None:
@@ -444,7 +452,11 @@ def copy_chain(src_dir: str, src_store: Storage, dst_dir: str, dst_store: Storag
         dst_store.make_dirs(dst)
         for name in (f"rank{rank}.safetensors", f"rank{rank}.json"):
             if name in names:
-                copy_file(src_store, src_store.join(src, name), dst_store, dst_store.join(dst, name), fsync=fsync)
+                path = src_store.join(src, name)
+                # (a local file is read with nobody writing over it: the memory tier gives a retired
+                # chain's files away as spares, maybe while this copy falls behind)
+                with SpareFiles.held(path) if isinstance(src_store, PosixStorage) else contextlib.nullcontext():
+                    copy_file(src_store, path, dst_store, dst_store.join(dst, name), fsync=fsync)
         after = s
     return after
 

@@ -34,9 +34,10 @@ class OnlineRecorder:
                  preclip: Optional[Callable[[str, object, object], None]] = None, store: Storage = LOCAL):
         """``where``: the directory the chains go to (on ``store``), or the Checkpointer's
         :class:`~adacheck.checkpoint.Recording` (its store, directory, spread and bridge)."""
-        spread, bridge = None, False
+        spread, bridge, spares = None, False, None
         if not isinstance(where, str):
-            store, spread, bridge, where = where.store, where.spread, where.bridge, where.where
+            store, spread, bridge, spares, where = where.store, where.spread, where.bridge, where.spares, where.where
+        self.spares = spares      # the memory tier's spare delta files, written over (tiers.spares_of)
         self.tap, self.config, self.save_dir, self.store = tap, config, where, store
         self.spread = spread      # a memory tier across nodes: each node keeps its ranks' chains (tiers.DeltaSpread)
         self.bridge = bridge      # a step that takes a base is also the last delta of the chain before it
@@ -218,7 +219,7 @@ class OnlineRecorder:
             self.interval = None
         self.log = deltas.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
                                    compact=self.config.compact, on_error=self.config.on_error, store=self.store,
-                                   on_written=spread.written if spread is not None else None)
+                                   on_written=spread.written if spread is not None else None, spares=self.spares)
         self._stored = {}
         self.shadow = Shadow(self.tap) if self.config.compact else None
 

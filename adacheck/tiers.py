@@ -47,6 +47,7 @@ from .exchange import agree
 from .manifest import parse
 from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
+from .writer import SpareFiles
 
 log = logging.getLogger("adacheck")
 
@@ -75,6 +76,16 @@ def memory_root(configured: Optional[str]) -> str:
 def durable_key(store: Storage, save_dir: str) -> str:
     """The checkpoint directory ``save_dir`` on ``store``, as one string (kept in SOURCE_NAME)."""
     return f"{store.describe()}|{store.canonical(save_dir)}"
+
+
+DELTA_FILE = re.compile(r"^rank\d+\.safetensors$")
+SPARES = ".spare-deltas"        # in a job's memory directory: delta files of retired chains, to write over
+
+
+def spares_of(mem: str) -> str:
+    """The directory of spare delta files (:class:`~adacheck.writer.SpareFiles`) of the memory
+    directory ``mem``."""
+    return os.path.join(mem, SPARES)
 
 
 def memory_location(store: Storage, save_dir: str, memory_dir: Optional[str] = None) -> str:
@@ -631,7 +642,13 @@ def newest_committed(save_dir: str, store: Storage) -> Optional[Tuple[str, int]]
 def held_in(mem: str) -> Tuple[int, int]:
     """(complete checkpoints, bytes of every file) in a memory location."""
     count = sum(1 for _, m, _ in commit.list_checkpoints(mem, LOCAL) if m is not None) if os.path.isdir(mem) else 0
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(mem) for f in fs)
+    size = 0
+    for d, _, fs in os.walk(mem):
+        for f in fs:
+            try:
+                size += os.path.getsize(os.path.join(d, f))
+            except FileNotFoundError:
+                pass        # (renamed meanwhile by a rank's writer: a step's temporary, a spare taken)
     return count, size
 
 
@@ -810,8 +827,24 @@ class MemoryTier:
         rank).  Only while no memory save is in flight (its files have no manifest yet)."""
         if self.leads:
             protect = protect + ((self.persisting,) if self.persisting else ())
-            commit.apply_retention(mem, self.config.keep, protect=protect, store=LOCAL)
+            retired = commit.apply_retention(mem, self.config.keep, protect=protect, store=LOCAL)
+            if retired and not (self.config.peer and len(set(self.nodes or ())) > 1):
+                self._keep_spares(mem, retired)
             commit.collect_garbage(mem, store=LOCAL)
+
+    def _keep_spares(self, mem: str, retired: List[str]) -> None:
+        """The delta files of the retired chains become the node's spares (:func:`spares_of`): the
+        next chain's steps are written over them instead of into new memory.  A copy to durable
+        storage that fell behind reads under a lock that keeps its file from being written over
+        (:meth:`SpareFiles.held`); its copy of that chain then ends, as it would with the files
+        deleted.  Not with peer copies, whose thread may read a step of an old chain late."""
+        files = []
+        for tag in retired:
+            d = os.path.join(mem, tag)
+            for step in deltas.step_dirs(d):
+                at = deltas.step_dir(d, step)
+                files += [os.path.join(at, n) for n in os.listdir(at) if DELTA_FILE.match(n)]
+        SpareFiles(spares_of(mem)).refill(files)
 
     def start_persist(self, durable: str) -> None:
         """Copy the newest memory checkpoint of ``durable`` to it in the background (one at a

@@ -162,14 +162,15 @@ def worker(a) -> None:
             online = {"enabled": True, "base_interval": 10 ** 6, "compact": a.compact}
             plain = engine_for(stage, dtype, {"enabled": True})
             on = engine_for(stage, dtype, {"enabled": True, "save_dir": url + ck, "online": online})
-            tiers = {"enabled": True, "save_dir": url + ck_tiers, "online": online,
+            tiers = {"enabled": True, "save_dir": url + ck_tiers,
+                     "online": dict(online, base_interval=a.tiers_base_interval or online["base_interval"]),
                      "tiers": {"memory": True, "memory_dir": memory_dir, "peer": peer,
                                "persist_interval": a.persist_interval}}
             tiered = engine_for(stage, dtype, tiers) if a.tiers else None
             train(plain, 2)
             train(on, 2)            # the base (step 1) and the first delta
-            if tiered is not None:
-                train(tiered, 2)
+            if tiered is not None:     # (with --tiers-base-interval B: timed in the third chain, base 1's retired)
+                train(tiered, 2 * a.tiers_base_interval + 1 if a.tiers_base_interval else 2)
             t_plain, t_on, t_tiers, h_plain, h_on = [], [], [], [], []
             for block in range(a.blocks):
                 order = [(t_plain, h_plain, plain), (t_on, h_on, on)] + ([(t_tiers, None, tiered)] if tiered else [])
@@ -189,9 +190,14 @@ def worker(a) -> None:
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
             dist.all_reduce(writers)
             tiers_exact = None
-            peer_mb = None
+            peer_mb = tiers_cpu = None
             if tiered is not None:
                 tiered.adacheck.online.flush()       # (and the peer copies of its steps)
+                tl = tiered.adacheck.online.recorder.log     # its writer's CPU per step (slowest rank)
+                tiers_cpu = on_device(torch.tensor([tl.write_cpu_seconds / max(1, tl.steps_written), tl.files_reused,
+                                                    tl.steps_written], dtype=torch.float64))
+                dist.all_reduce(tiers_cpu, op=dist.ReduceOp.MAX)
+                tiers_cpu = tiers_cpu.tolist()
                 spread = tiered.adacheck.online.recorder.spread
                 if spread is not None:          # MB this rank received from its peer per step
                     peer_mb = on_device(torch.tensor(spread.received / max(1, spread.sent) / 1e6, dtype=torch.float64))
@@ -259,7 +265,9 @@ def worker(a) -> None:
                 if t_tiers:
                     tt = statistics.median(t_tiers)
                     rows[-1].update(step_tiers_s=tt, overhead_tiers=tt / tp - 1, tiers_exact=tiers_exact,
-                                    nodes=a.nodes, peer_mb_per_step=peer_mb,
+                                    nodes=a.nodes, peer_mb_per_step=peer_mb, tiers_base_interval=a.tiers_base_interval,
+                                    tiers_writer_cpu_ms=1e3 * tiers_cpu[0], tiers_files_written_over=int(tiers_cpu[1]),
+                                    tiers_steps_written=int(tiers_cpu[2]),
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)])
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
@@ -322,7 +330,8 @@ def table(rows) -> str:
     tiered = [r for r in rows if "overhead_tiers" in r]
     if tiered:
         out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | overhead: deltas to disk | overhead: deltas "
-                "to the memory tier | peer MB/step | tiers exact | exit copy s |", "|" + "---:|" * 11]
+                "to the memory tier | its writer CPU ms/step (files written over) | peer MB/step | tiers exact "
+                "| exit copy s |", "|" + "---:|" * 12]
         for r in tiered:
             def ov(key):
                 pairs = r[f"{key}_pairs"]
@@ -330,7 +339,8 @@ def table(rows) -> str:
             peer = f"{r['peer_mb_per_step']:.1f}" if r.get("peer_mb_per_step") is not None else "-"
             out.append(f"| {r['dp']} | {r.get('nodes', 1)} | {r['stage']} | {r['dtype']} | "
                        f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {ov('overhead')} | "
-                       f"{ov('overhead_tiers')} | {peer} | {'yes' if r['tiers_exact'] else 'NO'} | "
+                       f"{ov('overhead_tiers')} | {r['tiers_writer_cpu_ms']:.1f} ({r['tiers_files_written_over']}/"
+                       f"{r['tiers_steps_written']}) | {peer} | {'yes' if r['tiers_exact'] else 'NO'} | "
                        f"{r['tiers_close_s']:.1f} |")
     return "\n".join(out)
 
@@ -354,6 +364,9 @@ def main() -> None:
     ap.add_argument("--memory-dir", default=None, help="the memory tier's directory (default: /dev/shm/adacheck)")
     ap.add_argument("--persist-interval", type=int, default=1,
                     help="tiers.persist_interval (1: the base, and its deltas behind training, go to the directory)")
+    ap.add_argument("--tiers-base-interval", type=int, default=None,
+                    help="the memory-tier engine takes a base every B steps and is timed in its third chain, "
+                         "whose steps are written over the retired first chain's files (default: one chain)")
     ap.add_argument("--nodes", type=int, default=1,
                     help="with --tiers: simulated nodes (ranks split in order; each its own memory directory "
                          "under --memory-dir) and the peer tier: every step's deltas also go to the next node")
@@ -372,7 +385,8 @@ def main() -> None:
                         "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
                        + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
                        + (["--memory-dir", a.memory_dir] if a.memory_dir else [])
-                       + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes)])
+                       + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes)]
+                       + (["--tiers-base-interval", str(a.tiers_base_interval)] if a.tiers_base_interval else []))
     import deepspeed
     import torch
     with open(a.json, "w") as f:
@@ -380,7 +394,7 @@ def main() -> None:
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
                    "tiers": a.tiers, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
-                   "nodes": a.nodes,
+                   "nodes": a.nodes, "tiers_base_interval": a.tiers_base_interval,
                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     extra = attribution(rows)

@@ -324,3 +324,46 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
         got = deltas.read_grad(str(tmp_path), st, "w", 0)
         assert torch.equal(got, torch.full((1 << 22,), 3.0 * st.step)), st.step
         assert deltas.read_extra(str(tmp_path), st, 0)["step"] == st.step
+
+
+def test_spare_delta_files_are_written_over_unless_a_reader_holds_them(tmp_path):
+    """The memory tier's spare files (a retired chain's delta files): a writer writes over one
+    (cut to the new file's size) instead of making a new file, but never over one that a reader
+    (a copy to durable storage that fell behind) still holds; a file given away as a spare can no
+    longer be read as the old one.  The oracle is safetensors' own loader."""
+    from safetensors.torch import load_file
+    from adacheck.writer import DirectFileWriter, SpareFiles, write_safetensors
+    old, new = str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors")
+    a = torch.arange(600_000, dtype=torch.float32)
+    write_safetensors(old, {"g": a}, fsync=False)
+    spares = SpareFiles(str(tmp_path / "spares"))
+    before = os.open(old, os.O_RDONLY)       # (the reader's file, whatever becomes of its name)
+    try:
+        with SpareFiles.held(old):
+            assert spares.refill([old]) == 1 and not os.path.exists(old)
+            writer = DirectFileWriter(spares)
+            writer.write(new, {"g": torch.ones(10)}, fsync=False)
+            assert writer.reused == 0                     # (held: a new file instead)
+        with open(old + ".check", "wb") as f:
+            f.write(os.pread(before, os.fstat(before).st_size, 0))
+    finally:
+        os.close(before)
+    assert torch.equal(load_file(old + ".check")["g"], a)             # the held file kept its bytes
+    assert torch.equal(load_file(new)["g"], torch.ones(10)) and os.listdir(spares.dir) == []
+    # nobody holds it: the next file is written over a spare, and cut to its own size
+    write_safetensors(old, {"g": a}, fsync=False)
+    assert spares.refill([old]) == 1
+    writer = DirectFileWriter(spares)
+    # (1 MiB at a block-aligned address: written straight from its memory, so the file ends on a
+    # block with no padding to cut; the longer spare's rest must be cut all the same)
+    room = torch.empty(262_144 + 1024)
+    at = (-room.data_ptr() % 4096) // 4
+    c = room[at:at + 262_144].fill_(3.0)
+    writer.write(new, {"g": c}, fsync=False)
+    assert writer.reused == 1 and torch.equal(load_file(new)["g"], c)
+    assert os.path.getsize(new) < 600_000 * 4 and os.listdir(spares.dir) == []
+    with pytest.raises(FileNotFoundError):          # a file given away is not read as itself
+        write_safetensors(old, {"g": a}, fsync=False)
+        spares.refill([old])
+        with SpareFiles.held(old):
+            pass

@@ -157,8 +157,11 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
     ref = results(f"{d}/a")[0]["losses"]
     assert tags(ck) == ["global_step4"] and tags(mem) == ["global_step4", "global_step7"]
-    # memory holds the newest keep (2) bases with their chains, nothing of the retired base 1
-    assert sorted(os.listdir(mem)) == ["SOURCE", "global_step4", "global_step7", "latest"], os.listdir(mem)
+    # memory holds the newest keep (2) bases with their chains, nothing of the retired base 1 but its
+    # delta files (steps 2-4, both ranks) as spares: step 8's were written over two of them
+    assert sorted(os.listdir(mem)) == [".spare-deltas", "SOURCE", "global_step4", "global_step7", "latest"], \
+        os.listdir(mem)
+    assert len(os.listdir(f"{mem}/.spare-deltas")) == 4, os.listdir(f"{mem}/.spare-deltas")
     # (step 7 took a base and is also the last delta of base 4's chain: the chains join up)
     assert deltas.step_dirs(os.path.join(mem, "global_step4")) == [5, 6, 7]
     assert deltas.step_dirs(os.path.join(mem, "global_step7")) == [8]
