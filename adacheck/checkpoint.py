@@ -500,8 +500,7 @@ class Checkpointer:
             return Recording(store, where)
         nodes = comm.all_gather_object(node_id())
         spread = DeltaSpread(comm, nodes, self.options.tiers.peer) if len(set(nodes)) > 1 else None
-        return Recording(store, where, spread, bridge=True,
-                         spares=None if spread is not None and spread.moves else spares_of(where))
+        return Recording(store, where, spread, bridge=True, spares=spares_of(where))
 
     def memory_tier(self) -> MemoryTier:
         """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
@@ -1045,7 +1044,7 @@ class Recording:
     it, so that the chain of a base persisted to durable storage goes on through the bases kept
     in memory only (the memory tier: durable storage then reaches every step it received);
     ``spares``: the directory of the memory tier's spare delta files, which steps are written
-    over (:func:`~adacheck.tiers.spares_of`; not with peer copies)."""
+    over (:func:`~adacheck.tiers.spares_of`)."""
     store: Storage
     where: str
     spread: Optional[DeltaSpread] = None

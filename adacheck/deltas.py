@@ -625,7 +625,8 @@ def step_files(ckpt_dir: str, step: int, rank: int) -> Optional[Dict[str, bytes]
         return None
     path = os.path.join(d, f"rank{rank}.safetensors")
     if os.path.exists(path):
-        out[f"rank{rank}.safetensors"] = LOCAL.read_bytes(path)
+        with SpareFiles.held(path):     # (not written over meanwhile: the memory tier's spares)
+            out[f"rank{rank}.safetensors"] = LOCAL.read_bytes(path)
     return out
 
 

@@ -828,7 +828,7 @@ class MemoryTier:
         if self.leads:
             protect = protect + ((self.persisting,) if self.persisting else ())
             retired = commit.apply_retention(mem, self.config.keep, protect=protect, store=LOCAL)
-            if retired and not (self.config.peer and len(set(self.nodes or ())) > 1):
+            if retired:
                 self._keep_spares(mem, retired)
             commit.collect_garbage(mem, store=LOCAL)
 
@@ -837,7 +837,7 @@ class MemoryTier:
         next chain's steps are written over them instead of into new memory.  A copy to durable
         storage that fell behind reads under a lock that keeps its file from being written over
         (:meth:`SpareFiles.held`); its copy of that chain then ends, as it would with the files
-        deleted.  Not with peer copies, whose thread may read a step of an old chain late."""
+        deleted.  So does the peer thread (:func:`adacheck.deltas.step_files`)."""
         files = []
         for tag in retired:
             d = os.path.join(mem, tag)

@@ -237,6 +237,9 @@ def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one
         assert committed(f"{mem}/global_step4", 4, world=4) == [5, 6, 7]
         assert committed(f"{mem}/global_step7", 7, world=4) == [8]
         assert deltas.read_chain(f"{mem}/global_step7")["nodes"] == list("aabb")
+        # base 1's chain (steps 2-4 of all four ranks, the peer copies too) became spares when base 1
+        # retired, and step 8's own files were written over two of them
+        assert 0 < len(os.listdir(f"{mem}/.spare-deltas")) <= 4 * 3 - 2, os.listdir(f"{mem}/.spare-deltas")
     rec = deltas.committed_steps(f"{mem_a}/global_step7", 7, 4)[0][0].records
     keys = [set(rec[r]["tensors"]) for r in range(4)]
     # the replicated gradients are split within each node: each node stores each once
