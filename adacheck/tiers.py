@@ -181,6 +181,7 @@ class DeltaSpread:
             if peer else []
         self.comm = background_comm(comm, timeout_s) if self.moves else None
         self.sent = self.received = 0          # steps (this rank's) and bytes
+        self.cpu_seconds = 0.0                 # CPU time of the peer thread (reading, sending, receiving, writing)
         self.failures = 0
         self._jobs: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -211,7 +212,9 @@ class DeltaSpread:
             try:
                 if job is None:
                     return
+                c0 = time.thread_time()
                 self._send(*job)
+                self.cpu_seconds += time.thread_time() - c0
             finally:
                 self._jobs.task_done()
 
@@ -294,11 +297,12 @@ def _read_file(path: str):
 
 
 def receive_file(ckpt_dir: str, fname: str, data: Optional[bytes], nbytes: int,
-                 check: Optional[Callable[[str], None]], by: str = "the manifest") -> None:
+                 check: Optional[Callable[[str], None]], by: str = "the manifest",
+                 spares: Optional[SpareFiles] = None) -> None:
     """Write a file another rank sent into the memory directory ``ckpt_dir``, under its name only
     once it is what the manifest (or ``by``) says: ``nbytes`` long and, with ``check``, a file
     whose header holds its dtypes and shapes.  ``fname`` must be a plain name: nothing is written
-    outside ``ckpt_dir``."""
+    outside ``ckpt_dir``.  ``spares``: write over one of them, if there is one free."""
     if not isinstance(fname, str) or os.path.basename(fname) != fname or fname in ("", ".", "..") or "\\" in fname:
         raise FormatError(f"a peer sent {fname!r}, which is not a plain file name: refused")
     if data is None:
@@ -309,8 +313,14 @@ def receive_file(ckpt_dir: str, fname: str, data: Optional[bytes], nbytes: int,
     path = os.path.join(ckpt_dir, fname)
     tmp = path + commit.TMP_SUFFIX
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        lock = spares.take(tmp) if spares is not None else None
+        try:
+            with open(tmp, "wb" if lock is None else "r+b") as f:
+                f.write(data)
+                f.truncate()        # (a longer spare's rest)
+        finally:
+            if lock is not None:
+                os.close(lock)
         if check is not None:
             check(tmp)
         os.replace(tmp, path)
@@ -329,7 +339,7 @@ def receive_step(ckpt_dir: str, step: int, rank: int, files: Dict[str, bytes], w
     d = deltas.step_dir(ckpt_dir, step)
     if rec["file"] is not None:
         receive_file(d, rec["file"], files[rec["file"]], rec["file_bytes"], check=deltas.file_check(rec, step, where),
-                     by="its record")
+                     by="its record", spares=SpareFiles(spares_of(os.path.dirname(ckpt_dir))))
     os.makedirs(d, exist_ok=True)
     LOCAL.write_atomic(os.path.join(d, f"rank{rank}.json"), bytes(files[f"rank{rank}.json"]), fsync=False)
 

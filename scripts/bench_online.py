@@ -199,10 +199,11 @@ def worker(a) -> None:
                 dist.all_reduce(tiers_cpu, op=dist.ReduceOp.MAX)
                 tiers_cpu = tiers_cpu.tolist()
                 spread = tiered.adacheck.online.recorder.spread
-                if spread is not None:          # MB this rank received from its peer per step
-                    peer_mb = on_device(torch.tensor(spread.received / max(1, spread.sent) / 1e6, dtype=torch.float64))
+                if spread is not None:          # MB this rank received from its peer per step, and the CPU ms
+                    peer_mb = on_device(torch.tensor([spread.received / max(1, spread.sent) / 1e6,
+                                                      1e3 * spread.cpu_seconds / max(1, spread.sent)], dtype=torch.float64))
                     dist.all_reduce(peer_mb, op=dist.ReduceOp.MAX)
-                    peer_mb = peer_mb.item()
+                    peer_mb = peer_mb.tolist()
                 rec_tiers = engine_for(stage, dtype, {"enabled": True, "tiers": tiers["tiers"]})
                 rec_tiers.load_checkpoint(url + ck_tiers)      # (from the memory tier: base + deltas)
                 ta, tb = state(tiered), state(rec_tiers)
@@ -265,7 +266,8 @@ def worker(a) -> None:
                 if t_tiers:
                     tt = statistics.median(t_tiers)
                     rows[-1].update(step_tiers_s=tt, overhead_tiers=tt / tp - 1, tiers_exact=tiers_exact,
-                                    nodes=a.nodes, peer_mb_per_step=peer_mb, tiers_base_interval=a.tiers_base_interval,
+                                    nodes=a.nodes, peer_mb_per_step=peer_mb and peer_mb[0],
+                                    peer_cpu_ms_per_step=peer_mb and peer_mb[1], tiers_base_interval=a.tiers_base_interval,
                                     tiers_writer_cpu_ms=1e3 * tiers_cpu[0], tiers_files_written_over=int(tiers_cpu[1]),
                                     tiers_steps_written=int(tiers_cpu[2]),
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)])
@@ -330,13 +332,14 @@ def table(rows) -> str:
     tiered = [r for r in rows if "overhead_tiers" in r]
     if tiered:
         out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | overhead: deltas to disk | overhead: deltas "
-                "to the memory tier | its writer CPU ms/step (files written over) | peer MB/step | tiers exact "
+                "to the memory tier | its writer CPU ms/step (files written over) | peer MB/step (peer thread CPU) | tiers exact "
                 "| exit copy s |", "|" + "---:|" * 12]
         for r in tiered:
             def ov(key):
                 pairs = r[f"{key}_pairs"]
                 return f"{r[key]:+.1%} ({min(pairs):+.1%}..{max(pairs):+.1%})"
-            peer = f"{r['peer_mb_per_step']:.1f}" if r.get("peer_mb_per_step") is not None else "-"
+            peer = (f"{r['peer_mb_per_step']:.1f} ({r['peer_cpu_ms_per_step']:.1f} ms CPU)"
+                    if r.get("peer_mb_per_step") is not None else "-")
             out.append(f"| {r['dp']} | {r.get('nodes', 1)} | {r['stage']} | {r['dtype']} | "
                        f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {ov('overhead')} | "
                        f"{ov('overhead_tiers')} | {r['tiers_writer_cpu_ms']:.1f} ({r['tiers_files_written_over']}/"

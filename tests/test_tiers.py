@@ -328,7 +328,16 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     refused(dict(files, **{"rank2.safetensors": wrong}), r"bfloat16\[4, 3\] as 'grad/w', its record says bfloat16\[3, 4\]")
     with pytest.raises(FormatError, match="not a table of files"):
         unpack_files(b"\xff" * 20)
+    # the memory tier has a spare file (a retired chain's, longer than this step's): the step is
+    # written over it, and cut to the bytes sent
+    from adacheck.tiers import spares_of
+    os.makedirs(spares_of(str(tmp_path)))
+    with open(os.path.join(spares_of(str(tmp_path)), "old"), "wb") as f:
+        f.write(os.urandom(100_000))
     receive_step(dst, 5, 2, unpack_files(pack_files(files)), "test")
+    assert os.listdir(spares_of(str(tmp_path))) == []
+    with open(os.path.join(here, "rank2.safetensors"), "rb") as f:
+        assert f.read() == files["rank2.safetensors"]
     steps, _ = deltas.committed_steps(dst, 4, 3, ranks=[2])
     assert [s.step for s in steps] == [5]
     assert torch.equal(deltas.read_grad(dst, steps[0], "w", 2).float(), g)
