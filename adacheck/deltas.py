@@ -615,21 +615,6 @@ def file_check(rec: dict, step: int, where: str) -> Callable[[str], None]:
     return check
 
 
-def step_files(ckpt_dir: str, step: int, rank: int) -> Optional[Dict[str, bytes]]:
-    """Rank ``rank``'s committed files of ``step`` in node-local ``ckpt_dir`` (name -> bytes; the
-    record read first: the gradients it commits are whole); None when its record is not there."""
-    d = step_dir(ckpt_dir, step)
-    try:
-        out = {f"rank{rank}.json": LOCAL.read_bytes(os.path.join(d, f"rank{rank}.json"))}
-    except FileNotFoundError:
-        return None
-    path = os.path.join(d, f"rank{rank}.safetensors")
-    if os.path.exists(path):
-        with SpareFiles.held(path):     # (not written over meanwhile: the memory tier's spares)
-            out[f"rank{rank}.safetensors"] = LOCAL.read_bytes(path)
-    return out
-
-
 def _read_record(path: str, step: int, rank: int, store: Storage = LOCAL) -> Optional[dict]:
     """The valid record at ``path``; None when there is none (the step is not committed there);
     a FormatError when a file is there but is not a valid record of that step and rank."""

@@ -220,10 +220,10 @@ class DeltaSpread:
 
     def _send(self, ckpt_dir: str, step: int, ok: bool) -> None:
         def read(i):
-            files = deltas.step_files(ckpt_dir, step, self.moves[i][0]) if ok else None
-            if files is None:
+            block = pack_step(ckpt_dir, step, self.moves[i][0]) if ok else None
+            if block is None:
                 raise FormatError(f"rank {self.rank} has no step {step} to send (its delta log did not write it)")
-            return pack_files(files)
+            return block
 
         def deliver(i, data):
             src = self.moves[i][0]
@@ -270,9 +270,41 @@ def pack_files(files: Dict[str, bytes]) -> bytes:
     return b"".join([len(head).to_bytes(8, "little"), head, *(bytes(files[n]) for n in sorted(files))])
 
 
-def unpack_files(data) -> Dict[str, bytes]:
-    """:func:`pack_files`'s files; a FormatError when ``data`` is not such a block."""
-    data = memoryview(data).cast("B")
+def pack_step(ckpt_dir: str, step: int, rank: int):
+    """Rank ``rank``'s committed files of ``step`` in the memory checkpoint ``ckpt_dir`` as one
+    :func:`pack_files` block, a uint8 tensor the files are read straight into (it is sent as it
+    is: one copy of the gradients on the way out); None when the step's record is not there.  The
+    record is read first (the gradients it commits are whole), the gradients under
+    :meth:`SpareFiles.held` (not written over meanwhile)."""
+    import torch
+    d = deltas.step_dir(ckpt_dir, step)
+    json_name, grad_name = f"rank{rank}.json", f"rank{rank}.safetensors"
+    try:
+        record = LOCAL.read_bytes(os.path.join(d, json_name))
+    except FileNotFoundError:
+        return None
+    path = os.path.join(d, grad_name)
+    if not os.path.exists(path):
+        return torch.frombuffer(bytearray(pack_files({json_name: record})), dtype=torch.uint8)
+    with SpareFiles.held(path), open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = json.dumps([[json_name, len(record)], [grad_name, size]]).encode()      # (pack_files' order)
+        out = torch.empty(8 + len(head) + len(record) + size, dtype=torch.uint8)
+        view = memoryview(out.numpy())
+        at = 8 + len(head) + len(record)
+        view[:at] = len(head).to_bytes(8, "little") + head + record
+        while at < len(view):
+            n = f.readinto(view[at:])
+            if not n:
+                raise OSError(f"{path} ended at byte {at} of the block of step {step}")
+            at += n
+    return out
+
+
+def unpack_files(data) -> Dict[str, memoryview]:
+    """:func:`pack_files`'s files, as views into ``data`` (no copy); a FormatError when ``data`` is
+    not such a block (bytes-like, or a uint8 tensor)."""
+    data = memoryview(data.numpy() if hasattr(data, "numpy") else data).cast("B")
     try:
         n = int.from_bytes(bytes(data[:8]), "little")
         table = json.loads(bytes(data[8:8 + n]).decode("utf-8")) if 8 + n <= len(data) else None
@@ -284,7 +316,7 @@ def unpack_files(data) -> Dict[str, bytes]:
         raise FormatError("a peer sent a block that is not a table of files and their contents: refused")
     out, at = {}, 8 + n
     for name, size in table:
-        out[name] = bytes(data[at:at + size])
+        out[name] = data[at:at + size]
         at += size
     return out
 
@@ -531,7 +563,10 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
             step, rank = steps[i - len(moves)][:2]
             if step is None:
                 return LOCAL.read_bytes(os.path.join(deltas.deltas_dir(ckpt_dir), deltas.CHAIN))
-            return pack_files(deltas.step_files(ckpt_dir, step, rank))
+            block = pack_step(ckpt_dir, step, rank)
+            if block is None:
+                raise FormatError(f"{ckpt_dir} has no record of step {step} for rank {rank} to send")
+            return block
         return _read_file(os.path.join(ckpt_dir, moves[i][0] or commit.MANIFEST_NAME))
 
     def deliver(i, data):
@@ -847,7 +882,7 @@ class MemoryTier:
         next chain's steps are written over them instead of into new memory.  A copy to durable
         storage that fell behind reads under a lock that keeps its file from being written over
         (:meth:`SpareFiles.held`); its copy of that chain then ends, as it would with the files
-        deleted.  So does the peer thread (:func:`adacheck.deltas.step_files`)."""
+        deleted.  So does the peer thread (:func:`pack_step`)."""
         files = []
         for tag in retired:
             d = os.path.join(mem, tag)

@@ -300,7 +300,7 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     step that is accepted: the gradient read back equals the tensor recorded."""
     import torch
     from adacheck.errors import FormatError
-    from adacheck.tiers import pack_files, receive_step, unpack_files
+    from adacheck.tiers import pack_files, pack_step, receive_step, unpack_files
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     lg = deltas.DeltaLog(src, 2, "n0nce", fsync=False)
@@ -308,8 +308,9 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     lg.add("w", g)
     lg.submit(5, {"lr": 0.1})
     lg.close()
-    files = deltas.step_files(src, 5, 2)
+    files = {name: bytes(b) for name, b in unpack_files(pack_step(src, 5, 2)).items()}
     assert sorted(files) == ["rank2.json", "rank2.safetensors"]
+    assert pack_step(src, 6, 2) is None and bytes(pack_step(src, 5, 2).numpy()) == pack_files(files)
     here = deltas.step_dir(dst, 5)
 
     def refused(bad, match, rank=2):
