@@ -264,10 +264,15 @@ class DeltaSpread:
                 log.warning("AdaCheck: the peer copies of the online deltas did not finish within %.0fs", timeout_s)
 
 
+def _block_head(sizes: List[Tuple[str, int]]) -> bytes:
+    """The start of a :func:`pack_files` block whose files (in name order) have these sizes."""
+    head = json.dumps([[n, k] for n, k in sorted(sizes)]).encode()
+    return len(head).to_bytes(8, "little") + head
+
+
 def pack_files(files: Dict[str, bytes]) -> bytes:
     """Named files as one block (a JSON table of names and sizes, then the contents)."""
-    head = json.dumps([[n, len(b)] for n, b in sorted(files.items())]).encode()
-    return b"".join([len(head).to_bytes(8, "little"), head, *(bytes(files[n]) for n in sorted(files))])
+    return b"".join([_block_head([(n, len(b)) for n, b in files.items()]), *(bytes(files[n]) for n in sorted(files))])
 
 
 def pack_step(ckpt_dir: str, step: int, rank: int):
@@ -288,11 +293,11 @@ def pack_step(ckpt_dir: str, step: int, rank: int):
         return torch.frombuffer(bytearray(pack_files({json_name: record})), dtype=torch.uint8)
     with SpareFiles.held(path), open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = json.dumps([[json_name, len(record)], [grad_name, size]]).encode()      # (pack_files' order)
-        out = torch.empty(8 + len(head) + len(record) + size, dtype=torch.uint8)
+        head = _block_head([(json_name, len(record)), (grad_name, size)]) + record    # (the record's name sorts first)
+        out = torch.empty(len(head) + size, dtype=torch.uint8)
         view = memoryview(out.numpy())
-        at = 8 + len(head) + len(record)
-        view[:at] = len(head).to_bytes(8, "little") + head + record
+        at = len(head)
+        view[:at] = head
         while at < len(view):
             n = f.readinto(view[at:])
             if not n:
