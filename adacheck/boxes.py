@@ -96,8 +96,9 @@ def _check_disjoint(name: str, regions: List[Box]) -> None:
         open_.append(b)
 
 
-def check_tiling(name: str, shape, boxes: Iterable[Box]) -> None:
-    """Raise unless the distinct ``boxes`` exactly tile ``shape`` (cover it, no overlap)."""
+def check_tiling(name: str, shape, boxes: Iterable[Box], whole: bool = True) -> None:
+    """Raise unless the distinct ``boxes`` exactly tile ``shape`` (cover it, no overlap);
+    ``whole=False``: unless they lie inside it without overlap (a part of a tiling)."""
     shape = tuple(shape)
     regions = sorted(set(boxes))
     for b in regions:
@@ -105,7 +106,7 @@ def check_tiling(name: str, shape, boxes: Iterable[Box]) -> None:
             raise FormatError(f"{name}: stored box {b} lies outside the tensor shape {shape}")
     covered = sum(b.numel for b in regions)
     _check_disjoint(name, regions)
-    if covered != math.prod(shape):
+    if whole and covered != math.prod(shape):
         raise FormatError(
             f"{name}: stored boxes cover {covered} of {math.prod(shape)} elements of shape {shape}; "
             "the checkpoint is incomplete or its manifest was edited")

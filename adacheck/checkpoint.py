@@ -39,10 +39,10 @@ from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PARTED_SINCE, PartedTensors,
-                       part_name, split_file)
+                       part_name, rank_file_name, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
-from .types import Box, Manifest, ShardMeta, dtype_name, meta_of_row, meta_row, torch_dtype
+from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
 from .staging import Staging
 from .storage import LOCAL, Storage, is_url, open_storage, storage_path, url_protocol
 from .writer import write_safetensors_to
@@ -836,7 +836,7 @@ class Checkpointer:
         tensors it owns (the part of the manifest it writes at the commit); on rank 0 also every
         file, the warnings (warned there) and the counts."""
         t0, gen = time.perf_counter(), exchanged.generation
-        placed, own, got, stats = partition.plan(
+        placed, own, got, stats, held = partition.plan(
             comm, prepared.payload["metas"], gen, previous_of, self.options.copies, exchanged.nodes,
             self.caches.partitioned.setdefault(comm.world_size, partition.PartitionCache()), self.caches.plan,
             f"AdaCheck save of {prepared.ckpt_dir}")
@@ -844,13 +844,14 @@ class Checkpointer:
         writes = {comm.rank: tuple(placed.writes)} if placed.writes else {}
         files = {file_name(comm.rank, gen): {"writer": comm.rank, "nbytes": placed.nbytes}} if writes else {}
         if got is None:
-            return WritePlan(tensors=own, writes=writes, files=files, warnings=(), stats={})
+            return WritePlan(tensors=own, writes=writes, files=files, warnings=(), stats={}, held=held)
         files = {file_name(w, gen): {"writer": w, "nbytes": got.stats["per_rank_bytes"][w]} for w in got.writers}
         for w in got.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
         exchanged.index = {"generation": gen, "parts": comm.world_size, "hashes": [], "tensors": got.tensors,
-                           "referenced": got.referenced}
-        return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats)
+                           "referenced": got.referenced, "ranks": comm.world_size}
+        return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
+                         held=held)
 
     def _remove_mine(self, prepared: Prepared, *mine: Optional[str]) -> None:
         """This rank's files of a save that failed (its shard file, its part of the manifest)."""
@@ -894,7 +895,8 @@ class Checkpointer:
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
         tensors, index, store = plan.tensors, None, prepared.store
         if exchanged.partitioned:       # each owner's part of the tensor table, bound by its hash
-            version, mine = PARTED_SINCE, part_name(exchanged.generation, comm.rank)
+            version = PARTED_SINCE
+            mine = (part_name(exchanged.generation, comm.rank), rank_file_name(exchanged.generation, comm.rank))
             # each rank confirms the next rank's file (no rank stats them all; a save directory that
             # is not shared between nodes fails where the job crosses a node)
             n = comm.world_size
@@ -906,11 +908,13 @@ class Checkpointer:
             def write_part():
                 confirm_files(store, prepared.ckpt_dir,
                               {f: {"writer": src, "nbytes": k, "tag": t} for (f, k, t), src in nxt})
+                commit.write_rank_file(prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag,
+                                       plan.held or {}, self.options.fsync, store)
                 return commit.write_part(prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag,
                                          plan.tensors, self.options.fsync, store) if plan.tensors else None
 
             digest = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest parts)", write_part,
-                           on_failure=lambda: self._remove_mine(prepared, written.my_file, mine))
+                           on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
             hashes = comm.gather_object(digest)
             if hashes is not None:
                 index = dict(exchanged.index, hashes=hashes)
@@ -939,9 +943,10 @@ class Checkpointer:
                                   {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
-        part = part_name(exchanged.generation, comm.rank) if exchanged.partitioned and plan.tensors else None
+        parts = ((part_name(exchanged.generation, comm.rank) if plan.tensors else None,
+                  rank_file_name(exchanged.generation, comm.rank)) if exchanged.partitioned else ())
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
-              on_failure=lambda: self._remove_mine(prepared, written.my_file, part))
+              on_failure=lambda: self._remove_mine(prepared, written.my_file, *parts))
         return manifest
 
     def _leads(self, comm: Comm) -> bool:
@@ -1184,7 +1189,10 @@ class CheckpointReader:
 
     ``read(name, box)`` assembles the box from whatever stored boxes intersect it, so
     the reader serves any target layout.  Derived tensors are rebuilt from their source.
-    Stored boxes are read whole, verified once, and kept in a bounded LRU cache.
+    Stored boxes are read whole, verified once, and kept in a bounded LRU cache.  With
+    ``prefer_rank`` and a manifest with rank files (a partitioned save), a box that rank held
+    is found in its rank file, without reading the part of the manifest that lists its tensor
+    (``held_bytes``: what was read of the rank file).
     """
 
     def __init__(self, ckpt_dir: str, manifest: Optional[Manifest] = None, verify: bool = True,
@@ -1209,16 +1217,43 @@ class CheckpointReader:
         self._cache_bytes, self._cache_limit = 0, cache_bytes
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
+        self._held: Optional[Dict[str, TensorEntry]] = None
+        self.held_bytes = 0
+
+    def held(self) -> Dict[str, TensorEntry]:
+        """The entries of the boxes ``prefer_rank`` held when the checkpoint was saved, cut down
+        to them (its rank file, read once); empty without one."""
+        if self._held is None:
+            got = (commit.read_rank_file(self.dir, self.manifest, self.prefer_rank, self.store)
+                   if self.prefer_rank is not None else None)
+            self._held, self.held_bytes = got if got is not None else ({}, 0)
+        return self._held
+
+    def _entry_for(self, name: str, box: Optional[Box]):
+        """The entry to read ``box`` (default: all) of ``name`` from: the held one when its boxes
+        cover ``box``, else the whole tensor's."""
+        e = self.held().get(name)
+        if e is not None:
+            want = box if box is not None else Box.full(e.shape)
+            regions = {b for b, _ in e.derived.boxes} if e.derived is not None else {sb.box for sb in e.boxes}
+            if want.fits(e.shape) and sum(x.numel for x in (want.intersect(b) for b in regions)
+                                          if x is not None) == want.numel:
+                return e
+        return self.entry(name, whole=True)
 
     def has(self, name: str) -> bool:
-        return name in self.manifest.tensors
+        return name in self.held() or name in self.manifest.tensors
 
     def drop_cache(self) -> None:
         """Forget the verified boxes kept so far (their memory goes)."""
         self._cache.clear()
         self._cache_bytes = 0
 
-    def entry(self, name: str):
+    def entry(self, name: str, whole: bool = False):
+        """Tensor ``name``'s entry: its kind, dtype, shape and derivation; its boxes are the whole
+        tensor's with ``whole``, else perhaps only those ``prefer_rank`` held."""
+        if not whole and name in self.held():
+            return self._held[name]
         try:
             return self.manifest.tensors[name]
         except KeyError:
@@ -1358,7 +1393,7 @@ class CheckpointReader:
         With ``out`` (box-shaped) they are written there, cast to its dtype, without an
         intermediate copy; otherwise a new tensor (cast to ``dtype`` if given) is returned.
         """
-        e = self.entry(name)
+        e = self._entry_for(name, box)
         box = box if box is not None else Box.full(e.shape)
         if not box.fits(e.shape):
             raise FormatError(f"{name}: asked for box {box} outside its shape {list(e.shape)}")

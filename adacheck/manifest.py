@@ -14,7 +14,13 @@ shard files may be encoded (compressed); 4 (written by the partitioned exchange)
 tensor table in parts: ``manifest-g<generation>-part-<i>.json``, part i listing the tensors
 whose name's ``owner_of`` is i, each bound to the manifest by its xxh3-128 in ``index``; a part
 is read, checked against its hash and validated only when a tensor of it is asked for
-(:class:`PartedTensors`), so a reader reads the parts it uses.
+(:class:`PartedTensors`), so a reader reads the parts it uses.  A format 4 manifest whose index
+holds ``ranks`` (N) has a rank file per saving rank, ``manifest-g<generation>-rank-<r>.json``:
+where the boxes rank r held are stored (the entries of its tensors cut down to the boxes that
+meet its own), bound to the checkpoint by tag, generation and rank and to itself by a checksum,
+so a rank that loads the layout it saved reads its own file, not the parts of its tensors
+(:func:`parse_rank_file`; a rank file is an index of what the parts say, checked against them
+by ``adacheck verify``).
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ READABLE_VERSIONS = (1, 2, 3, 4)
 COMPRESSED_SINCE = 3   # format versions from here on may hold encoded (compressed) shard files
 PARTED_SINCE = 4       # format versions from here on may keep the tensor table in parts (``index``)
 PART_FORMAT = "adacheck-manifest-part"
-PART_PATTERN = r"manifest-g\d+-part-\d{5,}\.json"     # the names part_name gives
+RANK_FORMAT = "adacheck-manifest-rank"
+PART_PATTERN = r"manifest-g\d+-(?:part|rank)-\d{5,}\.json"     # the names part_name and rank_file_name give
 BOUND_SINCE = 2        # format versions from here on bind box hashes to their identity
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
@@ -62,11 +69,25 @@ def part_name(generation: int, part: int) -> str:
     return f"manifest-g{generation}-part-{part:05d}.json"
 
 
+def rank_file_name(generation: int, rank: int) -> str:
+    return f"manifest-g{generation}-rank-{rank:05d}.json"
+
+
 def part_names(m: Manifest):
-    """The part files of a manifest in parts (none for one in one file)."""
+    """The part files and rank files of a manifest in parts (none for one in one file)."""
     if m.index is None:
         return []
-    return [part_name(m.index["generation"], i) for i, h in enumerate(m.index["hashes"]) if h is not None]
+    g = m.index["generation"]
+    return ([part_name(g, i) for i, h in enumerate(m.index["hashes"]) if h is not None]
+            + [rank_file_name(g, r) for r in range(m.index.get("ranks", 0))])
+
+
+def rank_file_bytes(tag: str, generation: int, rank: int, tensors: dict) -> bytes:
+    """The text of rank ``rank``'s file of checkpoint ``tag`` (``tensors``: its held entries, as
+    :func:`tensors_json` gives them), with the checksum of everything else in it."""
+    d = {"format": RANK_FORMAT, "tag": tag, "generation": generation, "rank": rank, "tensors": tensors}
+    d[CHECKSUM] = checksum(d)
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
 
 
 def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry]) -> bytes:
@@ -137,9 +158,10 @@ def _need(d, key, types, where):
 
 
 def _tensors(raw_tensors: dict, version: int, files: dict, tag: str, where: str,
-             referenced: Optional[set] = None) -> Dict[str, TensorEntry]:
+             referenced: Optional[set] = None, whole: bool = True) -> Dict[str, TensorEntry]:
     """The tensor table (or one part of it), validated; ``referenced``: the references to earlier
-    checkpoints a part may hold (those its index lists), None: any."""
+    checkpoints a part may hold (those its index lists), None: any; ``whole=False``: entries cut
+    down to some of their boxes (a rank file), which need not tile their tensors."""
     tensors = {}
     for name, t in raw_tensors.items():
         w = f"tensors[{name}]"
@@ -164,7 +186,7 @@ def _tensors(raw_tensors: dict, version: int, files: dict, tag: str, where: str,
                         raise FormatError(f"manifest: {wb}.hash {digest!r} is not an xxh3_128 digest")
                     dboxes.append((Box(tuple(_need(b, "offsets", list, wb)), tuple(_need(b, "lengths", list, wb))),
                                    digest))
-                check_tiling(name, shape, [b for b, _ in dboxes])
+                check_tiling(name, shape, [b for b, _ in dboxes], whole)
             entry = TensorEntry(name, kind, dtype, shape,
                                 derived=Derivation(_need(dv, "source", str, w + ".derived"),
                                                    _need(dv, "op", str, w + ".derived"), tuple(dboxes)))
@@ -190,7 +212,7 @@ def _tensors(raw_tensors: dict, version: int, files: dict, tag: str, where: str,
                 if not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in holders):
                     raise FormatError(f"manifest: {wb}.holders {holders!r} is not a list of ranks")
                 boxes.append(StoredBox(box, fname, _need(b, "key", str, wb), digest, tuple(holders)))
-            check_tiling(name, shape, [b.box for b in boxes])
+            check_tiling(name, shape, [b.box for b in boxes], whole)
             entry = TensorEntry(name, kind, dtype, shape, boxes=tuple(boxes))
         tensors[name] = entry
     return tensors
@@ -212,7 +234,8 @@ def _index(d: dict, where: str) -> dict:
     hashes = _need(index, "hashes", list, where + ".index")
     count = _need(index, "tensors", int, where + ".index")
     referenced = _need(index, "referenced", list, where + ".index")
-    if generation < 0 or parts < 1 or len(hashes) != parts or count < 0:
+    ranks = _need(index, "ranks", int, where + ".index") if "ranks" in index else 0
+    if generation < 0 or parts < 1 or len(hashes) != parts or count < 0 or ranks < 0:
         raise FormatError(f"{where}: index does not describe its parts (generation {generation}, "
                           f"{parts} parts, {len(hashes)} hashes, {count} tensors)")
     for h in hashes:
@@ -292,6 +315,25 @@ class PartedTensors(Mapping):
 
     def __len__(self) -> int:
         return self.index["tensors"]
+
+
+def parse_rank_file(data: bytes, m: Manifest, rank: int, where: str) -> Dict[str, TensorEntry]:
+    """Rank ``rank``'s file of the manifest in parts ``m`` (its bytes ``data``), validated: the
+    entries of the tensors that rank held, each cut down to the boxes that meet its own."""
+    try:
+        d = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: not valid JSON ({e})") from e
+    if (not isinstance(d, dict) or d.get("format") != RANK_FORMAT or d.get("tag") != m.tag
+            or d.get("rank") != rank or d.get("generation") != m.index["generation"]):
+        raise FormatError(f"{where}: not rank {rank}'s file of checkpoint {m.tag!r} (generation "
+                          f"{m.index['generation']})")
+    if d.get(CHECKSUM) != checksum(d):
+        raise IntegrityError(f"{where}: does not match its checksum: it was edited or damaged after AdaCheck "
+                             "wrote it, so nothing it says can be trusted. Restore it from a copy, or load an "
+                             "older checkpoint (adacheck ls lists them)")
+    return _tensors(_need(d, "tensors", dict, where), m.format_version, m.files, m.tag, where,
+                    referenced=set(m.index["referenced"]), whole=False)
 
 
 def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[[str], bytes]] = None) -> Manifest:

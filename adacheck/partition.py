@@ -22,6 +22,9 @@ hash of its name) and each set of holders has one too:
 4. **assign**: each writer learns the boxes it writes, each tensor owner its boxes' files; each
    owner writes its part of the manifest's tensor table (format 4, :mod:`adacheck.manifest`) and
    rank 0 gathers the parts' hashes, the warnings and counts, and commits the manifest.
+5. **tell the holders** (one all-to-all): each owner sends each rank that held boxes of its
+   tensors where they are stored; each rank writes them in its rank file, from which a load in
+   the same layout reads everything it needs of the manifest.
 
 The outcome equals the ring's in what is stored (the same boxes deduplicated, derived and
 referenced, the same warnings); the writers may differ (placed per holder set).  Each owner reads
@@ -33,10 +36,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import planner
+from .manifest import tensors_json
 from .errors import FormatError
 from .exchange import Comm, agree
 from .planner import Decisions, PlanCache, PreviousIndex
@@ -326,11 +330,40 @@ def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, refe
                     sorted({r for p in parts for r in p[8]}), [r for r, p in enumerate(parts) if p[6]])
 
 
+def cut_to(e: TensorEntry, boxes: List[Box]) -> TensorEntry:
+    """Entry ``e`` with only the stored (or derived) boxes that meet one of ``boxes``."""
+    meets = lambda b: any(b.intersect(x) is not None for x in boxes)   # noqa: E731
+    if e.derived is not None:
+        return replace(e, derived=replace(e.derived, boxes=tuple((b, h) for b, h in e.derived.boxes if meets(b))))
+    return replace(e, boxes=tuple(sb for sb in e.boxes if meets(sb.box)))
+
+
+def tell_holders(comm: Comm, tensors: Dict[str, TensorEntry],
+                 by_name: Dict[str, List[Tuple[int, ShardMeta]]]) -> dict:
+    """Step 5: each rank's held entries (its rank file's tensor table, as JSON): from each owner,
+    its tensors cut down to the boxes that rank sent it."""
+    n, faults = comm.world_size, _Faults()
+
+    def encode():
+        boxes: List[Dict[str, List[Box]]] = [{} for _ in range(n)]
+        for name, held in by_name.items():
+            for rank, shard in held:
+                boxes[rank].setdefault(name, []).append(shard.box)
+        return [_json(tensors_json({name: cut_to(tensors[name], bs) for name, bs in mine.items()}))
+                if mine else None for mine in boxes]
+
+    got = comm.all_to_all_bytes(faults.run(encode, [None] * n))
+    held = faults.run(lambda: {name: e for b in got if b for name, e in _load(b).items()}, {})
+    faults.check()
+    return held
+
+
 def plan(comm: Comm, metas: List[ShardMeta], generation: int,
          previous_of: Callable[[List[str]], Tuple[Optional[PreviousIndex], Optional[Dict[str, int]]]],
          copies: int, nodes: Optional[List[str]], cache: PartitionCache, plan_cache: PlanCache, what: str):
-    """Steps 1-4 (see the module docstring): (what this rank writes, the entries of the tensors it
-    owns with their files, rank 0's Gathered or None, the exchange's stats).  ``previous_of(names)``:
+    """Steps 1-5 (see the module docstring): (what this rank writes, the entries of the tensors it
+    owns with their files, rank 0's Gathered or None, the exchange's stats, this rank's held
+    entries as JSON).  ``previous_of(names)``:
     the boxes of the checkpoint to reference for those tensors, and its files' sizes (each owner
     reads only its tensors' entries).  ``what`` names the save in errors; a failure on any rank is
     raised on every rank."""
@@ -342,9 +375,10 @@ def plan(comm: Comm, metas: List[ShardMeta], generation: int,
     placed = place(comm, decided, copies, nodes, cache)
     tensors, _, _, referenced = planner.assign_files(decided.tensors, placed.writer_of, generation)
     gathered = gather(comm, tensors, decided, referenced, placed)
+    held = tell_holders(comm, tensors, routed.by_name)
     stats = {"how": "partitioned", "bytes_received": routed.received_bytes, "bytes_sent": routed.sent_bytes,
              "owned_tensors": len(routed.by_name), "senders": routed.senders,
              "rounds": {"route": routed.rounds, "references": pin_rounds, "place": placed.rounds},
              "placement_reused": placed.rounds == 0,
              "ranks_sent_digest_only": routed.digest_only}
-    return placed, tensors, gathered, stats
+    return placed, tensors, gathered, stats, held

@@ -43,6 +43,7 @@ class WritePlan:
     files: Dict[str, dict]                    # file -> {"writer": rank, "nbytes": payload}
     warnings: Tuple[str, ...]
     stats: dict
+    held: Optional[dict] = None               # partitioned: this rank's rank file (its held entries, JSON)
 
 
 def file_name(rank: int, generation: int) -> str:

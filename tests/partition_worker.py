@@ -99,6 +99,19 @@ def main():
                                for n in ("model/emb", "model/w", "master/w", "master/d", "master/big")}
         rec[f"{how}/exact"]["model/d"] = bool(torch.equal(reader.read("model/d"), full("master/d", 0).to(torch.bfloat16)))
         rec[f"{how}/exact"]["rng"] = reader.objects(rank)["rng"].tolist() == [rank, 3]
+        # each rank reads back the boxes it saved, as a load in the same layout does (with the ring's
+        # manifest in one file, the partitioned one's from this rank's rank file): the bytes it saved
+        own = CheckpointReader(f"{spec['dir']}/{how}/s3", prefer_rank=rank)
+        saved = state(rank, 3, LocalShard, LocalState, Box)
+        stored = [s for s in saved.shards if s.derive is None]
+        rec[f"{how}/own"] = {s.name: bool(torch.equal(own.read(s.name, s.box), s.tensor)) for s in stored}
+        rec[f"{how}/own"]["rng"] = own.objects(rank)["rng"].tolist() == [rank, 3]
+        parted = hasattr(own.manifest.tensors, "bytes_read")
+        rec[f"{how}/own_bytes"] = {"parts": own.manifest.tensors.bytes_read if parted else None,
+                                   "rank_file": own.held_bytes}
+        # a derived box this rank held whole, from a source it held in part: the whole table
+        rec[f"{how}/own"].update({s.name: bool(torch.equal(own.read(s.name, s.box), s.tensor))
+                                  for s in saved.shards if s.derive is not None})
     # a save directory that is not shared between the nodes (a relative path from each node's own
     # working directory): the files of the other node are not there, and the save is refused on
     # every rank, with the ring (rank 0 confirms every file) and partitioned (each rank the next's)

@@ -55,6 +55,12 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
         for how in ("ring", "partitioned"):
             assert all(res[r][f"{how}/exact"].values()), (r, how, res[r][f"{how}/exact"])
             assert "StateError" in res[r][f"{how}/refused"] and "model/emb" in res[r][f"{how}/refused"], res[r]
+    for r in range(8):       # each rank's own boxes, read as a load in the same layout reads them
+        for how in ("ring", "partitioned"):
+            assert all(res[r][f"{how}/own"].values()) and len(res[r][f"{how}/own"]) >= 7, (r, how, res[r][f"{how}/own"])
+        # partitioned: from the rank's own file, no part of the tensor table read
+        assert res[r]["partitioned/own_bytes"]["parts"] == 0 < res[r]["partitioned/own_bytes"]["rank_file"], res[r]
+        assert res[r]["ring/own_bytes"] == {"parts": None, "rank_file": 0}
     for r in range(8):       # a directory not shared between the nodes: refused on every rank
         for how in ("ring", "partitioned"):
             assert "IntegrityError" in res[r][f"{how}/local"] and "is not on the storage" in res[r][f"{how}/local"], \
@@ -120,12 +126,19 @@ def parted_checks(d):
     from adacheck.cli import main as cli
     from adacheck.errors import FormatError, IntegrityError
     from adacheck.hashing import owner_of
-    from adacheck.manifest import part_name
+    from adacheck.checkpoint import CheckpointReader
+    from adacheck.manifest import checksum, part_name, rank_file_name
     ck = f"{d}/partitioned/s3"
     m = read_manifest(ck)
     assert m.format_version == 4 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
-    parts = sorted(f for f in os.listdir(ck) if f.startswith("manifest-g"))
-    assert parts == [part_name(0, i) for i, h in enumerate(m.index["hashes"]) if h is not None] and len(parts) > 1
+    kept = sorted(f for f in os.listdir(ck) if f.startswith("manifest-g"))
+    parts = [part_name(0, i) for i, h in enumerate(m.index["hashes"]) if h is not None]
+    assert kept == sorted(parts + [rank_file_name(0, r) for r in range(8)]) and len(parts) > 1
+    # a rank file lists the boxes its rank held, and no others: rank 2 held rows 16-23 of master/w
+    held, _ = commit.read_rank_file(ck, m, 2)
+    rows = sorted((sb.box.offsets[0], sb.box.lengths[0]) for sb in held["master/w"].boxes)
+    assert rows[0][0] == 16 and sum(n for _, n in rows) == 8 and all(a + n <= 24 for a, n in rows), rows
+    assert "master/big" not in held and set(held) >= {"model/emb", "model/w", "master/d", "model/d", "model/ln"}
     assert m.tensors["model/emb"].shape == (16, 8)
     one = os.path.getsize(os.path.join(ck, part_name(0, owner_of("model/emb", 8))))
     assert m.tensors.bytes_read == one < sum(os.path.getsize(os.path.join(ck, p)) for p in parts)
@@ -142,6 +155,30 @@ def parted_checks(d):
     os.remove(victim)
     with pytest.raises(FormatError, match="is missing"):
         read_manifest(bad).tensors["model/emb"]
+    # a rank file: edited, it is an IntegrityError for the rank that reads it and for verify; made to
+    # say another hash with its checksum made good again, the box read from it does not verify and
+    # verify finds it is not what the table says; missing, a FormatError
+    bad = f"{d}/bad-rank/s3"
+    shutil.copytree(ck, bad)
+    victim = os.path.join(bad, rank_file_name(0, 2))
+    text = open(victim).read()
+    open(victim, "w").write(text.replace('"shape":[16,8]', '"shape":[8,16]'))
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
+        CheckpointReader(bad, prefer_rank=2).read("model/emb")
+    assert CheckpointReader(bad, prefer_rank=3).read("model/emb").shape == (16, 8)
+    assert cli(["verify", "--quiet", bad]) == 2
+    held = json.loads(text)
+    held["tensors"]["model/emb"]["boxes"][0]["hash"] = "xxh3_128:" + "0" * 32
+    held["checksum"] = checksum(held)
+    open(victim, "w").write(json.dumps(held))
+    with pytest.raises(IntegrityError, match="manifest recorded xxh3_128:0000"):
+        CheckpointReader(bad, prefer_rank=2).read("model/emb")
+    assert cli(["verify", "--quiet", bad]) == 2
+    with pytest.raises(IntegrityError, match="is not what the manifest's tensor table says"):
+        commit.check_rank_files(bad, read_manifest(bad))
+    os.remove(victim)
+    with pytest.raises(FormatError, match="is missing"):
+        CheckpointReader(bad, prefer_rank=2).read("model/emb")
     # an interrupted save's part and a retired checkpoint's parts are garbage; the kept ones stay
     save_dir = f"{d}/partitioned"
     os.makedirs(f"{save_dir}/s9")
@@ -149,5 +186,5 @@ def parted_checks(d):
     commit.apply_retention(save_dir, 1, protect=("s3",))
     commit.collect_garbage(save_dir)
     assert not os.path.exists(f"{save_dir}/s9") and not any(f.startswith("manifest-g") for f in os.listdir(f"{save_dir}/s1"))
-    assert sorted(f for f in os.listdir(ck) if f.startswith("manifest-g")) == parts
+    assert sorted(f for f in os.listdir(ck) if f.startswith("manifest-g")) == kept
     assert all(m2.tensors["master/w"] for m2 in [read_manifest(ck)])
