@@ -38,8 +38,8 @@ from .tiers import DeltaSpread, MemoryTier, newest_committed, spares_of
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
-from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PARTED_SINCE, PartedTensors,
-                       part_name, rank_file_name, split_file)
+from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
+                       RankFiles, part_name, rank_file_name, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -848,8 +848,8 @@ class Checkpointer:
         files = {file_name(w, gen): {"writer": w, "nbytes": got.stats["per_rank_bytes"][w]} for w in got.writers}
         for w in got.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
-        exchanged.index = {"generation": gen, "parts": comm.world_size, "hashes": [], "tensors": got.tensors,
-                           "referenced": got.referenced, "ranks": comm.world_size}
+        exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
+                           "tensors": got.tensors, "names": got.names}
         return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
                          held=held)
 
@@ -893,10 +893,18 @@ class Checkpointer:
                  for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
-        tensors, index, store = plan.tensors, None, prepared.store
-        if exchanged.partitioned:       # each owner's part of the tensor table, bound by its hash
-            version = PARTED_SINCE
-            mine = (part_name(exchanged.generation, comm.rank), rank_file_name(exchanged.generation, comm.rank))
+        tensors, index, ranks, store = plan.tensors, None, None, prepared.store
+        topology = dict({"world_size": comm.world_size},
+                        **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
+        if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
+            version, gen, ckpt_dir = RANKED_SINCE, exchanged.generation, prepared.ckpt_dir
+            mine = (part_name(gen, comm.rank), rank_file_name(gen, comm.rank))
+            topology.pop("nodes", None)      # (each rank's is in its rank file, as are its bytes written)
+            stats.pop("per_rank_bytes", None)
+            p = prepared.payload
+            tables = {"layout": p["layout"], "objects": p["rank_objects"],
+                      "files": {written.my_file: {"writer": comm.rank, "nbytes": written.my_size}}
+                      if written.my_file else {}, **({"node": p["node"]} if copies > 1 else {})}
             # each rank confirms the next rank's file (no rank stats them all; a save directory that
             # is not shared between nodes fails where the job crosses a node)
             n = comm.world_size
@@ -908,26 +916,22 @@ class Checkpointer:
             def write_part():
                 confirm_files(store, prepared.ckpt_dir,
                               {f: {"writer": src, "nbytes": k, "tag": t} for (f, k, t), src in nxt})
-                commit.write_rank_file(prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag,
-                                       plan.held or {}, self.options.fsync, store)
-                return commit.write_part(prepared.ckpt_dir, exchanged.generation, comm.rank, prepared.tag,
-                                         plan.tensors, self.options.fsync, store) if plan.tensors else None
+                commit.write_rank_file(ckpt_dir, gen, comm.rank, prepared.tag, plan.held or {}, tables,
+                                       self.options.fsync, store)
+                commit.write_part(ckpt_dir, gen, comm.rank, prepared.tag, plan.tensors, self.options.fsync, store)
 
-            digest = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest parts)", write_part,
-                           on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
-            hashes = comm.gather_object(digest)
-            if hashes is not None:
-                index = dict(exchanged.index, hashes=hashes)
-                tensors = PartedTensors(index, files, prepared.tag, version, commit.PartFiles(store, prepared.ckpt_dir),
-                                        store.join(prepared.ckpt_dir, MANIFEST_NAME))
+            agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
+                  on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
+            if comm.rank == 0:
+                index, where = dict(exchanged.index, files=len(files)), store.join(ckpt_dir, MANIFEST_NAME)
+                tensors = PartedTensors(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
+                ranks = RankFiles(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
         manifest = Manifest(
             format_version=version, tag=prepared.tag, step=gathered[0]["step"],
             framework=dict(gathered[0]["framework"], generation=exchanged.generation),
-            topology=dict({"world_size": comm.world_size},
-                          **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {})),
-            tensors=tensors, objects=gathered[0]["objects"],
+            topology=topology, tensors=tensors, objects=gathered[0]["objects"],
             rank_objects=tuple(g["rank_objects"] for g in gathered),
-            layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats, index=index)
+            layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats, index=index, ranks=ranks)
 
         here, spread, leads = files, self.options.spread, self._leads(comm)
         if spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
@@ -943,8 +947,8 @@ class Checkpointer:
                                   {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
-        parts = ((part_name(exchanged.generation, comm.rank) if plan.tensors else None,
-                  rank_file_name(exchanged.generation, comm.rank)) if exchanged.partitioned else ())
+        parts = ((part_name(exchanged.generation, comm.rank), rank_file_name(exchanged.generation, comm.rank))
+                 if exchanged.partitioned else ())
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
               on_failure=lambda: self._remove_mine(prepared, written.my_file, *parts))
         return manifest
@@ -1191,8 +1195,7 @@ class CheckpointReader:
     the reader serves any target layout.  Derived tensors are rebuilt from their source.
     Stored boxes are read whole, verified once, and kept in a bounded LRU cache.  With
     ``prefer_rank`` and a manifest with rank files (a partitioned save), a box that rank held
-    is found in its rank file, without reading the part of the manifest that lists its tensor
-    (``held_bytes``: what was read of the rank file).
+    is found in its rank file, without reading the part of the manifest that lists its tensor.
     """
 
     def __init__(self, ckpt_dir: str, manifest: Optional[Manifest] = None, verify: bool = True,
@@ -1218,15 +1221,13 @@ class CheckpointReader:
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
         self._held: Optional[Dict[str, TensorEntry]] = None
-        self.held_bytes = 0
 
     def held(self) -> Dict[str, TensorEntry]:
         """The entries of the boxes ``prefer_rank`` held when the checkpoint was saved, cut down
         to them (its rank file, read once); empty without one."""
         if self._held is None:
-            got = (commit.read_rank_file(self.dir, self.manifest, self.prefer_rank, self.store)
-                   if self.prefer_rank is not None else None)
-            self._held, self.held_bytes = got if got is not None else ({}, 0)
+            ranks, rank = self.manifest.ranks, self.prefer_rank
+            self._held = ranks.get(rank).tensors if ranks is not None and rank is not None and rank < ranks.count else {}
         return self._held
 
     def _entry_for(self, name: str, box: Optional[Box]):
@@ -1243,6 +1244,14 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self.held() or name in self.manifest.tensors
+
+    def names(self) -> List[str]:
+        """The names of the checkpoint's tensors, saved objects' left out (format 5: from its index,
+        no part read)."""
+        index = self.manifest.index
+        if index is not None and "names" in index:
+            return index["names"]
+        return sorted(n for n, e in self.manifest.tensors.items() if e.kind != "object")
 
     def drop_cache(self) -> None:
         """Forget the verified boxes kept so far (their memory goes)."""
@@ -1448,7 +1457,14 @@ class CheckpointReader:
         return out
 
     def objects(self, rank: Optional[int] = None):
-        tree = self.manifest.objects if rank is None else self.manifest.rank_objects[rank]
+        """The job's saved objects, or saving rank ``rank``'s, with their tensors read."""
+        return self.decode(self.manifest.objects if rank is None else self.manifest.rank_objects[rank])
+
+    def decode(self, tree):
+        """A saved object tree (or part of one) with its tensors read."""
+        for ref in jsontree.tensor_refs(tree):
+            if not isinstance(ref, str) or not self.has(ref):
+                raise FormatError(f"{self.dir}: its saved objects refer to tensor {ref!r}, which it does not store")
         return jsontree.decode(tree, lambda n: self.read(n))
 
 

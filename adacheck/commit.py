@@ -16,9 +16,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from .errors import AdaCheckError, FormatError, IntegrityError, NotFoundError
-from .hashing import hash_buffer
-from .manifest import (MANIFEST_NAME, PART_PATTERN, TAG_RE, dumps, parse, parse_rank_file, part_bytes, part_name,
-                       part_names, rank_file_bytes, rank_file_name, referenced_files)
+from .manifest import (MANIFEST_NAME, PART_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name, part_names,
+                       rank_file_bytes, rank_file_name, referenced_files)
 from .storage import LOCAL, Storage
 from .types import Manifest
 
@@ -61,48 +60,32 @@ class PartFiles:
 
 
 def write_part(ckpt_dir: str, generation: int, part: int, tag: str, tensors, fsync: bool = True,
-               store: Storage = LOCAL) -> str:
-    """Part ``part`` of a manifest in parts (format 4), written whole; returns its hash, which the
-    manifest's index binds it by.  Written before the manifest: until that is committed, nothing
-    reads it (an interrupted save's parts are garbage, removed like its shard files)."""
-    data = part_bytes(tag, part, tensors)
-    store.write_atomic(store.join(ckpt_dir, part_name(generation, part)), data, fsync=fsync)
-    return hash_buffer(data)
+               store: Storage = LOCAL) -> None:
+    """Part ``part`` of a manifest in parts (format 5), written whole before the manifest: until
+    that is committed, nothing reads it (an interrupted save's parts are garbage, removed like
+    its shard files)."""
+    store.write_atomic(store.join(ckpt_dir, part_name(generation, part)),
+                       part_bytes(tag, part, tensors, generation), fsync=fsync)
 
 
-def write_rank_file(ckpt_dir: str, generation: int, rank: int, tag: str, held: dict, fsync: bool = True,
-                    store: Storage = LOCAL) -> str:
-    """Rank ``rank``'s file of a manifest in parts (``held``: the entries of the boxes it held, as
-    JSON), written before the manifest like a part; returns its name."""
-    name = rank_file_name(generation, rank)
-    store.write_atomic(store.join(ckpt_dir, name), rank_file_bytes(tag, generation, rank, held), fsync=fsync)
-    return name
+def write_rank_file(ckpt_dir: str, generation: int, rank: int, tag: str, held: dict, tables: dict,
+                    fsync: bool = True, store: Storage = LOCAL) -> None:
+    """Rank ``rank``'s file of a manifest in parts (format 5: ``held``, the entries of the boxes it
+    held, as JSON; ``tables``, its layout, objects, files and node), written before the manifest
+    like a part."""
+    store.write_atomic(store.join(ckpt_dir, rank_file_name(generation, rank)),
+                       rank_file_bytes(tag, generation, rank, held, tables), fsync=fsync)
 
 
-def read_rank_file(ckpt_dir: str, m: Manifest, rank: int, store: Storage = LOCAL):
-    """The entries of the boxes saving rank ``rank`` held, cut down to them, from its file; None
-    when ``m`` has no rank files (or no such rank).  A missing file is a FormatError, a damaged
-    one an IntegrityError, as for a part.  Returns (entries, bytes read)."""
-    if m.index is None or not 0 <= rank < m.index.get("ranks", 0):
-        return None
-    path = store.join(ckpt_dir, rank_file_name(m.index["generation"], rank))
-    try:
-        data = store.read_bytes(path)
-    except FileNotFoundError:
-        raise FormatError(f"{path} is missing: the checkpoint is incomplete or damaged") from None
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read it: {e}") from e
-    return parse_rank_file(data, m, rank, path), len(data)
-
-
-def check_rank_files(ckpt_dir: str, m: Manifest, store: Storage = LOCAL) -> int:
+def check_rank_files(m: Manifest) -> int:
     """Every rank file of ``m`` says what its tensor table says (each held entry's kind, dtype,
-    shape and derivation, and each of its boxes with its file, key, hash and holders, is the
-    table's); an IntegrityError names the first that does not.  Returns the rank files checked."""
-    ranks = m.index.get("ranks", 0) if m.index is not None else 0
-    for rank in range(ranks):
-        held, _ = read_rank_file(ckpt_dir, m, rank, store)
-        for name, e in held.items():
+    shape and derivation, and each of its boxes with its file, key and hash, is the table's, and
+    the rank among its holders); an IntegrityError names the first that does not.  Returns the
+    rank files checked."""
+    if m.ranks is None:
+        return 0
+    for rank in range(m.ranks.count):
+        for name, e in m.ranks.get(rank).tensors.items():
             whole = m.tensors.get(name)
             same = (whole is not None and (e.kind, e.dtype, e.shape) == (whole.kind, whole.dtype, whole.shape)
                     and (e.derived is None) == (whole.derived is None))
@@ -110,12 +93,14 @@ def check_rank_files(ckpt_dir: str, m: Manifest, store: Storage = LOCAL) -> int:
                 same = ((e.derived.source, e.derived.op) == (whole.derived.source, whole.derived.op)
                         and set(e.derived.boxes) <= set(whole.derived.boxes))
             elif same:
-                same = set(e.boxes) <= set(whole.boxes)
+                table = {(sb.box, sb.file, sb.key, sb.hash): set(sb.holders) for sb in whole.boxes}
+                same = all((sb.box, sb.file, sb.key, sb.hash) in table
+                           and set(sb.holders) <= table[(sb.box, sb.file, sb.key, sb.hash)] for sb in e.boxes)
             if not same:
-                raise IntegrityError(f"{store.join(ckpt_dir, rank_file_name(m.index['generation'], rank))}: what it "
-                                     f"says of {name} is not what the manifest's tensor table says: the file was "
-                                     "edited or damaged. Restore it from a copy, or load an older checkpoint")
-    return ranks
+                raise IntegrityError(f"{m.ranks.where}: rank {rank}'s file says of {name} what the tensor table "
+                                     "does not: the file was edited or damaged. Restore it from a copy, or load an "
+                                     "older checkpoint")
+    return m.ranks.count
 
 
 def has_manifest(ckpt_dir: str, store: Storage = LOCAL) -> bool:

@@ -10,23 +10,28 @@ the same shape; hashes are well-formed; object trees refer only to stored tensor
 Format versions: 2 (written now) records each box's hash over its identity and bytes
 (:func:`adacheck.hashing.bound_digest`) and a ``checksum`` of the manifest; 1 (still read,
 with a warning from the reader) recorded hashes of the bytes alone and no checksum; 3 as 2, and
-shard files may be encoded (compressed); 4 (written by the partitioned exchange) keeps the
-tensor table in parts: ``manifest-g<generation>-part-<i>.json``, part i listing the tensors
-whose name's ``owner_of`` is i, each bound to the manifest by its xxh3-128 in ``index``; a part
-is read, checked against its hash and validated only when a tensor of it is asked for
-(:class:`PartedTensors`), so a reader reads the parts it uses.  A format 4 manifest whose index
-holds ``ranks`` (N) has a rank file per saving rank, ``manifest-g<generation>-rank-<r>.json``:
-where the boxes rank r held are stored (the entries of its tensors cut down to the boxes that
-meet its own), bound to the checkpoint by tag, generation and rank and to itself by a checksum,
-so a rank that loads the layout it saved reads its own file, not the parts of its tensors
-(:func:`parse_rank_file`; a rank file is an index of what the parts say, checked against them
-by ``adacheck verify``).
+shard files may be encoded (compressed); 4 (written by the partitioned exchange until format 5)
+keeps the tensor table in parts: ``manifest-g<generation>-part-<i>.json``, part i listing the
+tensors whose name's ``owner_of`` is i, each bound to the manifest by its xxh3-128 in ``index``; a
+part is read, checked against its hash and validated only when a tensor of it is asked for
+(:class:`PartedTensors`), so a reader reads the parts it uses.  5 (written by the partitioned
+exchange now) also keeps every per-rank table out of ``manifest.json``, whose size then does not
+grow with the job: each saving rank r writes part r (possibly empty) and a rank file
+``manifest-g<generation>-rank-<r>.json`` with its layout, its objects, the file it wrote and its
+node, and the entries of the tensors it held cut down to the boxes that meet its own (holders:
+r itself where it held the bytes).  Parts and rank files carry their tag, generation and number
+and the checksum of the rest of them (not a hash in the index, which would grow with the job);
+the index holds their counts.  A rank that loads the layout it saved reads the root and its own
+rank file (:class:`RankFiles`, :class:`RankTable`, :class:`FileTable`); ``adacheck verify``
+checks that the rank files say what the parts say.  A box of a format 5 checkpoint names a file
+of its own generation's writers, or ``<earlier tag>/<file>`` listed in its part's ``referenced``.
 """
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
 from .boxes import check_tiling
@@ -37,9 +42,10 @@ from .types import KINDS, DTYPES, Box, Derivation, Manifest, StoredBox, TensorEn
 
 FORMAT = "adacheck"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 COMPRESSED_SINCE = 3   # format versions from here on may hold encoded (compressed) shard files
 PARTED_SINCE = 4       # format versions from here on may keep the tensor table in parts (``index``)
+RANKED_SINCE = 5       # from here on a manifest in parts keeps its per-rank tables in rank files
 PART_FORMAT = "adacheck-manifest-part"
 RANK_FORMAT = "adacheck-manifest-rank"
 PART_PATTERN = r"manifest-g\d+-(?:part|rank)-\d{5,}\.json"     # the names part_name and rank_file_name give
@@ -47,6 +53,7 @@ BOUND_SINCE = 2        # format versions from here on bind box hashes to their i
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
+_WRITER_FILE = re.compile(r"^rank(\d{5})-g(\d+)\.safetensors$")     # (planner.file_name's names)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
 
@@ -61,7 +68,7 @@ def referenced_files(m: Manifest):
     """{(tag, file)} this checkpoint needs, with tag None for its own directory (a manifest in
     parts: its own files and the references its index lists, no part read)."""
     if m.index is not None:
-        return {(None, f) for f in m.files} | {split_file(r) for r in m.index["referenced"]}
+        return {(None, f) for f in m.files} | {split_file(r) for r in m.tensors.referenced()}
     return {split_file(b.file) for e in m.tensors.values() for b in e.boxes}
 
 
@@ -78,22 +85,35 @@ def part_names(m: Manifest):
     if m.index is None:
         return []
     g = m.index["generation"]
-    return ([part_name(g, i) for i, h in enumerate(m.index["hashes"]) if h is not None]
-            + [rank_file_name(g, r) for r in range(m.index.get("ranks", 0))])
+    parts = (range(m.index["parts"]) if "hashes" not in m.index
+             else [i for i, h in enumerate(m.index["hashes"]) if h is not None])
+    return [part_name(g, i) for i in parts] + [rank_file_name(g, r) for r in range(m.index.get("ranks", 0))]
 
 
-def rank_file_bytes(tag: str, generation: int, rank: int, tensors: dict) -> bytes:
-    """The text of rank ``rank``'s file of checkpoint ``tag`` (``tensors``: its held entries, as
-    :func:`tensors_json` gives them), with the checksum of everything else in it."""
-    d = {"format": RANK_FORMAT, "tag": tag, "generation": generation, "rank": rank, "tensors": tensors}
+def _checked_bytes(d: dict) -> bytes:
+    """``d`` as compact canonical JSON with the checksum of the rest of it (a part or rank file of
+    format 5, which binds itself rather than being bound by a hash in the index)."""
     d[CHECKSUM] = checksum(d)
     return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
 
 
-def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry]) -> bytes:
-    """The text of part ``part`` of checkpoint ``tag``'s tensor table (its hash goes in the index)."""
-    return json.dumps({"format": PART_FORMAT, "tag": tag, "part": part, "tensors": tensors_json(tensors)},
-                      separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+def rank_file_bytes(tag: str, generation: int, rank: int, tensors: dict, tables: Optional[dict] = None) -> bytes:
+    """The text of rank ``rank``'s file of checkpoint ``tag`` (``tensors``: its held entries, as
+    :func:`tensors_json` gives them; ``tables``, format 5: its ``layout``, ``objects``, ``files``
+    and ``node``), with the checksum of everything else in it."""
+    return _checked_bytes(dict({"format": RANK_FORMAT, "tag": tag, "generation": generation, "rank": rank,
+                                "tensors": tensors}, **(tables or {})))
+
+
+def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: Optional[int] = None) -> bytes:
+    """The text of part ``part`` of checkpoint ``tag``'s tensor table: format 4 (its hash goes in the
+    index), or with ``generation`` format 5 (the references to earlier checkpoints its tensors
+    hold, and a checksum)."""
+    d = {"format": PART_FORMAT, "tag": tag, "part": part, "tensors": tensors_json(tensors)}
+    if generation is None:
+        return json.dumps(d, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+    return _checked_bytes(dict(d, generation=generation, referenced=sorted(
+        {sb.file for e in tensors.values() if e.derived is None for sb in e.boxes if "/" in sb.file})))
 
 
 def tensors_json(tensors) -> dict:
@@ -117,10 +137,10 @@ def tensors_json(tensors) -> dict:
 def to_json(m: Manifest) -> dict:
     d = {
         "format": FORMAT, "format_version": m.format_version, "tag": m.tag, "step": m.step,
-        "framework": m.framework, "topology": m.topology, "files": m.files,
-        "stats": m.stats, "objects": m.objects, "rank_objects": list(m.rank_objects),
-        "layout": m.layout,
+        "framework": m.framework, "topology": m.topology, "stats": m.stats, "objects": m.objects,
     }
+    if m.format_version < RANKED_SINCE:    # (format 5: in the rank files)
+        d.update(files=m.files, rank_objects=list(m.rank_objects), layout=m.layout)
     if m.index is not None:
         d["index"] = m.index
     else:
@@ -227,79 +247,136 @@ def _check_sources(tensors: Dict[str, TensorEntry], lookup: Callable[[str], Opti
                                   "missing, itself derived, or of another shape")
 
 
-def _index(d: dict, where: str) -> dict:
+def _index(d: dict, version: int, where: str) -> dict:
     index = _need(d, "index", dict, where)
     generation = _need(index, "generation", int, where + ".index")
     parts = _need(index, "parts", int, where + ".index")
-    hashes = _need(index, "hashes", list, where + ".index")
     count = _need(index, "tensors", int, where + ".index")
-    referenced = _need(index, "referenced", list, where + ".index")
-    ranks = _need(index, "ranks", int, where + ".index") if "ranks" in index else 0
+    ranks = 0
+    if version >= RANKED_SINCE:     # (the parts check themselves and list their own references)
+        hashes, referenced = [None] * parts, []
+        ranks = _need(index, "ranks", int, where + ".index")
+        nfiles = _need(index, "files", int, where + ".index")
+        names = _need(index, "names", list, where + ".index")
+        if not all(isinstance(n, str) for n in names) or len(names) > count:
+            raise FormatError(f"{where}: index.names is not a list of at most {count} tensor names")
+        if ranks < 1 or nfiles < 0:
+            raise FormatError(f"{where}: index does not describe its rank files ({ranks} ranks, {nfiles} files)")
+    else:
+        hashes = _need(index, "hashes", list, where + ".index")
+        referenced = _need(index, "referenced", list, where + ".index")
     if generation < 0 or parts < 1 or len(hashes) != parts or count < 0 or ranks < 0:
         raise FormatError(f"{where}: index does not describe its parts (generation {generation}, "
                           f"{parts} parts, {len(hashes)} hashes, {count} tensors)")
     for h in hashes:
         if h is not None and not (isinstance(h, str) and check_digest_format(h)):
             raise FormatError(f"{where}: index hash {h!r} is not an xxh3_128 digest")
+    _check_references(referenced, where + ": index.referenced")
+    return index
+
+
+def _check_references(referenced, where: str) -> None:
     for r in referenced:
         ref_tag, plain = split_file(r) if isinstance(r, str) else (None, None)
         if ref_tag is None or not TAG_RE.match(ref_tag) or not _FILE_RE.match(plain):
-            raise FormatError(f"{where}: index.referenced holds {r!r}, not '<earlier tag>/<shard>.safetensors'")
-    return index
+            raise FormatError(f"{where} holds {r!r}, not '<earlier tag>/<shard>.safetensors'")
+
+
+class _WrittenFiles:
+    """The shard files a format 5 checkpoint's boxes may name in its own directory: those its
+    ranks write in its generation (``planner.file_name``); the rank files list them with sizes."""
+
+    def __init__(self, generation: int, ranks: int):
+        self.generation, self.ranks = generation, ranks
+
+    def __contains__(self, fname) -> bool:
+        m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
+        return m is not None and int(m.group(2)) == self.generation and int(m.group(1)) < self.ranks
+
+
+def _read_checked(open_part, name: str, where: str, what: str) -> bytes:
+    if open_part is None:
+        raise FormatError(f"{where}: the manifest is in parts ({name}, ...), and nothing was given to read "
+                          "them with (read the manifest with adacheck.commit.read_manifest)")
+    try:
+        return open_part(name)
+    except FileNotFoundError:
+        raise FormatError(f"{where}: its {what} {name} is missing: the checkpoint is incomplete or damaged") from None
+    except OSError as e:
+        raise FormatError(f"{where}: cannot read its {what} {name}: {e}") from e
+
+
+def _load_checked(data: bytes, where: str, expect: dict, self_checked: bool) -> dict:
+    """A part or rank file's JSON, that it is the file ``expect`` says (format, tag, number...) and
+    (``self_checked``, format 5 and rank files) that it matches its own checksum."""
+    try:
+        d = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where}: not valid JSON ({e})") from e
+    if not isinstance(d, dict) or any(d.get(k) != v for k, v in expect.items()):
+        raise FormatError(f"{where}: not " + ", ".join(f"{k} {v!r}" for k, v in expect.items()))
+    if self_checked and d.get(CHECKSUM) != checksum(d):
+        raise IntegrityError(f"{where}: does not match its checksum: it was edited or damaged after AdaCheck "
+                             "wrote it, so nothing it says can be trusted. Restore it from a copy, or load an "
+                             "older checkpoint (adacheck ls lists them)")
+    return d
 
 
 class PartedTensors(Mapping):
     """The tensor table of a manifest in parts: a part is read (``open_part(name)`` -> bytes),
-    checked against its hash in the index and validated the first time one of its tensors is
-    asked for; iterating reads them all.  ``bytes_read``: the part bytes read so far."""
+    checked (format 4: against its hash in the index; 5: against its own checksum) and validated
+    the first time one of its tensors is asked for; iterating reads them all.  ``bytes_read``:
+    the part bytes read so far."""
 
-    def __init__(self, index: dict, files: dict, tag: str, version: int,
+    def __init__(self, index: dict, files, tag: str, version: int,
                  open_part: Optional[Callable[[str], bytes]], where: str):
         self.index, self.files, self.tag, self.version, self.where = index, files, tag, version, where
         self.open_part = open_part
-        self.referenced = set(index["referenced"])
         self.loaded: Dict[int, Dict[str, TensorEntry]] = {}
+        self.references: Dict[int, list] = {}
         self.bytes_read = 0
 
     def part(self, i: int) -> Dict[str, TensorEntry]:
         if i in self.loaded:
             return self.loaded[i]
-        digest = self.index["hashes"][i]
-        if digest is None:
-            self.loaded[i] = {}
+        ranked = self.version >= RANKED_SINCE
+        digest = None if ranked else self.index["hashes"][i]
+        if digest is None and not ranked:
+            self.loaded[i], self.references[i] = {}, []
             return self.loaded[i]
         name = part_name(self.index["generation"], i)
-        if self.open_part is None:
-            raise FormatError(f"{self.where}: the tensor table is in parts ({name}, ...), and nothing was "
-                              "given to read them with (read the manifest with adacheck.commit.read_manifest)")
-        try:
-            data = self.open_part(name)
-        except FileNotFoundError:
-            raise FormatError(f"{self.where}: its part {name} is missing: the checkpoint is incomplete or "
-                              "damaged") from None
-        except OSError as e:
-            raise FormatError(f"{self.where}: cannot read its part {name}: {e}") from e
-        if hash_buffer(data) != digest:
+        data = _read_checked(self.open_part, name, self.where, "part")
+        if digest is not None and hash_buffer(data) != digest:
             raise IntegrityError(f"{self.where}: its part {name} does not match the hash the manifest binds it "
                                  "by: it was edited or damaged after AdaCheck wrote it, so nothing it says can be "
                                  "trusted. Restore it from a copy, or load an older checkpoint (adacheck ls "
                                  "lists them)")
         self.bytes_read += len(data)
         where = f"{self.where} part {name}"
-        try:
-            d = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-        except (ValueError, RecursionError) as e:
-            raise FormatError(f"{where}: not valid JSON ({e})") from e
-        if not isinstance(d, dict) or d.get("format") != PART_FORMAT or d.get("tag") != self.tag or d.get("part") != i:
-            raise FormatError(f"{where}: not part {i} of checkpoint {self.tag!r}")
+        expect = {"format": PART_FORMAT, "tag": self.tag, "part": i}
+        d = _load_checked(data, where, dict(expect, generation=self.index["generation"]) if ranked else expect, ranked)
+        if ranked:
+            refs = _need(d, "referenced", list, where)
+            _check_references(refs, where + ": referenced")
+        else:
+            refs = self.index["referenced"]
         tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where,
-                           referenced=self.referenced)
+                           referenced=set(refs))
         strays = [n for n in tensors if owner_of(n, self.index["parts"]) != i]
         if strays:
             raise FormatError(f"{where}: lists {strays[0]!r}, which belongs to another part")
-        self.loaded[i] = tensors
+        self.loaded[i], self.references[i] = tensors, refs
         _check_sources(tensors, self.get)
         return tensors
+
+    def referenced(self) -> list:
+        """The references to earlier checkpoints ("<tag>/<file>") the table holds (format 5: every
+        part read)."""
+        if self.version < RANKED_SINCE:
+            return self.index["referenced"]
+        for i in range(self.index["parts"]):
+            self.part(i)
+        return sorted({r for refs in self.references.values() for r in refs})
 
     def __getitem__(self, name: str) -> TensorEntry:
         return self.part(owner_of(name, self.index["parts"]))[name]
@@ -317,28 +394,114 @@ class PartedTensors(Mapping):
         return self.index["tensors"]
 
 
-def parse_rank_file(data: bytes, m: Manifest, rank: int, where: str) -> Dict[str, TensorEntry]:
-    """Rank ``rank``'s file of the manifest in parts ``m`` (its bytes ``data``), validated: the
-    entries of the tensors that rank held, each cut down to the boxes that meet its own."""
-    try:
-        d = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{where}: not valid JSON ({e})") from e
-    if (not isinstance(d, dict) or d.get("format") != RANK_FORMAT or d.get("tag") != m.tag
-            or d.get("rank") != rank or d.get("generation") != m.index["generation"]):
-        raise FormatError(f"{where}: not rank {rank}'s file of checkpoint {m.tag!r} (generation "
-                          f"{m.index['generation']})")
-    if d.get(CHECKSUM) != checksum(d):
-        raise IntegrityError(f"{where}: does not match its checksum: it was edited or damaged after AdaCheck "
-                             "wrote it, so nothing it says can be trusted. Restore it from a copy, or load an "
-                             "older checkpoint (adacheck ls lists them)")
-    return _tensors(_need(d, "tensors", dict, where), m.format_version, m.files, m.tag, where,
-                    referenced=set(m.index["referenced"]), whole=False)
+@dataclass(frozen=True)
+class RankFile:
+    """What one saving rank's file says: the entries of the tensors it held, cut down to the boxes
+    that meet its own (holders: the rank itself where it held a copy's bytes), its layout, its
+    objects, the files it wrote ({name: {"writer", "nbytes"}}) and its node."""
+    tensors: Dict[str, TensorEntry]
+    layout: dict
+    objects: dict
+    files: Dict[str, dict]
+    node: Optional[str]
+
+
+class RankFiles:
+    """The rank files of a format 5 manifest, each read, checked against its checksum and
+    validated the first time it is asked for (``get(rank)``); ``bytes_read``: what was read."""
+
+    def __init__(self, index: dict, files, tag: str, version: int, open_part: Optional[Callable[[str], bytes]],
+                 where: str):
+        self.index, self.files, self.tag, self.version, self.where = index, files, tag, version, where
+        self.open_part = open_part
+        self.count = index.get("ranks", 0)
+        self.loaded: Dict[int, RankFile] = {}
+        self.bytes_read = 0
+
+    def get(self, rank: int) -> RankFile:
+        if rank in self.loaded:
+            return self.loaded[rank]
+        if not (isinstance(rank, int) and 0 <= rank < self.count):
+            raise IndexError(f"{self.where}: no rank {rank} among its {self.count} saving ranks")
+        gen = self.index["generation"]
+        name = rank_file_name(gen, rank)
+        data = _read_checked(self.open_part, name, self.where, "rank file")
+        self.bytes_read += len(data)
+        where = f"{self.where} rank file {name}"
+        d = _load_checked(data, where, {"format": RANK_FORMAT, "tag": self.tag, "generation": gen, "rank": rank}, True)
+        tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where, whole=False)
+        for name_, e in tensors.items():
+            if e.derived is None and any(set(sb.holders) - {rank} for sb in e.boxes):
+                raise FormatError(f"{where}: {name_} names holders other than rank {rank}")
+        files = _need(d, "files", dict, where)
+        for fname, info in files.items():
+            if fname not in self.files or _need(info, "writer", int, f"{where}.files[{fname}]") != rank:
+                raise FormatError(f"{where}: lists {fname!r}, which is not a file rank {rank} writes")
+            _need(info, "nbytes", int, f"{where}.files[{fname}]")
+        node = d.get("node")
+        got = RankFile(tensors, _need(d, "layout", dict, where), _need(d, "objects", dict, where), files,
+                       node if isinstance(node, str) else None)
+        self.loaded[rank] = got
+        return got
+
+
+class RankTable(Sequence):
+    """One per-rank table of a format 5 manifest (``field``: "layout" or "objects"), each rank's
+    entry read from its rank file when asked for; compares equal to the list it stands for."""
+
+    def __init__(self, ranks: RankFiles, field_: str):
+        self.ranks, self.field = ranks, field_
+
+    def __getitem__(self, rank):
+        if isinstance(rank, slice):
+            return [self[r] for r in range(self.ranks.count)[rank]]
+        if rank < 0:
+            rank += self.ranks.count
+        return getattr(self.ranks.get(rank), self.field)
+
+    def __len__(self) -> int:
+        return self.ranks.count
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, RankTable)) and list(self) == list(other)
+
+
+class FileTable(Mapping):
+    """The shard files of a format 5 checkpoint ({name: {"writer", "nbytes"}}), each from the rank
+    file of the rank that wrote it; iterating reads every rank file."""
+
+    def __init__(self, ranks: RankFiles, count: int):
+        self.ranks, self.count = ranks, count
+
+    def __getitem__(self, fname: str) -> dict:
+        if fname not in self.ranks.files:
+            raise KeyError(fname)
+        return self.ranks.get(int(_WRITER_FILE.match(fname).group(1))).files[fname]
+
+    def __contains__(self, fname) -> bool:
+        try:
+            self[fname]
+            return True
+        except KeyError:
+            return False
+
+    def __iter__(self):
+        names = [f for r in range(self.ranks.count) for f in self.ranks.get(r).files]
+        if len(names) != self.count:
+            raise FormatError(f"{self.ranks.where}: its rank files list {len(names)} shard files, its index "
+                              f"{self.count}")
+        return iter(names)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
 
 
 def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[[str], bytes]] = None) -> Manifest:
-    """The manifest ``text``, validated; ``open_part(name)``: the bytes of a part of a manifest in
-    parts (format 4), read when a tensor of it is first asked for."""
+    """The manifest ``text``, validated; ``open_part(name)``: the bytes of a part or rank file of a
+    manifest in parts (formats 4 and 5), read when a tensor (a rank's table) of it is first asked for."""
     try:
         d = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
@@ -360,32 +523,45 @@ def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[
     step = d.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
         raise FormatError(f"{where}: step must be an integer or null, got {step!r}")
-    files = _need(d, "files", dict, where)
-    for fname, info in files.items():
-        if not _FILE_RE.match(fname):
-            raise FormatError(f"{where}: shard file name {fname!r} is not a plain "
-                              "'*.safetensors' name inside the checkpoint directory")
-        _need(info, "nbytes", int, f"files[{fname}]")
-        _need(info, "writer", int, f"files[{fname}]")
-    index = None
-    if version >= PARTED_SINCE and "index" in d:
-        index = _index(d, where)
+    index = ranks = None
+    if version >= RANKED_SINCE:
+        index = _index(d, version, where)
+        files = _WrittenFiles(index["generation"], index["ranks"])
+    else:
+        files = _need(d, "files", dict, where)
+        for fname, info in files.items():
+            if not _FILE_RE.match(fname):
+                raise FormatError(f"{where}: shard file name {fname!r} is not a plain "
+                                  "'*.safetensors' name inside the checkpoint directory")
+            _need(info, "nbytes", int, f"files[{fname}]")
+            _need(info, "writer", int, f"files[{fname}]")
+        if version >= PARTED_SINCE and "index" in d:
+            index = _index(d, version, where)
+    if index is not None:
         tensors = PartedTensors(index, files, tag, version, open_part, where)
+        if version >= RANKED_SINCE:
+            ranks = RankFiles(index, files, tag, version, open_part, where)
     else:
         tensors = _tensors(_need(d, "tensors", dict, where), version, files, tag, where)
         _check_sources(tensors, tensors.get)
     objects = d.get("objects", {})
-    rank_objects = d.get("rank_objects", [])
-    if not isinstance(rank_objects, list):
-        raise FormatError(f"{where}: rank_objects must be a list")
-    for ref in tensor_refs(objects) + ([] if index is not None else tensor_refs(rank_objects)):
+    if version >= RANKED_SINCE:
+        rank_objects, layout = RankTable(ranks, "objects"), {"ranks": RankTable(ranks, "layout")}
+        files = FileTable(ranks, index["files"])
+    else:
+        rank_objects, layout = d.get("rank_objects", []), d.get("layout", {})
+        if not isinstance(rank_objects, list):
+            raise FormatError(f"{where}: rank_objects must be a list")
+        rank_objects = tuple(rank_objects)
+    # (in parts: checked when the objects are read, CheckpointReader.objects; here it would read parts)
+    for ref in tensor_refs(objects) + tensor_refs(list(rank_objects)) if index is None else ():
         if not isinstance(ref, str) or ref not in tensors:
             raise FormatError(f"{where}: saved objects refer to tensor {ref!r} that is not stored")
-    layout, stats = d.get("layout", {}), d.get("stats", {})
+    stats = d.get("stats", {})
     if not isinstance(layout, dict) or not isinstance(stats, dict):
         raise FormatError(f"{where}: layout and stats must be JSON objects")
     return Manifest(format_version=version, tag=tag, step=step,
                     framework=_need(d, "framework", dict, where),
                     topology=_need(d, "topology", dict, where), tensors=tensors,
-                    objects=objects, rank_objects=tuple(rank_objects),
-                    layout=layout, files=files, stats=stats, index=index)
+                    objects=objects, rank_objects=rank_objects,
+                    layout=layout, files=files, stats=stats, index=index, ranks=ranks)

@@ -20,8 +20,8 @@ hash of its name) and each set of holders has one too:
    view); three all-to-alls per distinct set size, none when no owner's boxes to write changed
    since the last save (the last placement is reused).
 4. **assign**: each writer learns the boxes it writes, each tensor owner its boxes' files; each
-   owner writes its part of the manifest's tensor table (format 4, :mod:`adacheck.manifest`) and
-   rank 0 gathers the parts' hashes, the warnings and counts, and commits the manifest.
+   owner writes its part of the manifest's tensor table (format 5, :mod:`adacheck.manifest`) and
+   rank 0 gathers the warnings and counts, and commits the manifest.
 5. **tell the holders** (one all-to-all): each owner sends each rank that held boxes of its
    tensors where they are stored; each rank writes them in its rank file, from which a load in
    the same layout reads everything it needs of the manifest.
@@ -302,12 +302,12 @@ def place(comm: Comm, decided: Decisions, copies: int, nodes: Optional[List[str]
 
 @dataclass
 class Gathered:
-    """Step 4's end, on rank 0: the warnings, the plan's counts, the number of tensors, the
-    references to earlier checkpoints ("<tag>/<file>") and the ranks that write a file."""
+    """Step 4's end, on rank 0: the warnings, the plan's counts, the number of tensors, the names
+    of those that are not saved objects, and the ranks that write a file."""
     warnings: List[str]
     stats: dict
     tensors: int
-    referenced: List[str]
+    names: List[str]
     writers: List[int]
 
 
@@ -315,10 +315,9 @@ def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, refe
            placed: Placed) -> Optional[Gathered]:
     """What rank 0 needs of every owner for the manifest (not the entries: each owner writes its
     part of the table itself); None elsewhere."""
-    refs = sorted({sb.file for e in tensors.values() if e.derived is None for sb in e.boxes if "/" in sb.file})
     mine = (decided.warnings, decided.held, decided.logical, referenced,
             sum(e.nbytes for e in tensors.values() if e.derived is not None), placed.nbytes, bool(placed.writes),
-            len(tensors), refs)
+            len(tensors), [n for n, e in tensors.items() if e.kind != "object"])
     parts = comm.gather_object(mine)
     if parts is None:
         return None
@@ -327,15 +326,17 @@ def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, refe
              "stored_bytes": sum(per_rank), "derived_bytes": sum(p[4] for p in parts),
              "referenced_bytes": sum(p[3] for p in parts), "per_rank_bytes": per_rank}
     return Gathered(sorted(w for p in parts for w in p[0]), stats, sum(p[7] for p in parts),
-                    sorted({r for p in parts for r in p[8]}), [r for r, p in enumerate(parts) if p[6]])
+                    sorted(n for p in parts for n in p[8]), [r for r, p in enumerate(parts) if p[6]])
 
 
-def cut_to(e: TensorEntry, boxes: List[Box]) -> TensorEntry:
-    """Entry ``e`` with only the stored (or derived) boxes that meet one of ``boxes``."""
+def cut_to(e: TensorEntry, boxes: List[Box], rank: int) -> TensorEntry:
+    """Entry ``e`` with only the stored (or derived) boxes that meet one of ``boxes`` (those
+    ``rank`` held), each stored copy's holders cut down to ``rank`` itself where it held its bytes."""
     meets = lambda b: any(b.intersect(x) is not None for x in boxes)   # noqa: E731
     if e.derived is not None:
         return replace(e, derived=replace(e.derived, boxes=tuple((b, h) for b, h in e.derived.boxes if meets(b))))
-    return replace(e, boxes=tuple(sb for sb in e.boxes if meets(sb.box)))
+    return replace(e, boxes=tuple(replace(sb, holders=(rank,) if rank in sb.holders else ())
+                                  for sb in e.boxes if meets(sb.box)))
 
 
 def tell_holders(comm: Comm, tensors: Dict[str, TensorEntry],
@@ -349,8 +350,8 @@ def tell_holders(comm: Comm, tensors: Dict[str, TensorEntry],
         for name, held in by_name.items():
             for rank, shard in held:
                 boxes[rank].setdefault(name, []).append(shard.box)
-        return [_json(tensors_json({name: cut_to(tensors[name], bs) for name, bs in mine.items()}))
-                if mine else None for mine in boxes]
+        return [_json(tensors_json({name: cut_to(tensors[name], bs, rank) for name, bs in mine.items()}))
+                if mine else None for rank, mine in enumerate(boxes)]
 
     got = comm.all_to_all_bytes(faults.run(encode, [None] * n))
     held = faults.run(lambda: {name: e for b in got if b for name, e in _load(b).items()}, {})

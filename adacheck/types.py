@@ -225,4 +225,5 @@ class Manifest:
     layout: dict                       # framework description of what each rank held
     files: dict = field(default_factory=dict)   # file -> {"nbytes": int, "writer": rank}
     stats: dict = field(default_factory=dict)
-    index: Optional[dict] = None       # format 4 in parts: {"generation", "parts", "hashes", "tensors", "referenced"}
+    index: Optional[dict] = None       # in parts (formats 4, 5): {"generation", "parts", "tensors", "ranks", ...}
+    ranks: Optional[object] = field(default=None, compare=False, repr=False)   # in parts: manifest.RankFiles

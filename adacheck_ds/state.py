@@ -192,14 +192,14 @@ def _master_source(r: CheckpointReader, n: str) -> str:
 
 
 def _lp_source(r: CheckpointReader, n: str, dtype: torch.dtype) -> str:
-    model = r.manifest.tensors.get(f"model/{n}")
+    model = r.entry(f"model/{n}") if r.has(f"model/{n}") else None
     if model is not None and model.derived is None and model.dtype == str(dtype).replace("torch.", ""):
         return f"model/{n}"
     return _master_source(r, n)
 
 
 def _names_in(r: CheckpointReader, prefix: str) -> set:
-    return {n[len(prefix):] for n in r.manifest.tensors if n.startswith(prefix)}
+    return {n[len(prefix):] for n in r.names() if n.startswith(prefix)}
 
 
 def _check_names(engine, r: CheckpointReader, strict: bool) -> set:
@@ -278,7 +278,7 @@ def _stage_optimizer(lay: Layout, r: CheckpointReader, saved_groups) -> Optional
 
 def state_keys(r: CheckpointReader) -> List[str]:
     """The optimizer state names (exp_avg, step, ...) a checkpoint holds."""
-    return sorted({name.split("/")[1] for name in r.manifest.tensors if name.startswith("optim/")})
+    return sorted({name.split("/")[1] for name in r.names() if name.startswith("optim/")})
 
 
 def state_entry(r: CheckpointReader, lay: Layout, keys, frags, numel: int, shape) -> dict:

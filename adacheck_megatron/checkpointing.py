@@ -42,11 +42,12 @@ from adacheck.errors import ConfigError
 from . import parallel
 from .saved import Objects, RankObjects
 from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map,
-                    distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped, stage_load)
+                    distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped, stage_load,
+                    SavedObjects)
 from .flags import config_from_args
 from .hooks import add_post_step_hook, wrap_optimizer_step
-from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler, rank_state,
-                       set_rank_state, sharded_state_dict, sync_params, topology, unwrap)
+from .parallel import (SIZES, chunk_key, data_parallel_ranks, is_same_layout, json_args, layout_name, load_scheduler,
+                       rank_state, set_rank_state, sharded_state_dict, sync_params, topology, unwrap)
 from .replay import Replay
 
 # The online mode of a job (adacheck_megatron.online) sits on its optimizer under this name.
@@ -281,11 +282,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     def read(r: core.CheckpointReader):
         objects = Objects.of(r.objects(), f"the objects of {r.dir}")
         saved_layout = r.manifest.layout.get("ranks", [])
-        saving_ranks = [RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}")
-                        for i in range(len(r.manifest.rank_objects))]
-        sharded_objects = {}
-        for saved_rank in saving_ranks:
-            sharded_objects.update(saved_rank.sharded_objects)
+        same = is_same_layout(saved_layout, topology(), comm.world_size)
+        sharded_objects = SavedObjects(r, (comm.rank, *data_parallel_ranks()) if same else ())
         sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
         dist = load_optim and optimizer is not None and bool(distributed_optimizers(optimizer))
         saved_dist = objects.distributed_optimizer is not None
@@ -303,8 +301,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                                       absent=("optimizer.state.",) if fresh else ())
         rng = None
         if load_rng:
-            if is_same_layout(saved_layout, topology(), comm.world_size):
-                rng = saving_ranks[comm.rank].rng
+            if same:
+                rng = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}").rng
             elif comm.rank == 0:
                 saved = layout_name(saved_layout[0]) if saved_layout else "?"
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "

@@ -119,6 +119,15 @@ def load_scheduler(scheduler, state: dict) -> None:
     scheduler.load_state_dict(state)
 
 
+def data_parallel_ranks() -> List[int]:
+    """The global ranks of this rank's data-parallel groups (with context parallelism; the
+    expert data-parallel group's after the dense one's), each in ascending order."""
+    groups = [ps.get_data_parallel_group(with_context_parallel=True)]
+    if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
+        groups.append(ps.get_expert_data_parallel_group())
+    return [r for g in groups for r in sorted(torch.distributed.get_process_group_ranks(g))]
+
+
 COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank", "etp_rank")
 
 

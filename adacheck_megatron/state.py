@@ -19,6 +19,7 @@ optimizer's ``load_state_dict`` expect.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -34,6 +35,8 @@ from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTens
                                                       apply_factory_merges, is_main_replica)
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess, save_preprocess
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+from .saved import RankObjects
 
 MASTER_PREFIX = "optimizer.state.fp32_param."
 
@@ -212,6 +215,47 @@ def _read_padded(reader: CheckpointReader, name: str, meta: ShardedTensor, dtype
     if inter is not None:
         reader.read(name, inter, out=out[inter.slices(box)])
     return out
+
+
+class SavedObjects(Mapping):
+    """megatron-core's ShardedObjects of a checkpoint by unique key (each saving rank keeps its
+    main replicas in its objects), read when first asked for: a key is looked for in the objects
+    of the saving ranks ``candidates``, in order (a load in the layout it saved: this rank, whose
+    own main replicas are there, then its data-parallel group, where the main replica of the
+    others is), and only then in every saving rank's."""
+
+    def __init__(self, reader: CheckpointReader, candidates: Tuple[int, ...] = ()):
+        self.reader, self.found, self.added = reader, {}, set()
+        self.candidates = [r for r in dict.fromkeys(candidates) if 0 <= r < len(reader.manifest.rank_objects)]
+
+    def _add(self, rank: int) -> None:
+        if rank not in self.added:
+            saved = RankObjects.of(self.reader.manifest.rank_objects[rank], f"rank {rank}'s objects of {self.reader.dir}")
+            self.found.update(self.reader.decode(saved.sharded_objects))
+            self.added.add(rank)
+
+    def _look(self, key) -> bool:
+        for rank in [*self.candidates, *range(len(self.reader.manifest.rank_objects))]:
+            if key in self.found:
+                return True
+            self._add(rank)
+        return key in self.found
+
+    def __getitem__(self, key: str):
+        if not self._look(key):
+            raise KeyError(key)
+        return self.found[key]
+
+    def __contains__(self, key) -> bool:
+        return self._look(key)
+
+    def __iter__(self):
+        for rank in range(len(self.reader.manifest.rank_objects)):
+            self._add(rank)
+        return iter(self.found)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
 
 
 def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,

@@ -22,7 +22,11 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
                             plan's): seconds and hash bytes received per rank (mean, busiest
                             owner) and sent, in two all-to-all rounds; and the balance of
                             writers chosen per holder set (``planner.place_by_group``, no
-                            global view), against the whole plan's
+                            global view), against the whole plan's; the manifest bytes a rank
+                            reads to load the layout it saved: format 5 (what the partitioned
+                            exchange writes: the root and the rank's own rank file) and, under
+                            ``format4``, the format before it (the root with every rank's
+                            tables and the parts that list the rank's tensors)
   max_over_mean_bytes_written    the busiest writer over the mean, from the plan
   stored_over_unique        bytes stored over each distinct box once
   projection                save seconds = max(busiest rank's bytes / per-rank share of node
@@ -53,6 +57,7 @@ from adacheck import planner  # noqa: E402
 from adacheck.boxes import flat_pieces, row_chunks  # noqa: E402
 from adacheck.hashing import owner_of as hash_owner  # noqa: E402
 from adacheck.checkpoint import exchange_blob, structure_of  # noqa: E402
+from adacheck.partition import cut_to  # noqa: E402
 from adacheck.types import Box, Manifest, ShardMeta  # noqa: E402
 
 
@@ -311,6 +316,24 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     part_reads = [root_bytes + sum(part_size.get(i, 0) for i in {hash_owner(x.name, ranks) for x in metas})
                   for metas in sampled]
     del by_part
+    # format 5, as the partitioned exchange writes it now: the root holds no per-rank table; a rank
+    # that loads the layout it saved reads the root and its own rank file (its layout, objects and
+    # file, and the entries of its tensors cut down to its boxes, as partition.tell_holders sends them)
+    names = sorted(n for n, e in plan.tensors.items() if e.kind != "object")     # (the sampled stages')
+    root5 = replace(man, format_version=mf.RANKED_SINCE, tensors={}, rank_objects=(), layout={}, files={},
+                    stats={k: v for k, v in plan.stats.items() if k != "per_rank_bytes"},
+                    index={"generation": 0, "parts": ranks, "ranks": ranks, "tensors": round(len(plan.tensors) * scale),
+                           "files": ranks, "names": names})
+    root5_bytes = round(len(mf.dumps(root5).encode("utf-8")) + (scale - 1) * len(json.dumps(names, indent=1)))
+    rank_reads = []
+    for i in probe:
+        boxes = {}
+        for x in sampled[i]:
+            boxes.setdefault(x.name, []).append(x.box)
+        held = mf.tensors_json({name: cut_to(plan.tensors[name], bs, i) for name, bs in boxes.items()})
+        tables = {"layout": man.layout["ranks"][i], "objects": man.rank_objects[i],
+                  "files": {f: info for f, info in plan.files.items() if info["writer"] == i}}
+        rank_reads.append(root5_bytes + len(mf.rank_file_bytes(man.tag, 0, i, held, tables)))
     written = [0] * len(sampled)
     for f, info in plan.files.items():
         written[info["writer"]] += info["nbytes"]
@@ -350,9 +373,12 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "exchange_bytes_sent_per_rank": round(sum(sent) / len(sent)),
             "exchange_rounds": 2,
             "max_over_mean_bytes_written_by_group": grouped_max / mean_written,
-            "manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
-            "manifest_bytes_read_busiest_rank": round(max(part_reads)),
-            "manifest_root_bytes": round(root_bytes)},
+            "manifest_bytes_read_per_rank": round(sum(rank_reads) / len(rank_reads)),
+            "manifest_bytes_read_busiest_rank": round(max(rank_reads)),
+            "manifest_root_bytes": root5_bytes,
+            "format4": {"manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
+                        "manifest_bytes_read_busiest_rank": round(max(part_reads)),
+                        "manifest_root_bytes": round(root_bytes)}},
         "build_seconds": build_s,
         "exchange_bytes_per_rank": round(mean_later * (ranks - 1)),
         "first_exchange_bytes_per_rank": round(mean_first * (ranks - 1)),
@@ -386,7 +412,7 @@ def main() -> None:
     print("| model | ranks | shards per rank | plan s per rank (first) | exchange MB per rank (first) | rounds | "
           "manifest MB read per rank | max / mean written | stored / unique | save s AdaCheck / native DS | "
           "partitioned: decide s per rank (busiest) | MB received per rank (busiest) | max / mean by holder set | "
-          "manifest MB read per rank (busiest) |")
+          "manifest MB read per rank (busiest): format 4 / format 5 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in a.model:
         m = MODELS[name]
@@ -403,7 +429,9 @@ def main() -> None:
                   f"{pa['decide_seconds_per_rank']:.3f} ({pa['decide_seconds_busiest_owner_sampled']:.3f}) | "
                   f"{pa['exchange_bytes_per_rank'] / 1e6:.2f} ({pa['exchange_bytes_busiest_owner_sampled'] / 1e6:.2f}) | "
                   f"{pa['max_over_mean_bytes_written_by_group']:.2f} | "
-                  f"{pa['manifest_bytes_read_per_rank'] / 1e6:.1f} ({pa['manifest_bytes_read_busiest_rank'] / 1e6:.1f}) |",
+                  f"{pa['format4']['manifest_bytes_read_per_rank'] / 1e6:.1f} "
+                  f"({pa['format4']['manifest_bytes_read_busiest_rank'] / 1e6:.1f}) / "
+                  f"{pa['manifest_bytes_read_per_rank'] / 1e6:.3f} ({pa['manifest_bytes_read_busiest_rank'] / 1e6:.3f}) |",
                   flush=True)
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -56,7 +56,10 @@ def state(rank, step, LocalShard, LocalState, Box):
         shards.append(LocalShard("master/big", "master", tuple(big.shape), Box(((rank - 4) * rows, 0), (rows, 1024)),
                                  big[(rank - 4) * rows:(rank - 3) * rows].clone(), replicated=False))
     rng = torch.tensor([rank, step], dtype=torch.int64)
-    return LocalState(shards, objects={"step": step}, rank_objects={"rng": rng}, step=step,
+    # (as adacheck_megatron keeps megatron-core's ShardedObjects: each by its main replica, here the
+    # first data-parallel rank at each tensor-parallel rank)
+    objs = {f"obj/tp{tp}": {"tp": tp, "t": torch.tensor([tp, step])}} if rank < TP else {}
+    return LocalState(shards, objects={"step": step}, rank_objects={"rng": rng, "sharded_objects": objs}, step=step,
                       layout={"tp": tp, "dp": rank // TP})
 
 
@@ -108,10 +111,23 @@ def main():
         rec[f"{how}/own"]["rng"] = own.objects(rank)["rng"].tolist() == [rank, 3]
         parted = hasattr(own.manifest.tensors, "bytes_read")
         rec[f"{how}/own_bytes"] = {"parts": own.manifest.tensors.bytes_read if parted else None,
-                                   "rank_file": own.held_bytes}
+                                   "rank_files": own.manifest.ranks.bytes_read if parted else None}
         # a derived box this rank held whole, from a source it held in part: the whole table
         rec[f"{how}/own"].update({s.name: bool(torch.equal(own.read(s.name, s.box), s.tensor))
                                   for s in saved.shards if s.derive is not None})
+        if how == "partitioned":
+            # megatron-core's ShardedObjects as adacheck_megatron's load finds them: this rank's own,
+            # then its data-parallel group's (the ranks at its tensor-parallel rank), then everyone's
+            from adacheck_megatron.state import SavedObjects
+            reader = CheckpointReader(f"{spec['dir']}/{how}/s3", prefer_rank=rank)
+            tp, found = rank % TP, {}
+            objs = SavedObjects(reader, (rank, *range(tp, WORLD, TP)))
+            mine = objs[f"obj/tp{tp}"]
+            found["mine"] = [mine["tp"], mine["t"].tolist(), len(reader.manifest.ranks.loaded)]
+            other = objs[f"obj/tp{1 - tp}"]
+            found["other"] = [other["tp"], other["t"].tolist()]
+            found["all"] = [sorted(objs), len(reader.manifest.ranks.loaded)]
+            rec["sharded_objects"] = found
     # a save directory that is not shared between the nodes (a relative path from each node's own
     # working directory): the files of the other node are not there, and the save is refused on
     # every rank, with the ring (rank 0 confirms every file) and partitioned (each rank the next's)

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from adacheck import deltas
 from adacheck.boxes import flat_range_to_boxes
-from adacheck.checkpoint import (CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
-                                 resolve, save)
+from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
+                                 Options, resolve, save)
 from adacheck.manifest import checksum
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
 from adacheck.exchange import SoloComm
@@ -20,6 +20,9 @@ from adacheck.types import Box
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1")   # written by format 1
+# written by the partitioned exchange: format 4 (by AdaCheck before format 5), format 5 (now)
+GOLDEN_V4 = os.path.join(os.path.dirname(__file__), "golden", "v4")
+GOLDEN_V5 = os.path.join(os.path.dirname(__file__), "golden", "v5")
 
 
 def golden_state():
@@ -34,23 +37,28 @@ def golden_state():
                          rank_objects={"seed": 1}, framework={"name": "test"}, step=7)
 
 
-def write_golden(d):
+def write_golden(d, exchange="ring"):
     w, state = golden_state()
-    save(SoloComm(), d, "step7", lambda: state)
+    if exchange == "ring":
+        save(SoloComm(), d, "step7", lambda: state)
+    else:
+        Checkpointer(options=Options(exchange=exchange)).save(SoloComm(), d, "step7", lambda: state)
     return w
 
 
-def test_golden_bytes(tmp_path):
-    write_golden(str(tmp_path))
+@pytest.mark.parametrize("exchange,golden", [("ring", GOLDEN), ("partitioned", GOLDEN_V5)])
+def test_golden_bytes(tmp_path, exchange, golden):
+    write_golden(str(tmp_path), exchange)
     produced = sorted(os.listdir(tmp_path / "step7"))
-    assert produced == sorted(os.listdir(GOLDEN))
+    assert produced == sorted(os.listdir(golden))
     for name in produced:
-        assert (tmp_path / "step7" / name).read_bytes() == open(os.path.join(GOLDEN, name), "rb").read(), name
+        assert (tmp_path / "step7" / name).read_bytes() == open(os.path.join(golden, name), "rb").read(), name
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1])
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1, GOLDEN_V4, GOLDEN_V5])
 def test_golden_loads_and_is_standard_safetensors(golden):
-    """Both format versions load (format 1 with a warning that it lacks the identity binding)."""
+    """Every format version loads (format 1 with a warning that it lacks the identity binding),
+    with its rank's objects; formats 4 and 5 (in parts) read only what a load asks for."""
     w, _ = golden_state()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -61,6 +69,13 @@ def test_golden_loads_and_is_standard_safetensors(golden):
     assert torch.equal(r.read("model/w"), w.bfloat16())
     assert r.objects()["sched"] == {"last_epoch": 7}
     assert torch.equal(r.objects()["t"], torch.arange(2))
+    assert r.objects(0) == {"seed": 1} and len(r.manifest.rank_objects) == 1
+    assert r.manifest.format_version == {GOLDEN: 2, GOLDEN_V1: 1, GOLDEN_V4: 4, GOLDEN_V5: 5}[golden]
+    if golden == GOLDEN_V5:      # (its rank 0 reads its own rank file: no part of the tensor table)
+        own = CheckpointReader(golden, prefer_rank=0)
+        assert torch.equal(own.read("master/w"), w) and torch.equal(own.read("model/w"), w.bfloat16())
+        assert torch.equal(own.objects()["t"], torch.arange(2)) and own.objects(0) == {"seed": 1}
+        assert own.manifest.tensors.bytes_read == 0 < own.manifest.ranks.bytes_read
     raw = load_file(os.path.join(golden, "rank00000-g0.safetensors"))
     assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
 

@@ -58,9 +58,14 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
     for r in range(8):       # each rank's own boxes, read as a load in the same layout reads them
         for how in ("ring", "partitioned"):
             assert all(res[r][f"{how}/own"].values()) and len(res[r][f"{how}/own"]) >= 7, (r, how, res[r][f"{how}/own"])
-        # partitioned: from the rank's own file, no part of the tensor table read
-        assert res[r]["partitioned/own_bytes"]["parts"] == 0 < res[r]["partitioned/own_bytes"]["rank_file"], res[r]
-        assert res[r]["ring/own_bytes"] == {"parts": None, "rank_file": 0}
+        # partitioned: from the rank's own rank file alone, no part of the tensor table read
+        own_file = os.path.getsize(f"{d}/partitioned/s3/manifest-g0-rank-{r:05d}.json")
+        assert res[r]["partitioned/own_bytes"] == {"parts": 0, "rank_files": own_file}, res[r]["partitioned/own_bytes"]
+        # ShardedObjects (adacheck_megatron.state.SavedObjects): a rank that saved its own reads one
+        # rank file, another of its data-parallel group two; one elsewhere is found in every rank's
+        tp = r % 2
+        assert res[r]["sharded_objects"] == {"mine": [tp, [tp, 3], 1 if r < 2 else 2], "other": [1 - tp, [1 - tp, 3]],
+                                             "all": [["obj/tp0", "obj/tp1"], 8]}, res[r]["sharded_objects"]
     for r in range(8):       # a directory not shared between the nodes: refused on every rank
         for how in ("ring", "partitioned"):
             assert "IntegrityError" in res[r][f"{how}/local"] and "is not on the storage" in res[r][f"{how}/local"], \
@@ -76,7 +81,12 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
         for k in ("held_bytes", "logical_bytes", "stored_bytes", "derived_bytes", "referenced_bytes"):
             assert ring.stats[k] == part.stats[k], (tag, k)
         assert part.rank_objects == ring.rank_objects and part.objects == ring.objects
-        assert part.topology == ring.topology and part.layout == ring.layout
+        assert part.layout == ring.layout
+        on_disk = {f: {"writer": int(f[4:9]), "nbytes": os.path.getsize(f"{d}/partitioned/{tag}/{f}")}
+                   for f in os.listdir(f"{d}/partitioned/{tag}") if f.endswith(".safetensors")}
+        assert dict(part.files) == on_disk and len(on_disk) > 1
+        # (format 5: each rank's node in its rank file)
+        assert dict(part.topology, nodes=[part.ranks.get(r).node for r in range(8)]) == ring.topology
         # each writer is the one the per-holder-set placement chooses from the whole job's boxes
         items = {sb.key: (sb.box.numel * itemsize(e.dtype), sb.key, sb.holders)
                  for e in ring.tensors.values() for sb in e.boxes if "/" not in sb.file}
@@ -117,10 +127,11 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
 
 
 def parted_checks(d):
-    """The partitioned saves' manifests are in parts (format 4): a reader of one tensor reads the
-    root and one part; an edited part is an IntegrityError, a missing one a FormatError (also for
-    `adacheck verify`); retention and garbage collection keep the parts of what is kept, and
-    remove those of retired or never committed saves."""
+    """The partitioned saves' manifests are in parts (format 5): a reader of one tensor reads the
+    root and one part; a rank file lists the boxes its rank held; an edited part or rank file is
+    an IntegrityError, a missing one a FormatError (also for `adacheck verify`); retention and
+    garbage collection keep the parts of what is kept, and remove those of retired or never
+    committed saves."""
     import shutil
     from adacheck import commit
     from adacheck.cli import main as cli
@@ -130,12 +141,14 @@ def parted_checks(d):
     from adacheck.manifest import checksum, part_name, rank_file_name
     ck = f"{d}/partitioned/s3"
     m = read_manifest(ck)
-    assert m.format_version == 4 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
+    assert m.format_version == 5 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
+    root = json.load(open(f"{ck}/manifest.json"))     # (nothing in it grows with the job)
+    assert not {"files", "rank_objects", "layout"} & set(root) and set(root["topology"]) == {"world_size", "copies"}
     kept = sorted(f for f in os.listdir(ck) if f.startswith("manifest-g"))
-    parts = [part_name(0, i) for i, h in enumerate(m.index["hashes"]) if h is not None]
-    assert kept == sorted(parts + [rank_file_name(0, r) for r in range(8)]) and len(parts) > 1
+    parts = [part_name(0, i) for i in range(8)]
+    assert kept == sorted(parts + [rank_file_name(0, r) for r in range(8)])
     # a rank file lists the boxes its rank held, and no others: rank 2 held rows 16-23 of master/w
-    held, _ = commit.read_rank_file(ck, m, 2)
+    held = m.ranks.get(2).tensors
     rows = sorted((sb.box.offsets[0], sb.box.lengths[0]) for sb in held["master/w"].boxes)
     assert rows[0][0] == 16 and sum(n for _, n in rows) == 8 and all(a + n <= 24 for a, n in rows), rows
     assert "master/big" not in held and set(held) >= {"model/emb", "model/w", "master/d", "model/d", "model/ln"}
@@ -149,7 +162,7 @@ def parted_checks(d):
     victim = os.path.join(bad, part_name(0, owner_of("model/emb", 8)))
     text = open(victim).read()
     open(victim, "w").write(text.replace('"shape":[16,8]', '"shape":[8,16]'))
-    with pytest.raises(IntegrityError, match="does not match the hash"):
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
         read_manifest(bad).tensors["model/emb"]
     assert cli(["verify", "--quiet", bad]) == 2      # (a damaged manifest stops the command)
     os.remove(victim)
@@ -174,8 +187,8 @@ def parted_checks(d):
     with pytest.raises(IntegrityError, match="manifest recorded xxh3_128:0000"):
         CheckpointReader(bad, prefer_rank=2).read("model/emb")
     assert cli(["verify", "--quiet", bad]) == 2
-    with pytest.raises(IntegrityError, match="is not what the manifest's tensor table says"):
-        commit.check_rank_files(bad, read_manifest(bad))
+    with pytest.raises(IntegrityError, match="rank 2's file says of model/emb what the tensor table does not"):
+        commit.check_rank_files(read_manifest(bad))
     os.remove(victim)
     with pytest.raises(FormatError, match="is missing"):
         CheckpointReader(bad, prefer_rank=2).read("model/emb")

@@ -23,11 +23,11 @@ FIELDS = ("model", "ranks", "plan_seconds_per_rank", "exchange_bytes_per_rank", 
 def test_simulation_reports_the_fields_and_stores_each_box_once(tmp_path):
     out = tmp_path / "sim.json"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "simulate_scale.py"), "--model", "gpt3-175b",
-                        "--ranks", "1024", "--sample-stages", "0", "15", "--json", str(out)],
+                        "--ranks", "1024", "2048", "--sample-stages", "0", "15", "--json", str(out)],
                        capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 1 and all(k in rows[0] for k in FIELDS), rows
+    assert len(rows) == 2 and all(k in row for k in FIELDS for row in rows), rows
     row = rows[0]
     assert row["model"] == "gpt3-175b" and row["ranks"] == 1024 and row["exchange_rounds"] == 1024
     assert row["layout"] == {"tp": 8, "pp": 16, "dp": 8, "ep": 1}
@@ -41,3 +41,11 @@ def test_simulation_reports_the_fields_and_stores_each_box_once(tmp_path):
     assert 1.0 <= row["max_over_mean_bytes_written"] < 2.0
     assert isinstance(row["plan_seconds_per_rank"], float) and row["exchange_bytes_per_rank"] > 0
     assert row["manifest_bytes_read_per_rank"] > 0
+    # a load in the layout it saved: format 5 (the root and the rank's own rank file) reads the
+    # same at twice the ranks; format 4 (every rank's tables in the root, whole tensor entries)
+    # grows with the job
+    now, before = [r["partitioned"]["manifest_bytes_read_per_rank"] for r in rows], \
+        [r["partitioned"]["format4"]["manifest_bytes_read_per_rank"] for r in rows]
+    assert 0 < now[0] < before[0] / 10 and abs(now[1] / now[0] - 1) < 0.05 and before[1] > 1.5 * before[0], (now, before)
+    root = [r["partitioned"]["manifest_root_bytes"] for r in rows]
+    assert abs(root[1] / root[0] - 1) < 0.01, root
