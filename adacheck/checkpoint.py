@@ -39,7 +39,7 @@ from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
-                       RankFiles, part_name, rank_file_name, split_file)
+                       RANK_OBJECT, RankFiles, meta_entry, part_name, rank_file_name, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -171,6 +171,17 @@ def _object_shards(tree, prefix: str, replicated: bool):
         shards.append(LocalShard(name, "object", tuple(t.shape), Box.full(t.shape), t,
                                  replicated=replicated))
     return enc, shards
+
+
+def ranges(ranks: List[int]) -> List[List[int]]:
+    """Sorted ranks as [first, end) ranges: [0, 1, 2, 5] -> [[0, 3], [5, 6]]."""
+    out: List[List[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
 
 
 def host_tensors(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, object]:
@@ -455,6 +466,7 @@ class Checkpointer:
         self.tiered: Optional[MemoryTier] = None   # the memory tier (options.tiers), made at its first use
         self.last_load: Optional[Tuple[Storage, str]] = None   # (storage, directory) the last load read from
         self.last_tier: Optional[str] = None      # and, with tiers, which one: "memory" or "durable"
+        self.last_read: Optional[Dict[str, int]] = None   # manifest parts and rank files the last load read
 
     def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
@@ -849,7 +861,8 @@ class Checkpointer:
         for w in got.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
         exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
-                           "tensors": got.tensors, "names": got.names}
+                           "tensors": got.tensors, "meta": got.meta, "referenced": got.referenced,
+                           "writers": ranges(got.writers)}
         return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
                          held=held)
 
@@ -923,7 +936,7 @@ class Checkpointer:
             agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
                   on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
             if comm.rank == 0:
-                index, where = dict(exchanged.index, files=len(files)), store.join(ckpt_dir, MANIFEST_NAME)
+                index, where = exchanged.index, store.join(ckpt_dir, MANIFEST_NAME)
                 tensors = PartedTensors(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
                 ranks = RankFiles(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
         manifest = Manifest(
@@ -1036,6 +1049,9 @@ class Checkpointer:
                           stacklevel=3)
             ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, opts.verify, undo, store)
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
+        # what this rank read of the manifest besides manifest.json (a manifest in parts)
+        self.last_read = {"parts": getattr(manifest.tensors, "bytes_read", 0),
+                          "rank_files": manifest.ranks.bytes_read if manifest.ranks is not None else 0}
         if opts.verify:
             self.trust(ckpt_dir, store)
         if tier is not None:
@@ -1243,15 +1259,20 @@ class CheckpointReader:
         return self.entry(name, whole=True)
 
     def has(self, name: str) -> bool:
-        return name in self.held() or name in self.manifest.tensors
+        if name in self.held():
+            return True
+        meta = (self.manifest.index or {}).get("meta")
+        if meta is not None and not RANK_OBJECT.match(name):    # (format 5: every other tensor is listed there)
+            return name in meta
+        return name in self.manifest.tensors
 
     def names(self) -> List[str]:
-        """The names of the checkpoint's tensors, saved objects' left out (format 5: from its index,
-        no part read)."""
-        index = self.manifest.index
-        if index is not None and "names" in index:
-            return index["names"]
-        return sorted(n for n, e in self.manifest.tensors.items() if e.kind != "object")
+        """The names of the checkpoint's tensors, each rank's own objects left out (format 5: from its
+        index, no part read)."""
+        meta = (self.manifest.index or {}).get("meta")
+        if meta is not None:
+            return sorted(meta)
+        return sorted(n for n in self.manifest.tensors if not RANK_OBJECT.match(n))
 
     def drop_cache(self) -> None:
         """Forget the verified boxes kept so far (their memory goes)."""
@@ -1263,6 +1284,9 @@ class CheckpointReader:
         tensor's with ``whole``, else perhaps only those ``prefer_rank`` held."""
         if not whole and name in self.held():
             return self._held[name]
+        meta = (self.manifest.index or {}).get("meta")
+        if not whole and meta is not None and name in meta:
+            return meta_entry(name, meta[name])
         try:
             return self.manifest.tensors[name]
         except KeyError:

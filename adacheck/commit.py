@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import AdaCheckError, FormatError, IntegrityError, NotFoundError
 from .manifest import (MANIFEST_NAME, PART_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name, part_names,
-                       rank_file_bytes, rank_file_name, referenced_files)
+                       rank_file_bytes, rank_file_name, referenced_files, tensor_meta)
 from .storage import LOCAL, Storage
 from .types import Manifest
 
@@ -80,10 +80,13 @@ def write_rank_file(ckpt_dir: str, generation: int, rank: int, tag: str, held: d
 def check_rank_files(m: Manifest) -> int:
     """Every rank file of ``m`` says what its tensor table says (each held entry's kind, dtype,
     shape and derivation, and each of its boxes with its file, key and hash, is the table's, and
-    the rank among its holders); an IntegrityError names the first that does not.  Returns the
-    rank files checked."""
+    the rank among its holders), and so does its index's ``meta``; an IntegrityError names the
+    first that does not.  Returns the rank files checked."""
     if m.ranks is None:
         return 0
+    if tensor_meta({n: m.tensors[n] for n in m.tensors}) != m.index["meta"]:
+        raise IntegrityError(f"{m.ranks.where}: what its index says of the tensors (meta) is not what its tensor "
+                             "table says: the manifest was edited. Restore it from a copy, or load an older checkpoint")
     for rank in range(m.ranks.count):
         for name, e in m.ranks.get(rank).tensors.items():
             whole = m.tensors.get(name)

@@ -24,7 +24,8 @@ and the checksum of the rest of them (not a hash in the index, which would grow 
 the index holds their counts.  A rank that loads the layout it saved reads the root and its own
 rank file (:class:`RankFiles`, :class:`RankTable`, :class:`FileTable`); ``adacheck verify``
 checks that the rank files say what the parts say.  A box of a format 5 checkpoint names a file
-of its own generation's writers, or ``<earlier tag>/<file>`` listed in its part's ``referenced``.
+of its own generation's writers (the index's ``writers``, as ranges of ranks), or ``<earlier
+tag>/<file>`` listed in the index's ``referenced``.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .boxes import check_tiling
 from .errors import FormatError, IntegrityError
 from .hashing import check_digest_format, hash_buffer, owner_of
 from .jsontree import tensor_refs
+from .planner import file_name
 from .types import KINDS, DTYPES, Box, Derivation, Manifest, StoredBox, TensorEntry
 
 FORMAT = "adacheck"
@@ -53,6 +55,7 @@ BOUND_SINCE = 2        # format versions from here on bind box hashes to their i
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
+RANK_OBJECT = re.compile(r"^rank\d+/")     # (the tensors of a rank's own objects, checkpoint._object_shards)
 _WRITER_FILE = re.compile(r"^rank(\d{5})-g(\d+)\.safetensors$")     # (planner.file_name's names)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
@@ -68,7 +71,9 @@ def referenced_files(m: Manifest):
     """{(tag, file)} this checkpoint needs, with tag None for its own directory (a manifest in
     parts: its own files and the references its index lists, no part read)."""
     if m.index is not None:
-        return {(None, f) for f in m.files} | {split_file(r) for r in m.tensors.referenced()}
+        own = (m.files if m.format_version < RANKED_SINCE else
+               [file_name(w, m.index["generation"]) for a, b in m.index["writers"] for w in range(a, b)])
+        return {(None, f) for f in own} | {split_file(r) for r in m.index["referenced"]}
     return {split_file(b.file) for e in m.tensors.values() for b in e.boxes}
 
 
@@ -107,13 +112,27 @@ def rank_file_bytes(tag: str, generation: int, rank: int, tensors: dict, tables:
 
 def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: Optional[int] = None) -> bytes:
     """The text of part ``part`` of checkpoint ``tag``'s tensor table: format 4 (its hash goes in the
-    index), or with ``generation`` format 5 (the references to earlier checkpoints its tensors
-    hold, and a checksum)."""
+    index), or with ``generation`` format 5 (with a checksum)."""
     d = {"format": PART_FORMAT, "tag": tag, "part": part, "tensors": tensors_json(tensors)}
     if generation is None:
         return json.dumps(d, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
-    return _checked_bytes(dict(d, generation=generation, referenced=sorted(
-        {sb.file for e in tensors.values() if e.derived is None for sb in e.boxes if "/" in sb.file})))
+    return _checked_bytes(dict(d, generation=generation))
+
+
+def tensor_meta(tensors: Dict[str, TensorEntry]) -> Dict[str, list]:
+    """What a format 5 index says of each tensor but a rank's own objects' (which grow with the
+    job): [kind, dtype, shape, derivation's source or null, its op or null]; enough to know a
+    tensor is there and what it is, without reading its part."""
+    return {n: [e.kind, e.dtype, list(e.shape), e.derived.source if e.derived else None,
+                e.derived.op if e.derived else None]
+            for n, e in sorted(tensors.items()) if not RANK_OBJECT.match(n)}
+
+
+def meta_entry(name: str, meta: list) -> TensorEntry:
+    """The entry a format 5 index's ``meta`` row stands for, without boxes (no part read)."""
+    kind, dtype, shape, source, op = meta
+    return TensorEntry(name, kind, dtype, tuple(shape),
+                       derived=Derivation(source, op, ()) if source is not None else None)
 
 
 def tensors_json(tensors) -> dict:
@@ -253,18 +272,30 @@ def _index(d: dict, version: int, where: str) -> dict:
     parts = _need(index, "parts", int, where + ".index")
     count = _need(index, "tensors", int, where + ".index")
     ranks = 0
-    if version >= RANKED_SINCE:     # (the parts check themselves and list their own references)
-        hashes, referenced = [None] * parts, []
+    referenced = _need(index, "referenced", list, where + ".index")
+    if version >= RANKED_SINCE:     # (the parts check themselves)
+        hashes = [None] * parts
         ranks = _need(index, "ranks", int, where + ".index")
-        nfiles = _need(index, "files", int, where + ".index")
-        names = _need(index, "names", list, where + ".index")
-        if not all(isinstance(n, str) for n in names) or len(names) > count:
-            raise FormatError(f"{where}: index.names is not a list of at most {count} tensor names")
+        writers = _need(index, "writers", list, where + ".index")
+        if not all(isinstance(w, list) and len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                               for x in w) and 0 <= w[0] < w[1] <= ranks
+                   for w in writers):
+            raise FormatError(f"{where}: index.writers is not a list of [first, end) ranges of ranks: {writers!r}")
+        nfiles = sum(b - a for a, b in writers)
+        meta = _need(index, "meta", dict, where + ".index")
+        for n, row in meta.items():
+            if not (isinstance(row, list) and len(row) == 5 and row[0] in KINDS and row[1] in DTYPES
+                    and isinstance(row[2], list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                         for x in row[2])
+                    and (row[3] is None) == (row[4] is None) and all(isinstance(x, (str, type(None))) for x in row[3:])
+                    and not RANK_OBJECT.match(n)):
+                raise FormatError(f"{where}: index.meta[{n!r}] is not [kind, dtype, shape, source, op]: {row!r}")
+        if len(meta) > count:
+            raise FormatError(f"{where}: index.meta lists {len(meta)} tensors, more than its {count}")
         if ranks < 1 or nfiles < 0:
             raise FormatError(f"{where}: index does not describe its rank files ({ranks} ranks, {nfiles} files)")
     else:
         hashes = _need(index, "hashes", list, where + ".index")
-        referenced = _need(index, "referenced", list, where + ".index")
     if generation < 0 or parts < 1 or len(hashes) != parts or count < 0 or ranks < 0:
         raise FormatError(f"{where}: index does not describe its parts (generation {generation}, "
                           f"{parts} parts, {len(hashes)} hashes, {count} tensors)")
@@ -284,14 +315,15 @@ def _check_references(referenced, where: str) -> None:
 
 class _WrittenFiles:
     """The shard files a format 5 checkpoint's boxes may name in its own directory: those its
-    ranks write in its generation (``planner.file_name``); the rank files list them with sizes."""
+    writers wrote in its generation (``planner.file_name``); their rank files give their sizes."""
 
-    def __init__(self, generation: int, ranks: int):
-        self.generation, self.ranks = generation, ranks
+    def __init__(self, generation: int, writers: list):
+        self.generation, self.writers = generation, writers
 
     def __contains__(self, fname) -> bool:
         m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
-        return m is not None and int(m.group(2)) == self.generation and int(m.group(1)) < self.ranks
+        return (m is not None and int(m.group(2)) == self.generation
+                and any(a <= int(m.group(1)) < b for a, b in self.writers))
 
 
 def _read_checked(open_part, name: str, where: str, what: str) -> bytes:
@@ -333,7 +365,7 @@ class PartedTensors(Mapping):
         self.index, self.files, self.tag, self.version, self.where = index, files, tag, version, where
         self.open_part = open_part
         self.loaded: Dict[int, Dict[str, TensorEntry]] = {}
-        self.references: Dict[int, list] = {}
+        self.referenced = set(index["referenced"])
         self.bytes_read = 0
 
     def part(self, i: int) -> Dict[str, TensorEntry]:
@@ -342,7 +374,7 @@ class PartedTensors(Mapping):
         ranked = self.version >= RANKED_SINCE
         digest = None if ranked else self.index["hashes"][i]
         if digest is None and not ranked:
-            self.loaded[i], self.references[i] = {}, []
+            self.loaded[i] = {}
             return self.loaded[i]
         name = part_name(self.index["generation"], i)
         data = _read_checked(self.open_part, name, self.where, "part")
@@ -355,28 +387,14 @@ class PartedTensors(Mapping):
         where = f"{self.where} part {name}"
         expect = {"format": PART_FORMAT, "tag": self.tag, "part": i}
         d = _load_checked(data, where, dict(expect, generation=self.index["generation"]) if ranked else expect, ranked)
-        if ranked:
-            refs = _need(d, "referenced", list, where)
-            _check_references(refs, where + ": referenced")
-        else:
-            refs = self.index["referenced"]
         tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where,
-                           referenced=set(refs))
+                           referenced=self.referenced)
         strays = [n for n in tensors if owner_of(n, self.index["parts"]) != i]
         if strays:
             raise FormatError(f"{where}: lists {strays[0]!r}, which belongs to another part")
-        self.loaded[i], self.references[i] = tensors, refs
+        self.loaded[i] = tensors
         _check_sources(tensors, self.get)
         return tensors
-
-    def referenced(self) -> list:
-        """The references to earlier checkpoints ("<tag>/<file>") the table holds (format 5: every
-        part read)."""
-        if self.version < RANKED_SINCE:
-            return self.index["referenced"]
-        for i in range(self.index["parts"]):
-            self.part(i)
-        return sorted({r for refs in self.references.values() for r in refs})
 
     def __getitem__(self, name: str) -> TensorEntry:
         return self.part(owner_of(name, self.index["parts"]))[name]
@@ -429,7 +447,8 @@ class RankFiles:
         self.bytes_read += len(data)
         where = f"{self.where} rank file {name}"
         d = _load_checked(data, where, {"format": RANK_FORMAT, "tag": self.tag, "generation": gen, "rank": rank}, True)
-        tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where, whole=False)
+        tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where,
+                           referenced=set(self.index["referenced"]), whole=False)
         for name_, e in tensors.items():
             if e.derived is None and any(set(sb.holders) - {rank} for sb in e.boxes):
                 raise FormatError(f"{where}: {name_} names holders other than rank {rank}")
@@ -526,7 +545,7 @@ def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[
     index = ranks = None
     if version >= RANKED_SINCE:
         index = _index(d, version, where)
-        files = _WrittenFiles(index["generation"], index["ranks"])
+        files = _WrittenFiles(index["generation"], index["writers"])
     else:
         files = _need(d, "files", dict, where)
         for fname, info in files.items():
@@ -547,7 +566,7 @@ def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[
     objects = d.get("objects", {})
     if version >= RANKED_SINCE:
         rank_objects, layout = RankTable(ranks, "objects"), {"ranks": RankTable(ranks, "layout")}
-        files = FileTable(ranks, index["files"])
+        files = FileTable(ranks, sum(b - a for a, b in index["writers"]))
     else:
         rank_objects, layout = d.get("rank_objects", []), d.get("layout", {})
         if not isinstance(rank_objects, list):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import planner
-from .manifest import tensors_json
+from .manifest import tensor_meta, tensors_json
 from .errors import FormatError
 from .exchange import Comm, agree
 from .planner import Decisions, PlanCache, PreviousIndex
@@ -302,12 +302,14 @@ def place(comm: Comm, decided: Decisions, copies: int, nodes: Optional[List[str]
 
 @dataclass
 class Gathered:
-    """Step 4's end, on rank 0: the warnings, the plan's counts, the number of tensors, the names
-    of those that are not saved objects, and the ranks that write a file."""
+    """Step 4's end, on rank 0: the warnings, the plan's counts, the number of tensors, what the
+    manifest's index says of each tensor but a rank's own objects (:func:`manifest.tensor_meta`),
+    the references to earlier checkpoints ("<tag>/<file>") and the ranks that write a file."""
     warnings: List[str]
     stats: dict
     tensors: int
-    names: List[str]
+    meta: Dict[str, list]
+    referenced: List[str]
     writers: List[int]
 
 
@@ -317,7 +319,8 @@ def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, refe
     part of the table itself); None elsewhere."""
     mine = (decided.warnings, decided.held, decided.logical, referenced,
             sum(e.nbytes for e in tensors.values() if e.derived is not None), placed.nbytes, bool(placed.writes),
-            len(tensors), [n for n, e in tensors.items() if e.kind != "object"])
+            len(tensors), tensor_meta(tensors),
+            sorted({sb.file for e in tensors.values() if e.derived is None for sb in e.boxes if "/" in sb.file}))
     parts = comm.gather_object(mine)
     if parts is None:
         return None
@@ -326,7 +329,8 @@ def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, refe
              "stored_bytes": sum(per_rank), "derived_bytes": sum(p[4] for p in parts),
              "referenced_bytes": sum(p[3] for p in parts), "per_rank_bytes": per_rank}
     return Gathered(sorted(w for p in parts for w in p[0]), stats, sum(p[7] for p in parts),
-                    sorted(n for p in parts for n in p[8]), [r for r, p in enumerate(parts) if p[6]])
+                    dict(sorted(kv for p in parts for kv in p[8].items())), sorted({r for p in parts for r in p[9]}),
+                    [r for r, p in enumerate(parts) if p[6]])
 
 
 def cut_to(e: TensorEntry, boxes: List[Box], rank: int) -> TensorEntry:

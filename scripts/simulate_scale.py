@@ -26,7 +26,9 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
                             reads to load the layout it saved: format 5 (what the partitioned
                             exchange writes: the root and the rank's own rank file) and, under
                             ``format4``, the format before it (the root with every rank's
-                            tables and the parts that list the rank's tensors)
+                            tables and the parts that list the rank's tensors);
+                            ``..._derived_weights``: format 5 when the bf16 weights are derived
+                            from the fp32 main weights, whose parts are read too
   max_over_mean_bytes_written    the busiest writer over the mean, from the plan
   stored_over_unique        bytes stored over each distinct box once
   projection                save seconds = max(busiest rank's bytes / per-rank share of node
@@ -319,13 +321,13 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     # format 5, as the partitioned exchange writes it now: the root holds no per-rank table; a rank
     # that loads the layout it saved reads the root and its own rank file (its layout, objects and
     # file, and the entries of its tensors cut down to its boxes, as partition.tell_holders sends them)
-    names = sorted(n for n, e in plan.tensors.items() if e.kind != "object")     # (the sampled stages')
+    meta = mf.tensor_meta(plan.tensors)     # (the sampled stages')
     root5 = replace(man, format_version=mf.RANKED_SINCE, tensors={}, rank_objects=(), layout={}, files={},
                     stats={k: v for k, v in plan.stats.items() if k != "per_rank_bytes"},
                     index={"generation": 0, "parts": ranks, "ranks": ranks, "tensors": round(len(plan.tensors) * scale),
-                           "files": ranks, "names": names})
-    root5_bytes = round(len(mf.dumps(root5).encode("utf-8")) + (scale - 1) * len(json.dumps(names, indent=1)))
-    rank_reads = []
+                           "meta": meta, "referenced": [], "writers": [[0, ranks]]})
+    root5_bytes = round(len(mf.dumps(root5).encode("utf-8")) + (scale - 1) * len(json.dumps(meta, indent=1)))
+    rank_reads, derived_reads = [], []
     for i in probe:
         boxes = {}
         for x in sampled[i]:
@@ -334,6 +336,10 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         tables = {"layout": man.layout["ranks"][i], "objects": man.rank_objects[i],
                   "files": {f: info for f, info in plan.files.items() if info["writer"] == i}}
         rank_reads.append(root5_bytes + len(mf.rank_file_bytes(man.tag, 0, i, held, tables)))
+        # with its bf16 weights derived from the fp32 main weights (adacheck_megatron proves the cast
+        # where it holds): the parts that list their sources too (every data-parallel rank's box)
+        sources = {hash_owner("master/param." + n[len("model/"):], ranks) for n in boxes if n.startswith("model/")}
+        derived_reads.append(rank_reads[-1] + sum(part_size.get(p, 0) for p in sources))
     written = [0] * len(sampled)
     for f, info in plan.files.items():
         written[info["writer"]] += info["nbytes"]
@@ -376,6 +382,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "manifest_bytes_read_per_rank": round(sum(rank_reads) / len(rank_reads)),
             "manifest_bytes_read_busiest_rank": round(max(rank_reads)),
             "manifest_root_bytes": root5_bytes,
+            "manifest_bytes_read_per_rank_derived_weights": round(sum(derived_reads) / len(derived_reads)),
             "format4": {"manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
                         "manifest_bytes_read_busiest_rank": round(max(part_reads)),
                         "manifest_root_bytes": round(root_bytes)}},

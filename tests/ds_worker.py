@@ -288,6 +288,8 @@ def act(engine, a, rec, out_dir, rank):
     elif op == "load":
         path, cs = engine.load_checkpoint(a[1], **(a[2] if len(a) > 2 else {}))
         rec["loaded"].append([path, {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in (cs or {}).items()}])
+        ac = getattr(engine, "adacheck", None)
+        rec.setdefault("manifest_read", []).append(getattr(ac.checkpointer, "last_read", None) if ac else None)
     elif op == "load_native":
         path, cs = adacheck_ds.load_native(engine, a[1])
         rec["loaded"].append([path, sorted(cs or {})])

@@ -192,6 +192,19 @@ def parted_checks(d):
     os.remove(victim)
     with pytest.raises(FormatError, match="is missing"):
         CheckpointReader(bad, prefer_rank=2).read("model/emb")
+    # the index's meta (what a load asks of a tensor it did not hold), made to say another shape
+    # with the manifest's checksum made good again: verify finds it is not what the parts say
+    bad = f"{d}/bad-meta/s3"
+    shutil.copytree(ck, bad)
+    root = json.load(open(f"{bad}/manifest.json"))
+    assert root["index"]["meta"]["master/big"] == ["master", "float32", [2560, 1024], None, None]
+    root["index"]["meta"]["master/big"][2] = [1024, 2560]
+    root["checksum"] = checksum(root)
+    json.dump(root, open(f"{bad}/manifest.json", "w"))
+    assert CheckpointReader(bad, prefer_rank=0).entry("master/big").shape == (1024, 2560)
+    with pytest.raises(IntegrityError, match="meta"):
+        commit.check_rank_files(read_manifest(bad))
+    assert cli(["verify", "--quiet", bad]) == 2
     # an interrupted save's part and a retired checkpoint's parts are garbage; the kept ones stay
     save_dir = f"{d}/partitioned"
     os.makedirs(f"{save_dir}/s9")
