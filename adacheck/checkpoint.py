@@ -39,7 +39,7 @@ from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
-                       RANK_OBJECT, RankFiles, meta_entry, part_name, rank_file_name, split_file)
+                       RANK_OBJECT, RankFiles, meta_entry, meta_name, part_name, rank_file_name, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -862,7 +862,7 @@ class Checkpointer:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
         exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
                            "tensors": got.tensors, "meta": got.meta, "referenced": got.referenced,
-                           "writers": ranges(got.writers)}
+                           "writers": ranges(got.writers)}      # (meta: written to its file, then its hash)
         return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
                          held=held)
 
@@ -906,12 +906,12 @@ class Checkpointer:
                  for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
-        tensors, index, ranks, store = plan.tensors, None, None, prepared.store
+        tensors, index, ranks, store, mine = plan.tensors, None, None, prepared.store, ()
         topology = dict({"world_size": comm.world_size},
                         **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
         if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
             version, gen, ckpt_dir = RANKED_SINCE, exchanged.generation, prepared.ckpt_dir
-            mine = (part_name(gen, comm.rank), rank_file_name(gen, comm.rank))
+            mine = (part_name(gen, comm.rank), rank_file_name(gen, comm.rank), meta_name(gen) if comm.rank == 0 else None)
             topology.pop("nodes", None)      # (each rank's is in its rank file, as are its bytes written)
             stats.pop("per_rank_bytes", None)
             p = prepared.payload
@@ -932,11 +932,14 @@ class Checkpointer:
                 commit.write_rank_file(ckpt_dir, gen, comm.rank, prepared.tag, plan.held or {}, tables,
                                        self.options.fsync, store)
                 commit.write_part(ckpt_dir, gen, comm.rank, prepared.tag, plan.tensors, self.options.fsync, store)
+                if comm.rank == 0:      # (what the index says of the tensors, bound by its hash)
+                    return commit.write_meta(ckpt_dir, gen, prepared.tag, exchanged.index["meta"], self.options.fsync,
+                                             store)
 
-            agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
-                  on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
+            meta = agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
+                         on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
             if comm.rank == 0:
-                index, where = exchanged.index, store.join(ckpt_dir, MANIFEST_NAME)
+                index, where = dict(exchanged.index, meta=meta), store.join(ckpt_dir, MANIFEST_NAME)
                 tensors = PartedTensors(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
                 ranks = RankFiles(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
         manifest = Manifest(
@@ -960,8 +963,7 @@ class Checkpointer:
                                   {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
                 commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
-        parts = ((part_name(exchanged.generation, comm.rank), rank_file_name(exchanged.generation, comm.rank))
-                 if exchanged.partitioned else ())
+        parts = mine if exchanged.partitioned else ()
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
               on_failure=lambda: self._remove_mine(prepared, written.my_file, *parts))
         return manifest
@@ -1050,7 +1052,9 @@ class Checkpointer:
             ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, opts.verify, undo, store)
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
         # what this rank read of the manifest besides manifest.json (a manifest in parts)
-        self.last_read = {"parts": getattr(manifest.tensors, "bytes_read", 0),
+        parted = isinstance(manifest.tensors, PartedTensors)
+        self.last_read = {"parts": manifest.tensors.bytes_read if parted else 0,
+                          "meta": manifest.tensors.meta_bytes_read if parted else 0,
                           "rank_files": manifest.ranks.bytes_read if manifest.ranks is not None else 0}
         if opts.verify:
             self.trust(ckpt_dir, store)
@@ -1261,7 +1265,7 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         if name in self.held():
             return True
-        meta = (self.manifest.index or {}).get("meta")
+        meta = self._meta()
         if meta is not None and not RANK_OBJECT.match(name):    # (format 5: every other tensor is listed there)
             return name in meta
         return name in self.manifest.tensors
@@ -1269,10 +1273,15 @@ class CheckpointReader:
     def names(self) -> List[str]:
         """The names of the checkpoint's tensors, each rank's own objects left out (format 5: from its
         index, no part read)."""
-        meta = (self.manifest.index or {}).get("meta")
+        meta = self._meta()
         if meta is not None:
             return sorted(meta)
         return sorted(n for n in self.manifest.tensors if not RANK_OBJECT.match(n))
+
+    def _meta(self) -> Optional[Dict[str, list]]:
+        """Format 5: what the meta file says of each tensor (kind, dtype, shape, derivation)."""
+        tensors = self.manifest.tensors
+        return tensors.meta() if isinstance(tensors, PartedTensors) else None
 
     def drop_cache(self) -> None:
         """Forget the verified boxes kept so far (their memory goes)."""
@@ -1284,8 +1293,8 @@ class CheckpointReader:
         tensor's with ``whole``, else perhaps only those ``prefer_rank`` held."""
         if not whole and name in self.held():
             return self._held[name]
-        meta = (self.manifest.index or {}).get("meta")
-        if not whole and meta is not None and name in meta:
+        meta = self._meta() if not whole else None
+        if meta is not None and name in meta:
             return meta_entry(name, meta[name])
         try:
             return self.manifest.tensors[name]

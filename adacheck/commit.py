@@ -17,7 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import AdaCheckError, FormatError, IntegrityError, NotFoundError
 from .manifest import (MANIFEST_NAME, PART_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name, part_names,
-                       rank_file_bytes, rank_file_name, referenced_files, tensor_meta)
+                       meta_bytes, meta_name, rank_file_bytes, rank_file_name, referenced_files, tensor_meta)
+from .hashing import hash_buffer
 from .storage import LOCAL, Storage
 from .types import Manifest
 
@@ -68,6 +69,14 @@ def write_part(ckpt_dir: str, generation: int, part: int, tag: str, tensors, fsy
                        part_bytes(tag, part, tensors, generation), fsync=fsync)
 
 
+def write_meta(ckpt_dir: str, generation: int, tag: str, meta: dict, fsync: bool = True,
+               store: Storage = LOCAL) -> str:
+    """A format 5 manifest's meta file, written before the manifest; returns its hash (for the index)."""
+    data = meta_bytes(tag, generation, meta)
+    store.write_atomic(store.join(ckpt_dir, meta_name(generation)), data, fsync=fsync)
+    return hash_buffer(data)
+
+
 def write_rank_file(ckpt_dir: str, generation: int, rank: int, tag: str, held: dict, tables: dict,
                     fsync: bool = True, store: Storage = LOCAL) -> None:
     """Rank ``rank``'s file of a manifest in parts (format 5: ``held``, the entries of the boxes it
@@ -84,7 +93,7 @@ def check_rank_files(m: Manifest) -> int:
     first that does not.  Returns the rank files checked."""
     if m.ranks is None:
         return 0
-    if tensor_meta({n: m.tensors[n] for n in m.tensors}) != m.index["meta"]:
+    if tensor_meta({n: m.tensors[n] for n in m.tensors}) != m.tensors.meta():
         raise IntegrityError(f"{m.ranks.where}: what its index says of the tensors (meta) is not what its tensor "
                              "table says: the manifest was edited. Restore it from a copy, or load an older checkpoint")
     for rank in range(m.ranks.count):

@@ -21,9 +21,12 @@ grow with the job: each saving rank r writes part r (possibly empty) and a rank 
 node, and the entries of the tensors it held cut down to the boxes that meet its own (holders:
 r itself where it held the bytes).  Parts and rank files carry their tag, generation and number
 and the checksum of the rest of them (not a hash in the index, which would grow with the job);
-the index holds their counts.  A rank that loads the layout it saved reads the root and its own
-rank file (:class:`RankFiles`, :class:`RankTable`, :class:`FileTable`); ``adacheck verify``
-checks that the rank files say what the parts say.  A box of a format 5 checkpoint names a file
+the index holds their counts, the writers, the references and the hash of the meta file
+``manifest-g<generation>-meta.json`` (:func:`tensor_meta`: what each tensor but a rank's own
+objects is, which grows with the model).  A rank that loads the layout it saved reads the root
+and its own rank file (:class:`RankFiles`, :class:`RankTable`, :class:`FileTable`), the meta file
+only for a tensor it did not hold (:meth:`PartedTensors.meta`); ``adacheck verify`` checks that
+the rank files and the meta file say what the parts say.  A box of a format 5 checkpoint names a file
 of its own generation's writers (the index's ``writers``, as ranges of ranks), or ``<earlier
 tag>/<file>`` listed in the index's ``referenced``.
 """
@@ -50,7 +53,9 @@ PARTED_SINCE = 4       # format versions from here on may keep the tensor table 
 RANKED_SINCE = 5       # from here on a manifest in parts keeps its per-rank tables in rank files
 PART_FORMAT = "adacheck-manifest-part"
 RANK_FORMAT = "adacheck-manifest-rank"
-PART_PATTERN = r"manifest-g\d+-(?:part|rank)-\d{5,}\.json"     # the names part_name and rank_file_name give
+META_FORMAT = "adacheck-manifest-meta"
+# the names part_name, rank_file_name and meta_name give
+PART_PATTERN = r"manifest-g\d+-(?:(?:part|rank)-\d{5,}|meta)\.json"
 BOUND_SINCE = 2        # format versions from here on bind box hashes to their identity
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
@@ -85,6 +90,16 @@ def rank_file_name(generation: int, rank: int) -> str:
     return f"manifest-g{generation}-rank-{rank:05d}.json"
 
 
+def meta_name(generation: int) -> str:
+    return f"manifest-g{generation}-meta.json"
+
+
+def meta_bytes(tag: str, generation: int, meta: Dict[str, list]) -> bytes:
+    """The text of a format 5 manifest's meta file (:func:`tensor_meta`); its hash goes in the index."""
+    return json.dumps({"format": META_FORMAT, "tag": tag, "generation": generation, "meta": meta},
+                      sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+
+
 def part_names(m: Manifest):
     """The part files and rank files of a manifest in parts (none for one in one file)."""
     if m.index is None:
@@ -92,7 +107,8 @@ def part_names(m: Manifest):
     g = m.index["generation"]
     parts = (range(m.index["parts"]) if "hashes" not in m.index
              else [i for i, h in enumerate(m.index["hashes"]) if h is not None])
-    return [part_name(g, i) for i in parts] + [rank_file_name(g, r) for r in range(m.index.get("ranks", 0))]
+    return ([part_name(g, i) for i in parts] + [rank_file_name(g, r) for r in range(m.index.get("ranks", 0))]
+            + ([meta_name(g)] if m.format_version >= RANKED_SINCE else []))
 
 
 def _checked_bytes(d: dict) -> bytes:
@@ -282,16 +298,8 @@ def _index(d: dict, version: int, where: str) -> dict:
                    for w in writers):
             raise FormatError(f"{where}: index.writers is not a list of [first, end) ranges of ranks: {writers!r}")
         nfiles = sum(b - a for a, b in writers)
-        meta = _need(index, "meta", dict, where + ".index")
-        for n, row in meta.items():
-            if not (isinstance(row, list) and len(row) == 5 and row[0] in KINDS and row[1] in DTYPES
-                    and isinstance(row[2], list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                         for x in row[2])
-                    and (row[3] is None) == (row[4] is None) and all(isinstance(x, (str, type(None))) for x in row[3:])
-                    and not RANK_OBJECT.match(n)):
-                raise FormatError(f"{where}: index.meta[{n!r}] is not [kind, dtype, shape, source, op]: {row!r}")
-        if len(meta) > count:
-            raise FormatError(f"{where}: index.meta lists {len(meta)} tensors, more than its {count}")
+        if not check_digest_format(_need(index, "meta", str, where + ".index")):
+            raise FormatError(f"{where}: index.meta {index['meta']!r} is not an xxh3_128 digest")
         if ranks < 1 or nfiles < 0:
             raise FormatError(f"{where}: index does not describe its rank files ({ranks} ranks, {nfiles} files)")
     else:
@@ -366,7 +374,38 @@ class PartedTensors(Mapping):
         self.open_part = open_part
         self.loaded: Dict[int, Dict[str, TensorEntry]] = {}
         self.referenced = set(index["referenced"])
-        self.bytes_read = 0
+        self.bytes_read = self.meta_bytes_read = 0
+        self._meta: Optional[Dict[str, list]] = None
+
+    def meta(self) -> Optional[Dict[str, list]]:
+        """Format 5: what its meta file says of each tensor but a rank's own objects ([kind, dtype,
+        shape, source, op], :func:`tensor_meta`), read and checked against its hash in the index the
+        first time it is asked for; None for format 4."""
+        if self.version < RANKED_SINCE:
+            return None
+        if self._meta is None:
+            name = meta_name(self.index["generation"])
+            data = _read_checked(self.open_part, name, self.where, "meta file")
+            if hash_buffer(data) != self.index["meta"]:
+                raise IntegrityError(f"{self.where}: its meta file {name} does not match the hash the manifest binds "
+                                     "it by: it was edited or damaged after AdaCheck wrote it. Restore it from a copy, "
+                                     "or load an older checkpoint (adacheck ls lists them)")
+            self.meta_bytes_read += len(data)
+            where = f"{self.where} meta file {name}"
+            d = _load_checked(data, where, {"format": META_FORMAT, "tag": self.tag,
+                                            "generation": self.index["generation"]}, False)
+            meta = _need(d, "meta", dict, where)
+            for n, row in meta.items():
+                if not (isinstance(row, list) and len(row) == 5 and row[0] in KINDS and row[1] in DTYPES
+                        and isinstance(row[2], list)
+                        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[2])
+                        and (row[3] is None) == (row[4] is None)
+                        and all(isinstance(x, (str, type(None))) for x in row[3:]) and not RANK_OBJECT.match(n)):
+                    raise FormatError(f"{where}: meta[{n!r}] is not [kind, dtype, shape, source, op]: {row!r}")
+            if len(meta) > self.index["tensors"]:
+                raise FormatError(f"{where}: lists {len(meta)} tensors, more than the index's {self.index['tensors']}")
+            self._meta = meta
+        return self._meta
 
     def part(self, i: int) -> Dict[str, TensorEntry]:
         if i in self.loaded:

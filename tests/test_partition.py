@@ -138,7 +138,8 @@ def parted_checks(d):
     from adacheck.errors import FormatError, IntegrityError
     from adacheck.hashing import owner_of
     from adacheck.checkpoint import CheckpointReader
-    from adacheck.manifest import checksum, part_name, rank_file_name
+    from adacheck.hashing import hash_buffer
+    from adacheck.manifest import checksum, meta_name, part_name, rank_file_name
     ck = f"{d}/partitioned/s3"
     m = read_manifest(ck)
     assert m.format_version == 5 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
@@ -146,7 +147,7 @@ def parted_checks(d):
     assert not {"files", "rank_objects", "layout"} & set(root) and set(root["topology"]) == {"world_size", "copies"}
     kept = sorted(f for f in os.listdir(ck) if f.startswith("manifest-g"))
     parts = [part_name(0, i) for i in range(8)]
-    assert kept == sorted(parts + [rank_file_name(0, r) for r in range(8)])
+    assert kept == sorted(parts + [rank_file_name(0, r) for r in range(8)] + [meta_name(0)])
     # a rank file lists the boxes its rank held, and no others: rank 2 held rows 16-23 of master/w
     held = m.ranks.get(2).tensors
     rows = sorted((sb.box.offsets[0], sb.box.lengths[0]) for sb in held["master/w"].boxes)
@@ -192,13 +193,20 @@ def parted_checks(d):
     os.remove(victim)
     with pytest.raises(FormatError, match="is missing"):
         CheckpointReader(bad, prefer_rank=2).read("model/emb")
-    # the index's meta (what a load asks of a tensor it did not hold), made to say another shape
-    # with the manifest's checksum made good again: verify finds it is not what the parts say
+    # the meta file (what a load asks of a tensor it did not hold): edited, an IntegrityError; made to
+    # say another shape with its hash in the manifest made good again, verify finds it is not what
+    # the parts say
     bad = f"{d}/bad-meta/s3"
     shutil.copytree(ck, bad)
+    meta = json.load(open(f"{bad}/manifest-g0-meta.json"))
+    assert meta["meta"]["master/big"] == ["master", "float32", [2560, 1024], None, None]
+    meta["meta"]["master/big"][2] = [1024, 2560]
+    data = json.dumps(meta).encode()
+    open(f"{bad}/manifest-g0-meta.json", "wb").write(data)
+    with pytest.raises(IntegrityError, match="meta file .* does not match the hash"):
+        CheckpointReader(bad, prefer_rank=0).entry("master/big")
     root = json.load(open(f"{bad}/manifest.json"))
-    assert root["index"]["meta"]["master/big"] == ["master", "float32", [2560, 1024], None, None]
-    root["index"]["meta"]["master/big"][2] = [1024, 2560]
+    root["index"]["meta"] = hash_buffer(data)
     root["checksum"] = checksum(root)
     json.dump(root, open(f"{bad}/manifest.json", "w"))
     assert CheckpointReader(bad, prefer_rank=0).entry("master/big").shape == (1024, 2560)
