@@ -39,7 +39,7 @@ from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
-                       RANK_OBJECT, RankFiles, meta_entry, meta_name, part_name, rank_file_name, split_file)
+                       JOB_OBJECTS, RANK_OBJECT, RankFiles, meta_entry, meta_name, part_name, rank_file_name, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -751,7 +751,7 @@ class Checkpointer:
             shards = [c for s in state.shards for c in split_chunks(s, self.options.chunk_bytes)]
             objects = None
             if comm.rank == 0:
-                objects, extra = _object_shards(state.objects, "object", replicated=False)
+                objects, extra = _object_shards(state.objects, JOB_OBJECTS.rstrip("/"), replicated=False)
                 shards += extra
             rank_objects, extra = _object_shards(state.rank_objects, f"rank{comm.rank}", replicated=False)
             shards += extra

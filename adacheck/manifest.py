@@ -61,6 +61,7 @@ CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
 RANK_OBJECT = re.compile(r"^rank\d+/")     # (the tensors of a rank's own objects, checkpoint._object_shards)
+JOB_OBJECTS = "object/"                     # (and of the job's objects, saved by rank 0)
 _WRITER_FILE = re.compile(r"^rank(\d{5})-g(\d+)\.safetensors$")     # (planner.file_name's names)
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 

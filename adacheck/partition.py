@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from . import planner
-from .manifest import tensor_meta, tensors_json
+from .manifest import JOB_OBJECTS, tensor_meta, tensors_json
 from .errors import FormatError
 from .exchange import Comm, agree
 from .planner import Decisions, PlanCache, PreviousIndex
@@ -346,7 +346,8 @@ def cut_to(e: TensorEntry, boxes: List[Box], rank: int) -> TensorEntry:
 def tell_holders(comm: Comm, tensors: Dict[str, TensorEntry],
                  by_name: Dict[str, List[Tuple[int, ShardMeta]]]) -> dict:
     """Step 5: each rank's held entries (its rank file's tensor table, as JSON): from each owner,
-    its tensors cut down to the boxes that rank sent it."""
+    its tensors cut down to the boxes that rank sent it; and the job's objects (rank 0's, which
+    every rank loads) whole to every rank."""
     n, faults = comm.world_size, _Faults()
 
     def encode():
@@ -354,6 +355,9 @@ def tell_holders(comm: Comm, tensors: Dict[str, TensorEntry],
         for name, held in by_name.items():
             for rank, shard in held:
                 boxes[rank].setdefault(name, []).append(shard.box)
+            if name.startswith(JOB_OBJECTS):
+                for rank in range(n):
+                    boxes[rank].setdefault(name, [Box.full(tensors[name].shape)])
         return [_json(tensors_json({name: cut_to(tensors[name], bs, rank) for name, bs in mine.items()}))
                 if mine else None for rank, mine in enumerate(boxes)]
 

@@ -46,8 +46,9 @@ from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, di
                     SavedObjects)
 from .flags import config_from_args
 from .hooks import add_post_step_hook, wrap_optimizer_step
-from .parallel import (SIZES, chunk_key, data_parallel_ranks, is_same_layout, json_args, layout_name, load_scheduler,
-                       rank_state, set_rank_state, sharded_state_dict, sync_params, topology, unwrap)
+from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler,
+                       rank_state, replica_ranks, set_rank_state, sharded_state_dict, sync_params, topology,
+                       unwrap)
 from .replay import Replay
 
 # The online mode of a job (adacheck_megatron.online) sits on its optimizer under this name.
@@ -282,8 +283,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     def read(r: core.CheckpointReader):
         objects = Objects.of(r.objects(), f"the objects of {r.dir}")
         saved_layout = r.manifest.layout.get("ranks", [])
-        same = is_same_layout(saved_layout, topology(), comm.world_size)
-        sharded_objects = SavedObjects(r, (comm.rank, *data_parallel_ranks()) if same else ())
+        same = is_same_layout(saved_layout, topology(), comm.world_size, comm.rank)
+        sharded_objects = SavedObjects(r, (comm.rank, *replica_ranks()) if same else ())
         sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
         dist = load_optim and optimizer is not None and bool(distributed_optimizers(optimizer))
         saved_dist = objects.distributed_optimizer is not None

@@ -119,10 +119,11 @@ def load_scheduler(scheduler, state: dict) -> None:
     scheduler.load_state_dict(state)
 
 
-def data_parallel_ranks() -> List[int]:
-    """The global ranks of this rank's data-parallel groups (with context parallelism; the
-    expert data-parallel group's after the dense one's), each in ascending order."""
-    groups = [ps.get_data_parallel_group(with_context_parallel=True)]
+def replica_ranks() -> List[int]:
+    """The global ranks that may hold replicas of this rank's state: its tensor- and data-parallel
+    group (with context parallelism; its pipeline stage), then with expert parallelism its expert
+    data-parallel group, each in ascending order (main replicas are on the lowest ranks)."""
+    groups = [ps.get_tensor_and_data_parallel_group(with_context_parallel=True)]
     if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
         groups.append(ps.get_expert_data_parallel_group())
     return [r for g in groups for r in sorted(torch.distributed.get_process_group_ranks(g))]
@@ -131,7 +132,7 @@ def data_parallel_ranks() -> List[int]:
 COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank", "etp_rank")
 
 
-def is_same_layout(saved: List[dict], topo: dict, world: int) -> bool:
+def is_same_layout(saved: List[dict], topo: dict, world: int, rank: int = 0) -> bool:
     """The saving job's ranks (``manifest.layout["ranks"]``) ran this job's layout ``topo`` on
-    ``world`` ranks."""
-    return len(saved) == world and all(saved[0].get(k) == topo[k] for k in SIZES)
+    ``world`` ranks (told by saving rank ``rank``'s entry: a format 5 manifest reads only it)."""
+    return len(saved) == world and 0 <= rank < world and all(saved[rank].get(k) == topo[k] for k in SIZES)

@@ -107,7 +107,7 @@ class Replay:
         saved = manifest.layout.get("ranks", [])
         topo = topology()
         world = int(manifest.topology.get("world_size", 1))
-        if is_same_layout(saved, topo, self.comm.world_size):
+        if is_same_layout(saved, topo, self.comm.world_size, self.comm.rank):
             return recovery.ReplayPlan(True)
         only_dp = bool(saved) and all(saved[0].get(k) == topo[k] for k in SIZES if k != "dp")
         maps = [RankObjects.of(ro, f"rank {r}'s objects of the base").partitions if ro else None

@@ -221,8 +221,8 @@ class SavedObjects(Mapping):
     """megatron-core's ShardedObjects of a checkpoint by unique key (each saving rank keeps its
     main replicas in its objects), read when first asked for: a key is looked for in the objects
     of the saving ranks ``candidates``, in order (a load in the layout it saved: this rank, whose
-    own main replicas are there, then its data-parallel group, where the main replica of the
-    others is), and only then in every saving rank's."""
+    own main replicas are there, then the ranks that may hold replicas of its state, lowest
+    first, where the main replicas of the others are), and only then in every saving rank's."""
 
     def __init__(self, reader: CheckpointReader, candidates: Tuple[int, ...] = ()):
         self.reader, self.found, self.added = reader, {}, set()

@@ -136,6 +136,8 @@ def run_one(run, out):
             args.adacheck, args.load = True, rest[0]
             iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
+            job = getattr(optimizer, "adacheck_checkpointer", None)      # (what it read of the manifest)
+            res.setdefault("manifest_read", []).append(job.last_read if job is not None else None)
         elif kind == "perturb_optimizer":   # main weights and every moment change in place
             with torch.no_grad():
                 for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:

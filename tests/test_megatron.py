@@ -165,6 +165,16 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     check_resumed(tmp_path, layouts, res)
     assert [res[2 * i].get("exchanges") for i in range(len(layouts))] == [
         ["partitioned" if "partitioned" in argv else "ring"] for argv in layouts.values()]
+    for i, (name, argv) in enumerate(layouts.items()):
+        if "partitioned" in argv:
+            # format 5, the layout it saved: no part, no meta file; its own rank file, and rank 1 also
+            # rank 0's where the main replicas of ShardedObjects it holds were saved (TP=2, DP=2)
+            size = [os.path.getsize(tmp_path / f"{name}-ck" / "iter_0000003" / f"manifest-g0-rank-{r:05d}.json")
+                    for r in (0, 1)]
+            want = {"tp2_fp32": [size[0], size[0] + size[1]], "pp2_bf16": size, "ep2_moe": [size[0], sum(size)]}[name]
+            for rank in (0, 1):
+                assert results(str(tmp_path), rank)[2 * i + 1]["manifest_read"] == [
+                    {"parts": 0, "meta": 0, "rank_files": want[rank]}], (name, rank)
     i = first_target
     for name, _, _, native in targets:
         ada = res[i]
