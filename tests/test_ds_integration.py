@@ -383,6 +383,12 @@ def test_ring_allgather_and_partitioned_exchanges_give_the_same_checkpoint(tmp_p
                                              for k, v in e.items()} for n, e in tensors.items()}
         assert without_files(ring["tensors"]) == without_files(tensors_json(part_m.tensors)), t
         assert part_m.format_version == 5 and ring["stats"]["stored_bytes"] == part_m.stats["stored_bytes"]
+    # format 5 converts as the ring's format does: the same weights, bit for bit
+    from adacheck.cli import main as cli
+    for how in ("ring", "partitioned"):
+        assert cli(["convert", f"{d}/{how}", f"{d}/{how}-weights", "--tag", "t2", "--to", "weights"]) == 0
+    got = [load_file(f"{d}/{how}-weights/model.safetensors") for how in ("ring", "partitioned")]
+    assert sorted(got[0]) == sorted(got[1]) and len(got[0]) > 3 and all(torch.equal(got[0][k], got[1][k]) for k in got[0])
     ring, gather, other = (results(d)[i]["exchanges"] for i in range(3))
     # caches are per job (engine): each engine's first save sends its structure
     assert [e["ranks_sent_digest_only"] for e in ring + gather + other] == [0, 4, 0, 4, 0]
