@@ -335,16 +335,23 @@ class _WrittenFiles:
                 and any(a <= int(m.group(1)) < b for a, b in self.writers))
 
 
-def _read_checked(open_part, name: str, where: str, what: str) -> bytes:
+def _read_checked(open_part, name: str, where: str, what: str, digest: Optional[str] = None) -> bytes:
+    """The bytes of file ``name`` of a manifest in parts (``what``: "part", "rank file", ...), with
+    ``digest``: checked against it, the hash the manifest binds it by."""
     if open_part is None:
         raise FormatError(f"{where}: the manifest is in parts ({name}, ...), and nothing was given to read "
                           "them with (read the manifest with adacheck.commit.read_manifest)")
     try:
-        return open_part(name)
+        data = open_part(name)
     except FileNotFoundError:
         raise FormatError(f"{where}: its {what} {name} is missing: the checkpoint is incomplete or damaged") from None
     except OSError as e:
         raise FormatError(f"{where}: cannot read its {what} {name}: {e}") from e
+    if digest is not None and hash_buffer(data) != digest:
+        raise IntegrityError(f"{where}: its {what} {name} does not match the hash the manifest binds it by: it was "
+                             "edited or damaged after AdaCheck wrote it, so nothing it says can be trusted. Restore "
+                             "it from a copy, or load an older checkpoint (adacheck ls lists them)")
+    return data
 
 
 def _load_checked(data: bytes, where: str, expect: dict, self_checked: bool) -> dict:
@@ -386,11 +393,7 @@ class PartedTensors(Mapping):
             return None
         if self._meta is None:
             name = meta_name(self.index["generation"])
-            data = _read_checked(self.open_part, name, self.where, "meta file")
-            if hash_buffer(data) != self.index["meta"]:
-                raise IntegrityError(f"{self.where}: its meta file {name} does not match the hash the manifest binds "
-                                     "it by: it was edited or damaged after AdaCheck wrote it. Restore it from a copy, "
-                                     "or load an older checkpoint (adacheck ls lists them)")
+            data = _read_checked(self.open_part, name, self.where, "meta file", self.index["meta"])
             self.meta_bytes_read += len(data)
             where = f"{self.where} meta file {name}"
             d = _load_checked(data, where, {"format": META_FORMAT, "tag": self.tag,
@@ -417,12 +420,7 @@ class PartedTensors(Mapping):
             self.loaded[i] = {}
             return self.loaded[i]
         name = part_name(self.index["generation"], i)
-        data = _read_checked(self.open_part, name, self.where, "part")
-        if digest is not None and hash_buffer(data) != digest:
-            raise IntegrityError(f"{self.where}: its part {name} does not match the hash the manifest binds it "
-                                 "by: it was edited or damaged after AdaCheck wrote it, so nothing it says can be "
-                                 "trusted. Restore it from a copy, or load an older checkpoint (adacheck ls "
-                                 "lists them)")
+        data = _read_checked(self.open_part, name, self.where, "part", digest)
         self.bytes_read += len(data)
         where = f"{self.where} part {name}"
         expect = {"format": PART_FORMAT, "tag": self.tag, "part": i}

@@ -80,6 +80,20 @@ def test_golden_loads_and_is_standard_safetensors(golden):
     assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
 
 
+def test_an_edited_part_of_a_format_4_checkpoint_is_refused(tmp_path):
+    """Format 4 binds each part by its hash in the index: a part edited after the save (here one
+    digit of a shape) is an IntegrityError when a tensor of it is asked for."""
+    import shutil
+    d = str(tmp_path / "step7")
+    shutil.copytree(GOLDEN_V4, d)
+    part = os.path.join(d, "manifest-g0-part-00000.json")
+    text = open(part).read()
+    assert text.count('"shape":[3,5]') == 2
+    open(part, "w").write(text.replace('"shape":[3,5]', '"shape":[5,3]', 1))
+    with pytest.raises(IntegrityError, match="its part manifest-g0-part-00000.json does not match the hash"):
+        CheckpointReader(d).read("master/w")
+
+
 def test_golden_hashes_follow_the_written_spec():
     """The format-2 digests and checksum, computed here from the spec with xxhash alone (not
     with AdaCheck's code): a box's hash is xxh3-128 of b"adacheck-identity-v1\\n", the 8-byte
