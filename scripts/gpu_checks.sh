@@ -8,7 +8,10 @@
 #   megatron_lm   Megatron-LM's own pretrain_gpt.py with --adacheck --async-save, stop and resume
 #                 (scripts/check_megatron_lm.py; needs $MEGATRON_LM and $MEGATRON_LM_PATCHED, trees
 #                 of core_v0.16.1 without and with patches/megatron-lm-core_v0.16.1.patch);
-#   bench_async, bench_online, bench_tiers   the benchmarks on the GPU (pinned staging).
+#   bench_async, bench_online, bench_tiers   the benchmarks on the GPU (pinned staging; bench_online
+#                 with a third engine whose deltas go to the memory tier);
+#   bench_online_throttled   the same with the checkpoint directory throttled to $GPU_DURABLE_MBPS
+#                 (default 520 MB/s: what one H100 machine's disk absorbed of Megatron-LM's deltas).
 # GPU_PARTS picks and orders them (default: all). Results (logs, JSON) go to $1 (default
 # ./gpu_out).  Each part has its own time limit and a failure does not stop the next.  PYTHON
 # defaults to python3; it needs torch with CUDA, deepspeed and this project's dependencies
@@ -31,7 +34,7 @@ part() {   # part NAME SECONDS CMD...: run it, log to OUT_DIR/NAME.log, say how 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)"
   df -h "$WORK" /tmp /dev/shm | tail -n 3; nproc; command -v make g++ python3-config; } 2>&1 | tee "$OUT_DIR/machine.txt"
-for p in ${GPU_PARTS:-tests cpu_tests megatron_lm bench_async bench_online bench_tiers}; do case $p in
+for p in ${GPU_PARTS:-tests cpu_tests megatron_lm bench_async bench_online bench_online_throttled bench_tiers}; do case $p in
 tests) part tests "${GPU_TESTS_S:-400}" $PY -m pytest -q -p no:cacheprovider -rs \
   ${GPU_TESTS:-tests/test_core_staging.py tests/test_core_deltas.py tests/test_ds_cuda.py tests/test_megatron_cuda.py} ;;
 cpu_tests) part cpu_tests "${GPU_CPU_TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs \
@@ -40,8 +43,11 @@ megatron_lm) part megatron_lm "${GPU_MLM_S:-300}" $PY scripts/check_megatron_lm.
   --patched-tree "${MEGATRON_LM_PATCHED:-}" --out "$OUT_DIR/megatron_lm" ;;
 bench_async) part bench_async "${GPU_ASYNC_S:-150}" $PY scripts/bench_async.py --device cuda --dp 1 --stages 1 3 \
   --dtypes bf16 --repeat 2 --saves 10 --busy-saves 3 --work "$WORK/async" --json "$OUT_DIR/bench_async.json" ;;
-bench_online) part bench_online "${GPU_ONLINE_S:-110}" $PY scripts/bench_online.py --device cuda --dp 1 --stages 1 2 \
-  --dtypes bf16 fp32 --work "$WORK/online" --json "$OUT_DIR/bench_online.json" ;;
+bench_online) part bench_online "${GPU_ONLINE_S:-180}" $PY scripts/bench_online.py --device cuda --dp 1 --stages 1 2 \
+  --dtypes bf16 fp32 --blocks 6 --tiers --work "$WORK/online" --json "$OUT_DIR/bench_online.json" ;;
+bench_online_throttled) part bench_online_throttled "${GPU_ONLINE_S:-180}" $PY scripts/bench_online.py --device cuda \
+  --dp 1 --stages 1 --dtypes fp32 bf16 --blocks 6 --tiers --durable-mbps "${GPU_DURABLE_MBPS:-520}" \
+  --work "$WORK/online_throttled" --json "$OUT_DIR/bench_online_throttled.json" ;;
 bench_tiers) part bench_tiers "${GPU_TIERS_S:-150}" $PY scripts/bench_tiers.py --device cuda --dp 1 --stages 1 3 \
   --dtypes bf16 --repeat 2 --memory-dir "${GPU_MEMORY_DIR:-/dev/shm/adacheck-bench}" --work "$WORK/tiers" \
   --json "$OUT_DIR/bench_tiers.json" ;;

@@ -8,6 +8,8 @@
   recorded run's state.
 - Training goes on after a load (ZeRO-2 fp32 and bf16 sync saves, a ZeRO-1 bf16 async save, each
   loaded in its own stage) with the losses of the uninterrupted run.
+- The partitioned exchange (format 5) saves asynchronously from the GPU and loads into ZeRO-3; online
+  deltas staged from the GPU into the memory tier survive a SIGKILL and recover from it exactly.
 
 The oracles are the state DeepSpeed's own accessors return at each point (ds_worker's dumps)
 and the uninterrupted runs' losses.
@@ -74,6 +76,39 @@ def test_async_sync_and_online_saves_on_the_gpu_load_exactly(tmp_path):
     assert len(res[10]["losses"]) == 4 and res[11]["losses"] == res[10]["losses"][2:], (res[10], res[11])
     for saved, loaded in (("S2", "L2"), ("S3", "L3"), ("T2", "LT2"), ("Y2", "LY2"), ("O5", "LO")):
         a, b = dump(d, saved), dump(d, loaded)
+        keys = [k for k in a if k.startswith(("model/", "master/", "optim/"))]
+        assert keys, saved
+        assert_same(a, b, keys)
+        assert b["meta/optim_step"].tolist() == a["meta/optim_step"].tolist(), saved
+
+
+def test_partitioned_save_and_memory_tier_deltas_on_the_gpu(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "cuda-tiers")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ckp, mo = f"{d}/ckp", f"{d}/mo"
+    parted = {"enabled": True, "async": True, "exchange": "partitioned"}
+    tiered = {"enabled": True, "save_dir": mo, "online": {"enabled": True, "base_interval": 3},
+              "tiers": {"memory": True, "persist_interval": 4}}
+    model = {"stage": 2, "dtype": "bf16", "hidden": 512, "layers": 3}
+    runs = [dict(model, stage=1, adacheck=parted, actions=[["train", 2], ["dump", "P2"], ["save", ckp], ["train", 1],
+                                                           ["finish"]]),
+            dict(model, stage=3, seed=7, adacheck={"enabled": True}, actions=[["load", ckp], ["dump", "LP2"]]),
+            # deltas into memory only (no base is persisted before step 8): killed after step 5
+            dict(model, adacheck=tiered, actions=[["train_dump", 5, "M"], ["finish"], ["die"]])]
+    out = launch(1, {"runs": runs}, f"{d}/a", device="cuda")
+    assert out[0][0] == -9, out[0][1][-3000:]
+    assert open(f"{ckp}/latest").read().strip() == "global_step2"
+    assert any(n.startswith("manifest-g") and "-rank-" in n for n in os.listdir(f"{ckp}/global_step2")), \
+        os.listdir(f"{ckp}/global_step2")              # (format 5: a rank file)
+    assert not os.path.exists(f"{mo}/latest")          # (nothing of the online run is durable yet)
+    out = launch(1, {"runs": [dict(model, seed=7, adacheck=tiered, actions=[["load", mo], ["steps"], ["dump", "L"]])]},
+                 f"{d}/b", device="cuda")
+    check(out)
+    assert "from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert results(f"{d}/b")[0]["steps"][0] == 5
+    for (sd, saved), (ld, loaded) in (((f"{d}/a", "P2"), (f"{d}/a", "LP2")), ((f"{d}/a", "M5"), (f"{d}/b", "L"))):
+        a, b = dump(sd, saved), dump(ld, loaded)
         keys = [k for k in a if k.startswith(("model/", "master/", "optim/"))]
         assert keys, saved
         assert_same(a, b, keys)
