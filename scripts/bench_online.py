@@ -36,7 +36,10 @@ every write: a slow disk or network store on this VM), so the deltas to disk can
 the memory tier's deltas are not throttled, only its copies behind training.  ``--nodes N``
 splits the ranks over N simulated nodes (each its own memory directory) with the peer tier on:
 every step's deltas also travel to the next node behind training (``peer MB/step``: what the
-busiest rank received per step).
+busiest rank received per step).  ``gradients GB/s per rank``: the gradient bytes a rank stages per
+second of a plain step, the rate at which deltas arrive (``--batch`` and ``--seq`` set the tokens
+per step, so the compute per gradient byte); ``its hook ms``: the memory-tier engine's time in the
+hook per step (the staging copy, and waiting for a free staging slot when its writer fell behind).
 
 and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
 added up (the ranks wait for each other at each collective, so one rank's writer delays all),
@@ -125,7 +128,7 @@ def worker(a) -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             g = torch.Generator().manual_seed(10_000 * engine.global_steps + rank)
-            tokens = torch.randint(0, a.vocab, (2, 17), generator=g).to(engine.device)
+            tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(engine.device)
             logits = engine(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
             engine.backward(loss)
@@ -184,7 +187,8 @@ def worker(a) -> None:
             drain = time.perf_counter() - t0
             lg = on.adacheck.online.recorder.log        # the slowest rank's costs per written step
             costs = torch.tensor([x / max(1, lg.steps_written) for x in
-                                  (lg.stage_seconds, lg.stall_seconds, lg.write_cpu_seconds)], dtype=torch.float64)
+                                  (lg.stage_seconds, lg.stall_seconds, lg.write_cpu_seconds, lg.staged_bytes)],
+                                 dtype=torch.float64)
             costs = on_device(costs)
             writers = costs[2].clone()                  # every rank's writer, added up
             dist.all_reduce(costs, op=dist.ReduceOp.MAX)
@@ -195,7 +199,8 @@ def worker(a) -> None:
                 tiered.adacheck.online.flush()       # (and the peer copies of its steps)
                 tl = tiered.adacheck.online.recorder.log     # its writer's CPU per step (slowest rank)
                 tiers_cpu = on_device(torch.tensor([tl.write_cpu_seconds / max(1, tl.steps_written), tl.files_reused,
-                                                    tl.steps_written], dtype=torch.float64))
+                                                    tl.steps_written, (tl.stage_seconds + tl.stall_seconds)
+                                                    / max(1, tl.steps_written)], dtype=torch.float64))
                 dist.all_reduce(tiers_cpu, op=dist.ReduceOp.MAX)
                 tiers_cpu = tiers_cpu.tolist()
                 spread = tiered.adacheck.online.recorder.spread
@@ -251,6 +256,10 @@ def worker(a) -> None:
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "stage_ms": 1e3 * costs[0].item(), "stall_ms": 1e3 * costs[1].item(),
                              "writer_cpu_ms": 1e3 * costs[2].item(),
+                             # the gradient bytes one rank stages per second of a plain step: the
+                             # rate at which deltas arrive for storage (before bf16 halves them)
+                             "staged_bytes": costs[3].item(), "staged_gbps": costs[3].item() / tp / 1e9,
+                             "batch": a.batch, "seq": a.seq,
                              "writers_cpu_ms": 1e3 * writers.item(),
                              # host-wide CPU time per step by /proc/stat category, online block
                              # minus plain block (ms, all cores together); empty off Linux
@@ -269,7 +278,7 @@ def worker(a) -> None:
                                     nodes=a.nodes, peer_mb_per_step=peer_mb and peer_mb[0],
                                     peer_cpu_ms_per_step=peer_mb and peer_mb[1], tiers_base_interval=a.tiers_base_interval,
                                     tiers_writer_cpu_ms=1e3 * tiers_cpu[0], tiers_files_written_over=int(tiers_cpu[1]),
-                                    tiers_steps_written=int(tiers_cpu[2]),
+                                    tiers_steps_written=int(tiers_cpu[2]), tiers_hook_ms=1e3 * tiers_cpu[3],
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)])
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
@@ -331,9 +340,9 @@ def table(rows) -> str:
                    f"{r['replay_over_step']:.2f} | {exact} |")
     tiered = [r for r in rows if "overhead_tiers" in r]
     if tiered:
-        out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | overhead: deltas to disk | overhead: deltas "
-                "to the memory tier | its writer CPU ms/step (files written over) | peer MB/step (peer thread CPU) | tiers exact "
-                "| exit copy s |", "|" + "---:|" * 12]
+        out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | gradients GB/s per rank | overhead: deltas to disk "
+                "| overhead: deltas to the memory tier | its hook ms | its writer CPU ms/step (files written over) "
+                "| peer MB/step (peer thread CPU) | tiers exact | exit copy s |", "|" + "---:|" * 14]
         for r in tiered:
             def ov(key):
                 pairs = r[f"{key}_pairs"]
@@ -341,8 +350,9 @@ def table(rows) -> str:
             peer = (f"{r['peer_mb_per_step']:.1f} ({r['peer_cpu_ms_per_step']:.1f} ms CPU)"
                     if r.get("peer_mb_per_step") is not None else "-")
             out.append(f"| {r['dp']} | {r.get('nodes', 1)} | {r['stage']} | {r['dtype']} | "
-                       f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {ov('overhead')} | "
-                       f"{ov('overhead_tiers')} | {r['tiers_writer_cpu_ms']:.1f} ({r['tiers_files_written_over']}/"
+                       f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {r['staged_gbps']:.2f} | "
+                       f"{ov('overhead')} | {ov('overhead_tiers')} | {r['tiers_hook_ms']:.1f} | "
+                       f"{r['tiers_writer_cpu_ms']:.1f} ({r['tiers_files_written_over']}/"
                        f"{r['tiers_steps_written']}) | {peer} | {'yes' if r['tiers_exact'] else 'NO'} | "
                        f"{r['tiers_close_s']:.1f} |")
     return "\n".join(out)
@@ -356,6 +366,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per step and rank")
+    ap.add_argument("--seq", type=int, default=16, help="tokens per sequence (more tokens: more compute per "
+                    "gradient byte, a lower gradient rate)")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off)")
     ap.add_argument("--steps", type=int, default=4, help="steps per timed block")
     ap.add_argument("--blocks", type=int, default=4, help="alternating timed blocks per engine")
@@ -384,6 +397,7 @@ def main() -> None:
     os.environ.setdefault("ADACHECK_JOB", f"bench-online-{os.getpid()}")     # (the memory tier's job)
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700,
                        ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers),
+                        "--batch", str(a.batch), "--seq", str(a.seq),
                         "--clip", str(a.clip), "--steps", str(a.steps), "--blocks", str(a.blocks),
                         "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
                        + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
@@ -394,7 +408,7 @@ def main() -> None:
     import torch
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                   "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
+                   "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers, "batch": a.batch, "seq": a.seq},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
                    "tiers": a.tiers, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
                    "nodes": a.nodes, "tiers_base_interval": a.tiers_base_interval,

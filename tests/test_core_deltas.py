@@ -1,5 +1,6 @@
 """The delta log of the online mode, without a framework: what counts as committed, the
 narrowest exact dtype, bounded staging, errors, and the rule for "auto" bases."""
+import json
 import os
 import threading
 
@@ -70,6 +71,56 @@ def test_narrowest_exact_dtype_and_round_trip(tmp_path):
     info = deltas.summary(ck, 0, 1)      # what `adacheck inspect` shows
     assert info["stored_elements"] == {"bfloat16": 64, "float32": 64, "float16": 8}
     assert info["bf16_share"] == 64 / 136
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_split_staging_writes_what_whole_staging_writes(tmp_path, monkeypatch, compact):
+    """fp32 gradients staged split (the high and low halves of their bits, the nonzero low halves
+    counted where the gradient is: what a GPU gradient gets) write the same files, byte for
+    byte, as the same gradients staged whole and proved by the writer, at every step: bf16
+    values (-0, infinities and NaN payloads too) stored as their high halves, an fp32 gradient
+    after bf16 steps (the hint wrong: put together again from its halves; compact: rounded)
+    and the steps after it (staged whole), a gradient whose size changes, a bf16 one.  The
+    oracle: safetensors' own reader gives back every bit of each gradient."""
+    from safetensors.torch import load_file
+    monkeypatch.setattr(deltas, "_SPLIT_PIECE", 30_000)    # (70,001 values: split in 3 pieces)
+    specials = torch.tensor([0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F810000, 0xFFC10000],
+                            dtype=torch.int64).to(torch.int32).view(torch.float32)
+    exact = torch.randn(70_001).to(torch.bfloat16).float()
+    exact[:6] = specials
+    off = exact.clone()
+    off[40_000] = torch.nextafter(off[40_000], torch.tensor(float("inf")))
+    steps = {1: {"a": exact, "b": exact[:100] * 2}, 2: {"a": exact * 4, "b": exact[:100]},
+             3: {"a": off, "b": exact[:50] * 8, "c": exact[:9].to(torch.bfloat16)}, 4: {"a": off * 3, "b": exact[:50]},
+             5: {"a": exact, "b": exact[:50] * 2}}
+    dirs = {}
+    for split in (False, True):
+        d = dirs[split] = str(tmp_path / f"split{split}")
+        lg = deltas.DeltaLog(d, 0, "n", fsync=False, compact=compact, split=split)
+        for step, grads in steps.items():
+            lg.begin(step)
+            for k, g in grads.items():
+                lg.add(k, g)
+            lg.submit(step, {"step": step})
+            lg.flush()
+        lg.close()
+    for step, grads in steps.items():
+        whole, split = (deltas.step_dir(dirs[x], step) for x in (False, True))
+        for name in ("rank0.safetensors", "rank0.json"):
+            assert open(f"{whole}/{name}", "rb").read() == open(f"{split}/{name}", "rb").read(), (step, name)
+        got = load_file(f"{split}/rank0.safetensors")
+        for k, g in grads.items():
+            t = got[deltas.GRAD + k]
+            if compact and step in (3, 4) and k == "a":     # (rounded: what torch's cast gives)
+                assert t.dtype == torch.bfloat16 and torch.equal(t.view(torch.int16),
+                                                                 g.to(torch.bfloat16).view(torch.int16)), step
+            elif g.dtype == torch.float32 and t.dtype == torch.bfloat16:    # every bit, widened
+                assert torch.equal(t.reshape(-1).view(torch.int16).to(torch.int32) << 16,
+                                   g.reshape(-1).view(torch.int32)), (step, k)
+            else:
+                assert t.dtype == g.dtype and torch.equal(t.view(torch.uint8), g.view(torch.uint8)), (step, k)
+    stored = [json.load(open(f"{deltas.step_dir(dirs[True], s)}/rank0.json"))["tensors"]["a"]["stored"] for s in steps]
+    assert stored == ["bfloat16", "bfloat16"] + (["bfloat16"] * 2 if compact else ["float32"] * 2) + ["bfloat16"]
 
 
 def test_compact_is_lossy_and_says_by_how_much(tmp_path):
@@ -183,6 +234,9 @@ def test_bf16_exactness_is_proved_bit_for_bit():
     assert ok and b.dtype == torch.bfloat16 and b.shape == (1, 300_001)
     assert torch.equal(bits(b.float().view(-1)), bits(exact))          # every bit, NaN payloads too
     assert torch.equal(b.view(-1)[6:], exact[6:].to(torch.bfloat16))    # what a cast gives
+    out = torch.full((300_001,), 7.0, dtype=torch.bfloat16)                # the writer's reused copy
+    ok, b2 = bf16_exact(exact.view(1, -1), out)
+    assert ok and b2.data_ptr() == out.data_ptr() and b2.shape == (1, 300_001) and torch.equal(bits(b2.float()), bits(b.float()))
     for pos in (7, 150_000, 300_000):   # one element off a bf16 value, in or out of the sample
         t = exact.clone()
         t[pos] = torch.nextafter(t[pos], torch.tensor(float("inf")))
@@ -300,11 +354,20 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
     pinned memory and handed to the writer thread at once: the writer must wait on the slot's
     CUDA event, not read the buffer early (it held the previous step's values, or nothing).
     The file holds exactly the gradient, at every step; the training stream is never
-    synchronized by the staging (the step returns before the kernel ends)."""
+    synchronized by the staging (the step returns before the kernel ends).  The gradients are
+    fp32, staged split (bf16 proved by the device) while they are bf16 values; step 4's is not
+    (put together again from its halves), steps 5-6 are staged whole (bf16 again, proved by the
+    writer)."""
     lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
     waited = []
-    gradient = lambda step: torch.full((1 << 22,), float(step), device="cuda") * 3.0   # noqa: E731
-    gradient(0).cpu()          # (the kernels loaded: a kernel's first launch may wait for the device)
+
+    def gradient(step):
+        return torch.full((1 << 22,), float(step), device="cuda") * 3.0 + (1e-3 if step == 4 else 0.0)
+    warm = deltas.DeltaLog(str(tmp_path / "warm"), 0, "n", fsync=False)   # (the kernels loaded: a kernel's
+    warm.begin(1)                                                          # first launch may wait for the device)
+    warm.add("w", gradient(0))
+    warm.submit(1, {})
+    warm.close()
     try:
         for step in range(1, 7):
             norm = torch.tensor([float(step)], device="cuda")   # (a copy from pageable memory: it waits)
@@ -322,7 +385,8 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
     assert [st.step for st in steps] == list(range(1, 7))
     for st in steps:
         got = deltas.read_grad(str(tmp_path), st, "w", 0)
-        assert torch.equal(got, torch.full((1 << 22,), 3.0 * st.step)), st.step
+        assert torch.equal(got, gradient(st.step).cpu()), st.step
+        assert st.records[0]["tensors"]["w"]["stored"] == ("float32" if st.step == 4 else "bfloat16"), st.step
         assert deltas.read_extra(str(tmp_path), st, 0)["step"] == st.step
 
 
