@@ -466,7 +466,7 @@ class Checkpointer:
         self.tiered: Optional[MemoryTier] = None   # the memory tier (options.tiers), made at its first use
         self.last_load: Optional[Tuple[Storage, str]] = None   # (storage, directory) the last load read from
         self.last_tier: Optional[str] = None      # and, with tiers, which one: "memory" or "durable"
-        self.last_read: Optional[Dict[str, int]] = None   # manifest parts and rank files the last load read
+        self.last_read: Optional[Dict[str, int]] = None   # manifest parts, rank files and data the last load read
 
     def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
@@ -1021,10 +1021,10 @@ class Checkpointer:
         self.last_load, self.last_tier = (store, load_dir), tier
         try:
             if tier != "memory":
-                ckpt_dir, manifest, staged = _stage(comm, load_dir, chosen, read, opts.verify, undo, store)
+                ckpt_dir, manifest, staged, reader = _stage(comm, load_dir, chosen, read, opts.verify, undo, store)
             else:
                 try:     # (a node's memory holds a copy of what its ranks held when saved, preferred)
-                    ckpt_dir, manifest, staged = _stage(comm, load_dir, chosen, read, opts.verify, undo, store,
+                    ckpt_dir, manifest, staged, reader = _stage(comm, load_dir, chosen, read, opts.verify, undo, store,
                                                         prefer_present=True)
                 except AdaCheckError as e:
                     if not self.memory_tier().across:
@@ -1035,7 +1035,7 @@ class Checkpointer:
                                 "checkpoint and tries again", str(e).splitlines()[0])
                     store, load_dir, tier, chosen = self.memory_tier().choose(comm, *given, chosen, everything=True)
                     self.last_load, self.last_tier = (store, load_dir), tier
-                    ckpt_dir, manifest, staged = _stage(comm, load_dir, chosen, read, opts.verify, undo, store,
+                    ckpt_dir, manifest, staged, reader = _stage(comm, load_dir, chosen, read, opts.verify, undo, store,
                                                         prefer_present=True)
         except (FormatError, NotFoundError) as e:
             if isinstance(e, NotFoundError) and (tag is not None or not commit.has_latest(load_dir, store)):
@@ -1049,13 +1049,14 @@ class Checkpointer:
                           f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
                           "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
                           stacklevel=3)
-            ckpt_dir, manifest, staged = _stage(comm, load_dir, intact[0], read, opts.verify, undo, store)
+            ckpt_dir, manifest, staged, reader = _stage(comm, load_dir, intact[0], read, opts.verify, undo, store)
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: apply(staged))
         # what this rank read of the manifest besides manifest.json (a manifest in parts)
         parted = isinstance(manifest.tensors, PartedTensors)
         self.last_read = {"parts": manifest.tensors.bytes_read if parted else 0,
                           "meta": manifest.tensors.meta_bytes_read if parted else 0,
-                          "rank_files": manifest.ranks.bytes_read if manifest.ranks is not None else 0}
+                          "rank_files": manifest.ranks.bytes_read if manifest.ranks is not None else 0,
+                          "data": reader.bytes_read}       # (tensor bytes read from shard files)
         if opts.verify:
             self.trust(ckpt_dir, store)
         if tier is not None:
@@ -1524,7 +1525,7 @@ def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, un
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store,
                               prefer_present=prefer_present)
     staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: read(reader), on_failure=undo)
-    return ckpt_dir, manifest, staged
+    return ckpt_dir, manifest, staged, reader
 
 
 def _advice(load_dir: str, failed: Optional[str], intact, how_to_load, explicit: bool) -> str:

@@ -180,6 +180,7 @@ class Staged:
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
     objects: Optional[Objects] = None
     rank_objects: Optional[RankObjects] = None      # (None: a rank the saving job did not have)
+    refresh: set = field(default_factory=set)       # module weights made from the masters (_refreshed)
 
 
 def _master_source(r: CheckpointReader, n: str) -> str:
@@ -196,6 +197,25 @@ def _lp_source(r: CheckpointReader, n: str, dtype: torch.dtype) -> str:
     if model is not None and model.derived is None and model.dtype == str(dtype).replace("torch.", ""):
         return f"model/{n}"
     return _master_source(r, n)
+
+
+def _refreshed(lay: Layout, r: CheckpointReader, keep: set) -> set:
+    """The module weights this load does not read but has DeepSpeed make again from the master
+    weights it loads (:meth:`Wrapper.refresh`: cast + all-gather), or none: every trained
+    parameter's, when each is restored and the checkpoint holds each as its master's cast (a
+    derivation proved at save time), so the cast gives back every saved bit.  With ZeRO-1/2 every
+    rank holds whole module weights, and rebuilding them from the checkpoint read every rank's
+    fp32 master partition (the whole model's fp32 weights, on every rank); now each rank reads
+    its own partition and DeepSpeed's all-gather does the rest."""
+    trained = [n for n in lay.lp_views if n in lay.trained]
+    if not lay.wrapper.refresh_gathers or not trained or any(n not in keep for n in trained):
+        return set()
+    for n in trained:
+        model = r.entry(f"model/{n}") if r.has(f"model/{n}") else None
+        dtype = str(lay.lp_views[n][1].dtype).replace("torch.", "")
+        if model is None or model.derived is None or model.derived.source != f"master/{n}" or model.dtype != dtype:
+            return set()
+    return set(trained)
 
 
 def _names_in(r: CheckpointReader, prefix: str) -> set:
@@ -237,8 +257,9 @@ def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: 
         if f.name in keep:
             st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start, f.start + f.numel,
                                                            dtype=f.master.dtype, within=lay.origin[f.name][1])
+    st.refresh = _refreshed(lay, r, keep)
     for n, (start, view) in lay.lp_views.items():
-        if n in keep:
+        if n in keep and n not in st.refresh:
             st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype,
                                    within=lay.origin[n][1])
     for n, buf in engine.module.named_buffers():
@@ -350,6 +371,8 @@ def apply_load(engine, lay: Layout, st: Staged) -> None:
         named_buffers = dict(engine.module.named_buffers())
         for n, t in st.buffers.items():
             named_buffers[n].copy_(t)
+    if st.refresh:          # (collective: every rank decided the same from the manifest)
+        lay.wrapper.refresh()
     if st.optim_state is not None:
         with lay.wrapper.stepping():
             lay.base_optimizer.load_state_dict(st.optim_state)

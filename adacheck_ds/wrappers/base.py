@@ -84,6 +84,9 @@ class Wrapper:
     flat_partitions: ClassVar[bool] = False
     #: the optimizer keeps fp32 master weights apart from the module's weights
     has_master: ClassVar[bool] = True
+    #: :meth:`refresh` makes every rank's whole module weights from the master partitions (cast +
+    #: all-gather): a load reads its own partition only (adacheck_ds.state._refreshed)
+    refresh_gathers: ClassVar[bool] = False
 
     def __init__(self, engine):
         self.engine, self.opt = engine, engine.optimizer
