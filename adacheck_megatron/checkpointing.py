@@ -41,9 +41,9 @@ from adacheck.errors import ConfigError
 
 from . import parallel
 from .saved import Objects, RankObjects
-from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map,
-                    distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped, stage_load,
-                    SavedObjects)
+from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map, distopt_refresh,
+                    distopt_refreshed, distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped,
+                    stage_load, SavedObjects)
 from .flags import config_from_args
 from .hooks import add_post_step_hook, wrap_optimizer_step
 from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler,
@@ -295,11 +295,13 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 "laid out differently (not supported yet): match --use-distributed-optimizer, or "
                 "load the weights only with --no-load-optim")
         dstaged = distopt_stage_load(optimizer, sd, r, objects.distributed_optimizer) if dist else None
+        # module weights saved as their main weights' casts: megatron-core makes them in apply()
+        unread = distopt_refreshed(optimizer, model, sd, r) if dist else set()
         # an optimizer that had applied no update when saved has no moments in the checkpoint;
         # the state Megatron creates for loading is dropped again in apply()
         fresh = load_optim and not dist and any(objects.optimizer_never_stepped)
         state, missing = stage_load(sd, r, objects.common, sharded_objects, strict=strict,
-                                      absent=("optimizer.state.",) if fresh else ())
+                                      absent=("optimizer.state.",) if fresh else (), unread=unread)
         rng = None
         if load_rng:
             if same:
@@ -309,10 +311,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
                               f"{saved} on {len(saved_layout)} ranks, this job runs "
                               f"{layout_name(topology())} on {comm.world_size}")
-        return objects, state, rng, missing, dstaged
+        return objects, state, rng, missing, dstaged, unread
 
     def apply(staged):
-        objects, state, rng, missing, dstaged = staged
+        objects, state, rng, missing, dstaged, unread = staged
         chunks = list(model)
         for i, chunk in enumerate(chunks):
             unwrap(chunk).load_state_dict(state[chunk_key(i, len(chunks))], strict=strict)
@@ -322,6 +324,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         if load_optim and optimizer is not None:
             if dstaged is not None:
                 distopt_apply(optimizer, dstaged, objects.distributed_optimizer, objects.optimizer_never_stepped)
+                if unread:      # (collective: every rank decided the same from the manifest)
+                    distopt_refresh(optimizer, chunks)
             else:
                 if any(objects.optimizer_never_stepped):     # exactly as saved: the first update creates the state
                     drop_fresh_state(state["optimizer"], objects.optimizer_never_stepped)

@@ -259,13 +259,15 @@ class SavedObjects(Mapping):
 
 
 def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
-               sharded_objects: Dict[str, object], strict: bool = True, absent: Tuple[str, ...] = ()):
+               sharded_objects: Dict[str, object], strict: bool = True, absent: Tuple[str, ...] = (),
+               unread: set = frozenset()):
     """The plain state dict for ``sharded_state_dict`` (built with ``is_loading=True``),
     read from ``reader``; ``common`` is the saved common state, ``sharded_objects`` the saved
     ShardedObjects of all ranks by unique key. Missing tensors are an error unless not
     ``strict``, when they keep the value the target already has and are returned by name.
     Tensors whose key contains one of ``absent`` may be missing silently (they keep the
-    target's value): state the saving job did not have yet."""
+    target's value): state the saving job did not have yet.  Tensors whose data lies in
+    ``unread`` (:func:`distopt_refreshed`) keep the target's value, to be made later."""
     sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
     sharded, target_common = extract_sharded_base(sharded)
     common = reconcile_common(common, target_common)
@@ -279,6 +281,8 @@ def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
             return sharded_objects[v.unique_key]
         if not isinstance(v, ShardedTensor):
             return v
+        if v.data is not None and _place(v) in unread:
+            return v.data
         if not reader.has(v.key):
             if any(a in v.key for a in absent):
                 return v.data
@@ -469,6 +473,66 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
             part.append((model_param, tensors))
         staged.append(part)
     return staged
+
+
+def _place(meta: ShardedTensor) -> tuple:
+    """Which part of which logical tensor a ShardedTensor is (a sharded state dict built to load
+    into holds other tensors than the parameters)."""
+    return meta.key, tuple(meta.global_offset), meta.flattened_range is None
+
+
+def distopt_refreshed(optimizer, model_chunks, model_sd: dict, reader: CheckpointReader) -> set:
+    """The parameters (:func:`_place`) whose module weights this load does not read but has
+    megatron-core make again from the main weights it loads (:func:`distopt_refresh`: each rank
+    casts its main shards into the parameter buffers, then they are all-gathered), or none:
+    every parameter in the model's buffers, when the checkpoint holds each as its main weights'
+    proved cast (so the cast gives back every saved bit) and megatron-core's copy is that cast
+    (bf16 / fp16 / fp32 parameters; not with the precision-aware optimizer, FP8 or Megatron-FSDP,
+    which copy otherwise).  Rebuilding them read every data-parallel rank's fp32 main weights on
+    every rank."""
+    subs = distributed_optimizers(optimizer)
+    for opt in subs:
+        config, ddp = getattr(opt, "config", None), getattr(opt, "ddp_config", None)
+        if (getattr(opt, "is_stub_optimizer", True) or getattr(config, "use_precision_aware_optimizer", True)
+                or getattr(ddp, "use_megatron_fsdp", True)):
+            return set()
+    if not subs or any(not hasattr(chunk, "param_to_bucket_group") for chunk in model_chunks):
+        return set()
+    by_param, out = param_to_sharded(model_sd), set()
+    for chunk in model_chunks:
+        for param in chunk.param_to_bucket_group:       # (what the all-gather writes: every buffer's parameters)
+            meta = by_param.get(id(param))
+            if meta is None or param.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
+                    or _float8(param) or not reader.has(meta.key):
+                return set()
+            e = reader.entry(meta.key)
+            if e.derived is None or e.derived.source != MASTER_PREFIX + meta.key \
+                    or e.dtype != str(param.dtype).replace("torch.", ""):
+                return set()
+            out.add(_place(meta))
+    return out
+
+
+def _float8(param) -> bool:
+    try:
+        from megatron.core.fp8_utils import is_float8tensor
+    except ImportError:     # (a megatron-core without it has no FP8 parameters of this kind)
+        return False
+    return bool(is_float8tensor(param))
+
+
+def distopt_refresh(optimizer, model_chunks) -> None:
+    """The module weights from the loaded main weights, with megatron-core's own code (collective
+    over the data-parallel group): each rank's main shard cast into the parameter buffer, then
+    the buffers all-gathered synchronously (a gather still in flight is waited for first)."""
+    for opt in distributed_optimizers(optimizer):
+        opt._copy_main_params_to_model_params()
+    for chunk in model_chunks:
+        for group in list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", [])):
+            if getattr(group, "param_gather_handle", None) is not None:
+                group.param_gather_handle.wait()
+                group.param_gather_handle = None
+        chunk.start_param_sync(force_sync=True)
 
 
 def _distopt_commons(subs, saved: list) -> list:
