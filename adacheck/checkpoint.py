@@ -1271,6 +1271,15 @@ class CheckpointReader:
             return name in meta
         return name in self.manifest.tensors
 
+    def is_cast_of(self, name: str, source: str, dtype: torch.dtype) -> bool:
+        """``name`` is stored as the proven cast of ``source`` to ``dtype`` (a derivation): a framework
+        that casts ``source`` once it is loaded gives back every saved bit of ``name``, so a load
+        that leaves it to the framework need not read it."""
+        if not self.has(name):
+            return False
+        e = self.entry(name)
+        return e.derived is not None and e.derived.source == source and e.dtype == dtype_name(dtype)
+
     def names(self) -> List[str]:
         """The names of the checkpoint's tensors, each rank's own objects left out (format 5: from its
         index, no part read)."""

@@ -210,11 +210,8 @@ def _refreshed(lay: Layout, r: CheckpointReader, keep: set) -> set:
     trained = [n for n in lay.lp_views if n in lay.trained]
     if not lay.wrapper.refresh_gathers or not trained or any(n not in keep for n in trained):
         return set()
-    for n in trained:
-        model = r.entry(f"model/{n}") if r.has(f"model/{n}") else None
-        dtype = str(lay.lp_views[n][1].dtype).replace("torch.", "")
-        if model is None or model.derived is None or model.derived.source != f"master/{n}" or model.dtype != dtype:
-            return set()
+    if not all(r.is_cast_of(f"model/{n}", f"master/{n}", lay.lp_views[n][1].dtype) for n in trained):
+        return set()
     return set(trained)
 
 

@@ -502,12 +502,8 @@ def distopt_refreshed(optimizer, model_chunks, model_sd: dict, reader: Checkpoin
     for chunk in model_chunks:
         for param in chunk.param_to_bucket_group:       # (what the all-gather writes: every buffer's parameters)
             meta = by_param.get(id(param))
-            if meta is None or param.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
-                    or _float8(param) or not reader.has(meta.key):
-                return set()
-            e = reader.entry(meta.key)
-            if e.derived is None or e.derived.source != MASTER_PREFIX + meta.key \
-                    or e.dtype != str(param.dtype).replace("torch.", ""):
+            if meta is None or param.dtype not in (torch.bfloat16, torch.float16, torch.float32) or _float8(param) \
+                    or not reader.is_cast_of(meta.key, MASTER_PREFIX + meta.key, param.dtype):
                 return set()
             out.add(_place(meta))
     return out
