@@ -934,13 +934,14 @@ class MemoryTier:
     def finish(self) -> None:
         """Wait for the copy to durable storage in flight; a failure is a warning (or raises with
         on_error "raise"): the checkpoint stays in memory, the durable tier as it was.  An
-        asynchronous memory save in flight commits first (then the memory tier is trimmed to
-        ``keep`` again)."""
+        asynchronous memory save in flight commits first; then the memory tier is trimmed to
+        ``keep`` again, the checkpoint just copied no longer kept for its copy (it stayed a
+        ``keep`` + 1st until the next save when the copy outlasted the memory save)."""
         if self.memory.pending is not None:
             self.memory.finish()
-            for mem, tag, *_ in list(self.newest.values()):
-                self._retain(mem, (tag,))
         self._end_copy()
+        for mem, tag, *_ in list(self.newest.values()):
+            self._retain(mem, (tag,))
         if self.chain is not None:
             self.chain.copy()         # (the persisted base's deltas written so far)
 

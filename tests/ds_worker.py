@@ -6,7 +6,7 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
-stop_writer RANK | kill_writer RANK | die | ls DIR | expect_error SUBSTRING ACTION...
+stop_writer RANK | kill_writer RANK | slow_persist SECONDS | die | ls DIR | expect_error SUBSTRING ACTION...
 A run with "init_error": SUBSTRING expects building its engine to fail with that error.
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import traceback
 import warnings
 
@@ -317,6 +318,14 @@ def act(engine, a, rec, out_dir, rank):
                                         if os.path.isdir(a[1]) else [])
         rec.setdefault("ls_dirs", []).append(sorted(x for x in os.listdir(a[1]) if os.path.isdir(os.path.join(a[1], x)))
                                              if os.path.isdir(a[1]) else [])
+    elif op == "slow_persist":   # slow_persist S: every copy from the memory tier to the directory starts S s late
+        from adacheck import tiers
+        copy = tiers.persist_checkpoint
+
+        def late(*args, **kw):
+            time.sleep(a[1])
+            return copy(*args, **kw)
+        tiers.persist_checkpoint = late
     elif op == "die":       # SIGKILL this process (a crash: nothing at exit runs)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)

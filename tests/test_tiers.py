@@ -58,6 +58,30 @@ def tags(path):
     return sorted(t for t, m, _ in commit.list_checkpoints(path, LOCAL) if m is not None) if os.path.isdir(path) else []
 
 
+def test_a_checkpoint_copied_to_the_directory_leaves_memory_once_the_copy_ends(tmp_path, monkeypatch):
+    """The memory tier keeps the checkpoint being copied to the directory beyond ``keep`` (2) only
+    while it is copied: saves 1-5 (3 persisted, its copy held up for 3 s, so that it outlasts
+    saves 4 and 5) leave memory holding 3, 4, 5; once the copy ended (``finish``), 4 and 5, and
+    the directory holds 3.  (It was trimmed only at the next save: a job killed after a finish
+    left keep + 1 checkpoints in memory.)"""
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-copy")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck = f"{d}/ck"
+    mem = memory_location(LOCAL, ck)
+    tiered = {"enabled": True, "async": True, "tiers": {"memory": True, "persist_interval": 3}}
+    saves = [a for _ in range(5) for a in (["train", 1], ["save", ck])]
+    runs = [{"stage": 1, "dtype": "bf16", "adacheck": tiered,
+             "actions": [["slow_persist", 3]] + saves + [["ls", mem], ["finish"], ["ls", mem], ["latest", ck]]}]
+    check(launch(1, {"runs": runs}, f"{d}/a"))
+    got = results(f"{d}/a")[0]
+    # (before the finish, 5 is still being written: its directory is there, its manifest not yet)
+    assert got["ls_dirs"][0] == ["global_step3", "global_step4", "global_step5"], got["ls_dirs"]
+    assert got["ls"] == [["global_step3", "global_step4"], ["global_step4", "global_step5"]], got["ls"]
+    assert got["ls_dirs"][1] == ["global_step4", "global_step5"], got["ls_dirs"]     # (3's files went)
+    assert got["latest"] == ["global_step3"]
+
+
 def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit(tmp_path, monkeypatch):
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "job-1")
