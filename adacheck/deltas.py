@@ -254,7 +254,7 @@ class DeltaLog:
         self.ckpt_dir, self.rank, self.nonce, self.store = ckpt_dir, rank, nonce, store
         # stage fp32 gradients split into the high and low halves of their bits, the proof that
         # they are bf16 counted where they are (None: GPU gradients only; see add())
-        self.split = split and sys.byteorder == "little"
+        self.split = None if split is None else bool(split) and sys.byteorder == "little"
         self._inexact: set = set()       # keys whose last step was not bf16 (the writer's hint to add())
         # (called with (ckpt_dir, step, written?) for every step submitted, in order, written or not)
         self.on_written = on_written
@@ -332,11 +332,11 @@ class DeltaLog:
         last step; unless ``split`` says, on a GPU and of ``_SPLIT_MIN`` values or more (a split
         launches five or so kernels and copies instead of one copy: for a small gradient the
         launches cost the training thread more than the writer's proof of it costs the writer)."""
+        if g.dtype != torch.float32 or not g.is_contiguous() or not g.numel() or key in self._inexact:
+            return False
         if self.split is not None:
-            return bool(self.split) and g.dtype == torch.float32 and g.is_contiguous() and g.numel() > 0 \
-                and key not in self._inexact
-        return (g.is_cuda and g.dtype == torch.float32 and g.is_contiguous() and g.numel() >= _SPLIT_MIN
-                and key not in self._inexact and sys.byteorder == "little")
+            return self.split
+        return g.is_cuda and g.numel() >= _SPLIT_MIN and sys.byteorder == "little"
 
     @staticmethod
     def _add_split(s: _Slot, key: str, g: torch.Tensor, pin: bool) -> None:
@@ -467,7 +467,6 @@ class DeltaLog:
                 if int(slot.nonzero[key]) == 0:
                     g = None            # (proved bf16: the high halves are the gradient)
                 else:                   # not bf16: the fp32 values again, from their halves
-                    self._inexact.add(key)
                     g = torch.stack((slot.low[key], stored.reshape(-1).view(torch.int16)), 1) \
                         .view(torch.float32).view(shape)
                     stored = g
@@ -475,7 +474,7 @@ class DeltaLog:
                 exact, b = bf16_exact(g, slot.bf16.get(key))
                 if exact:       # (kept for this slot's next step: the slot is reused only after this write)
                     stored = slot.bf16[key] = b
-                else:
+                else:           # (the next step is staged whole: see _splits)
                     self._inexact.add(key)
                 if not exact and self.compact:
                     stored = b if b is not None else compact_form(g)

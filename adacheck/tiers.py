@@ -937,11 +937,13 @@ class MemoryTier:
         asynchronous memory save in flight commits first; then the memory tier is trimmed to
         ``keep`` again, the checkpoint just copied no longer kept for its copy (it stayed a
         ``keep`` + 1st until the next save when the copy outlasted the memory save)."""
+        trim = self.memory.pending is not None or self.thread is not None    # (else nothing changed)
         if self.memory.pending is not None:
             self.memory.finish()
         self._end_copy()
-        for mem, tag, *_ in list(self.newest.values()):
-            self._retain(mem, (tag,))
+        if trim:
+            for mem, tag, *_ in list(self.newest.values()):
+                self._retain(mem, (tag,))
         if self.chain is not None:
             self.chain.copy()         # (the persisted base's deltas written so far)
 
