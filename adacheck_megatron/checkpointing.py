@@ -42,8 +42,8 @@ from adacheck.errors import ConfigError
 from . import parallel
 from .saved import Objects, RankObjects
 from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map, distopt_refresh,
-                    distopt_refreshed, distopt_stage_load, distributed_optimizers, drop_fresh_state, never_stepped,
-                    stage_load, SavedObjects)
+                    distopt_refreshed, distopt_set_main, distopt_stage_load, distopt_stage_main, distributed_optimizers,
+                    drop_fresh_state, never_stepped, stage_load, SavedObjects)
 from .flags import config_from_args
 from .hooks import add_post_step_hook, wrap_optimizer_step
 from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler,
@@ -295,8 +295,12 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 "laid out differently (not supported yet): match --use-distributed-optimizer, or "
                 "load the weights only with --no-load-optim")
         dstaged = distopt_stage_load(optimizer, sd, r, objects.distributed_optimizer) if dist else None
-        # module weights saved as their main weights' casts: megatron-core makes them in apply()
-        unread = distopt_refreshed(optimizer, model, sd, r) if dist else set()
+        # module weights saved as their main weights' casts: megatron-core makes them in apply() from
+        # the main weights this rank loads (with the optimizer state, or alone: its own shard, not
+        # the whole model's main weights that rebuilding the module weights would read)
+        with_distopt = optimizer is not None and bool(distributed_optimizers(optimizer))
+        unread = distopt_refreshed(optimizer, model, sd, r) if with_distopt else set()
+        mains = distopt_stage_main(optimizer, sd, r) if unread and not load_optim else None
         # an optimizer that had applied no update when saved has no moments in the checkpoint;
         # the state Megatron creates for loading is dropped again in apply()
         fresh = load_optim and not dist and any(objects.optimizer_never_stepped)
@@ -311,13 +315,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
                               f"{saved} on {len(saved_layout)} ranks, this job runs "
                               f"{layout_name(topology())} on {comm.world_size}")
-        return objects, state, rng, missing, dstaged, unread
+        return objects, state, rng, missing, dstaged, unread, mains
 
     def apply(staged):
-        objects, state, rng, missing, dstaged, unread = staged
+        objects, state, rng, missing, dstaged, unread, mains = staged
         chunks = list(model)
         for i, chunk in enumerate(chunks):
             unwrap(chunk).load_state_dict(state[chunk_key(i, len(chunks))], strict=strict)
+        if mains is not None:       # (collective, as below)
+            distopt_set_main(optimizer, mains)
+            distopt_refresh(optimizer, chunks)
         if not load_optim and optimizer is not None and hasattr(optimizer, "reload_model_params") and (
                 getattr(args, "fp16", False) or getattr(args, "bf16", False)):
             optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM

@@ -475,6 +475,23 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
     return staged
 
 
+def distopt_stage_main(optimizer, model_sd: dict, reader: CheckpointReader) -> list:
+    """This rank's shards of the main weights of every DistributedOptimizer, read from the
+    checkpoint (nothing is changed yet): a load without the optimizer state (``--no-load-optim``,
+    ``--finetune``) whose module weights megatron-core makes from them (:func:`distopt_refreshed`)."""
+    by_param = param_to_sharded(model_sd)
+    return [[(model_param, distopt_read_shard(reader, model_meta(by_param, model_param), start, stop, ["param"])["param"])
+             for model_param, start, stop in local_ranges(opt)] for opt in distributed_optimizers(optimizer)]
+
+
+@torch.no_grad()
+def distopt_set_main(optimizer, staged: list) -> None:
+    """Set the main-weight shards :func:`distopt_stage_main` read."""
+    for opt, part in zip(distributed_optimizers(optimizer), staged):
+        for model_param, main in part:
+            opt._get_main_param_and_optimizer_states(model_param)["param"].copy_(main)
+
+
 def _place(meta: ShardedTensor) -> tuple:
     """Which part of which logical tensor a ShardedTensor is (a sharded state dict built to load
     into holds other tensors than the parameters)."""

@@ -612,6 +612,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
     if not args.no_load_optim:
         optimizer.load_state_dict(state["optimizer"])
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif args.fp16 or args.bf16:    # (as Megatron-LM: the main weights from the loaded module weights)
+        optimizer.reload_model_params()
     if not args.no_load_rng:
         _set_rng_state(state["rng_state"])
     assert state["iteration"] == iteration, (state["iteration"], iteration)

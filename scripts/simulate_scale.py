@@ -29,8 +29,10 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
                             tables and the parts that list the rank's tensors);
                             ``..._derived_weights``: format 5 for a load that rebuilds bf16
                             weights derived from the fp32 main weights (Megatron with
-                            --no-load-optim: a load with the main weights leaves that to the
-                            framework), which reads their parts too
+                            --no-load-optim into a job without the distributed optimizer: a
+                            load of the main weights, or of the weights only into the
+                            distributed optimizer, leaves that to the framework), which reads
+                            their parts too
   max_over_mean_bytes_written    the busiest writer over the mean, from the plan
   stored_over_unique        bytes stored over each distinct box once
   projection                save seconds = max(busiest rank's bytes / per-rank share of node

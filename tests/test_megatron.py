@@ -150,6 +150,18 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     for name, argv, src, native in targets:
         runs += reshape_runs(tmp_path, name, argv, str(tmp_path / f"{src}-ck"), str(tmp_path / f"{src}-nat"), 2,
                              native_loads=native)
+    # weights only (--no-load-optim) into the distributed optimizer: what megatron-core's own load of
+    # the native checkpoint gives (module weights, the main weights made from them as Megatron-LM
+    # makes them, the next losses)
+    no_optim = len(runs)
+    dp_argv = layouts["dp2_distopt_bf16"] + ["--global-batch-size", "4"] + NATIVE
+    runs.append({"argv": dp_argv, "actions": [["scramble"], ["set_args", {"no_load_optim": True}],
+                                              ["load", str(tmp_path / "dp2_distopt_bf16-ck")], ["dump", "nlo-ada"],
+                                              ["train", 2]]})
+    runs.append({"argv": dp_argv, "actions": [["scramble"], ["load_native", str(tmp_path / "dp2_distopt_bf16-nat"),
+                                                             {"no_load_optim": True}], ["dump", "nlo-nat"], ["train", 2]]})
+    runs.append({"argv": dp_argv, "actions": [["scramble"], ["set_args", {"finetune": True}],     # (iteration 0)
+                                              ["load", str(tmp_path / "dp2_distopt_bf16-ck")], ["dump", "ft-ada"]]})
     tp2 = str(tmp_path / "tp2_fp32-ck")
     # an existing run switches to AdaCheck: its torch_dist checkpoint loads natively, training
     # goes on exactly, the next save is AdaCheck's
@@ -163,6 +175,11 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     check(launch(2, {"runs": runs}, str(tmp_path), script="megatron_worker.py"))
     res = results(str(tmp_path))
     check_resumed(tmp_path, layouts, res)
+    assert res[no_optim]["loaded"] == res[no_optim + 1]["loaded"] == [3]
+    assert res[no_optim]["losses"] == res[no_optim + 1]["losses"]
+    assert_same_dumps(str(tmp_path), "nlo-ada", "nlo-nat", 2)
+    assert res[no_optim + 2]["loaded"] == [0]
+    assert_same_dumps(str(tmp_path), "ft-ada", "nlo-nat", 2)
     assert [res[2 * i].get("exchanges") for i in range(len(layouts))] == [
         ["partitioned" if "partitioned" in argv else "ring"] for argv in layouts.values()]
     for i, (name, argv) in enumerate(layouts.items()):
@@ -186,6 +203,12 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
         weights = sum(v.numel() for k, v in dump.items() if k.startswith("model"))
         read = results(str(tmp_path), rank)[2 * i + 1]["manifest_read"][0]["data"]
         assert read < own + 2 * weights, (rank, read, own, weights)     # (rebuilt: + the other rank's 2N)
+        # without the optimizer state: its own half of the main weights (2 bytes per weight; rebuilding
+        # the weights read all of them, 4)
+        for k in (no_optim, no_optim + 2):
+            read = results(str(tmp_path), rank)[k]["manifest_read"][0]["data"]
+            print("weights-only load, rank", rank, "read", read, "bytes;", weights, "weights")
+            assert read < 3 * weights, (rank, read, weights)
     i = first_target
     for name, _, _, native in targets:
         ada = res[i]
