@@ -2,133 +2,35 @@
 
 ``add_adacheck_args(parser)`` has the signature of Megatron-LM's ``extra_args_provider``
 (``pretrain(..., extra_args_provider=add_adacheck_args)``) and adds one flag per key of
-:class:`adacheck.config.AdaCheckConfig`, with the same name in kebab-case:
-
-  --adacheck                      enabled
-  --adacheck-dir DIR              save_dir (default: Megatron's --save / --load); a local
-                                  directory or an fsspec URL (s3://bucket/prefix)
-  --adacheck-storage-options JSON storage_options (fsspec arguments for a URL)
-  --adacheck-keep-last K          keep_last
-  --[no-]adacheck-verify-on-load  verify_on_load
-  --[no-]adacheck-fsync           fsync
-  --[no-]adacheck-strict-objects  strict_objects
-  --[no-]adacheck-reference-previous
-  --adacheck-redundancy-factor K  redundancy_factor
-  --adacheck-exchange {ring,allgather,partitioned}
-  --adacheck-on-corrupt {raise,fallback}
-  --adacheck-on-error {warn,raise}  on_error (a failed asynchronous save)
-  --adacheck-compression zstd     compression
-  --async-save                    async_save: Megatron-LM's own flag, honoured under --adacheck
-  --adacheck-async-writer {thread,process}  async_writer
-  --adacheck-online               online.enabled (gradient deltas after every step)
-  --adacheck-online-base-interval N|auto
-  --[no-]adacheck-online-compact
-  --adacheck-online-queue-depth N
-  --adacheck-online-on-error {disable,raise}
-  --adacheck-tiers-memory         tiers.memory (every save to node-local memory first)
-  --[no-]adacheck-tiers-peer      tiers.peer (each node's memory files copied to the next node's memory)
-  --adacheck-tiers-persist-interval N  tiers.persist_interval (every N-th save copied to --adacheck-dir)
-  --adacheck-tiers-keep N         tiers.keep (newest checkpoints kept in memory)
-  --adacheck-tiers-memory-dir DIR tiers.memory_dir (default $ADACHECK_MEMORY_DIR or /dev/shm/adacheck)
-
-and one action that is not a config key:
+:class:`adacheck.config.AdaCheckConfig` (:mod:`adacheck.flags`: ``--adacheck``, ``--adacheck-dir``,
+``--adacheck-online``, ``--adacheck-tiers-memory``, ...), but ``async_save``, which is Megatron-LM's
+own ``--async-save`` (honoured under ``--adacheck``); ``--adacheck-dir`` defaults to ``--save`` /
+``--load``.  One more flag is an action, not a config key:
 
   --adacheck-convert-save DIR     load (replaying the committed online deltas, up to
                                   --ckpt-step if given), save that state as one AdaCheck
                                   checkpoint into DIR, and exit: materialises the newest
                                   recoverable (or a chosen) iteration, in the job's layout
 
-A flag left out keeps the config default.  ``config_from_args(args)`` validates the result
-with the same rules as the DeepSpeed block and names the offending flag in the error.
+``config_from_args(args)`` validates the result with the same rules as the DeepSpeed block and
+names the offending flag in the error.
 """
 from __future__ import annotations
 
 import argparse
-import re
-from dataclasses import fields
-from typing import List, Tuple
 
-from adacheck.config import (ASYNC_WRITERS, ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, TiersConfig,
-                             json_object_arg)
+from adacheck.config import AdaCheckConfig
 from adacheck.errors import ConfigError
-from adacheck.exchange import EXCHANGES
+from adacheck.flags import add_config_flags, config_from_flags, flag_of
 
-_SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
-# sections of the config with keys of their own, the key that switches each on, and what it does
-_SECTIONS = {"online": (OnlineConfig, "enabled", "to record gradient deltas"),
-             "tiers": (TiersConfig, "memory", "to save to the memory tier")}
-_CHOICES = {"exchange": EXCHANGES, "on_corrupt": ON_CORRUPT, "on_error": ON_SAVE_ERROR, "online.on_error": ON_ERROR,
-            "compression": ("zstd",), "async_writer": ASYNC_WRITERS}
-# keys set by Megatron-LM's own flags: async_save is --async-save
-_MEGATRON_FLAGS = {"async_save": "async_save"}
+__all__ = ["add_adacheck_args", "config_from_args", "flag_of"]
 
-
-def _keys() -> List[Tuple[str, object]]:
-    """(dotted key, default) for every leaf of the config, e.g. ("online.base_interval", 50)."""
-    out = []
-    for f in fields(AdaCheckConfig):
-        if f.name in _MEGATRON_FLAGS:
-            continue
-        if f.name in _SECTIONS:
-            cls = _SECTIONS[f.name][0]
-            out += [(f"{f.name}.{g.name}", getattr(cls(), g.name)) for g in fields(cls)]
-        else:
-            out.append((f.name, getattr(AdaCheckConfig(), f.name)))
-    return out
-
-
-def flag_of(key: str) -> str:
-    return _SPECIAL.get(key, "--adacheck-" + key.replace(".", "-").replace("_", "-"))
-
-
-def _dest(key: str) -> str:
-    return "adacheck" if key == "enabled" else "adacheck_" + key.replace(".", "_")
-
-
-def _interval(text: str):
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+# config keys set by Megatron-LM's own flags -> their argparse destinations
+MEGATRON_FLAGS = {"async_save": "async_save"}
 
 
 def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("AdaCheck", "deduplicated, verified checkpoints (see adacheck/config.py)")
-    for key, default in _keys():
-        flag, dest = flag_of(key), _dest(key)
-        if key == "enabled":
-            g.add_argument(flag, action="store_true", default=None, help="save and load checkpoints with AdaCheck")
-        elif key == "online.enabled":
-            g.add_argument(flag, dest=dest, action="store_true", default=None,
-                           help="online gradient deltas after every optimizer step (needs --adacheck)")
-        elif key == "tiers.memory":
-            g.add_argument(flag, dest=dest, action="store_true", default=None,
-                           help="every save to node-local memory first, every --adacheck-tiers-persist-interval-th "
-                                "copied to the checkpoint directory in the background (needs --adacheck)")
-        elif key == "tiers.memory_dir":
-            g.add_argument(flag, dest=dest, default=None, metavar="DIR",
-                           help="the memory tier's directory (default $ADACHECK_MEMORY_DIR, else /dev/shm/adacheck)")
-        elif key == "save_dir":
-            g.add_argument(flag, dest=dest, default=None, metavar="DIR",
-                           help="checkpoint directory or fsspec URL, e.g. s3://bucket/prefix "
-                                "(default: --save / --load)")
-        elif key == "storage_options":
-            g.add_argument(flag, dest=dest, type=json_object_arg, default=None, metavar="JSON",
-                           help="fsspec filesystem arguments for a URL, e.g. '{\"endpoint_url\": \"http://host:9000\"}'")
-        elif isinstance(default, bool):
-            g.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
-                           default=None, help=f"adacheck.{key} (default {str(default).lower()})")
-        elif key in _CHOICES:
-            g.add_argument(flag, dest=dest, choices=_CHOICES[key], default=None,
-                           help=f"adacheck.{key} (default {default})")
-        elif key == "online.base_interval":
-            g.add_argument(flag, dest=dest, type=_interval, default=None, metavar="N|auto",
-                           help=f"adacheck.{key} (default {default})")
-        else:
-            g.add_argument(flag, dest=dest, type=int, default=None, metavar="N",
-                           help=f"adacheck.{key} (default {default})")
+    g = add_config_flags(parser, own=MEGATRON_FLAGS)
     g.add_argument("--adacheck-convert-save", default=None, metavar="DIR",
                    help="load (replaying online deltas, up to --ckpt-step if given), save that state as one "
                         "AdaCheck checkpoint into DIR, and exit")
@@ -137,36 +39,6 @@ def add_adacheck_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def config_from_args(args: argparse.Namespace) -> AdaCheckConfig:
     """The validated AdaCheckConfig for parsed ``args``; ConfigError names the flag."""
-    block, sections = {}, {name: {} for name in _SECTIONS}
-    for key, _ in _keys():
-        v = getattr(args, _dest(key), None)
-        if v is not None:
-            section, _, leaf = key.partition(".")
-            if leaf:
-                sections[section][leaf] = v
-            else:
-                block[key] = v
-    given = [flag_of(k) for k in block if k != "enabled"] + [flag_of(f"{n}.{k}") for n, sec in sections.items()
-                                                            for k in sec]
-    if given and not block.get("enabled"):
-        raise ConfigError(f"{', '.join(given)} given without --adacheck; add --adacheck to use "
-                          "AdaCheck, or drop the other --adacheck-* flags")
-    for name, (_, switch, what) in _SECTIONS.items():
-        others = [flag_of(f"{name}.{k}") for k in sections[name] if k != switch]
-        if others and not sections[name].get(switch):
-            raise ConfigError(f"{', '.join(others)} given without {flag_of(f'{name}.{switch}')}; add "
-                              f"{flag_of(f'{name}.{switch}')} {what}, or drop those flags")
-    if getattr(args, "adacheck_convert_save", None) and not block.get("enabled"):
+    if getattr(args, "adacheck_convert_save", None) and not getattr(args, "adacheck", None):
         raise ConfigError("--adacheck-convert-save converts an AdaCheck checkpoint: add --adacheck (and --load)")
-    for name, sec in sections.items():
-        if sec:
-            block[name] = sec
-    if block.get("enabled"):
-        for key, dest in _MEGATRON_FLAGS.items():
-            if getattr(args, dest, None):
-                block[key] = True
-    try:
-        return AdaCheckConfig.from_dict(block)
-    except ConfigError as e:
-        msg = re.sub(r"adacheck\.([\w.]+)", lambda m: flag_of(m.group(1)), str(e))
-        raise ConfigError(msg.replace(" must be true or false", " must be given as a flag")) from None
+    return config_from_flags(args, own=MEGATRON_FLAGS)
