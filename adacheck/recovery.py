@@ -33,12 +33,12 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from . import deltas
+from . import commit, deltas
 from .errors import AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, StateError
 from .exchange import Comm, agree
 from .optimtap import OptimizerTap, Shadow
 from .records import Expect, check_fields
-from .checkpoint import CheckpointReader
+from .checkpoint import Checkpointer, CheckpointReader
 from .storage import LOCAL, Storage
 from .types import Manifest
 
@@ -198,6 +198,22 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
         recorder.tap.reindex()
     result.conclude(strict, ckpt_dir, base, damage)
     return done
+
+
+def after_load(comm: Comm, job: Checkpointer, ckpt_dir: str, manifest: Manifest, replaying: Optional[Replaying], *,
+               without: str, until: Optional[int] = None, recorder=None) -> Recovered:
+    """The recovery of every integration, after ``job.load`` returned ``ckpt_dir`` and its
+    ``manifest``: :func:`recover` with ``job``'s options, from the tier it loaded from (the base's
+    chain continues only where it is that directory's newest checkpoint).  ``replaying`` None:
+    the load did not take what a replay needs (``without`` says what; :func:`not_replayed`), and
+    the job holds the base's step."""
+    store, where = job.last_load
+    if replaying is None:
+        not_replayed(ckpt_dir, manifest.step, until, without, store)
+        return Recovered(manifest.step)
+    return recover(comm, ckpt_dir, manifest, replaying, latest=commit.latest_or_none(where, store) == manifest.tag,
+                   until=until, strict=job.options.on_corrupt != "fallback", verify=job.options.verify,
+                   recorder=recorder, store=store)
 
 
 def not_replayed(ckpt_dir: str, base_step: int, until: Optional[int], without: str, store: Storage = LOCAL) -> None:

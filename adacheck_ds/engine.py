@@ -289,22 +289,17 @@ class AdaCheckDeepSpeed:
 
         ckpt_dir, manifest, client_state = self.checkpointer.load(
             comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
-        store, where = self.checkpointer.last_load      # (the memory tier's, when it was read from there)
+        replay = None
         if want_optim and load_lr_scheduler_states:
             from .online import Replay
             model = loaded["objects"].model(ckpt_dir)
-            saved_optimizer = model.optimizer if model is not None else None
-            done = recovery.recover(comm, ckpt_dir, manifest, Replay(self, saved_optimizer),
-                                    latest=latest_or_none(where, store) == manifest.tag, until=self.replay_until,
-                                    strict=self.config.on_corrupt != "fallback", verify=self.config.verify_on_load,
-                                    recorder=self.online.recorder if self.online is not None else None, store=store)
-            if done.steps:
-                self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
-            last = done.step
-        else:
-            recovery.not_replayed(ckpt_dir, manifest.step, self.replay_until, "the optimizer and scheduler states", store)
-            last = manifest.step
-        log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, last)
+            replay = Replay(self, model.optimizer if model is not None else None)
+        done = recovery.after_load(comm, self.checkpointer, ckpt_dir, manifest, replay, until=self.replay_until,
+                                   without="the optimizer and scheduler states",
+                                   recorder=self.online.recorder if self.online is not None else None)
+        if done.steps:
+            self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
+        log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, done.step)
         return ckpt_dir, client_state
 
     def apply_scalars(self, saved: Scalars, with_scheduler: bool = True) -> None:

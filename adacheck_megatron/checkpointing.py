@@ -32,7 +32,6 @@ import torch
 import adacheck
 from adacheck import checkpoint as core
 from adacheck import recovery
-from adacheck.commit import latest_or_none
 from adacheck.convert import refuse_existing
 from adacheck.storage import is_url
 from adacheck.config import AdaCheckConfig
@@ -347,20 +346,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         return objects
 
     ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, read, apply, how_to_load=_how_to_load, undo=undo)
-    store, where = job.last_load      # (the memory tier's, when it was read from there)
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
-    if load_optim and opt_param_scheduler is not None:
-        done = recovery.recover(comm, ckpt_dir, manifest, Replay(comm, model, optimizer, opt_param_scheduler, objects),
-                                latest=latest_or_none(where, store) == manifest.tag, until=until,
-                                verify=cfg.verify_on_load, strict=cfg.on_corrupt != "fallback",
-                                recorder=on.recorder if on is not None else None, store=store)
-        iteration = done.step if done.steps else iteration
-        if on is not None:
-            on.iteration = iteration
-    else:
-        recovery.not_replayed(ckpt_dir, manifest.step, until, "the optimizer state (not with --no-load-optim / "
-                                                               "--finetune)", store)
+    replay = (Replay(comm, model, optimizer, opt_param_scheduler, objects)
+              if load_optim and opt_param_scheduler is not None else None)
+    done = recovery.after_load(comm, job, ckpt_dir, manifest, replay, until=until,
+                               without="the optimizer state (not with --no-load-optim / --finetune)",
+                               recorder=on.recorder if on is not None else None)
+    iteration = done.step if done.steps else iteration
+    if on is not None and replay is not None:
+        on.iteration = iteration
     flops = 0 if finetune else objects.num_floating_point_operations_so_far
     if comm.rank == 0:
         log.info("AdaCheck: loaded %s (iteration %s) in %.2fs", ckpt_dir, objects.iteration,
