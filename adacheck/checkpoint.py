@@ -39,7 +39,8 @@ from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
-                       JOB_OBJECTS, RANK_OBJECT, RankFiles, meta_entry, meta_name, part_name, rank_file_name, split_file)
+                       JOB_OBJECTS, RANK_OBJECT, meta_entry, meta_name, part_name, rank_file_name, ranked_tables,
+                       split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -417,8 +418,9 @@ class Prepared:
 class Exchanged:
     """Step 2: every rank's payload on every rank, and what the exchange cost.  With the
     partitioned exchange (:mod:`adacheck.partition`) the (box, hash) lists go to their owners in
-    the plan step instead: ``gathered`` holds, without ``metas``, every rank's payload on rank 0
-    and this rank's (with rank 0's step and framework) elsewhere; ``nodes``: every rank's node
+    the plan step instead, and no rank gathers the others' payloads: ``gathered`` holds this
+    rank's, without ``metas`` (with rank 0's step and framework; rank 0's objects are the job's),
+    and each rank keeps its own objects and layout in its rank file; ``nodes``: every rank's node
     where the plan needs it (copies > 1)."""
     gathered: List[dict]
     generation: int
@@ -432,13 +434,14 @@ class Exchanged:
 @dataclass
 class Written:
     """Step 4: the size of every rank's file (0: it wrote none) and the storage's tag of its content
-    (None: none), both per rank (partitioned: on rank 0 only, elsewhere empty), and this rank's
-    file name, size and tag."""
+    (None: none), both per rank (partitioned: empty; ``total``: the sum of the sizes), and this
+    rank's file name, size and tag."""
     sizes: List[int]
     tags: List[Optional[str]]
     my_file: Optional[str]
     my_size: int = 0
     my_tag: Optional[str] = None
+    total: int = 0
 
 
 class Checkpointer:
@@ -800,11 +803,9 @@ class Checkpointer:
         if self.options.exchange == "partitioned":
             p = prepared.payload
             head = comm.broadcast_object({k: p[k] for k in ("generation", "previous", "step", "framework")})
-            mine = {k: v for k, v in p.items() if k != "metas"}
-            everyone = comm.gather_object(mine)
+            mine = dict({k: v for k, v in p.items() if k != "metas"}, step=head["step"], framework=head["framework"])
             nodes = comm.all_gather_object(p["node"]) if self.options.copies > 1 else None
-            return Exchanged(everyone or [dict(mine, step=head["step"], framework=head["framework"])],
-                             head["generation"], head["previous"],
+            return Exchanged([mine], head["generation"], head["previous"],
                              {"how": "partitioned", "seconds": time.perf_counter() - t0}, partitioned=True, nodes=nodes)
         with gc_paused():
             gathered, received, compact = _exchange(comm, prepared.payload, self.options.exchange,
@@ -892,21 +893,21 @@ class Checkpointer:
 
         size, tag = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
                           on_failure=lambda: self._remove_mine(prepared, my_file))
-        if self.options.exchange == "partitioned":      # (the sizes to rank 0 alone)
-            every = comm.gather_object((size, tag)) or []
-        else:
-            every = comm.all_gather_object((size, tag))
-        return Written([k for k, _ in every], [t for _, t in every], my_file, size, tag)
+        if self.options.exchange == "partitioned":      # (each rank's in its rank file; their sum)
+            return Written([], [], my_file, size, tag, comm.sum_each([size])[0])
+        every = comm.all_gather_object((size, tag))
+        return Written([k for k, _ in every], [t for _, t in every], my_file, size, tag, sum(k for k, _ in every))
 
     def commit(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, plan: WritePlan,
                written: Written) -> Manifest:
         """Step 5: the manifest, written by rank 0 once every rank's file is committed."""
         gathered, copies = exchanged.gathered, self.options.copies
         files = {f: dict(info, nbytes=written.sizes[info["writer"]] if written.sizes else written.my_size)
-                 for f, info in plan.files.items()}
-        stats = dict(plan.stats, file_bytes=sum(i["nbytes"] for i in files.values()))
+                 for f, info in plan.files.items() if written.sizes or info["writer"] == comm.rank}
+        stats = dict(plan.stats, file_bytes=written.total)
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
         tensors, index, ranks, store, mine = plan.tensors, None, None, prepared.store, ()
+        rank_objects, layout = tuple(g["rank_objects"] for g in gathered), {"ranks": [g["layout"] for g in gathered]}
         topology = dict({"world_size": comm.world_size},
                         **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
         if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
@@ -938,16 +939,15 @@ class Checkpointer:
 
             meta = agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
                          on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
-            if comm.rank == 0:
+            if comm.rank == 0:      # (its tables as a reader sees them: each rank's read from its rank file if asked)
                 index, where = dict(exchanged.index, meta=meta), store.join(ckpt_dir, MANIFEST_NAME)
-                tensors = PartedTensors(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
-                ranks = RankFiles(index, files, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
+                tensors, ranks, files, rank_objects, layout = ranked_tables(
+                    index, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
         manifest = Manifest(
             format_version=version, tag=prepared.tag, step=gathered[0]["step"],
             framework=dict(gathered[0]["framework"], generation=exchanged.generation),
-            topology=topology, tensors=tensors, objects=gathered[0]["objects"],
-            rank_objects=tuple(g["rank_objects"] for g in gathered),
-            layout={"ranks": [g["layout"] for g in gathered]}, files=files, stats=stats, index=index, ranks=ranks)
+            topology=topology, tensors=tensors, objects=gathered[0]["objects"], rank_objects=rank_objects,
+            layout=layout, files=files, stats=stats, index=index, ranks=ranks)
 
         here, spread, leads = files, self.options.spread, self._leads(comm)
         if spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)

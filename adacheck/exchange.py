@@ -50,6 +50,10 @@ class Comm:
         """The elementwise maximum over the ranks of ``values`` (the same length on every rank)."""
         return [int(v) for v in values]
 
+    def sum_each(self, values: Sequence[int]) -> List[int]:
+        """The elementwise sum over the ranks of ``values`` (the same length on every rank)."""
+        return [int(v) for v in values]
+
     def gather_object(self, obj: Any, dst: int = 0) -> Optional[List[Any]]:
         """Every rank's ``obj`` on rank ``dst`` (in rank order); None on the others."""
         out = self.all_gather_object(obj)
@@ -168,9 +172,15 @@ class TorchComm(Comm):
         return self.max_each([int(bool(flag))])[0] > 0
 
     def max_each(self, values):
+        return self._reduce(values, self._dist.ReduceOp.MAX)
+
+    def sum_each(self, values):
+        return self._reduce(values, self._dist.ReduceOp.SUM)
+
+    def _reduce(self, values, op):
         import torch
         t = torch.tensor(list(values), dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group)
+        self._dist.all_reduce(t, op=op, group=self.group)
         return [int(v) for v in t]
 
     def all_to_all_bytes(self, blocks):

@@ -556,6 +556,16 @@ class FileTable(Mapping):
         return isinstance(other, Mapping) and dict(self) == dict(other)
 
 
+def ranked_tables(index: dict, tag: str, version: int, open_part: Optional[Callable[[str], bytes]], where: str):
+    """A format 5 manifest's tables, each part or rank file read when first asked for: (tensors,
+    rank files, shard files, each rank's objects, layout)."""
+    written = _WrittenFiles(index["generation"], index["writers"])
+    ranks = RankFiles(index, written, tag, version, open_part, where)
+    return (PartedTensors(index, written, tag, version, open_part, where), ranks,
+            FileTable(ranks, sum(b - a for a, b in index["writers"])), RankTable(ranks, "objects"),
+            {"ranks": RankTable(ranks, "layout")})
+
+
 def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[[str], bytes]] = None) -> Manifest:
     """The manifest ``text``, validated; ``open_part(name)``: the bytes of a part or rank file of a
     manifest in parts (formats 4 and 5), read when a tensor (a rank's table) of it is first asked for."""
@@ -583,7 +593,7 @@ def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[
     index = ranks = None
     if version >= RANKED_SINCE:
         index = _index(d, version, where)
-        files = _WrittenFiles(index["generation"], index["writers"])
+        tensors, ranks, files, rank_objects, layout = ranked_tables(index, tag, version, open_part, where)
     else:
         files = _need(d, "files", dict, where)
         for fname, info in files.items():
@@ -594,22 +604,15 @@ def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[
             _need(info, "writer", int, f"files[{fname}]")
         if version >= PARTED_SINCE and "index" in d:
             index = _index(d, version, where)
-    if index is not None:
-        tensors = PartedTensors(index, files, tag, version, open_part, where)
-        if version >= RANKED_SINCE:
-            ranks = RankFiles(index, files, tag, version, open_part, where)
-    else:
-        tensors = _tensors(_need(d, "tensors", dict, where), version, files, tag, where)
-        _check_sources(tensors, tensors.get)
-    objects = d.get("objects", {})
-    if version >= RANKED_SINCE:
-        rank_objects, layout = RankTable(ranks, "objects"), {"ranks": RankTable(ranks, "layout")}
-        files = FileTable(ranks, sum(b - a for a, b in index["writers"]))
-    else:
+            tensors = PartedTensors(index, files, tag, version, open_part, where)
+        else:
+            tensors = _tensors(_need(d, "tensors", dict, where), version, files, tag, where)
+            _check_sources(tensors, tensors.get)
         rank_objects, layout = d.get("rank_objects", []), d.get("layout", {})
         if not isinstance(rank_objects, list):
             raise FormatError(f"{where}: rank_objects must be a list")
         rank_objects = tuple(rank_objects)
+    objects = d.get("objects", {})
     # (in parts: checked when the objects are read, CheckpointReader.objects; here it would read parts)
     for ref in tensor_refs(objects) + tensor_refs(list(rank_objects)) if index is None else ():
         if not isinstance(ref, str) or ref not in tensors:

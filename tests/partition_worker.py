@@ -128,6 +128,49 @@ def main():
             found["other"] = [other["tp"], other["t"].tolist()]
             found["all"] = [sorted(objs), len(reader.manifest.ranks.loaded)]
             rec["sharded_objects"] = found
+    # what a save makes each rank receive (every collective's results but its own contribution,
+    # pickled), with 50 KB of objects per rank: the ring gives every rank every rank's; the
+    # partitioned exchange keeps them in each rank's rank file, and no rank, rank 0 included,
+    # receives the others'
+    import pickle
+    from adacheck.exchange import TorchComm
+
+    class Counting(TorchComm):
+        received = 0
+
+        def _count(self, items, own):
+            self.received += sum(len(pickle.dumps(x)) for i, x in enumerate(items) if i != own)
+            return items
+
+        def all_gather_object(self, obj):
+            return self._count(super().all_gather_object(obj), self.rank)
+
+        def gather_object(self, obj, dst=0):
+            out = super().gather_object(obj, dst)
+            return None if out is None else self._count(out, self.rank)
+
+        def broadcast_object(self, obj, src=0):
+            out = super().broadcast_object(obj, src)
+            if self.rank != src:
+                self._count([out], -1)
+            return out
+
+        def all_to_all_bytes(self, blocks):
+            return self._count(super().all_to_all_bytes(blocks), self.rank)
+
+        def all_gather_bytes(self, data, how="ring"):
+            return self._count(super().all_gather_bytes(data, how), self.rank)
+
+    def with_objects():
+        s = state(rank, 1, LocalShard, LocalState, Box)
+        s.rank_objects["note"] = f"rank {rank} " + "x" * 50000
+        return s
+
+    for how in ("ring", "partitioned"):
+        counting = Counting()
+        Checkpointer(options=Options(exchange=how)).save(counting, f"{spec['dir']}/objects-{how}", "o", with_objects)
+        rec[f"{how}/received"] = counting.received
+        rec[f"{how}/note"] = CheckpointReader(f"{spec['dir']}/objects-{how}/o").objects(rank)["note"][:8]
     # a save directory that is not shared between the nodes (a relative path from each node's own
     # working directory): the files of the other node are not there, and the save is refused on
     # every rank, with the ring (rank 0 confirms every file) and partitioned (each rank the next's)

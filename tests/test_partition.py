@@ -55,6 +55,11 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
         for how in ("ring", "partitioned"):
             assert all(res[r][f"{how}/exact"].values()), (r, how, res[r][f"{how}/exact"])
             assert "StateError" in res[r][f"{how}/refused"] and "model/emb" in res[r][f"{how}/refused"], res[r]
+    for r in range(8):       # 50 KB of objects per rank: every other rank's reach each rank with the ring, none
+        # with the partitioned exchange (each rank's stay in its rank file), rank 0 included
+        print("rank", r, "received in a save: ring", res[r]["ring/received"], "partitioned", res[r]["partitioned/received"])
+        assert res[r]["ring/received"] > 7 * 50000 and res[r]["partitioned/received"] < 50000, (r, res[r])
+        assert res[r]["ring/note"] == res[r]["partitioned/note"] == f"rank {r} x", res[r]
     for r in range(8):       # each rank's own boxes, read as a load in the same layout reads them
         for how in ("ring", "partitioned"):
             assert all(res[r][f"{how}/own"].values()) and len(res[r][f"{how}/own"]) >= 7, (r, how, res[r][f"{how}/own"])
