@@ -292,11 +292,13 @@ class Caches:
     - ``trusted``: per save directory, the checkpoint this job last loaded (every box verified by
       some rank) or committed there.  A new save references boxes of that one only: not of
       whatever 'latest' names, which may be damaged (a reference records the hash of the new
-      bytes, not of the bytes on disk) or written by another job since."""
+      bytes, not of the bytes on disk) or written by another job since;
+    - ``nodes``: every rank's node, per world size (the partitioned exchange's copies)."""
     exchanged: Dict[int, Dict[int, Tuple[str, list]]] = field(default_factory=dict)
     partitioned: Dict[int, partition.PartitionCache] = field(default_factory=dict)   # world size -> its cache
     plan: PlanCache = field(default_factory=PlanCache)
     trusted: Dict[str, str] = field(default_factory=dict)
+    nodes: Dict[int, List[str]] = field(default_factory=dict)
 
 
 # The caches of the module-level save() and load(): one job per process unless an integration
@@ -484,7 +486,7 @@ class Checkpointer:
             found = newest_committed(self.memory_tier().location(store, where), LOCAL) is not None
         if self.options.tiers is None or comm is None:
             return found
-        return any(comm.all_gather_object(found))
+        return comm.any(found)
 
     def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool,
                      persist: Optional[bool] = None, recorder=None):
@@ -804,7 +806,7 @@ class Checkpointer:
             p = prepared.payload
             head = comm.broadcast_object({k: p[k] for k in ("generation", "previous", "step", "framework")})
             mine = dict({k: v for k, v in p.items() if k != "metas"}, step=head["step"], framework=head["framework"])
-            nodes = comm.all_gather_object(p["node"]) if self.options.copies > 1 else None
+            nodes = self._nodes(comm, p["node"]) if self.options.copies > 1 else None
             return Exchanged([mine], head["generation"], head["previous"],
                              {"how": "partitioned", "seconds": time.perf_counter() - t0}, partitioned=True, nodes=nodes)
         with gc_paused():
@@ -813,6 +815,15 @@ class Checkpointer:
         stats = {"how": self.options.exchange, "seconds": time.perf_counter() - t0, "bytes_received": received,
                  "ranks_sent_digest_only": compact}
         return Exchanged(gathered, gathered[0]["generation"], gathered[0]["previous"], stats)
+
+    def _nodes(self, comm: Comm, mine: str) -> List[str]:
+        """Every rank's node (the partitioned exchange's placement of copies on distinct nodes),
+        gathered at the job's first such save and then kept: one reduction checks that no rank's
+        node changed (or lost the list with its caches)."""
+        known = self.caches.nodes.get(comm.world_size)
+        if comm.any(known is None or known[comm.rank] != mine):
+            known = self.caches.nodes[comm.world_size] = comm.all_gather_object(mine)
+        return known
 
     def plan(self, comm: Comm, prepared: Prepared, exchanged: Exchanged) -> WritePlan:
         """Step 3 (pure, the same on every rank once the checkpoint to reference is indexed)."""
@@ -1527,8 +1538,8 @@ def _stage(comm: Comm, load_dir: str, tag: Optional[str], read, verify: bool, un
         return d, commit.read_manifest(d, store)
 
     ckpt_dir, manifest = agree(comm, f"AdaCheck load from {load_dir} (open)", open_)
-    tags = comm.all_gather_object(manifest.tag)
-    if len(set(tags)) != 1:
+    if not comm.same(manifest.tag):
+        tags = comm.all_gather_object(manifest.tag)
         raise ConfigError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
                           "the same shared directory on every rank?")
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store,

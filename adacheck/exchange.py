@@ -1,13 +1,15 @@
 """The only module that calls torch.distributed.
 
 ``Comm`` is the small interface the rest of AdaCheck uses; ``agree`` turns a local
-step into a collective one: every rank runs it, the outcomes are gathered, and if any
-rank failed every rank raises the same DistributedError naming each cause (also an
+step into a collective one: every rank runs it, one small reduction says whether any rank
+failed (the errors are gathered only then), and if any rank failed every rank raises the
+same DistributedError naming each cause (also an
 instance of the AdaCheck error class every failing rank raised, when they agree).  A rank
 that fails therefore never leaves the others waiting in a later collective.
 """
 from __future__ import annotations
 
+import hashlib
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -49,6 +51,13 @@ class Comm:
     def max_each(self, values: Sequence[int]) -> List[int]:
         """The elementwise maximum over the ranks of ``values`` (the same length on every rank)."""
         return [int(v) for v in values]
+
+    def same(self, value: str) -> bool:
+        """Whether every rank holds the same ``value`` (two small reductions of a 60-bit hash of it,
+        whatever the world size)."""
+        h = int(hashlib.sha256(value.encode("utf-8")).hexdigest()[:15], 16)
+        high, low = self.max_each([h, -h])
+        return high == -low
 
     def sum_each(self, values: Sequence[int]) -> List[int]:
         """The elementwise sum over the ranks of ``values`` (the same length on every rank)."""
@@ -367,6 +376,8 @@ def agree(comm: Comm, what: str, fn: Callable[[], Any],
     except Exception as e:  # noqa: BLE001 - gathered and re-raised below
         error = (kind_of(e), describe_error(e))
         local_exc = e
+    if not comm.any(error is not None):     # (one small reduction; every rank's error only when one failed)
+        return result
     outcomes = comm.all_gather_object(error)
     failures = {r: tuple(out) for r, out in enumerate(outcomes) if out is not None}
     if failures:

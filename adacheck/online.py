@@ -147,12 +147,13 @@ class OnlineRecorder:
         if self.log is not None:
             self.log.flush()
             mine["bytes"] = self.log.bytes_written
-        allr = self.comm().all_gather_object(mine)
-        delta_bytes = sum(a["bytes"] for a in allr)
-        base_bytes = max(a["base_bytes"] for a in allr)
-        base_seconds = max(a["base_seconds"] for a in allr)
+        comm = self.comm()      # (two small reductions; seconds in nanoseconds)
+        delta_bytes = comm.sum_each([mine["bytes"]])[0]
+        base_bytes, base_ns, step_ns = comm.max_each([mine["base_bytes"], round(mine["base_seconds"] * 1e9),
+                                                      round(mine["seconds"] * 1e9)])
+        base_seconds = base_ns / 1e9
         read_seconds = delta_bytes * base_seconds / base_bytes if base_bytes else 0.0
-        replay = max(a["seconds"] for a in allr) + read_seconds
+        replay = step_ns / 1e9 + read_seconds
         self.interval = deltas.auto_interval(base_bytes, base_seconds, delta_bytes, replay)
         log.info("AdaCheck online: base_interval auto = %d (base %d B in %rs; delta %d B, replay ~%rs)",
                  self.interval, base_bytes, base_seconds, delta_bytes, replay)

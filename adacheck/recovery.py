@@ -150,7 +150,7 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
     if it records, whose tap replays and which continues the chain or takes a new base."""
     base = int(manifest.step)
     world = int(manifest.topology.get("world_size", 1))
-    latest = all(comm.all_gather_object(bool(latest)))   # (across nodes' memories: each node's own "latest")
+    latest = not comm.any(not latest)   # (across nodes' memories: each node's own "latest")
     steps, why, damage = chain(comm, ckpt_dir, base, world, until=until, strict=strict, store=store,
                                same_layout=lambda: job.plan(manifest).same_layout)
     if until is not None and damage is None and until != (steps[-1].step if steps else base):
@@ -259,8 +259,7 @@ def node_group(comm: Comm, ckpt_dir: str, world: int, store: Storage = LOCAL,
     info = deltas.read_chain(ckpt_dir, store)
     saved = info.get("nodes") if isinstance(info, dict) else None
     saved = saved if isinstance(saved, list) and len(saved) == world == comm.world_size else None
-    views = comm.all_gather_object(None if saved is None else _digest(saved))     # (a digest: small at any size)
-    if views[0] is None or any(v != views[0] for v in views):
+    if comm.any(saved is None) or not comm.same(_digest(saved)):
         return None
     return [r for r in range(world) if saved[r] == saved[comm.rank]] if same_layout() else None
 
@@ -279,10 +278,10 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
     steps, why = agree(comm, f"AdaCheck: reading the delta log of {ckpt_dir}",
                        lambda: deltas.committed_steps(ckpt_dir, base_step, world, strict=strict, store=store,
                                                       ranks=ranks))
-    n = min(comm.all_gather_object(len(steps)))
+    n = -comm.max_each([-len(steps)])[0]
     held = [(s.step, s.nonce) for s in steps]
     parted = False
-    if len(set(comm.all_gather_object(_digest(held[:n])))) > 1:
+    if not comm.same(_digest(held[:n])):
         # (chains kept per node by different runs: where they part, from every rank's list; rare)
         seen = comm.all_gather_object(held[:n])
         n, parted = next((i for i in range(n) if any(v[i] != seen[0][i] for v in seen)), n), True

@@ -974,7 +974,7 @@ class MemoryTier:
         nodes = comm.all_gather_object(self.node_id())
         self.across = len(set(nodes)) > 1
         leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
-        reports = comm.all_gather_object(holdings(mem) if leads else None)
+        reports = comm.gather_object(holdings(mem) if leads else None)      # (rank 0 decides for every rank)
 
         def decide():
             plan = plan_recovery(reports, nodes, None if tag is None else str(tag), everything)

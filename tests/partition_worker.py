@@ -136,13 +136,14 @@ def main():
     from adacheck.exchange import TorchComm
 
     class Counting(TorchComm):
-        received = 0
+        received, all_gathers = 0, 0
 
         def _count(self, items, own):
             self.received += sum(len(pickle.dumps(x)) for i, x in enumerate(items) if i != own)
             return items
 
         def all_gather_object(self, obj):
+            self.all_gathers += 1
             return self._count(super().all_gather_object(obj), self.rank)
 
         def gather_object(self, obj, dst=0):
@@ -159,6 +160,7 @@ def main():
             return self._count(super().all_to_all_bytes(blocks), self.rank)
 
         def all_gather_bytes(self, data, how="ring"):
+            self.all_gathers += 1
             return self._count(super().all_gather_bytes(data, how), self.rank)
 
     def with_objects():
@@ -169,7 +171,7 @@ def main():
     for how in ("ring", "partitioned"):
         counting = Counting()
         Checkpointer(options=Options(exchange=how)).save(counting, f"{spec['dir']}/objects-{how}", "o", with_objects)
-        rec[f"{how}/received"] = counting.received
+        rec[f"{how}/received"], rec[f"{how}/all_gathers"] = counting.received, counting.all_gathers
         rec[f"{how}/note"] = CheckpointReader(f"{spec['dir']}/objects-{how}/o").objects(rank)["note"][:8]
     # a save directory that is not shared between the nodes (a relative path from each node's own
     # working directory): the files of the other node are not there, and the save is refused on

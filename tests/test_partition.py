@@ -57,8 +57,11 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
             assert "StateError" in res[r][f"{how}/refused"] and "model/emb" in res[r][f"{how}/refused"], res[r]
     for r in range(8):       # 50 KB of objects per rank: every other rank's reach each rank with the ring, none
         # with the partitioned exchange (each rank's stay in its rank file), rank 0 included
-        print("rank", r, "received in a save: ring", res[r]["ring/received"], "partitioned", res[r]["partitioned/received"])
+        print("rank", r, "received in a save: ring", res[r]["ring/received"], "partitioned", res[r]["partitioned/received"],
+              "; all-gathers: ring", res[r]["ring/all_gathers"], "partitioned", res[r]["partitioned/all_gathers"])
         assert res[r]["ring/received"] > 7 * 50000 and res[r]["partitioned/received"] < 50000, (r, res[r])
+        # nor does any step of it all-gather (a step that succeeds on every rank: one small reduction)
+        assert res[r]["partitioned/all_gathers"] == 0, (r, res[r])
         assert res[r]["ring/note"] == res[r]["partitioned/note"] == f"rank {r} x", res[r]
     for r in range(8):       # each rank's own boxes, read as a load in the same layout reads them
         for how in ("ring", "partitioned"):
