@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -230,6 +231,18 @@ def _how_to_load(tag: str, manifest) -> str:
             if manifest.step is not None else f"load_checkpoint(..., tag={tag!r})")
 
 
+@dataclass
+class Staged:
+    """What a load read on this rank, before anything is applied."""
+    objects: Objects                   # the checkpoint's objects (iteration, scheduler, ...)
+    state: dict                        # the plain state dict to load (model chunks, plain optimizer)
+    rng: Optional[dict]                # this rank's RNG states (None: not restored)
+    missing: list                      # tensors not in the checkpoint (strict=False): kept as they are
+    distopt: Optional[list]            # the DistributedOptimizers' state (with the optimizer state)
+    refreshed: set                     # parameters megatron-core makes from the main weights (not read)
+    mains: Optional[list]              # the main-weight shards alone (a load of the weights only)
+
+
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
                     checkpointing_context=None, *, args: Optional[argparse.Namespace] = None,
                     config: Optional[AdaCheckConfig] = None, tag: Optional[str] = None,
@@ -314,10 +327,11 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                 warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
                               f"{saved} on {len(saved_layout)} ranks, this job runs "
                               f"{layout_name(topology())} on {comm.world_size}")
-        return objects, state, rng, missing, dstaged, unread, mains
+        return Staged(objects, state, rng, missing, dstaged, unread, mains)
 
-    def apply(staged):
-        objects, state, rng, missing, dstaged, unread, mains = staged
+    def apply(staged: Staged):
+        objects, state, rng, missing = staged.objects, staged.state, staged.rng, staged.missing
+        dstaged, unread, mains = staged.distopt, staged.refreshed, staged.mains
         chunks = list(model)
         for i, chunk in enumerate(chunks):
             unwrap(chunk).load_state_dict(state[chunk_key(i, len(chunks))], strict=strict)
