@@ -440,12 +440,20 @@ def param_ident(meta: ShardedTensor) -> str:
     return f"{meta.key}@{','.join(str(o) for o in _global_box(meta).offsets)}"
 
 
+def _read_range(reader: CheckpointReader, name: str, meta: ShardedTensor, start: int, stop: int, dtype) -> torch.Tensor:
+    """Elements [start, stop) of this rank's box of ``meta`` flattened, from the checkpoint's tensor
+    ``name``; one of another shape (a vocabulary padded for another TP size) as :func:`_read_padded`
+    gives it."""
+    if tuple(reader.entry(name).shape) != tuple(meta.global_shape):
+        return _read_padded(reader, name, meta, dtype).reshape(-1)[start:stop].clone()
+    return reader.read_flat(name, start, stop, dtype=dtype, within=_global_box(meta))
+
+
 def distopt_read_shard(reader: CheckpointReader, meta: ShardedTensor, start: int, stop: int,
                        names) -> Dict[str, torch.Tensor]:
     """Elements [start, stop) of a flattened parameter's main weights ("param") and optimizer
     state (``names``) from the checkpoint: a DistributedOptimizer shard of any rank."""
-    return {k: reader.read_flat(_distopt_name(k, meta), start, stop, dtype=torch.float32, within=_global_box(meta))
-            for k in names}
+    return {k: _read_range(reader, _distopt_name(k, meta), meta, start, stop, torch.float32) for k in names}
 
 
 def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, commons: list):
@@ -463,13 +471,8 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
             meta = model_meta(by_param, model_param)
             tensors = {}
             for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
-                if k == "step":
-                    continue
-                name = _distopt_name(k, meta)
-                if tuple(reader.entry(name).shape) != tuple(meta.global_shape):
-                    tensors[k] = _read_padded(reader, name, meta, t.dtype).reshape(-1)[start:stop].clone()
-                else:
-                    tensors[k] = reader.read_flat(name, start, stop, dtype=t.dtype, within=_global_box(meta))
+                if k != "step":
+                    tensors[k] = _read_range(reader, _distopt_name(k, meta), meta, start, stop, t.dtype)
             part.append((model_param, tensors))
         staged.append(part)
     return staged

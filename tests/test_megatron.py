@@ -162,6 +162,15 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
                                                              {"no_load_optim": True}], ["dump", "nlo-nat"], ["train", 2]]})
     runs.append({"argv": dp_argv, "actions": [["scramble"], ["set_args", {"finetune": True}],     # (iteration 0)
                                               ["load", str(tmp_path / "dp2_distopt_bf16-ck")], ["dump", "ft-ada"]]})
+    # and into TP=2, whose vocabulary is padded to more rows than the checkpoint's (224 > 208): the
+    # rows both have are loaded, the rest is zero, as megatron-core's load gives them
+    tp_argv = ["--tensor-model-parallel-size", "2"] + dp_argv
+    runs.append({"argv": tp_argv, "actions": [["scramble"], ["set_args", {"no_load_optim": True, "no_load_rng": True}],
+                                              ["load", str(tmp_path / "dp2_distopt_bf16-ck")], ["dump", "nlo-tp2-ada"],
+                                              ["train", 2]]})
+    runs.append({"argv": tp_argv, "actions": [["scramble"], ["load_native", str(tmp_path / "dp2_distopt_bf16-nat"),
+                                                             {"no_load_optim": True, "no_load_rng": True}],
+                                              ["dump", "nlo-tp2-nat"], ["train", 2]]})
     tp2 = str(tmp_path / "tp2_fp32-ck")
     # an existing run switches to AdaCheck: its torch_dist checkpoint loads natively, training
     # goes on exactly, the next save is AdaCheck's
@@ -180,6 +189,8 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     assert_same_dumps(str(tmp_path), "nlo-ada", "nlo-nat", 2)
     assert res[no_optim + 2]["loaded"] == [0]
     assert_same_dumps(str(tmp_path), "ft-ada", "nlo-nat", 2)
+    assert res[no_optim + 3]["losses"] == res[no_optim + 4]["losses"]
+    assert_same_dumps(str(tmp_path), "nlo-tp2-ada", "nlo-tp2-nat", 2)
     assert [res[2 * i].get("exchanges") for i in range(len(layouts))] == [
         ["partitioned" if "partitioned" in argv else "ring"] for argv in layouts.values()]
     for i, (name, argv) in enumerate(layouts.items()):
