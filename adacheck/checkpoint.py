@@ -857,8 +857,8 @@ class Checkpointer:
 
     def _plan_partitioned(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, previous_of) -> WritePlan:
         """Step 3 with the partitioned exchange: this rank's writes and file, the entries of the
-        tensors it owns (the part of the manifest it writes at the commit); on rank 0 also every
-        file, the warnings (warned there) and the counts."""
+        tensors it owns (the part of the manifest it writes at the commit); on rank 0 also the
+        warnings (warned there), the counts and the manifest's index."""
         t0, gen = time.perf_counter(), exchanged.generation
         placed, own, got, stats, held = partition.plan(
             comm, prepared.payload["metas"], gen, previous_of, self.options.copies, exchanged.nodes,
@@ -869,7 +869,6 @@ class Checkpointer:
         files = {file_name(comm.rank, gen): {"writer": comm.rank, "nbytes": placed.nbytes}} if writes else {}
         if got is None:
             return WritePlan(tensors=own, writes=writes, files=files, warnings=(), stats={}, held=held)
-        files = {file_name(w, gen): {"writer": w, "nbytes": got.stats["per_rank_bytes"][w]} for w in got.writers}
         for w in got.warnings:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
         exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
@@ -914,7 +913,7 @@ class Checkpointer:
         """Step 5: the manifest, written by rank 0 once every rank's file is committed."""
         gathered, copies = exchanged.gathered, self.options.copies
         files = {f: dict(info, nbytes=written.sizes[info["writer"]] if written.sizes else written.my_size)
-                 for f, info in plan.files.items() if written.sizes or info["writer"] == comm.rank}
+                 for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=written.total)
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
         tensors, index, ranks, store, mine = plan.tensors, None, None, prepared.store, ()

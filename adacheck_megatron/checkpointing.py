@@ -298,7 +298,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         same = is_same_layout(saved_layout, topology(), comm.world_size, comm.rank)
         sharded_objects = SavedObjects(r, (comm.rank, *replica_ranks()) if same else ())
         sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
-        dist = load_optim and optimizer is not None and bool(distributed_optimizers(optimizer))
+        with_distopt = optimizer is not None and bool(distributed_optimizers(optimizer))
+        dist = load_optim and with_distopt
         saved_dist = objects.distributed_optimizer is not None
         if load_optim and optimizer is not None and dist != saved_dist:
             raise ConfigError(
@@ -310,7 +311,6 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         # module weights saved as their main weights' casts: megatron-core makes them in apply() from
         # the main weights this rank loads (with the optimizer state, or alone: its own shard, not
         # the whole model's main weights that rebuilding the module weights would read)
-        with_distopt = optimizer is not None and bool(distributed_optimizers(optimizer))
         unread = distopt_refreshed(optimizer, model, sd, r) if with_distopt else set()
         mains = distopt_stage_main(optimizer, sd, r) if unread and not load_optim else None
         # an optimizer that had applied no update when saved has no moments in the checkpoint;
