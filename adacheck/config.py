@@ -52,8 +52,8 @@ exchange            "ring"    how ranks share their (box, hash) lists before a s
                               "allgather" (one collective, blocks padded to the longest)
                               or "partitioned" (each tensor's shard list only to the rank that
                               decides it, one all-to-all: a rank's traffic and planning
-                              follow its own boxes, not the job's size; not yet with the
-                              memory tier)
+                              follow its own boxes, not the job's size; the memory tier's
+                              copies across nodes use the ring)
 hash_chunk_bytes    67108864  boxes larger than this are split along their first axis into
                               chunks with their own hash, so an unchanged part of a large
                               tensor (rows of unused tokens, a frozen slice) is referenced
@@ -276,9 +276,6 @@ class AdaCheckConfig:
         if self.keep_last < 0:
             raise ConfigError(f"adacheck.keep_last must be >= 0 (0 keeps every checkpoint), "
                               f"got {self.keep_last}")
-        if self.exchange == "partitioned" and self.tiers.memory:
-            raise ConfigError("adacheck.exchange \"partitioned\" does not work with adacheck.tiers.memory yet: "
-                              "use exchange \"ring\" (the default) with it, or turn the memory tier off")
 
     @classmethod
     def from_dict(cls, block, where: str = "adacheck") -> "AdaCheckConfig":

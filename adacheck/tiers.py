@@ -9,9 +9,10 @@ identity and the checkpoint directory it stands for::
 so a process killed by SIGKILL, or restarted by torchrun's elastic agent, finds it, and another
 job never takes it for its own.  Every ``persist_interval``-th save is copied to the checkpoint
 directory in the background, and the newest one at a clean exit (then the job's memory files
-go).  The copy needs no collective: each rank copies the files it wrote and leaves a marker;
-rank 0 writes the manifest once every writer's marker is there and every file has its size,
-then ``latest``: the durable tier's commit protocol is the save's.  ``keep`` newest checkpoints
+go).  The copy needs no collective: each rank copies the files it wrote (a checkpoint in parts:
+its part and rank file too) and leaves a marker; rank 0 writes the manifest once every marker is
+there and every shard file has its size, then ``latest``: the durable tier's commit protocol is
+the save's.  ``keep`` newest checkpoints
 stay in memory (one being copied is kept too).
 
 A job across nodes (the node: ``$ADACHECK_NODE`` or the host name) writes one copy of each box per
@@ -44,7 +45,8 @@ from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
 from .exchange import agree
-from .manifest import parse
+from .manifest import RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
+from .planner import file_name
 from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
 from .writer import SpareFiles
@@ -401,6 +403,17 @@ def shard_check(manifest, fname: str) -> Callable[[str], None]:
     return check
 
 
+def tagged_check(tag: str, fname: str) -> Callable[[str], None]:
+    """A check for :func:`receive_file` of a shard file of a manifest in parts (whose boxes are in
+    rank files and parts not read here): a safetensors file written for ``tag``; each box's bytes
+    are checked against its hash when read."""
+    def check(path: str) -> None:
+        got = SafetensorsFile(path, LOCAL).metadata.get("adacheck_tag")
+        if got != tag:
+            raise FormatError(f"{fname} from a peer was written for {got!r}, not {tag!r}: refused")
+    return check
+
+
 def holdings(mem: str) -> Dict[str, dict]:
     """What this node's memory holds of ``mem``: per checkpoint with a manifest, its step, the
     manifest's digest, the files present (name -> size) and, per stored region, (its copies'
@@ -419,18 +432,26 @@ def holdings(mem: str) -> Dict[str, dict]:
         except (AdaCheckError, UnicodeDecodeError, OSError) as e:
             log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", path, e)
             continue
-        regions: Dict[tuple, Tuple[set, set]] = {}
-        for name, e in m.tensors.items():
-            for sb in e.boxes:
-                files, holders = regions.setdefault((name, sb.box), (set(), set()))
-                files.add(sb.file)
-                holders.update(sb.holders)
-        present = {f: os.path.getsize(os.path.join(d, f)) for f in m.files if os.path.isfile(os.path.join(d, f))}
-        groups = sorted({(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()})
+        world = int(m.topology.get("world_size", 0))
+        if m.index is not None:
+            # a manifest in parts (saved on one node): complete when every file it names is here;
+            # a node that lacks it receives all of them (its files' sizes are those here)
+            names = sorted(f for t, f in referenced_files(m) if t is None) + part_names(m)
+            present = {f: os.path.getsize(os.path.join(d, f)) for f in names if os.path.isfile(os.path.join(d, f))}
+            nbytes, groups, derived = dict(present), [((f,), tuple(range(world))) for f in names], True
+        else:
+            regions: Dict[tuple, Tuple[set, set]] = {}
+            for name, e in m.tensors.items():
+                for sb in e.boxes:
+                    files, holders = regions.setdefault((name, sb.box), (set(), set()))
+                    files.add(sb.file)
+                    holders.update(sb.holders)
+            present = {f: os.path.getsize(os.path.join(d, f)) for f in m.files if os.path.isfile(os.path.join(d, f))}
+            nbytes = {f: int(i["nbytes"]) for f, i in m.files.items()}
+            groups = sorted({(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()})
+            derived = any(e.derived is not None for e in m.tensors.values())
         out[tag] = {"step": m.step if m.step is not None else -1, "digest": hashlib.sha256(raw).hexdigest(),
-                    "present": present, "nbytes": {f: int(i["nbytes"]) for f, i in m.files.items()},
-                    "groups": groups, "world": int(m.topology.get("world_size", 0)),
-                    "derived": any(e.derived is not None for e in m.tensors.values()),
+                    "present": present, "nbytes": nbytes, "groups": groups, "world": world, "derived": derived,
                     "chain": deltas.read_chain(d), "steps": _delta_steps(d, m.step if m.step is not None else -1)}
     return out
 
@@ -599,6 +620,13 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
             state["manifest"], state["raw"] = parse(raw.decode("utf-8"), where=f"{plan['tag']} from a peer"), raw
             return
         m = manifest()
+        if m.index is not None:       # (in parts: its JSON files check themselves when read)
+            shards = {f for t, f in referenced_files(m) if t is None}
+            if fname not in shards and fname not in part_names(m):
+                raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not name: refused")
+            receive_file(ckpt_dir, fname, data, plan["nbytes"].get(fname, len(data) if data is not None else 0),
+                         by="the node that sent it", check=tagged_check(m.tag, fname) if fname in shards else None)
+            return
         if fname not in m.files:
             raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not list: refused")
         receive_file(ckpt_dir, fname, data, int(m.files[fname]["nbytes"]), check=shard_check(m, fname))
@@ -615,37 +643,59 @@ def _marker(rank: int) -> str:
     return f".persisted-rank{rank:05d}"
 
 
+def _copied_by(manifest, rank: int) -> List[str]:
+    """The files of a committed memory checkpoint that ``rank`` copies to durable storage: the shard
+    file it wrote and, for a manifest in parts (format 5), its part of the tensor table and its rank
+    file (rank 0: the meta file too), so that no rank copies more than its own."""
+    if manifest.index is None:
+        return [f for f, info in sorted(manifest.files.items()) if int(info["writer"]) == rank]
+    index, g = manifest.index, manifest.index["generation"]
+    out = [file_name(rank, g)] if any(a <= rank < b for a, b in index["writers"]) else []
+    out += [part_name(g, rank)] if rank < index["parts"] else []
+    out += [rank_file_name(g, rank)] if rank < index["ranks"] else []
+    return out + ([meta_name(g)] if rank == 0 and manifest.format_version >= RANKED_SINCE else [])
+
+
+def _copiers(manifest) -> List[int]:
+    """The ranks that copy files of ``manifest`` (see _copied_by), whose markers rank 0 waits for."""
+    if manifest.index is None:
+        return sorted({int(info["writer"]) for info in manifest.files.values()})
+    return list(range(max(manifest.index["parts"], manifest.index["ranks"], 1)))
+
+
 def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str, tag: str, fsync: bool,
                        update_latest: bool, keep_last: Optional[int], confirm: Callable,
                        timeout_s: float = PERSIST_TIMEOUT_S) -> bool:
     """Copy this rank's files of the committed memory checkpoint ``src_dir`` to ``dst_dir/tag``
-    on ``dst_store``; rank 0 then commits it there (manifest, ``latest``, retention).  No
-    collective: rank 0 waits for every writer's marker (up to ``timeout_s``).  Returns whether
-    this rank's part is done (rank 0: whether the checkpoint was committed)."""
-    path = LOCAL.join(src_dir, commit.MANIFEST_NAME)
-    manifest_bytes = LOCAL.read_bytes(path)
+    on ``dst_store`` (:func:`_copied_by`); rank 0 then commits it there (manifest, ``latest``,
+    retention).  No collective: each rank's marker says which files it copied, their sizes and
+    content tags; rank 0 waits for every marker (up to ``timeout_s``) and confirms those files
+    before the manifest.  Returns whether this rank's part is done (rank 0: whether the
+    checkpoint was committed)."""
+    manifest_bytes = LOCAL.read_bytes(LOCAL.join(src_dir, commit.MANIFEST_NAME))
     nonce = hashlib.sha256(manifest_bytes).hexdigest()
-    manifest = parse(manifest_bytes.decode("utf-8"), where=path)
+    manifest = parse(manifest_bytes.decode("utf-8"), where=LOCAL.join(src_dir, commit.MANIFEST_NAME),
+                     open_part=commit.PartFiles(LOCAL, src_dir))
     dst = dst_store.join(dst_dir, tag)
     dst_store.make_dirs(dst)
-    writers = sorted({int(info["writer"]) for info in manifest.files.values()})
-    tags = {}       # (the storage's content tag of each file copied, as it showed once committed)
-    for fname, info in sorted(manifest.files.items()):
-        if int(info["writer"]) == rank:
-            path = dst_store.join(dst, fname)
-            copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, path, fsync=fsync)
-            tags[fname] = (dst_store.file_state(path) or (None, None))[1]
-    if rank in writers:
-        dst_store.write_atomic(dst_store.join(dst, _marker(rank)), json.dumps({"nonce": nonce, "tags": tags}).encode(),
+    copiers = _copiers(manifest)
+    told = {}       # shard file -> (the size its writer committed, its content tag as it showed once copied)
+    for fname in _copied_by(manifest, rank):
+        path = dst_store.join(dst, fname)
+        copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, path, fsync=fsync)
+        if fname in manifest.files:       # (a shard file: its size as its writer committed it)
+            told[fname] = (int(manifest.files[fname]["nbytes"]), (dst_store.file_state(path) or (None, None))[1])
+    if rank in copiers:
+        dst_store.write_atomic(dst_store.join(dst, _marker(rank)), json.dumps({"nonce": nonce, "files": told}).encode(),
                                fsync=fsync)
     if rank != 0:
         return True
     deadline = time.monotonic() + timeout_s
-    waiting = list(writers)
+    waiting, files = list(copiers), {}
     while waiting:
         said = {r: _marked(dst_store, dst, r, nonce) for r in waiting}
-        tags.update(t for told in said.values() if told for t in told.items())
-        waiting = [r for r, told in said.items() if told is None]
+        files.update((f, {"writer": r, "nbytes": n, "tag": t}) for r, x in said.items() if x for f, (n, t) in x.items())
+        waiting = [r for r, x in said.items() if x is None]
         if not waiting:
             break
         if time.monotonic() > deadline:
@@ -653,9 +703,9 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
                         "it stays in the memory tier", tag, dst_dir, waiting, timeout_s)
             return False
         time.sleep(0.05)
-    confirm(dst_store, dst, {f: dict(info, tag=tags.get(f)) for f, info in manifest.files.items()})
-    commit.write_manifest(dst, manifest, dst_store)
-    for r in writers:
+    confirm(dst_store, dst, files)
+    dst_store.write_atomic(dst_store.join(dst, commit.MANIFEST_NAME), manifest_bytes)
+    for r in copiers:
         dst_store.remove(dst_store.join(dst, _marker(r)))
     if update_latest:
         commit.write_latest(dst_dir, tag, dst_store)
@@ -667,13 +717,13 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
 
 
 def _marked(store: Storage, ckpt: str, rank: int, nonce: str) -> Optional[dict]:
-    """The content tags of the files ``rank`` copied for the checkpoint whose manifest hashes to
-    ``nonce``, once its marker says it is done; None before."""
+    """The shard files ``rank`` copied for the checkpoint whose manifest hashes to ``nonce``, each
+    (size, content tag), once its marker says it is done; None before."""
     try:
         said = json.loads(store.read_bytes(store.join(ckpt, _marker(rank))))
     except (FileNotFoundError, UnicodeDecodeError, ValueError):
         return None
-    return said["tags"] if isinstance(said, dict) and said.get("nonce") == nonce else None
+    return said["files"] if isinstance(said, dict) and said.get("nonce") == nonce else None
 
 
 def newest_committed(save_dir: str, store: Storage) -> Optional[Tuple[str, int]]:
@@ -821,7 +871,12 @@ class MemoryTier:
         self.leads = spread.leads(comm.rank)
         if count > 1:
             o = self.memory.options
-            self.memory.configure(replace(o, copies=count, derive=False, spread=spread))
+            if o.exchange == "partitioned" and comm.rank == 0:
+                log.warning("AdaCheck: exchange \"partitioned\" with the memory tier across nodes (%d): the memory "
+                            "copies use the ring exchange (each node's memory keeps a whole manifest of its own, which "
+                            "the partitioned one is not yet), so do their copies in the checkpoint directory", count)
+            self.memory.configure(replace(o, copies=count, derive=False, spread=spread,
+                                          exchange="ring" if o.exchange == "partitioned" else o.exchange))
         elif self.config.peer and comm.rank == 0:
             log.warning("AdaCheck: tiers.peer: every rank of this job runs on one node (%s), so there is no other "
                         "node to keep a copy; the memory tier works alone (set $ADACHECK_NODE per node if the "

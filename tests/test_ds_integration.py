@@ -168,8 +168,6 @@ def test_config_block_validation_and_disabled_block(tmp_path):
            ({"adacheck": {"enabled": True, "online": []}}, "adacheck.online must be an object"),
            ({"adacheck": {"enabled": True, "tiers": {"memory": "yes"}}}, "adacheck.tiers.memory must be true or false"),
            ({"adacheck": {"enabled": True, "tiers": {"peer": True}}}, "it needs tiers.memory true as well"),
-           ({"adacheck": {"enabled": True, "exchange": "partitioned", "tiers": {"memory": True}}},
-            'adacheck.exchange "partitioned" does not work with adacheck.tiers.memory yet'),
            ({"adachek": {"enabled": True}}, "top-level key 'adachek'; did you mean \"adacheck\"?"),
            ({"AdaCheck": {"enabled": True}}, "top-level key 'AdaCheck'; did you mean \"adacheck\"?")]
     runs = [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": False},

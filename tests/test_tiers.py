@@ -516,6 +516,64 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     assert_same(a5, dump(f"{d}/e", "B"), keys)
 
 
+def test_partitioned_exchange_with_the_memory_tier(tmp_path, monkeypatch):
+    """``exchange: "partitioned"`` with the memory tier (ZeRO-1 bf16, 2 ranks, asynchronous, every
+    2nd save persisted).  On one node the memory copies are checkpoints in parts (format 5), and
+    the copy to the checkpoint directory takes each rank's part and rank file with its shard file.
+    The job is killed after step 3.  A job on two nodes (a, and c whose memory is empty) recovers
+    step 3 from node a's memory, node c receiving every file of it; its own saves across nodes use
+    the ring for the memory copies (said in a warning), and its newest one is persisted at its clean
+    exit.  A job without the memory loads both checkpoints from the directory.  The oracle is
+    DeepSpeed's own state at each step (ds_worker's dumps), and `adacheck verify`."""
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-parts")
+    ck = f"{d}/ck"
+    mem_of, on = partial(memory_of, monkeypatch, d, ck), partial(on_nodes, d)
+    tiered = {"enabled": True, "async": True, "exchange": "partitioned",
+              "tiers": {"memory": True, "persist_interval": 2}}
+    model = {"stage": 1, "dtype": "bf16"}
+    actions = []
+    for step in range(1, 4):
+        actions += [["train", 1]] + ([["dump", f"A{step}"]] if step >= 2 else []) + [["save", ck]]
+    out = launch(2, {"runs": [dict(model, adacheck=tiered, actions=actions + [["finish"], ["die"]])]}, f"{d}/a",
+                 rank_env=on("aa"))
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    mem_a = mem_of("a")
+    assert tags(ck) == ["global_step2"] and tags(mem_a) == ["global_step2", "global_step3"]
+    for where in (f"{ck}/global_step2", f"{mem_a}/global_step3"):
+        assert json.load(open(f"{where}/manifest.json"))["format_version"] == 5, where
+    # the directory's copy holds every file of the memory copy (the parts, rank files and meta file too)
+    assert sorted(os.listdir(f"{ck}/global_step2")) == sorted(os.listdir(f"{mem_a}/global_step2"))
+    assert {"manifest-g0-part-00001.json", "manifest-g0-rank-00001.json", "manifest-g0-meta.json"} <= set(
+        os.listdir(f"{ck}/global_step2")), os.listdir(f"{ck}/global_step2")
+    said = cli("verify", f"{ck}/global_step2")
+    assert "OK" in said, said
+
+    # rank 0 on node a, rank 1 on a new node c: step 3 from a's memory, c given all of it
+    run = dict(model, seed=7, adacheck=tiered, actions=[["load", ck], ["dump", "B3"], ["train", 1], ["dump", "B4"],
+                                                        ["save", ck]])
+    out = launch(2, {"runs": [run]}, f"{d}/b", rank_env=on("ac"))
+    check(out)
+    assert "loaded global_step3 (step 3) from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert "from other nodes' memory" in out[1][1], out[1][1][-3000:]
+    assert "the memory copies use the ring exchange" in out[0][1], out[0][1][-3000:]
+    a3, keys = state(f"{d}/a", "A3")
+    assert_same(a3, dump(f"{d}/b", "B3"), keys)
+    # (its save across nodes, persisted at the clean exit: a manifest of its own on each node)
+    assert tags(ck) == ["global_step2", "global_step4"] and commit.read_latest(ck) == "global_step4"
+    assert json.load(open(f"{ck}/global_step4/manifest.json"))["format_version"] < 5
+
+    # without the memory tier: the newest from the directory, and the one persisted in parts
+    runs = [dict(model, seed=9, adacheck=tiered, actions=[["load", ck], ["dump", "C4"]]),
+            dict(model, seed=9, adacheck=tiered, actions=[["load", ck, {"tag": "global_step2"}], ["dump", "C2"]])]
+    out = launch(2, {"runs": runs}, f"{d}/c", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
+    check(out)
+    b4, keys = state(f"{d}/b", "B4")
+    assert_same(b4, dump(f"{d}/c", "C4"), keys)
+    a2, keys = state(f"{d}/a", "A2")
+    assert_same(a2, dump(f"{d}/c", "C2"), keys)
+
+
 def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     """The peer receive path: a name that leaves the directory, a size or a header that is not
     what the manifest says is refused, and nothing is left under the file's name."""
