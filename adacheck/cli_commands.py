@@ -473,7 +473,7 @@ def cmd_clean(args) -> int:
 
 
 def _diff_entry(ra, rb, name):
-    ea, eb = ra.entry(name), rb.entry(name)
+    ea, eb = ra.entry(name, whole=True), rb.entry(name, whole=True)     # (with their boxes)
     if (ea.dtype, ea.shape) != (eb.dtype, eb.shape):
         return f"{ea.dtype}{list(ea.shape)} -> {eb.dtype}{list(eb.shape)}", None
     if ea.derived is None and eb.derived is None and sorted((b.box, b.hash) for b in ea.boxes) == sorted(

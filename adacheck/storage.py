@@ -373,6 +373,14 @@ class FsspecStorage(Storage):
         self._blocks: "OrderedDict[Tuple[str, int], bytes]" = OrderedDict()
         self._lock = threading.Lock()      # (a background writer and a reader may share this storage)
 
+    def __getstate__(self):
+        """Picklable without its lock and read blocks (a manifest in parts that a writer process
+        sends to its rank reads its parts through it)."""
+        return {"fs": self.fs, "protocol": self.protocol}
+
+    def __setstate__(self, state):
+        self.__init__(state["fs"], state["protocol"])
+
     def _forget(self, path: str) -> None:
         with self._lock:
             for key in [k for k in self._blocks if k[0] == path or k[0].startswith(path.rstrip("/") + "/")]:

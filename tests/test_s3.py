@@ -314,25 +314,31 @@ def test_sigkill_during_a_background_write_to_s3(s3, tmp_path):
                 load_file(os.path.join(load_dir, "reloaded.safetensors")))
 
 
-def test_a_writer_process_uploads_the_state_at_the_call(s3, tmp_path):
+@pytest.mark.parametrize("exchange", ["ring", "partitioned"])
+def test_a_writer_process_uploads_the_state_at_the_call(s3, tmp_path, exchange):
     """``async_writer: "process"`` (a world of one: no process group): the writer process reads
     the snapshot from shared memory and uploads it while the state changes; the objects are byte
-    for byte those of a synchronous local save of the state at the call."""
+    for byte those of a synchronous local save of the state at the call.  (partitioned: the
+    manifest in parts the writer process sends back reads its parts through the S3 storage, which
+    could not be pickled: the writer process died.)"""
     frozen = torch.arange(9.0).view(3, 3)
     _, st = state(5, frozen)
-    Checkpointer(options=Options(chunk_bytes=32)).save(SoloComm(), str(tmp_path / "local"), "s5", lambda: st)
-    remote = job(s3, writer="process")
+    Checkpointer(options=Options(chunk_bytes=32, exchange=exchange)).save(SoloComm(), str(tmp_path / "local"), "s5",
+                                                                         lambda: st)
+    remote = job(s3, writer="process", exchange=exchange)
     try:
-        remote.save_async(SoloComm(), s3.url("proc"), "s5", lambda: st)
+        remote.save_async(SoloComm(), s3.url(f"proc-{exchange}"), "s5", lambda: st)
         for s in st.shards:     # training goes on at once
             s.tensor.add_(1)
         manifest = remote.finish()
         assert manifest is not None and manifest.tag == "s5"
+        local = commit.read_manifest(str(tmp_path / "local" / "s5"))      # (its tables, read through its storage)
+        assert dict(manifest.tensors) == dict(local.tensors) and manifest.tensors
         assert remote.writer is not None and remote.writer.alive
     finally:
         remote.close()
     assert remote.writer is None
-    store, where = remote.locate(s3.url("proc"))
+    store, where = remote.locate(s3.url(f"proc-{exchange}"))
     assert files_of(store, where) == files_of(LOCAL, str(tmp_path / "local"))
 
 
