@@ -33,7 +33,7 @@ from . import commit, jsontree, lifecycle, partition, writer_process
 from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
-from .exchange import Comm, agree, background_comm
+from .exchange import Comm, agree, background_comm, exchange_for
 from .tiers import DeltaSpread, MemoryTier, newest_committed, spares_of
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
@@ -310,7 +310,8 @@ DEFAULT_CACHES = Caches()
 class Options:
     """How a job saves and loads (AdaCheckConfig's keys, see adacheck.config): ``keep_last``
     newest checkpoints (None: all), ``fsync``, ``reference_previous`` unchanged boxes, ``copies``
-    of each distinct box (on distinct nodes), the ``exchange`` ("ring" or "allgather"), boxes
+    of each distinct box (on distinct nodes), the ``exchange`` ("auto", "ring", "allgather" or
+    "partitioned": :func:`adacheck.exchange.exchange_for`), boxes
     larger than ``chunk_bytes`` stored as row chunks, ``verify`` hashes on load, ``on_corrupt``
     ("raise" or "fallback"), ``storage_options`` for the fsspec filesystem of a URL (see
     :meth:`Checkpointer.locate`), ``on_error``: an asynchronous save that fails in the background
@@ -322,7 +323,7 @@ class Options:
     fsync: bool = True
     reference_previous: bool = True
     copies: int = 1
-    exchange: str = "ring"
+    exchange: str = "auto"
     chunk_bytes: int = 64 << 20
     verify: bool = True
     on_corrupt: str = "raise"
@@ -802,7 +803,8 @@ class Checkpointer:
     def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
         """Step 2: every rank's payload on every rank (partitioned: see :class:`Exchanged`)."""
         t0 = time.perf_counter()
-        if self.options.exchange == "partitioned":
+        how = exchange_for(self.options.exchange, comm.world_size)
+        if how == "partitioned":
             p = prepared.payload
             head = comm.broadcast_object({k: p[k] for k in ("generation", "previous", "step", "framework")})
             mine = dict({k: v for k, v in p.items() if k != "metas"}, step=head["step"], framework=head["framework"])
@@ -810,9 +812,9 @@ class Checkpointer:
             return Exchanged([mine], head["generation"], head["previous"],
                              {"how": "partitioned", "seconds": time.perf_counter() - t0}, partitioned=True, nodes=nodes)
         with gc_paused():
-            gathered, received, compact = _exchange(comm, prepared.payload, self.options.exchange,
+            gathered, received, compact = _exchange(comm, prepared.payload, how,
                                                     self.caches.exchanged)
-        stats = {"how": self.options.exchange, "seconds": time.perf_counter() - t0, "bytes_received": received,
+        stats = {"how": how, "seconds": time.perf_counter() - t0, "bytes_received": received,
                  "ranks_sent_digest_only": compact}
         return Exchanged(gathered, gathered[0]["generation"], gathered[0]["previous"], stats)
 
@@ -903,7 +905,7 @@ class Checkpointer:
 
         size, tag = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
                           on_failure=lambda: self._remove_mine(prepared, my_file))
-        if self.options.exchange == "partitioned":      # (each rank's in its rank file; their sum)
+        if exchange_for(self.options.exchange, comm.world_size) == "partitioned":      # (each in its rank file; their sum)
             return Written([], [], my_file, size, tag, comm.sum_each([size])[0])
         every = comm.all_gather_object((size, tag))
         return Written([k for k, _ in every], [t for _, t in every], my_file, size, tag, sum(k for k, _ in every))
@@ -1109,7 +1111,7 @@ def _refuse_non_persistent(persist: Optional[bool]) -> None:
 
 def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
          keep_last: Optional[int] = None, fsync: bool = True, update_latest: bool = True,
-         reference_previous: bool = True, copies: int = 1, exchange: str = "ring",
+         reference_previous: bool = True, copies: int = 1, exchange: str = "auto",
          chunk_bytes: int = 64 << 20, store: Storage = LOCAL) -> Manifest:
     """:meth:`Checkpointer.save` of this process's default job (DEFAULT_CACHES) with these options."""
     options = Options(keep_last=keep_last, fsync=fsync, reference_previous=reference_previous, copies=copies,

@@ -47,13 +47,14 @@ reference_previous  true      a box whose bytes equal those of the checkpoint th
 redundancy_factor   1         store each distinct box this many times, written by holders on
                               distinct nodes where possible ($ADACHECK_NODE or the host name);
                               a load falls back to another copy when one is damaged
-exchange            "ring"    how ranks share their (box, hash) lists before a save: "ring"
+exchange            "auto"    how ranks share their (box, hash) lists before a save: "ring"
                               (send to next / receive from previous, N-1 steps) or
                               "allgather" (one collective, blocks padded to the longest)
                               or "partitioned" (each tensor's shard list only to the rank that
                               decides it, one all-to-all: a rank's traffic and planning
-                              follow its own boxes, not the job's size; the memory tier's
-                              copies across nodes use the ring)
+                              follow its own boxes, not the job's size; the manifest in
+                              parts; the memory tier's copies across nodes use the ring);
+                              "auto": the ring below 32 ranks, partitioned from 32 on
 hash_chunk_bytes    67108864  boxes larger than this are split along their first axis into
                               chunks with their own hash, so an unchanged part of a large
                               tensor (rows of unused tokens, a frozen slice) is referenced
@@ -222,7 +223,7 @@ class AdaCheckConfig:
     strict_objects: bool = True
     reference_previous: bool = True
     redundancy_factor: int = 1
-    exchange: str = "ring"
+    exchange: str = "auto"
     hash_chunk_bytes: int = 64 << 20
     on_corrupt: str = "raise"
     online: OnlineConfig = OnlineConfig()

@@ -12,7 +12,7 @@ keys under the names a launcher's flags have):
   --[no-]adacheck-strict-objects  strict_objects
   --[no-]adacheck-reference-previous
   --adacheck-redundancy-factor K  redundancy_factor
-  --adacheck-exchange {ring,allgather,partitioned}
+  --adacheck-exchange {auto,ring,allgather,partitioned}
   --adacheck-on-corrupt {raise,fallback}
   --adacheck-on-error {warn,raise}  on_error (a failed asynchronous save)
   --adacheck-compression zstd     compression

@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
-from .exchange import agree
+from .exchange import agree, exchange_for
 from .manifest import RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
 from .planner import file_name
 from .reader import SafetensorsFile
@@ -871,12 +871,13 @@ class MemoryTier:
         self.leads = spread.leads(comm.rank)
         if count > 1:
             o = self.memory.options
-            if o.exchange == "partitioned" and comm.rank == 0:
+            partitioned = exchange_for(o.exchange, comm.world_size) == "partitioned"
+            if partitioned and o.exchange == "partitioned" and comm.rank == 0:
                 log.warning("AdaCheck: exchange \"partitioned\" with the memory tier across nodes (%d): the memory "
                             "copies use the ring exchange (each node's memory keeps a whole manifest of its own, which "
                             "the partitioned one is not yet), so do their copies in the checkpoint directory", count)
             self.memory.configure(replace(o, copies=count, derive=False, spread=spread,
-                                          exchange="ring" if o.exchange == "partitioned" else o.exchange))
+                                          exchange="ring" if partitioned else o.exchange))
         elif self.config.peer and comm.rank == 0:
             log.warning("AdaCheck: tiers.peer: every rank of this job runs on one node (%s), so there is no other "
                         "node to keep a copy; the memory tier works alone (set $ADACHECK_NODE per node if the "

@@ -79,7 +79,7 @@ def worker(a) -> None:
         train(2)
         engine.save_checkpoint(ck, tag="second")
         m2 = engine.adacheck.last_manifest
-        other = {"ring": "allgather", "allgather": "ring"}[engine.adacheck.config.exchange]
+        other = {"ring": "allgather", "allgather": "ring"}[m2.stats["exchange"]["how"]]
         from adacheck.config import AdaCheckConfig
         import adacheck_ds
         alt = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(

@@ -230,3 +230,22 @@ def test_placement_by_holder_set_places_every_item_on_its_holders():
     nested = [(100, "a", (0, 1)), (100, "b", (2, 3)), (100, "c", (0, 1, 2, 3)), (100, "d", (0, 1, 2, 3))]
     out, load = place_by_group(nested, 4)
     assert (out["a"], out["b"], sorted(out["c"] + out["d"])) == ([0], [2], [1, 3]) and set(load.values()) == {100}
+
+
+def test_auto_exchange_is_the_ring_below_32_ranks_and_partitioned_from_there(tmp_path):
+    """The default exchange, "auto": small jobs keep one manifest file and the ring; from 32
+    ranks on every save is partitioned (scripts/bench_plan.py: the whole-job plan the ring makes
+    every rank compute grows with the job); an exchange that is named is the one run."""
+    from adacheck.checkpoint import LocalShard, LocalState, save
+    from adacheck.config import AdaCheckConfig
+    from adacheck.exchange import SoloComm, exchange_for
+    assert [exchange_for("auto", n) for n in (1, 2, 31, 32, 64, 16384)] == ["ring"] * 3 + ["partitioned"] * 3
+    assert exchange_for("ring", 16384) == "ring" and exchange_for("partitioned", 2) == "partitioned"
+    assert exchange_for("allgather", 64) == "allgather"
+    assert AdaCheckConfig.from_dict({"enabled": True}).exchange == "auto"
+    t = torch.arange(6.0)
+    st = LocalState([LocalShard("master/w", "master", (6,), Box.full((6,)), t)], objects={}, framework={}, step=1)
+    m = save(SoloComm(), str(tmp_path), "s1", lambda: st)
+    assert m.stats["exchange"]["how"] == "ring" and m.format_version < 5
+    m = save(SoloComm(), str(tmp_path), "s2", lambda: st, exchange="partitioned")
+    assert m.stats["exchange"]["how"] == "partitioned" and m.format_version == 5

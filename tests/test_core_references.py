@@ -47,6 +47,25 @@ def test_unchanged_boxes_are_referenced_and_load(tmp_path):
     assert m1.stats["referenced_bytes"] == 0
 
 
+def test_references_cross_between_one_manifest_and_a_manifest_in_parts(tmp_path):
+    """A job that changes size changes the exchange "auto" runs, so a save may reference a
+    checkpoint of the other format: one manifest (ring) -> in parts (partitioned) -> one manifest,
+    then retention down to the last; each loads what was saved, unchanged bytes referenced where
+    they were first written."""
+    frozen, trained = torch.ones(8, 8), torch.zeros(4, 6)
+    save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen, trained, 1), exchange="ring")
+    trained[2:] += 1
+    m2 = save(SoloComm(), str(tmp_path), "s2", lambda: state(frozen, trained, 2), exchange="partitioned")
+    assert m2.format_version == 5 and m2.stats["referenced_bytes"] == 8 * 8 * 4 + 2 * 6 * 4
+    trained[:2] += 1
+    m3 = save(SoloComm(), str(tmp_path), "s3", lambda: state(frozen, trained, 3), exchange="ring", keep_last=1)
+    assert m3.format_version < 5 and {b.file for e in m3.tensors.values() for b in e.boxes} == {
+        "s1/rank00000-g0.safetensors", "s2/rank00000-g0.safetensors", "rank00000-g0.safetensors"}
+    got = read_all(tmp_path / "s3")       # (s1 and s2 retired: their files that s3 reads stay)
+    assert torch.equal(got["model/frozen"], frozen) and torch.equal(got["master/trained"], trained)
+    assert not (tmp_path / "s2" / "manifest.json").exists()
+
+
 def test_retention_keeps_referenced_files_and_resave_never_overwrites_them(tmp_path):
     frozen, trained = torch.ones(8, 8), torch.zeros(4, 6)
     save(SoloComm(), str(tmp_path), "s1", lambda: state(frozen, trained, 1))

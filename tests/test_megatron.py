@@ -192,7 +192,7 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
     assert res[no_optim + 3]["losses"] == res[no_optim + 4]["losses"]
     assert_same_dumps(str(tmp_path), "nlo-tp2-ada", "nlo-tp2-nat", 2)
     assert [res[2 * i].get("exchanges") for i in range(len(layouts))] == [
-        ["partitioned" if "partitioned" in argv else "ring"] for argv in layouts.values()]
+        ["partitioned" if "partitioned" in argv else "auto"] for argv in layouts.values()]
     for i, (name, argv) in enumerate(layouts.items()):
         if "partitioned" in argv:
             # format 5, the layout it saved: no part, no meta file; its own rank file, and rank 1 also
