@@ -230,3 +230,21 @@ def parted_checks(d):
     assert not os.path.exists(f"{save_dir}/s9") and not any(f.startswith("manifest-g") for f in os.listdir(f"{save_dir}/s1"))
     assert sorted(f for f in os.listdir(ck) if f.startswith("manifest-g")) == kept
     assert all(m2.tensors["master/w"] for m2 in [read_manifest(ck)])
+
+
+@pytest.mark.parametrize("world", [32])
+def test_the_default_exchange_is_partitioned_from_32_ranks(tmp_path, world):
+    """A job of 32 real ranks (gloo) saves with the default options: "auto" runs the partitioned
+    exchange (format 5), the replicated embedding is stored once and the partitioned master weight
+    once, and every rank reads back its own rows, the embedding and its RNG state, judged against
+    the seeds they were made from (tests/auto_worker.py)."""
+    d = str(tmp_path)
+    out = launch(world, {"dir": f"{d}/ck"}, d, script="auto_worker.py", timeout=600, grace=120)
+    check(out)
+    recs = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
+    for r, rec in enumerate(recs):
+        for step in ("s1", "s2"):
+            assert rec[step]["how"] == "partitioned" and rec[step]["format_version"] == 5, (r, rec)
+        assert rec["own_rows"] and rec["emb"] and rec["rng"], (r, rec)
+    assert recs[0]["s1"]["stored_bytes"] == 16 * 8 * 4 + 2 * world * 6 * 4 + 2 * world * 8     # (each box once)
+    assert recs[0]["s2"]["stored_bytes"] == 2 * world * 6 * 4 + 2 * world * 8      # (the embedding referenced)
