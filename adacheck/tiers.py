@@ -670,7 +670,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     on ``dst_store`` (:func:`_copied_by`); rank 0 then commits it there (manifest, ``latest``,
     retention).  No collective: each rank's marker says which files it copied, their sizes and
     content tags; rank 0 waits for every marker (up to ``timeout_s``) and confirms those files
-    before the manifest.  Returns whether this rank's part is done (rank 0: whether the
+    (all of them: a checkpoint in parts needs its parts and rank files too) before the manifest.  Returns whether this rank's part is done (rank 0: whether the
     checkpoint was committed)."""
     manifest_bytes = LOCAL.read_bytes(LOCAL.join(src_dir, commit.MANIFEST_NAME))
     nonce = hashlib.sha256(manifest_bytes).hexdigest()
@@ -679,12 +679,13 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     dst = dst_store.join(dst_dir, tag)
     dst_store.make_dirs(dst)
     copiers = _copiers(manifest)
-    told = {}       # shard file -> (the size its writer committed, its content tag as it showed once copied)
+    told = {}       # file -> (its size, its content tag as it showed once copied)
     for fname in _copied_by(manifest, rank):
         path = dst_store.join(dst, fname)
-        copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, path, fsync=fsync)
+        size = copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, path, fsync=fsync)
         if fname in manifest.files:       # (a shard file: its size as its writer committed it)
-            told[fname] = (int(manifest.files[fname]["nbytes"]), (dst_store.file_state(path) or (None, None))[1])
+            size = int(manifest.files[fname]["nbytes"])
+        told[fname] = (size, (dst_store.file_state(path) or (None, None))[1])
     if rank in copiers:
         dst_store.write_atomic(dst_store.join(dst, _marker(rank)), json.dumps({"nonce": nonce, "files": told}).encode(),
                                fsync=fsync)
@@ -717,7 +718,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
 
 
 def _marked(store: Storage, ckpt: str, rank: int, nonce: str) -> Optional[dict]:
-    """The shard files ``rank`` copied for the checkpoint whose manifest hashes to ``nonce``, each
+    """The files ``rank`` copied for the checkpoint whose manifest hashes to ``nonce``, each
     (size, content tag), once its marker says it is done; None before."""
     try:
         said = json.loads(store.read_bytes(store.join(ckpt, _marker(rank))))

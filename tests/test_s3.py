@@ -342,22 +342,28 @@ def test_a_writer_process_uploads_the_state_at_the_call(s3, tmp_path, exchange):
     assert files_of(store, where) == files_of(LOCAL, str(tmp_path / "local"))
 
 
-def test_memory_tier_persists_to_s3_and_recovers_across_tiers(s3, tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", ["ring", "partitioned"])
+def test_memory_tier_persists_to_s3_and_recovers_across_tiers(s3, tmp_path, monkeypatch, exchange):
     """The memory tier in front of s3://: every 2nd save is copied to the server behind training
     (each rank its files, rank 0 the manifest, then latest); the job is killed after step 3.
     A new job recovers step 3 from memory; with the memory gone, step 2 from the server; both
-    equal to DeepSpeed's state at those saves."""
-    monkeypatch.setenv("ADACHECK_JOB", "s3-tiers")
+    equal to DeepSpeed's state at those saves.  (partitioned: each rank's part and rank file go
+    with its shard file, each confirmed by its content tag.)"""
+    monkeypatch.setenv("ADACHECK_JOB", f"s3-tiers-{exchange}")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
-    block = {"enabled": True, "storage_options": s3.options, "tiers": {"memory": True, "persist_interval": 2}}
-    url = s3.url("tiers")
+    block = {"enabled": True, "storage_options": s3.options, "exchange": exchange,
+             "tiers": {"memory": True, "persist_interval": 2}}
+    prefix = f"tiers-{exchange}"
+    url = s3.url(prefix)
     src = str(tmp_path / "src")
     out = launch(2, {"runs": [{"stage": 1, "dtype": "bf16", "adacheck": block, "actions": [
         ["train", 1], ["save", url], ["train", 1], ["dump", "S2"], ["save", url], ["train", 1], ["dump", "S3"],
         ["save", url], ["finish"], ["die"]]}]}, src)
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
-    assert "tiers/global_step2/manifest.json" in s3.keys("tiers") and s3.keys("tiers/global_step3") == []
-    assert not any(".persisted-rank" in k for k in s3.keys("tiers"))
+    assert f"{prefix}/global_step2/manifest.json" in s3.keys(prefix) and s3.keys(f"{prefix}/global_step3") == []
+    assert not any(".persisted-rank" in k for k in s3.keys(prefix))
+    parts = {f"{prefix}/global_step2/manifest-g0-{n}.json" for n in ("part-00001", "rank-00001", "meta")}
+    assert (parts <= set(s3.keys(prefix))) == (exchange == "partitioned"), s3.keys(prefix)
     dst = str(tmp_path / "dst")
     check(launch(2, {"runs": [{"stage": 1, "dtype": "bf16", "seed": 9, "adacheck": block,
                                "actions": [["load", url], ["dump", "L3"]]}]}, dst))

@@ -448,6 +448,43 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
     assert_same_dumps(str(tmp_path), "a", "b", 2)
 
 
+def test_megatron_partitioned_exchange_with_the_memory_tier_after_a_sigkill(tmp_path, monkeypatch):
+    """TP=2 megatron-core on one node, --adacheck-exchange partitioned with --adacheck-tiers-memory
+    (every 2nd save copied to the checkpoint directory): killed after iteration 6, the memory holds
+    iterations 5 and 6 in parts (format 5) and the directory iteration 5.  A new job (other weights)
+    loads iteration 6 from memory; a job without that memory loads 5 from the directory; every
+    rank's weights, main weights and optimizer state equal the killed job's there (megatron-core's
+    objects)."""
+    from test_megatron import assert_same_dumps
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "megatron-parts")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck = f"{d}/ck"
+    mem = memory_location(LOCAL, ck)
+    argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck", "--adacheck-exchange",
+            "partitioned", "--adacheck-tiers-memory", "--adacheck-tiers-persist-interval", "2"]
+    out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 3], ["save", ck], ["train", 2], ["dump", "a5"],
+                                                          ["save", ck], ["train", 1], ["dump", "a6"], ["save", ck],
+                                                          ["finish"], ["die"]]}]},
+                 d, script="megatron_worker.py")
+    assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
+    assert tags(mem) == ["iter_0000005", "iter_0000006"] and tags(ck) == ["iter_0000005"]
+    for where in (f"{mem}/iter_0000006", f"{ck}/iter_0000005"):
+        assert json.load(open(f"{where}/manifest.json"))["format_version"] == 5, where
+    said = cli("verify", f"{ck}/iter_0000005")     # (every part and rank file there, as the root says)
+    assert "OK" in said, said
+    out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["dump", "b6"]]}]}, f"{d}/b",
+                 script="megatron_worker.py")
+    check(out)
+    assert "loaded AdaCheck checkpoint iteration 6 from the memory tier" in out[0][1], out[0][1][-3000:]
+    assert_same_dumps(d, "a6", "b/b6", 2)
+    out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["dump", "c5"]]}]}, f"{d}/c",
+                 script="megatron_worker.py", rank_env=lambda r: {"ADACHECK_MEMORY_DIR": f"{d}/other-shm"})
+    check(out)
+    assert "memory tier holds no checkpoint" in out[0][1], out[0][1][-3000:]
+    assert_same_dumps(d, "a5", "c/c5", 2)
+
+
 def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path, monkeypatch):
     """Four ranks (ZeRO-2 bf16 DP=4) on two simulated nodes (a: ranks 0-1, b: ranks 2-3, each node
     its own memory directory), tiers memory + peer, asynchronous, every 4th save persisted.  The job is killed
