@@ -316,14 +316,17 @@ class Gathered:
 def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, referenced: int,
            placed: Placed) -> Optional[Gathered]:
     """What rank 0 needs of every owner for the manifest (not the entries: each owner writes its
-    part of the table itself); None elsewhere."""
-    mine = (decided.warnings, decided.held, decided.logical, referenced,
+    part of the table itself); None elsewhere.  Sent to rank 0 alone in an all-to-all, each owner's
+    as long as it is (a gather of objects pads every rank's to the longest, and all-gathers the
+    sizes first)."""
+    mine = (list(decided.warnings), decided.held, decided.logical, referenced,
             sum(e.nbytes for e in tensors.values() if e.derived is not None), placed.nbytes, bool(placed.writes),
             len(tensors), tensor_meta(tensors),
             sorted({sb.file for e in tensors.values() if e.derived is None for sb in e.boxes if "/" in sb.file}))
-    parts = comm.gather_object(mine)
-    if parts is None:
+    got = comm.all_to_all_bytes([_json(mine) if dst == 0 else None for dst in range(comm.world_size)])
+    if comm.rank != 0:
         return None
+    parts = [_load(b) for b in got]
     per_rank = [p[5] for p in parts]
     stats = {"held_bytes": sum(p[1] for p in parts), "logical_bytes": sum(p[2] for p in parts),
              "stored_bytes": sum(per_rank), "derived_bytes": sum(p[4] for p in parts),

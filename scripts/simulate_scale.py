@@ -32,7 +32,11 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
                             --no-load-optim into a job without the distributed optimizer: a
                             load of the main weights, or of the weights only into the
                             distributed optimizer, leaves that to the framework), which reads
-                            their parts too
+                            their parts too; ``rank0_gather_bytes``: what rank 0 receives
+                            once per save for the manifest (``partition.gather``: each owner's
+                            counts, warnings and meta entries, as long as they are), against
+                            ``rank0_gather_bytes_padded``, a gather of objects that pads each to
+                            the longest (what it was)
   max_over_mean_bytes_written    the busiest writer over the mean, from the plan
   stored_over_unique        bytes stored over each distinct box once
   projection                save seconds = max(busiest rank's bytes / per-rank share of node
@@ -282,7 +286,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     # over the sampled stages' tensors, the owners being the job's N ranks
     routed, routed_later = planner.route(sampled, ranks), planner.route(later, ranks)
     del later
-    decide_s, received = [], []
+    decide_s, received, to_rank0 = [], [], []
     with planner.gc_paused():      # (as plan_save runs)
         for (by_name, sources), (later_by_name, later_sources) in zip(routed, routed_later):
             if not by_name:
@@ -290,9 +294,15 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             owner_cache = planner.PlanCache()
             planner.decide(by_name, None, 1, owner_cache, source_of=sources.get)
             t = time.perf_counter()
-            planner.decide(later_by_name, None, 1, owner_cache, source_of=later_sources.get)
+            got = planner.decide(later_by_name, None, 1, owner_cache, source_of=later_sources.get)
             decide_s.append(time.perf_counter() - t)
             received.append(sum(len(x.hash) + 3 for held in by_name.values() for _, x in held))
+            # what this owner sends rank 0 for the manifest (partition.gather: counts, warnings,
+            # the meta entries of its tensors; its bytes and file are a few digits more)
+            to_rank0.append(len(json.dumps((got.warnings, got.held, got.logical, 0, 0, 10 ** 12, True,
+                                            len(got.tensors), mf.tensor_meta(got.tensors), []),
+                                           separators=(",", ":"))))
+    idle = len(json.dumps(([], 0, 0, 0, 0, 10 ** 12, True, 0, {}, []), separators=(",", ":")))
     sent = [sum(len(x.hash) + 3 for x in metas) for metas in sampled]
     del routed, routed_later
     # writers chosen per holder set (planner.place_by_group), against the whole plan's greedy
@@ -383,6 +393,11 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "exchange_bytes_busiest_owner_sampled": max(received),
             "exchange_bytes_sent_per_rank": round(sum(sent) / len(sent)),
             "exchange_rounds": 2,
+            # rank 0's receipt for the manifest, once per save: each owner's blob as long as it
+            # is (an all-to-all, now), against a gather of objects padded to the longest (before)
+            "rank0_gather_bytes": round(sum(to_rank0) * scale + idle * max(0, ranks - len(to_rank0) * scale)),
+            # (the longest owner's blob: its sampled stages' meta entries scaled to all stages)
+            "rank0_gather_bytes_padded": round((idle + (max(to_rank0 + [idle]) - idle) * scale) * ranks),
             "max_over_mean_bytes_written_by_group": grouped_max / mean_written,
             "manifest_bytes_read_per_rank": round(sum(rank_reads) / len(rank_reads)),
             "manifest_bytes_read_busiest_rank": round(max(rank_reads)),
