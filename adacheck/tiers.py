@@ -414,6 +414,11 @@ def tagged_check(tag: str, fname: str) -> Callable[[str], None]:
     return check
 
 
+def _own_shards(m) -> set:
+    """The shard files a manifest in parts names in its own directory (its writers')."""
+    return {f for t, f in referenced_files(m) if t is None}
+
+
 def holdings(mem: str) -> Dict[str, dict]:
     """What this node's memory holds of ``mem``: per checkpoint with a manifest, its step, the
     manifest's digest, the files present (name -> size) and, per stored region, (its copies'
@@ -433,11 +438,11 @@ def holdings(mem: str) -> Dict[str, dict]:
             log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", path, e)
             continue
         world = int(m.topology.get("world_size", 0))
+        names = sorted(_own_shards(m)) + part_names(m) if m.index is not None else list(m.files)
+        present = {f: os.path.getsize(os.path.join(d, f)) for f in names if os.path.isfile(os.path.join(d, f))}
         if m.index is not None:
             # a manifest in parts (saved on one node): complete when every file it names is here;
             # a node that lacks it receives all of them (its files' sizes are those here)
-            names = sorted(f for t, f in referenced_files(m) if t is None) + part_names(m)
-            present = {f: os.path.getsize(os.path.join(d, f)) for f in names if os.path.isfile(os.path.join(d, f))}
             nbytes, groups, derived = dict(present), [((f,), tuple(range(world))) for f in names], True
         else:
             regions: Dict[tuple, Tuple[set, set]] = {}
@@ -446,7 +451,6 @@ def holdings(mem: str) -> Dict[str, dict]:
                     files, holders = regions.setdefault((name, sb.box), (set(), set()))
                     files.add(sb.file)
                     holders.update(sb.holders)
-            present = {f: os.path.getsize(os.path.join(d, f)) for f in m.files if os.path.isfile(os.path.join(d, f))}
             nbytes = {f: int(i["nbytes"]) for f, i in m.files.items()}
             groups = sorted({(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()})
             derived = any(e.derived is not None for e in m.tensors.values())
@@ -621,7 +625,7 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
             return
         m = manifest()
         if m.index is not None:       # (in parts: its JSON files check themselves when read)
-            shards = {f for t, f in referenced_files(m) if t is None}
+            shards = _own_shards(m)
             if fname not in shards and fname not in part_names(m):
                 raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not name: refused")
             receive_file(ckpt_dir, fname, data, plan["nbytes"].get(fname, len(data) if data is not None else 0),
@@ -670,8 +674,8 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     on ``dst_store`` (:func:`_copied_by`); rank 0 then commits it there (manifest, ``latest``,
     retention).  No collective: each rank's marker says which files it copied, their sizes and
     content tags; rank 0 waits for every marker (up to ``timeout_s``) and confirms those files
-    (all of them: a checkpoint in parts needs its parts and rank files too) before the manifest.  Returns whether this rank's part is done (rank 0: whether the
-    checkpoint was committed)."""
+    (all of them: a checkpoint in parts needs its parts and rank files too) before the manifest.
+    Returns whether this rank's part is done (rank 0: whether the checkpoint was committed)."""
     manifest_bytes = LOCAL.read_bytes(LOCAL.join(src_dir, commit.MANIFEST_NAME))
     nonce = hashlib.sha256(manifest_bytes).hexdigest()
     manifest = parse(manifest_bytes.decode("utf-8"), where=LOCAL.join(src_dir, commit.MANIFEST_NAME),
