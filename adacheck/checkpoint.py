@@ -34,13 +34,13 @@ from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
                      NotFoundError, StateError)
 from .exchange import Comm, agree, background_comm, exchange_for
-from .tiers import DeltaSpread, MemoryTier, newest_committed, spares_of
+from .tiers import DeltaSpread, MemoryTier, newest_committed, own_files, spares_of
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
 from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
-                       JOB_OBJECTS, RANK_OBJECT, meta_entry, meta_name, part_name, rank_file_name, ranked_tables,
-                       split_file)
+                       JOB_OBJECTS, RANK_OBJECT, dumps, meta_entry, meta_name, part_name, rank_file_name,
+                       ranked_tables, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
 from .reader import SafetensorsFile
 from .types import Box, Manifest, ShardMeta, TensorEntry, dtype_name, meta_of_row, meta_row, torch_dtype
@@ -932,10 +932,12 @@ class Checkpointer:
                       "files": {written.my_file: {"writer": comm.rank, "nbytes": written.my_size}}
                       if written.my_file else {}, **({"node": p["node"]} if copies > 1 else {})}
             # each rank confirms the next rank's file (no rank stats them all; a save directory that
-            # is not shared between nodes fails where the job crosses a node)
-            n = comm.world_size
+            # is not shared between nodes fails where the job crosses a node; a memory-tier save
+            # across nodes: the next rank on the node, whose directory is the node's own)
+            n, spread = comm.world_size, self.options.spread
+            confirmer = (comm.rank - 1) % n if spread is None else spread.before(comm.rank)
             told = comm.all_to_all_bytes([json.dumps([written.my_file, written.my_size, written.my_tag]).encode()
-                                          if written.my_file and dst == (comm.rank - 1) % n else None
+                                          if written.my_file and dst == confirmer else None
                                           for dst in range(n)])
             nxt = [(json.loads(b), src) for src, b in enumerate(told) if b]
 
@@ -951,6 +953,10 @@ class Checkpointer:
 
             meta = agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
                          on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
+            if spread is not None:      # (its peer copies: each rank's files, to its partner on the next node)
+                agree(comm, f"AdaCheck save of {ckpt_dir} (copies to other nodes)",
+                      lambda: spread.move_own(comm, ckpt_dir, prepared.tag, lambda r: own_files(gen, r)),
+                      on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
             if comm.rank == 0:      # (its tables as a reader sees them: each rank's read from its rank file if asked)
                 index, where = dict(exchanged.index, meta=meta), store.join(ckpt_dir, MANIFEST_NAME)
                 tensors, ranks, files, rank_objects, layout = ranked_tables(
@@ -961,8 +967,14 @@ class Checkpointer:
             topology=topology, tensors=tensors, objects=gathered[0]["objects"], rank_objects=rank_objects,
             layout=layout, files=files, stats=stats, index=index, ranks=ranks)
 
-        here, spread, leads = files, self.options.spread, self._leads(comm)
-        if spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
+        here, spread, leads, root = files, self.options.spread, self._leads(comm), None
+        if spread is not None and exchanged.partitioned:       # (every node's leader writes rank 0's manifest)
+            raw = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest)",
+                        lambda: dumps(manifest).encode("utf-8") if comm.rank == 0 else None)
+            got = comm.all_to_all_bytes([raw if raw is not None and dst != 0 and spread.leads(dst) else None
+                                         for dst in range(comm.world_size)])
+            root = raw if comm.rank == 0 else got[0] if leads else None
+        elif spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
             here = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (copies to other nodes)",
                          lambda: spread.move(comm, prepared.ckpt_dir, files),
                          on_failure=lambda: self._remove_mine(prepared, written.my_file))
@@ -973,7 +985,10 @@ class Checkpointer:
                     confirm_files(prepared.store, prepared.ckpt_dir,
                                   here if spread is not None else    # (other nodes' copies: their sizes)
                                   {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
-                commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
+                if root is not None:
+                    commit.write_manifest_bytes(prepared.ckpt_dir, root, prepared.store)
+                else:
+                    commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
         parts = mine if exchanged.partitioned else ()
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,

@@ -123,6 +123,12 @@ def write_manifest(ckpt_dir: str, manifest: Manifest, store: Storage = LOCAL) ->
     atomic_write_text(store.join(ckpt_dir, MANIFEST_NAME), dumps(manifest), store=store)
 
 
+def write_manifest_bytes(ckpt_dir: str, raw: bytes, store: Storage = LOCAL) -> None:
+    """A manifest already serialized (by rank 0, written by another rank: each node's leader in a
+    memory-tier save in parts across nodes)."""
+    store.write_atomic(store.join(ckpt_dir, MANIFEST_NAME), raw)
+
+
 def read_latest(save_dir: str, store: Storage = LOCAL) -> Optional[str]:
     """The tag ``<save_dir>/latest`` names; None when there is no such file; a FormatError when
     it names no possible checkpoint (empty, garbage, a path leading out of ``save_dir``)."""

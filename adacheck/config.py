@@ -53,7 +53,7 @@ exchange            "auto"    how ranks share their (box, hash) lists before a s
                               or "partitioned" (each tensor's shard list only to the rank that
                               decides it, one all-to-all: a rank's traffic and planning
                               follow its own boxes, not the job's size; the manifest in
-                              parts; the memory tier's copies across nodes use the ring);
+                              parts, also for the memory tier's copies);
                               "auto": the ring below 32 ranks, partitioned from 32 on
 hash_chunk_bytes    67108864  boxes larger than this are split along their first axis into
                               chunks with their own hash, so an unchanged part of a large

@@ -19,7 +19,10 @@ A job across nodes (the node: ``$ADACHECK_NODE`` or the host name) writes one co
 node that holds it, no derived tensors (:class:`NodeSpread`): each node's memory then holds what its
 own ranks hold, and its lowest rank writes the node's manifest and keeps its directory.  With
 ``tiers.peer`` each writer's file is also sent, over torch.distributed, to a rank of the next node,
-so the loss of one node (its processes and its memory) loses nothing.
+so the loss of one node (its processes and its memory) loses nothing.  Saved in parts (the
+partitioned exchange), each node's directory holds rank 0's ``manifest.json`` and its own ranks'
+shard files, parts and rank files (with ``peer``, the previous node's too: each rank sends its
+own to its partner, :meth:`NodeSpread.move_own`); a node's holdings then follow its rank files.
 
 A load picks the newest checkpoint across the tiers (the memory tier on a tie: it is faster), the
 same on every rank, and says which tier it read from.  In memory, a checkpoint counts only when the
@@ -39,12 +42,13 @@ import re
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
-from .exchange import agree, exchange_for
+from .exchange import agree
 from .manifest import RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
 from .planner import file_name
 from .reader import SafetensorsFile
@@ -113,23 +117,41 @@ class NodeSpread:
     nodes: Tuple[str, ...]
     peer: bool
 
+    @cached_property
+    def _on(self) -> Dict[str, List[int]]:
+        """node -> its ranks in order (built once: every question below is then O(1) in the job)."""
+        on: Dict[str, List[int]] = {}
+        for r, n in enumerate(self.nodes):
+            on.setdefault(n, []).append(r)
+        return on
+
+    @cached_property
+    def _order(self) -> Dict[str, str]:
+        """node -> the next node (in sorted order, the last to the first)."""
+        order = sorted(self._on)
+        return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+
     def ranks_on(self, node: str) -> List[int]:
-        return [r for r, n in enumerate(self.nodes) if n == node]
+        return list(self._on.get(node, ()))
 
     def leads(self, rank: int) -> bool:
-        return self.nodes.index(self.nodes[rank]) == rank
+        return self._on[self.nodes[rank]][0] == rank
 
     def next_node(self, node: str) -> str:
-        order = sorted(set(self.nodes))
-        return order[(order.index(node) + 1) % len(order)]
+        return self._order[node]
+
+    def before(self, rank: int) -> int:
+        """The rank before ``rank`` on its node (cyclic: the node's last before its first)."""
+        here = self._on[self.nodes[rank]]
+        return here[here.index(rank) - 1]
 
     def partner(self, rank: int) -> Optional[int]:
         """The rank of the next node that keeps copies of what ``rank`` writes (None: one node)."""
         node = self.nodes[rank]
-        there = self.ranks_on(self.next_node(node))
+        there = self._on[self.next_node(node)]
         if self.nodes[there[0]] == node:
             return None
-        return there[self.ranks_on(node).index(rank) % len(there)]
+        return there[self._on[node].index(rank) % len(there)]
 
     def peer_moves(self, files: Dict[str, dict]) -> List[Tuple[str, int, int]]:
         """(file, writer, the rank of the next node that keeps its copy), the same on every rank."""
@@ -156,6 +178,33 @@ class NodeSpread:
         here = {f for f, info in files.items() if self.nodes[int(info["writer"])] == mine}
         here |= {f for f, _, d in moves if self.nodes[d] == mine}
         return {f: files[f] for f in sorted(here)}
+
+    def move_own(self, comm, ckpt_dir: str, tag: str, own: Callable[[int], List[str]]) -> None:
+        """Collective, in a save in parts (format 5) once every rank's files are written: with
+        ``peer``, the files of each rank (``own(rank)``: its shard file if it wrote one, its part and
+        rank file, rank 0's meta file) go in one block to its partner on the next node, which keeps
+        each only when it is one of that rank's names (a shard file: a safetensors file written for
+        ``tag``; the JSON files check themselves when read).  One window: a rank sends one block
+        and receives one from each rank whose partner it is."""
+        if not self.peer:
+            return
+        moves = [(w, d) for w in range(len(self.nodes)) for d in [self.partner(w)] if d is not None]
+
+        def deliver(i, data):
+            w = moves[i][0]
+            if data is None:
+                raise FormatError(f"rank {w} could not read its files of {tag} to send to its peer node")
+            names = set(own(w))
+            for fname, body in unpack_files(data).items():
+                if fname not in names:
+                    raise FormatError(f"rank {w} sent {fname!r} as its file of {tag}, which is not one of its names "
+                                      f"({sorted(names)}): refused")
+                receive_file(ckpt_dir, fname, body, len(body), by="its sender",
+                             check=tagged_check(tag, fname) if fname.endswith(".safetensors") else None)
+
+        comm.transfer(moves, lambda i: pack_paths(ckpt_dir, [f for f in own(moves[i][0])
+                                                             if os.path.isfile(os.path.join(ckpt_dir, f))]),
+                      deliver, sizes=[0] * len(moves))
 
 
 class DeltaSpread:
@@ -298,13 +347,36 @@ def pack_step(ckpt_dir: str, step: int, rank: int):
         head = _block_head([(json_name, len(record)), (grad_name, size)]) + record    # (the record's name sorts first)
         out = torch.empty(len(head) + size, dtype=torch.uint8)
         view = memoryview(out.numpy())
-        at = len(head)
-        view[:at] = head
-        while at < len(view):
-            n = f.readinto(view[at:])
-            if not n:
-                raise OSError(f"{path} ended at byte {at} of the block of step {step}")
-            at += n
+        view[:len(head)] = head
+        _fill(f, view[len(head):], path)
+    return out
+
+
+def _fill(f, view: memoryview, path: str) -> None:
+    """``view`` read whole from the open file ``f`` (an OSError when it ends first)."""
+    at = 0
+    while at < len(view):
+        n = f.readinto(view[at:])
+        if not n:
+            raise OSError(f"{path} ended at byte {at}, before the {len(view)} bytes it had when its block was made")
+        at += n
+
+
+def pack_paths(d: str, names: Sequence[str]):
+    """The files ``names`` of directory ``d`` as one :func:`pack_files` block, a uint8 tensor the
+    files are read straight into (it is sent as it is)."""
+    import torch
+    names = sorted(names)
+    sizes = [os.path.getsize(os.path.join(d, n)) for n in names]
+    head = _block_head(list(zip(names, sizes)))
+    out = torch.empty(len(head) + sum(sizes), dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    view[:len(head)] = head
+    at = len(head)
+    for name, size in zip(names, sizes):
+        with open(os.path.join(d, name), "rb") as f:
+            _fill(f, view[at:at + size], os.path.join(d, name))
+        at += size
     return out
 
 
@@ -433,14 +505,18 @@ def holdings(mem: str) -> Dict[str, dict]:
             continue
         try:
             raw = LOCAL.read_bytes(path)
-            m = parse(raw.decode("utf-8"), where=path)
+            m = parse(raw.decode("utf-8"), where=path, open_part=commit.PartFiles(LOCAL, d))
         except (AdaCheckError, UnicodeDecodeError, OSError) as e:
             log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", path, e)
             continue
         world = int(m.topology.get("world_size", 0))
         names = sorted(_own_shards(m)) + part_names(m) if m.index is not None else list(m.files)
         present = {f: os.path.getsize(os.path.join(d, f)) for f in names if os.path.isfile(os.path.join(d, f))}
-        if m.index is not None:
+        if m.index is not None and int(m.topology.get("copies", 1)) > 1:
+            # in parts, saved across nodes: what each rank needs, from the rank files here
+            nbytes, groups = _needed_in_parts(m, d, present)
+            derived = False
+        elif m.index is not None:
             # a manifest in parts (saved on one node): complete when every file it names is here;
             # a node that lacks it receives all of them (its files' sizes are those here)
             nbytes, groups, derived = dict(present), [((f,), tuple(range(world))) for f in names], True
@@ -458,6 +534,39 @@ def holdings(mem: str) -> Dict[str, dict]:
                     "present": present, "nbytes": nbytes, "groups": groups, "world": world, "derived": derived,
                     "chain": deltas.read_chain(d), "steps": _delta_steps(d, m.step if m.step is not None else -1)}
     return out
+
+
+def _needed_in_parts(m, d: str, present: Dict[str, int]) -> Tuple[Dict[str, int], list]:
+    """For :func:`holdings`, a memory checkpoint in parts saved across nodes (each node's directory
+    holds the manifest, its ranks' shard files, parts and rank files, and with ``peer`` copies of
+    the previous node's): (the sizes of the files known here: a shard file's from its writer's
+    rank file, a JSON file's as it is here; the groups (files, ranks that need one of them)).
+    Every rank needs its rank file and the meta file; the regions each rank held, one copy of each,
+    as the rank files here say (the other nodes report the rest); a part only a load in another
+    layout.  A rank file here that does not read is left out of ``present``."""
+    g, ranks = m.index["generation"], int(m.index["ranks"])
+    groups = {((meta_name(g),), tuple(range(ranks)))} | {((part_name(g, i),), ()) for i in range(m.index["parts"])}
+    nbytes = {f: n for f, n in present.items() if f.endswith(".json")}
+    for r in range(ranks):
+        name = rank_file_name(g, r)
+        groups.add(((name,), (r,)))
+        if name not in present:
+            continue
+        try:
+            table = m.ranks.get(r)
+        except AdaCheckError as e:
+            log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", os.path.join(d, name), e)
+            del present[name], nbytes[name]
+            continue
+        nbytes.update((f, int(info["nbytes"])) for f, info in table.files.items())
+        regions: Dict[tuple, Tuple[set, set]] = {}
+        for tensor, e in table.tensors.items():
+            for sb in e.boxes:
+                files, held = regions.setdefault((tensor, sb.box), (set(), set()))
+                files.add(sb.file)
+                held.update(sb.holders)
+        groups |= {(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()}
+    return nbytes, sorted(groups)
 
 
 _RECORD = re.compile(r"^rank(\d+)\.json$")
@@ -531,17 +640,27 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
     (and manifest, as None) each node lacks, [(file or None, from rank, to rank)], so that every
     node then holds the manifest and a copy of every region its ranks held when saved (every
     region: with ``everything``, or when the job's world size is not the saving one's)."""
-    leaders = {n: nodes.index(n) for n in nodes}
+    leaders: Dict[str, int] = {}
+    for r, n in enumerate(nodes):
+        leaders.setdefault(n, r)
     seen: Dict[Tuple[str, str], dict] = {}
     has: Dict[Tuple[str, str], Dict[str, set]] = {}     # checkpoint -> file -> leaders holding it
     with_manifest: Dict[Tuple[str, str], List[int]] = {}
+    for r, rep in enumerate(reports):       # (each node's sizes and groups: the checkpoint's are all of them)
+        for t, h in (rep or {}).items():
+            key = (t, h["digest"])
+            if key not in seen:
+                seen[key] = dict(h, nbytes=dict(h["nbytes"]), groups=set(map(tuple, h["groups"])))
+            else:
+                for f, n in h["nbytes"].items():
+                    seen[key]["nbytes"].setdefault(f, n)
+                seen[key]["groups"].update(map(tuple, h["groups"]))
+            with_manifest.setdefault(key, []).append(r)
     for r, rep in enumerate(reports):
         for t, h in (rep or {}).items():
             key = (t, h["digest"])
-            seen.setdefault(key, h)
-            with_manifest.setdefault(key, []).append(r)
             for f, size in h["present"].items():
-                if size == h["nbytes"].get(f):
+                if size == seen[key]["nbytes"].get(f):
                     has.setdefault(key, {}).setdefault(f, set()).add(r)
     best = None
     for key, h in seen.items():
@@ -556,13 +675,15 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
     h, held = seen[best], has.get(best, {})
     every = everything or h["world"] != len(nodes) or h["derived"]
     moves: List[Tuple[Optional[str], int, int]] = []
+    on: Dict[str, set] = {}
+    for r, n in enumerate(nodes):
+        on.setdefault(n, set()).add(r)
     for node in sorted(leaders, key=leaders.get):
-        lead = leaders[node]
-        mine = {r for r, n in enumerate(nodes) if n == node}
+        lead, mine = leaders[node], on[node]
         if lead not in with_manifest[best]:
             moves.append((None, with_manifest[best][0], lead))
         local = {f for f, rs in held.items() if lead in rs}
-        for files, holders in h["groups"]:
+        for files, holders in sorted(h["groups"]):
             if not every and not mine.intersection(holders):
                 continue
             if any(f in local for f in files):
@@ -647,24 +768,31 @@ def _marker(rank: int) -> str:
     return f".persisted-rank{rank:05d}"
 
 
+def own_files(generation: int, rank: int) -> List[str]:
+    """The names of the files ``rank`` writes in a save in parts (format 5): its shard file (if it
+    writes one), its part of the tensor table and its rank file; rank 0 the meta file too."""
+    return [file_name(rank, generation), part_name(generation, rank), rank_file_name(generation, rank)] + (
+        [meta_name(generation)] if rank == 0 else [])
+
+
 def _copied_by(manifest, rank: int) -> List[str]:
     """The files of a committed memory checkpoint that ``rank`` copies to durable storage: the shard
     file it wrote and, for a manifest in parts (format 5), its part of the tensor table and its rank
     file (rank 0: the meta file too), so that no rank copies more than its own."""
-    if manifest.index is None:
-        return [f for f, info in sorted(manifest.files.items()) if int(info["writer"]) == rank]
+    if manifest.index is None or manifest.format_version < RANKED_SINCE:     # (format 4: no rank files)
+        g = manifest.index["generation"] if manifest.index is not None else None
+        return [f for f, info in sorted(manifest.files.items()) if int(info["writer"]) == rank] + (
+            [part_name(g, rank)] if g is not None and part_name(g, rank) in part_names(manifest) else [])
     index, g = manifest.index, manifest.index["generation"]
-    out = [file_name(rank, g)] if any(a <= rank < b for a, b in index["writers"]) else []
-    out += [part_name(g, rank)] if rank < index["parts"] else []
-    out += [rank_file_name(g, rank)] if rank < index["ranks"] else []
-    return out + ([meta_name(g)] if rank == 0 and manifest.format_version >= RANKED_SINCE else [])
+    wrote = any(a <= rank < b for a, b in index["writers"])
+    return [f for f in own_files(g, rank) if wrote or not f.endswith(".safetensors")]
 
 
 def _copiers(manifest) -> List[int]:
     """The ranks that copy files of ``manifest`` (see _copied_by), whose markers rank 0 waits for."""
     if manifest.index is None:
         return sorted({int(info["writer"]) for info in manifest.files.values()})
-    return list(range(max(manifest.index["parts"], manifest.index["ranks"], 1)))
+    return list(range(max(manifest.index["parts"], manifest.index.get("ranks", 0), 1)))
 
 
 def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str, tag: str, fsync: bool,
@@ -875,14 +1003,7 @@ class MemoryTier:
         spread = NodeSpread(self.nodes, self.config.peer)
         self.leads = spread.leads(comm.rank)
         if count > 1:
-            o = self.memory.options
-            partitioned = exchange_for(o.exchange, comm.world_size) == "partitioned"
-            if partitioned and o.exchange == "partitioned" and comm.rank == 0:
-                log.warning("AdaCheck: exchange \"partitioned\" with the memory tier across nodes (%d): the memory "
-                            "copies use the ring exchange (each node's memory keeps a whole manifest of its own, which "
-                            "the partitioned one is not yet), so do their copies in the checkpoint directory", count)
-            self.memory.configure(replace(o, copies=count, derive=False, spread=spread,
-                                          exchange="ring" if partitioned else o.exchange))
+            self.memory.configure(replace(self.memory.options, copies=count, derive=False, spread=spread))
         elif self.config.peer and comm.rank == 0:
             log.warning("AdaCheck: tiers.peer: every rank of this job runs on one node (%s), so there is no other "
                         "node to keep a copy; the memory tier works alone (set $ADACHECK_NODE per node if the "

@@ -20,7 +20,8 @@ With ``--nodes K`` the ranks are spread over K simulated nodes (``$ADACHECK_NODE
 directory per node) and the tiered saves also send each node's files to the next node
 (``"peer": true``); then also:
 
-  peer bytes     bytes each checkpoint sends to peers (all ranks together)
+  peer bytes     bytes each checkpoint sends to peers (all ranks together; in parts, with
+                 their parts, rank files and the meta file)
   recovery peer  seconds of ``load_checkpoint`` from the memory tier when the last node's memory
                  lost that checkpoint (a replacement node): its ranks' files come from the peer
 
@@ -54,7 +55,7 @@ def worker(a) -> None:
     from adacheck.config import AdaCheckConfig
     from adacheck import commit
     from adacheck.storage import LOCAL
-    from adacheck.tiers import NodeSpread, memory_location
+    from adacheck.tiers import NodeSpread, memory_location, own_files
 
     init_distributed(deepspeed)
     dist = torch.distributed
@@ -86,7 +87,7 @@ def worker(a) -> None:
             nparams = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
             unique = unique_bytes(engine, nparams)
             work = os.path.join(a.work, f"dp{dist.get_world_size()}-z{stage}-{dtype}")
-            block = {"enabled": True, "reference_previous": False}
+            block = {"enabled": True, "reference_previous": False, "exchange": a.exchange}
             durable = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(block))
             tiered = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(dict(
                 block, tiers={"memory": True, "peer": peer, "persist_interval": 10 ** 6, "keep": 2})))
@@ -131,8 +132,12 @@ def worker(a) -> None:
             peer_bytes, load_peer = 0, []
             if peer:
                 mem = memory_location(LOCAL, ck_tier)
-                files = commit.read_manifest(os.path.join(mem, tag)).files
-                peer_bytes = sum(files[f]["nbytes"] for f, _, _ in NodeSpread(tier.nodes, True).peer_moves(files))
+                m = commit.read_manifest(os.path.join(mem, tag))
+                peer_bytes = sum(m.files[f]["nbytes"] for f, _, _ in NodeSpread(tier.nodes, True).peer_moves(m.files))
+                if m.index is not None:     # (in parts: each rank's part and rank file go too, and rank 0's meta file)
+                    senders = [w for w in range(len(tier.nodes)) if NodeSpread(tier.nodes, True).partner(w) is not None]
+                    peer_bytes += sum(os.path.getsize(os.path.join(mem, tag, f)) for w in senders
+                                      for f in own_files(m.index["generation"], w)[1:])
                 last = min(r for r, n in enumerate(tier.nodes) if n == tier.nodes[-1])
                 for i in range(a.repeat):
                     dist.barrier()
@@ -151,6 +156,7 @@ def worker(a) -> None:
                        "step_persisting_s": sorted(busy)[len(busy) // 2] if busy else None, "persisting_steps": len(busy),
                        "load_memory_s": min(load["memory"]), "load_durable_s": min(load["durable"]),
                        "memory_bytes": mem_bytes, "saves": a.saves, "nodes": a.nodes, "peer_bytes": peer_bytes,
+                       "exchange": a.exchange,
                        "load_peer_s": min(load_peer) if load_peer else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -196,6 +202,8 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=5, help="memory-tier saves before its size is read")
     ap.add_argument("--nodes", type=int, default=1, help="simulated nodes (> 1: the peer tier is on)")
     ap.add_argument("--memory-dir", default="/dev/shm/adacheck-bench", help="the memory tier's directory")
+    ap.add_argument("--exchange", default="auto", choices=["auto", "ring", "allgather", "partitioned"],
+                    help="AdaCheck's exchange (the directory's and the memory tier's saves)")
     ap.add_argument("--work", default=None, help="where the checkpoint directories go (default: a temp dir)")
     ap.add_argument("--json", default="bench_tiers.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -210,6 +218,7 @@ def main() -> None:
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800,
                        ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
                         "--steps", str(a.steps), "--saves", str(a.saves), "--nodes", str(a.nodes),
+                        "--exchange", a.exchange,
                         "--memory-dir", a.memory_dir, "--stages", *map(str, a.stages),
                         "--dtypes", *a.dtypes])
     import deepspeed
@@ -217,7 +226,8 @@ def main() -> None:
     with open(a.json, "w") as f:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
-                   "repeat": a.repeat, "memory_dir": a.memory_dir, "device": a.device, "nodes": a.nodes}, f,
+                   "repeat": a.repeat, "memory_dir": a.memory_dir, "device": a.device, "nodes": a.nodes,
+                   "exchange": a.exchange}, f,
                   indent=1)
     print(table(rows))
     print(f"\nJSON in {a.json}")

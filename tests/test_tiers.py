@@ -230,7 +230,8 @@ def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_stora
     recovers("G14", 14, "loaded global_step12 (step 12) from the memory tier", seed=9)
 
 
-def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", ["ring", "partitioned"])
+def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one(tmp_path, monkeypatch, exchange):
     """Online deltas with the memory and peer tiers on two simulated nodes (a: ranks 0-1, b: ranks
     2-3; ZeRO-0 fp32 DP=4, whose replicated gradients each node stores once; bases every 3 steps,
     none persisted).  Each node's memory holds its ranks' chains and, copied behind training, the
@@ -241,7 +242,8 @@ def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one
       from node a), trains to step 11 with the uninterrupted run's losses and ends cleanly;
     - a job without the memory then recovers step 11 from the checkpoint directory (base 10 and
       the deltas of step 11 that each rank copied there at exit).
-    The oracle is a run never checkpointed (DeepSpeed's own accessors at each step, its losses)."""
+    The oracle is a run never checkpointed (DeepSpeed's own accessors at each step, its losses).
+    Partitioned: the bases are checkpoints in parts on each node."""
     import shutil
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "job-online-nodes")
@@ -249,7 +251,7 @@ def test_online_deltas_across_two_nodes_with_peer_copies_survive_the_loss_of_one
 
     mem_of, on = partial(memory_of, monkeypatch, d, ck), partial(on_nodes, d)
 
-    ac = {"enabled": True, "save_dir": ck, "online": {"enabled": True, "base_interval": 3},
+    ac = {"enabled": True, "save_dir": ck, "exchange": exchange, "online": {"enabled": True, "base_interval": 3},
           "tiers": {"memory": True, "peer": True, "persist_interval": 10}}
     model = {"stage": 0, "dtype": "fp32"}
     out = launch(4, {"runs": [dict(model, actions=[["train_dump", 11, "U"]]),
@@ -485,14 +487,17 @@ def test_megatron_partitioned_exchange_with_the_memory_tier_after_a_sigkill(tmp_
     assert_same_dumps(d, "a5", "c/c5", 2)
 
 
-def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", ["ring", "partitioned"])
+def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path, monkeypatch, exchange):
     """Four ranks (ZeRO-2 bf16 DP=4) on two simulated nodes (a: ranks 0-1, b: ranks 2-3, each node
     its own memory directory), tiers memory + peer, asynchronous, every 4th save persisted.  The job is killed
     after step 5.  Node b is lost (its memory deleted): the job restarted with a replacement node
     c recovers step 5 exactly from node a's memory (its own files and its peer copy of b's); with
     b's peer copy lost too it falls back to durable step 4 and says so; another layout (DP=2, one
     rank per node) recovers step 5 from the nodes' memories as well.  The oracle is DeepSpeed's
-    own state at each step (ds_worker's dumps)."""
+    own state at each step (ds_worker's dumps).  Partitioned: every node's memory copy is a
+    checkpoint in parts (format 5) with its ranks' parts and rank files (and the peer copies of
+    the other node's), and the copy in the checkpoint directory passes `adacheck verify`."""
     import shutil
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "job-2")
@@ -501,7 +506,8 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     mem_of, on = partial(memory_of, monkeypatch, d, ck), partial(on_nodes, d)
 
     # (asynchronous: writer processes write the memory copies and send the peer copies)
-    tiered = {"enabled": True, "async": True, "tiers": {"memory": True, "peer": True, "persist_interval": 4}}
+    tiered = {"enabled": True, "async": True, "exchange": exchange,
+              "tiers": {"memory": True, "peer": True, "persist_interval": 4}}
     actions = []
     for step in range(1, 6):
         actions += [["train", 1]] + ([["dump", f"A{step}"]] if step in (4, 5) else []) + [["save", ck]]
@@ -518,6 +524,15 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
         assert all(os.path.getsize(f"{mem}/global_step5/{f}") == m.files[f]["nbytes"] for f in files)
     # the memory copies of the durable checkpoint went there with it (each writer's own)
     assert sorted(os.listdir(f"{ck}/global_step4")) == sorted(os.listdir(f"{mem_a}/global_step4"))
+    if exchange == "partitioned":
+        for mem in (mem_a, mem_b):      # (in parts, on both nodes: each rank's files and their peer copies)
+            raw = open(f"{mem}/global_step5/manifest.json", "rb").read()
+            assert json.loads(raw)["format_version"] == 5 and raw == open(f"{mem_a}/global_step5/manifest.json",
+                                                                          "rb").read()
+            assert {f"manifest-g0-{k}-{r:05d}.json" for k in ("part", "rank") for r in range(4)} <= set(
+                os.listdir(f"{mem}/global_step5")), os.listdir(f"{mem}/global_step5")
+        said = cli("verify", f"{ck}/global_step4")
+        assert "OK" in said, said
 
     # node b is lost, and node a's peer copy of its files too: nothing in memory is complete
     keep_a = f"{d}/keep-a"
@@ -545,6 +560,11 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     assert_same(a5, dump(f"{d}/c", "B"), keys)
     mem_c = mem_of("c")
     assert all(w < 2 for f, w in files.items() if not os.path.exists(f"{mem_c}/global_step5/{f}"))
+    if exchange == "partitioned":       # (what its ranks read: their rank files, not the parts)
+        got = os.listdir(f"{mem_c}/global_step5")
+        assert {"manifest-g0-rank-00002.json", "manifest-g0-rank-00003.json", "manifest-g0-meta.json"} <= set(got)
+        assert not [f for f in got if "-part-" in f or f in ("manifest-g0-rank-00000.json",
+                                                             "manifest-g0-rank-00001.json")], got
 
     # another layout: DP=2, one rank on each node, from the nodes' memories
     out = launch(2, {"runs": [dict(run[0], stage=1)]}, f"{d}/e", rank_env=on("ac"))
@@ -558,9 +578,8 @@ def test_partitioned_exchange_with_the_memory_tier(tmp_path, monkeypatch):
     2nd save persisted).  On one node the memory copies are checkpoints in parts (format 5), and
     the copy to the checkpoint directory takes each rank's part and rank file with its shard file.
     The job is killed after step 3.  A job on two nodes (a, and c whose memory is empty) recovers
-    step 3 from node a's memory, node c receiving every file of it; its own saves across nodes use
-    the ring for the memory copies (said in a warning), and its newest one is persisted at its clean
-    exit.  A job without the memory loads both checkpoints from the directory.  The oracle is
+    step 3 from node a's memory, node c receiving every file of it; its own save across nodes is in
+    parts on each node too, and is persisted at its clean exit.  A job without the memory loads both checkpoints from the directory.  The oracle is
     DeepSpeed's own state at each step (ds_worker's dumps), and `adacheck verify`."""
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "job-parts")
@@ -593,12 +612,14 @@ def test_partitioned_exchange_with_the_memory_tier(tmp_path, monkeypatch):
     check(out)
     assert "loaded global_step3 (step 3) from the memory tier" in out[0][1], out[0][1][-3000:]
     assert "from other nodes' memory" in out[1][1], out[1][1][-3000:]
-    assert "the memory copies use the ring exchange" in out[0][1], out[0][1][-3000:]
     a3, keys = state(f"{d}/a", "A3")
     assert_same(a3, dump(f"{d}/b", "B3"), keys)
-    # (its save across nodes, persisted at the clean exit: a manifest of its own on each node)
+    # (its save across nodes, in parts on each node, persisted at the clean exit: each rank copied
+    # its files from its own node's memory)
     assert tags(ck) == ["global_step2", "global_step4"] and commit.read_latest(ck) == "global_step4"
-    assert json.load(open(f"{ck}/global_step4/manifest.json"))["format_version"] < 5
+    assert json.load(open(f"{ck}/global_step4/manifest.json"))["format_version"] == 5
+    said = cli("verify", f"{ck}/global_step4")
+    assert "OK" in said, said
 
     # without the memory tier: the newest from the directory, and the one persisted in parts
     runs = [dict(model, seed=9, adacheck=tiered, actions=[["load", ck], ["dump", "C4"]]),
