@@ -49,7 +49,7 @@ from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
 from .exchange import agree
-from .manifest import RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
+from .manifest import JOB_OBJECTS, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
 from .planner import file_name
 from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
@@ -526,7 +526,7 @@ def holdings(mem: str) -> Dict[str, dict]:
                 for sb in e.boxes:
                     files, holders = regions.setdefault((name, sb.box), (set(), set()))
                     files.add(sb.file)
-                    holders.update(sb.holders)
+                    holders.update(range(world) if name.startswith(JOB_OBJECTS) else sb.holders)  # (every rank reads those)
             nbytes = {f: int(i["nbytes"]) for f, i in m.files.items()}
             groups = sorted({(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()})
             derived = any(e.derived is not None for e in m.tensors.values())
@@ -564,7 +564,7 @@ def _needed_in_parts(m, d: str, present: Dict[str, int]) -> Tuple[Dict[str, int]
             for sb in e.boxes:
                 files, held = regions.setdefault((tensor, sb.box), (set(), set()))
                 files.add(sb.file)
-                held.update(sb.holders)
+                held.update((r,) if tensor.startswith(JOB_OBJECTS) else sb.holders)    # (every rank reads those)
         groups |= {(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()}
     return nbytes, sorted(groups)
 
@@ -688,11 +688,21 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
                 continue
             if any(f in local for f in files):
                 continue
-            f = next(f for f in files if f in held)
+            # (the copy its own ranks wrote when saved, where there is one: the peer copy of a lost node)
+            f = min((f for f in files if f in held), key=lambda f: (_writer_of(f) not in mine, f))
             moves.append((f, min(held[f]), lead))
             local.add(f)
     return {"tag": best[0], "step": h["step"], "digest": best[1], "moves": moves, "nbytes": h["nbytes"],
             "deltas": delta_moves(h, reports, best, nodes, every)}
+
+
+_SHARD_NAME = re.compile(r"^rank(\d+)-g\d+\.safetensors$")
+
+
+def _writer_of(fname: str) -> Optional[int]:
+    """The rank that wrote a shard file, from its name (None for other files)."""
+    hit = _SHARD_NAME.match(fname)
+    return int(hit.group(1)) if hit else None
 
 
 def fetch(comm, ckpt_dir: str, plan: dict) -> int:

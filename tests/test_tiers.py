@@ -417,13 +417,15 @@ def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_p
     assert_same_dumps(d, "a", "b", 2)
 
 
-def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", ["ring", "partitioned"])
+def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkeypatch, exchange):
     """TP=2 megatron-core (scripts/pretrain_gpt.py's flags, --adacheck-tiers-memory and -peer,
     nothing copied to the checkpoint directory yet), one rank on each of two simulated nodes: the
     job is killed after iteration 5 and node b's memory is lost; a new job (other weights, rank 1
     on a replacement node c) loads iteration 3 from memory (rank 1's part from node a's peer
     copy), and after 2 more iterations every rank's weights, main weights and optimizer state
-    equal the killed job's at iteration 5 (read from megatron-core's objects)."""
+    equal the killed job's at iteration 5 (read from megatron-core's objects).  Partitioned: the
+    memory copies are in parts on both nodes."""
     import shutil
     from test_megatron import assert_same_dumps
     d = str(tmp_path)
@@ -432,14 +434,16 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
 
     on = partial(on_nodes, d)
 
-    argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck",
-            "--adacheck-tiers-memory", "--adacheck-tiers-peer", "--adacheck-tiers-persist-interval", "10"]
+    argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck", "--adacheck-exchange",
+            exchange, "--adacheck-tiers-memory", "--adacheck-tiers-peer", "--adacheck-tiers-persist-interval", "10"]
     out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 3], ["save", ck], ["train", 2], ["dump", "a"],
                                                           ["die"]]}]},
                  d, script="megatron_worker.py", rank_env=on("ab"))
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
     for node in "ab":
         assert tags(ck) == [] and tags(memory_of(monkeypatch, d, ck, node)) == ["iter_0000003"]
+        raw = json.load(open(f"{memory_of(monkeypatch, d, ck, node)}/iter_0000003/manifest.json"))
+        assert (raw["format_version"] == 5) == (exchange == "partitioned")
     shutil.rmtree(f"{d}/shm-b")
     out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["train", 2], ["dump", "b"]]}]},
                  d, script="megatron_worker.py", rank_env=on("ac"))
@@ -559,8 +563,10 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     a5, keys = state(f"{d}/a", "A5")
     assert_same(a5, dump(f"{d}/c", "B"), keys)
     mem_c = mem_of("c")
+    # (what its ranks read, at once: the job's objects every rank reads too)
     assert all(w < 2 for f, w in files.items() if not os.path.exists(f"{mem_c}/global_step5/{f}"))
-    if exchange == "partitioned":       # (what its ranks read: their rank files, not the parts)
+    assert "staging from the memory tier failed" not in out[0][1], out[0][1][-3000:]
+    if exchange == "partitioned":       # (what its ranks read: their rank files and the meta file, not the parts)
         got = os.listdir(f"{mem_c}/global_step5")
         assert {"manifest-g0-rank-00002.json", "manifest-g0-rank-00003.json", "manifest-g0-meta.json"} <= set(got)
         assert not [f for f in got if "-part-" in f or f in ("manifest-g0-rank-00000.json",
