@@ -700,3 +700,46 @@ def test_a_replacement_node_is_planned_the_deltas_its_ranks_read():
         [(s, q, 2, 0) for q in (2, 3) for s in (11, 12)]
         + [(s, q, 2 if q in (2, 3) else 0, 1) for q in range(6) for s in (11, 12)]
         + [(s, q, 0, 2) for q in (0, 1) for s in (11, 12)])
+
+
+
+def test_a_replacement_node_is_planned_what_its_ranks_read_of_a_checkpoint_in_parts():
+    """plan_recovery (pure) of a memory checkpoint in parts saved on nodes a (ranks 0-1) and b
+    (ranks 2-3), a replicated weight stored once per node (by ranks 0 and 2), each rank's own
+    state in its file; each node reports its files and the groups its rank files give (what
+    :func:`holdings` says).  Node b lost, node a holding its peer copies: the replacement node c
+    is sent ranks 2-3's rank files, the meta file and b's copies (not a's copy of the weight), no
+    part; in another layout every part too.  Restarted on a and b without peer copies: the
+    checkpoint is complete from both reports together (b's regions only b's rank files name), b
+    is sent the meta file only; with b's memory lost, or only rank 3's shard file, it is not."""
+    from adacheck.tiers import plan_recovery
+    shard, meta = "rank{:05d}-g0.safetensors".format, "manifest-g0-meta.json"
+    rank_file, part = "manifest-g0-rank-{:05d}.json".format, "manifest-g0-part-{:05d}.json".format
+    sizes = {**{shard(r): 100 + r for r in range(4)}, **{rank_file(r): 10 for r in range(4)},
+             **{part(r): 20 for r in range(4)}, meta: 30}
+
+    def report(present, ranks):
+        groups = {((meta,), (0, 1, 2, 3))} | {((part(i),), ()) for i in range(4)}
+        groups |= {((rank_file(r),), (r,)) for r in range(4)}
+        for r in ranks:     # (the regions rank r's file names: the weight's two copies, its own state)
+            groups |= {((shard(0), shard(2)), (r,)), ((shard(r),), (r,))}
+        return {"t": {"step": 5, "digest": "x", "present": {f: sizes[f] for f in present},
+                      "nbytes": {f: sizes[f] for f in present}, "groups": sorted(groups), "world": 4,
+                      "derived": False, "chain": None, "steps": {}}}
+
+    with_peer = report(list(sizes), range(4))       # (node a: its files, and its peer copies of b's)
+    plan = plan_recovery([with_peer, None, {}, None], list("aacc"), None)
+    assert sorted(plan["moves"], key=str) == sorted(
+        [(None, 0, 2), (rank_file(2), 0, 2), (rank_file(3), 0, 2), (meta, 0, 2), (shard(2), 0, 2), (shard(3), 0, 2)],
+        key=str), plan["moves"]
+    plan = plan_recovery([with_peer, None, {}, None], list("aacc"), None, everything=True)
+    assert {part(i) for i in range(4)} <= {f for f, _, dst in plan["moves"] if dst == 2}, plan["moves"]
+
+    own = lambda ranks: [shard(r) for r in ranks] + [rank_file(r) for r in ranks] + [part(r) for r in ranks]  # noqa
+    node_a, node_b = report(own((0, 1)) + [meta], (0, 1)), report(own((2, 3)), (2, 3))
+    plan = plan_recovery([node_a, None, node_b, None], list("aabb"), None)
+    assert plan["moves"] == [(meta, 0, 2)], plan["moves"]
+    assert plan_recovery([node_a, None, {}, None], list("aabb"), None) is None
+    # (rank 3's own state, which only b's report names, lost: incomplete, though every file a names is there)
+    lost = report([f for f in own((2, 3)) if f != shard(3)], (2, 3))
+    assert plan_recovery([node_a, None, lost, None], list("aabb"), None) is None
