@@ -25,7 +25,7 @@ import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -1023,7 +1023,7 @@ class Checkpointer:
     def load(self, comm: Comm, load_dir: str, tag: Optional[str], read: Callable[["CheckpointReader"], object],
              apply: Callable[[object], object],
              how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
-             undo: Optional[Callable[[], None]] = None):
+             undo: Optional[Callable[[], None]] = None, reads_objects_of: Sequence[int] = ()):
         """Collectively open a checkpoint, stage this rank's part (``read``), then ``apply`` it.
 
         ``read`` must not change training state: only once every rank has staged its part
@@ -1034,8 +1034,11 @@ class Checkpointer:
         nothing has been applied: the error names the newest intact checkpoint (every box
         verified, the ranks sharing the work) and how to load it (``how_to_load(tag, manifest)``:
         the integration's call or flag); with ``on_corrupt="fallback"`` and no explicit ``tag``,
-        that checkpoint is loaded instead, with a warning on every rank.  Returns (the checkpoint
-        directory, its manifest, what ``apply`` returned).
+        that checkpoint is loaded instead, with a warning on every rank.  ``reads_objects_of``: the
+        saving ranks whose objects ``read`` looks up besides this rank's own (megatron-core's
+        ShardedObjects whose main replica another rank saved); from the memory tier across nodes
+        each node is sent them first.  Returns (the checkpoint directory, its manifest, what
+        ``apply`` returned).
         """
         lifecycle.register()
         lifecycle.finish_saves(block=True)     # asynchronous saves in flight (any job's here) commit first
@@ -1044,7 +1047,8 @@ class Checkpointer:
         t0, tier, chosen = time.perf_counter(), None, tag
         if opts.tiers is not None:
             given = (store, load_dir)
-            store, load_dir, tier, chosen = self.memory_tier().choose(comm, store, load_dir, tag)
+            store, load_dir, tier, chosen = self.memory_tier().choose(comm, store, load_dir, tag,
+                                                                      reads_objects_of=reads_objects_of)
         self.last_load, self.last_tier = (store, load_dir), tier
         try:
             if tier != "memory":

@@ -49,7 +49,7 @@ from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
 from .exchange import agree
-from .manifest import JOB_OBJECTS, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
+from .manifest import JOB_OBJECTS, RANK_OBJECT, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
 from .planner import file_name
 from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
@@ -512,41 +512,58 @@ def holdings(mem: str) -> Dict[str, dict]:
         world = int(m.topology.get("world_size", 0))
         names = sorted(_own_shards(m)) + part_names(m) if m.index is not None else list(m.files)
         present = {f: os.path.getsize(os.path.join(d, f)) for f in names if os.path.isfile(os.path.join(d, f))}
+        objects: Dict[int, set] = {}
         if m.index is not None and int(m.topology.get("copies", 1)) > 1:
             # in parts, saved across nodes: what each rank needs, from the rank files here
-            nbytes, groups = _needed_in_parts(m, d, present)
+            nbytes, groups, objects = _needed_in_parts(m, d, present)
             derived = False
         elif m.index is not None:
             # a manifest in parts (saved on one node): complete when every file it names is here;
             # a node that lacks it receives all of them (its files' sizes are those here)
             nbytes, groups, derived = dict(present), [((f,), tuple(range(world))) for f in names], True
         else:
-            regions: Dict[tuple, Tuple[set, set]] = {}
-            for name, e in m.tensors.items():
-                for sb in e.boxes:
-                    files, holders = regions.setdefault((name, sb.box), (set(), set()))
-                    files.add(sb.file)
-                    holders.update(range(world) if name.startswith(JOB_OBJECTS) else sb.holders)  # (every rank reads those)
+            groups, objects = _groups_of(m.tensors, tuple(range(world)))
             nbytes = {f: int(i["nbytes"]) for f, i in m.files.items()}
-            groups = sorted({(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()})
-            derived = any(e.derived is not None for e in m.tensors.values())
+            groups, derived = sorted(groups), any(e.derived is not None for e in m.tensors.values())
         out[tag] = {"step": m.step if m.step is not None else -1, "digest": hashlib.sha256(raw).hexdigest(),
                     "present": present, "nbytes": nbytes, "groups": groups, "world": world, "derived": derived,
+                    "objects": {k: sorted(v) for k, v in objects.items()},
                     "chain": deltas.read_chain(d), "steps": _delta_steps(d, m.step if m.step is not None else -1)}
     return out
 
 
-def _needed_in_parts(m, d: str, present: Dict[str, int]) -> Tuple[Dict[str, int], list]:
+def _groups_of(tensors, everyone: Tuple[int, ...]) -> Tuple[set, Dict[int, set]]:
+    """The stored regions of ``tensors`` as groups (the files of their copies, the ranks that held
+    them; ``everyone`` for the tensors of the job's objects, which every rank reads), and per saving
+    rank the files of its own objects' tensors, one tuple per region (other ranks may read those)."""
+    regions: Dict[tuple, Tuple[set, set]] = {}
+    for name, e in tensors.items():
+        for sb in e.boxes:
+            files, holders = regions.setdefault((name, sb.box), (set(), set()))
+            files.add(sb.file)
+            holders.update(everyone if name.startswith(JOB_OBJECTS) else sb.holders)
+    groups, objects = set(), {}
+    for (name, _), (files, holders) in regions.items():
+        group = (tuple(sorted(files)), tuple(sorted(holders)))
+        groups.add(group)
+        if RANK_OBJECT.match(name):
+            objects.setdefault(int(name[len("rank"):name.index("/")]), set()).add(group[0])
+    return groups, objects
+
+
+def _needed_in_parts(m, d: str, present: Dict[str, int]) -> Tuple[Dict[str, int], list, Dict[int, set]]:
     """For :func:`holdings`, a memory checkpoint in parts saved across nodes (each node's directory
     holds the manifest, its ranks' shard files, parts and rank files, and with ``peer`` copies of
     the previous node's): (the sizes of the files known here: a shard file's from its writer's
-    rank file, a JSON file's as it is here; the groups (files, ranks that need one of them)).
+    rank file, a JSON file's as it is here; the groups (files, ranks that need one of them); per
+    saving rank, the files of its objects: its rank file, and its object tensors' as far as known).
     Every rank needs its rank file and the meta file; the regions each rank held, one copy of each,
     as the rank files here say (the other nodes report the rest); a part only a load in another
     layout.  A rank file here that does not read is left out of ``present``."""
     g, ranks = m.index["generation"], int(m.index["ranks"])
     groups = {((meta_name(g),), tuple(range(ranks)))} | {((part_name(g, i),), ()) for i in range(m.index["parts"])}
     nbytes = {f: n for f, n in present.items() if f.endswith(".json")}
+    objects: Dict[int, set] = {r: {(rank_file_name(g, r),)} for r in range(ranks)}
     for r in range(ranks):
         name = rank_file_name(g, r)
         groups.add(((name,), (r,)))
@@ -559,14 +576,10 @@ def _needed_in_parts(m, d: str, present: Dict[str, int]) -> Tuple[Dict[str, int]
             del present[name], nbytes[name]
             continue
         nbytes.update((f, int(info["nbytes"])) for f, info in table.files.items())
-        regions: Dict[tuple, Tuple[set, set]] = {}
-        for tensor, e in table.tensors.items():
-            for sb in e.boxes:
-                files, held = regions.setdefault((tensor, sb.box), (set(), set()))
-                files.add(sb.file)
-                held.update((r,) if tensor.startswith(JOB_OBJECTS) else sb.holders)    # (every rank reads those)
-        groups |= {(tuple(sorted(f)), tuple(sorted(h))) for f, h in regions.values()}
-    return nbytes, sorted(groups)
+        found, its = _groups_of(table.tensors, (r,))
+        groups |= found
+        objects[r] |= its.get(r, set())
+    return nbytes, sorted(groups), objects
 
 
 _RECORD = re.compile(r"^rank(\d+)\.json$")
@@ -632,14 +645,16 @@ def delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str]
 
 
 def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: Optional[str],
-                  everything: bool = False) -> Optional[dict]:
+                  everything: bool = False, reads_objects_of: Optional[Sequence[Sequence[int]]] = None
+                  ) -> Optional[dict]:
     """Pure, on rank 0: from each node leader's :func:`holdings` (``reports[r]``, None for other
     ranks) and the node of each rank now, the newest checkpoint (or ``tag``) that the nodes'
     memories hold complete between them: every stored region has a copy whose file is present,
     with its size, on some node.  Returns None, or {"tag", "step", "digest", "moves"}: the files
     (and manifest, as None) each node lacks, [(file or None, from rank, to rank)], so that every
     node then holds the manifest and a copy of every region its ranks held when saved (every
-    region: with ``everything``, or when the job's world size is not the saving one's)."""
+    region: with ``everything``, or when the job's world size is not the saving one's), and the
+    objects (rank file, object tensors) of the saving ranks ``reads_objects_of[r]`` its rank r reads."""
     leaders: Dict[str, int] = {}
     for r, n in enumerate(nodes):
         leaders.setdefault(n, r)
@@ -650,11 +665,13 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
         for t, h in (rep or {}).items():
             key = (t, h["digest"])
             if key not in seen:
-                seen[key] = dict(h, nbytes=dict(h["nbytes"]), groups=set(map(tuple, h["groups"])))
+                seen[key] = dict(h, nbytes=dict(h["nbytes"]), groups=set(map(tuple, h["groups"])), objects={})
             else:
                 for f, n in h["nbytes"].items():
                     seen[key]["nbytes"].setdefault(f, n)
                 seen[key]["groups"].update(map(tuple, h["groups"]))
+            for k, files in h.get("objects", {}).items():
+                seen[key]["objects"].setdefault(k, set()).update(map(tuple, files))
             with_manifest.setdefault(key, []).append(r)
     for r, rep in enumerate(reports):
         for t, h in (rep or {}).items():
@@ -683,10 +700,12 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
         if lead not in with_manifest[best]:
             moves.append((None, with_manifest[best][0], lead))
         local = {f for f, rs in held.items() if lead in rs}
-        for files, holders in sorted(h["groups"]):
-            if not every and not mine.intersection(holders):
-                continue
-            if any(f in local for f in files):
+        needed = [files for files, holders in sorted(h["groups"]) if every or mine.intersection(holders)]
+        if not every and reads_objects_of is not None:      # (objects other saving ranks' files hold)
+            others = {k for r in mine for k in reads_objects_of[r]} - mine
+            needed += [files for k in sorted(others) for files in sorted(h["objects"].get(k, ()))]
+        for files in needed:
+            if any(f in local for f in files) or not any(f in held for f in files):
                 continue
             # (the copy its own ranks wrote when saved, where there is one: the peer copy of a lost node)
             f = min((f for f in files if f in held), key=lambda f: (_writer_of(f) not in mine, f))
@@ -1153,23 +1172,26 @@ class MemoryTier:
                         "and the checkpoint directory is as it was: %s", tag, e)
 
     # ------------------------------------------------------------------ load
-    def choose(self, comm, store: Storage, load_dir: str, tag: Optional[str],
-               everything: bool = False) -> Tuple[Storage, str, str, Optional[str]]:
+    def choose(self, comm, store: Storage, load_dir: str, tag: Optional[str], everything: bool = False,
+               reads_objects_of: Sequence[int] = ()) -> Tuple[Storage, str, str, Optional[str]]:
         """(storage, directory, tier, tag) to load from: the memory tier when the nodes' memories
         hold ``tag`` complete between them (or, without one, a checkpoint at least as new as
         durable storage's newest), else the checkpoint directory (tag as given).  Decided by rank
         0 for every rank; a node that lacks files its ranks need (a node replaced after a loss:
         the peer copies; another layout: every region, as with ``everything``) gets them from the
-        nodes that hold them first (collective)."""
+        nodes that hold them first (collective), and the objects of the saving ranks each of its
+        ranks reads (``reads_objects_of``, see Checkpointer.load)."""
         self.finish()
         mem = self.location(store, load_dir)
-        nodes = comm.all_gather_object(self.node_id())
+        placed = comm.all_gather_object((self.node_id(), tuple(int(r) for r in reads_objects_of)))
+        nodes = [n for n, _ in placed]
         self.across = len(set(nodes)) > 1
         leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
         reports = comm.gather_object(holdings(mem) if leads else None)      # (rank 0 decides for every rank)
 
         def decide():
-            plan = plan_recovery(reports, nodes, None if tag is None else str(tag), everything)
+            plan = plan_recovery(reports, nodes, None if tag is None else str(tag), everything,
+                                 reads_objects_of=[o for _, o in placed])
             newest = max(((h["step"], t) for rep in reports for t, h in (rep or {}).items()), default=None)
             if tag is not None:
                 return ("memory", plan, newest) if plan is not None else ("durable", None, newest)

@@ -47,7 +47,7 @@ from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, di
 from .flags import config_from_args
 from .hooks import add_post_step_hook, wrap_optimizer_step
 from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler,
-                       rank_state, replica_ranks, set_rank_state, sharded_state_dict, sync_params, topology,
+                       main_replica_ranks, rank_state, replica_ranks, set_rank_state, sharded_state_dict, sync_params, topology,
                        unwrap)
 from .replay import Replay
 
@@ -359,7 +359,8 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                           f"current values: {missing[:8]}")
         return objects
 
-    ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, read, apply, how_to_load=_how_to_load, undo=undo)
+    ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, read, apply, how_to_load=_how_to_load, undo=undo,
+                                           reads_objects_of=main_replica_ranks())
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
     replay = (Replay(comm, model, optimizer, opt_param_scheduler, objects)

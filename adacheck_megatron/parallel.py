@@ -119,14 +119,25 @@ def load_scheduler(scheduler, state: dict) -> None:
     scheduler.load_state_dict(state)
 
 
-def replica_ranks() -> List[int]:
-    """The global ranks that may hold replicas of this rank's state: its tensor- and data-parallel
-    group (with context parallelism; its pipeline stage), then with expert parallelism its expert
-    data-parallel group, each in ascending order (main replicas are on the lowest ranks)."""
+def _replica_groups() -> List[List[int]]:
+    """Its tensor- and data-parallel group (with context parallelism; its pipeline stage), then with
+    expert parallelism its expert data-parallel group, each in ascending order."""
     groups = [ps.get_tensor_and_data_parallel_group(with_context_parallel=True)]
     if ps.get_expert_model_parallel_world_size() > 1 or ps.get_expert_tensor_parallel_world_size() > 1:
         groups.append(ps.get_expert_data_parallel_group())
-    return [r for g in groups for r in sorted(torch.distributed.get_process_group_ranks(g))]
+    return [sorted(torch.distributed.get_process_group_ranks(g)) for g in groups]
+
+
+def replica_ranks() -> List[int]:
+    """The global ranks that may hold replicas of this rank's state (:func:`_replica_groups`; main
+    replicas are on the lowest ranks)."""
+    return [r for g in _replica_groups() for r in g]
+
+
+def main_replica_ranks() -> List[int]:
+    """The lowest rank of each replica group: where the main replicas of the ShardedObjects this
+    rank loads were saved (a load with the memory tier across nodes sends their objects first)."""
+    return [g[0] for g in _replica_groups()]
 
 
 COORDS = ("tp_rank", "pp_rank", "cp_rank", "ep_rank", "etp_rank")

@@ -424,8 +424,9 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
     job is killed after iteration 5 and node b's memory is lost; a new job (other weights, rank 1
     on a replacement node c) loads iteration 3 from memory (rank 1's part from node a's peer
     copy), and after 2 more iterations every rank's weights, main weights and optimizer state
-    equal the killed job's at iteration 5 (read from megatron-core's objects).  Partitioned: the
-    memory copies are in parts on both nodes."""
+    equal the killed job's at iteration 5 (read from megatron-core's objects).  Node c's ranks
+    stage at the first try: it is sent the job's objects and, saved in parts, rank 0's rank file
+    (a ShardedObject rank 1 loads has its main replica there), and no part."""
     import shutil
     from test_megatron import assert_same_dumps
     d = str(tmp_path)
@@ -449,8 +450,12 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
                  d, script="megatron_worker.py", rank_env=on("ac"))
     check(out)
     assert "loaded AdaCheck checkpoint iteration 3 from the memory tier" in out[0][1], out[0][1][-3000:]
-    if exchange == "ring":      # (rank 1 reads the job's objects, which rank 0 saved: sent to node c at once)
-        assert "staging from the memory tier failed" not in out[0][1], out[0][1][-3000:]
+    # (at once: rank 1 reads the job's objects and a ShardedObject whose main replica rank 0 saved,
+    # sent to node c first)
+    assert "staging from the memory tier failed" not in out[0][1], out[0][1][-3000:]
+    got = os.listdir(f"{memory_of(monkeypatch, d, ck, 'c')}/iter_0000003")
+    assert (exchange == "partitioned") == ("manifest-g0-rank-00000.json" in got), got
+    assert not [f for f in got if "-part-" in f], got
     assert tags(memory_of(monkeypatch, d, ck, "c")) == ["iter_0000003"]       # (node c received rank 1's part)
     assert results(str(tmp_path))[0]["loaded"] == [3]
     assert_same_dumps(str(tmp_path), "a", "b", 2)
@@ -711,7 +716,8 @@ def test_a_replacement_node_is_planned_what_its_ranks_read_of_a_checkpoint_in_pa
     state in its file; each node reports its files and the groups its rank files give (what
     :func:`holdings` says).  Node b lost, node a holding its peer copies: the replacement node c
     is sent ranks 2-3's rank files, the meta file and b's copies (not a's copy of the weight), no
-    part; in another layout every part too.  Restarted on a and b without peer copies: the
+    part (with rank 0's rank file when its ranks read rank 0's objects); in another layout every
+    part too.  Restarted on a and b without peer copies: the
     checkpoint is complete from both reports together (b's regions only b's rank files name), b
     is sent the meta file only; with b's memory lost, or only rank 3's shard file, it is not."""
     from adacheck.tiers import plan_recovery
@@ -727,13 +733,18 @@ def test_a_replacement_node_is_planned_what_its_ranks_read_of_a_checkpoint_in_pa
             groups |= {((shard(0), shard(2)), (r,)), ((shard(r),), (r,))}
         return {"t": {"step": 5, "digest": "x", "present": {f: sizes[f] for f in present},
                       "nbytes": {f: sizes[f] for f in present}, "groups": sorted(groups), "world": 4,
-                      "derived": False, "chain": None, "steps": {}}}
+                      "derived": False, "chain": None, "steps": {},
+                      "objects": {r: [(rank_file(r),)] for r in range(4)}}}
 
     with_peer = report(list(sizes), range(4))       # (node a: its files, and its peer copies of b's)
     plan = plan_recovery([with_peer, None, {}, None], list("aacc"), None)
     assert sorted(plan["moves"], key=str) == sorted(
         [(None, 0, 2), (rank_file(2), 0, 2), (rank_file(3), 0, 2), (meta, 0, 2), (shard(2), 0, 2), (shard(3), 0, 2)],
         key=str), plan["moves"]
+    # (ranks 2-3 read objects rank 0 saved: its rank file too)
+    plan = plan_recovery([with_peer, None, {}, None], list("aacc"), None, reads_objects_of=[(), (), (0,), (0, 2)])
+    assert {f for f, _, dst in plan["moves"] if dst == 2} == {rank_file(0), rank_file(2), rank_file(3), meta,
+                                                                shard(2), shard(3), None}, plan["moves"]
     plan = plan_recovery([with_peer, None, {}, None], list("aacc"), None, everything=True)
     assert {part(i) for i in range(4)} <= {f for f, _, dst in plan["moves"] if dst == 2}, plan["moves"]
 
