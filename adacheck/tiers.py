@@ -49,7 +49,8 @@ from . import commit, deltas
 from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
 from .exchange import agree
-from .manifest import JOB_OBJECTS, RANK_OBJECT, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name, referenced_files
+from .manifest import (JOB_OBJECTS, RANK_OBJECT, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name,
+                       referenced_files)
 from .planner import file_name
 from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
