@@ -80,6 +80,28 @@ def test_golden_loads_and_is_standard_safetensors(golden):
     assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
 
 
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V4, GOLDEN_V5])
+def test_a_memory_checkpoint_of_each_format_is_copied_whole_to_durable_storage(tmp_path, golden):
+    """tiers.persist_checkpoint, the memory tier's copy to the checkpoint directory (no collective:
+    one rank here), of a checkpoint of each format that writes one: every file arrives with the
+    golden's bytes (a format 4 one too, which has a part but no rank files), ``latest`` names it,
+    and it loads the golden state."""
+    from adacheck.checkpoint import confirm_files
+    from adacheck.commit import read_latest
+    from adacheck.storage import LOCAL
+    from adacheck.tiers import persist_checkpoint
+    w, _ = golden_state()
+    ck = str(tmp_path / "ck")
+    assert persist_checkpoint(0, golden, LOCAL, ck, "step7", fsync=False, update_latest=True, keep_last=None,
+                              confirm=confirm_files)
+    assert sorted(os.listdir(f"{ck}/step7")) == sorted(os.listdir(golden))
+    for name in os.listdir(golden):
+        assert open(f"{ck}/step7/{name}", "rb").read() == open(os.path.join(golden, name), "rb").read(), name
+    assert read_latest(ck) == "step7"
+    r = CheckpointReader(f"{ck}/step7")
+    assert torch.equal(r.read("master/w"), w) and torch.equal(r.objects()["t"], torch.arange(2))
+
+
 def test_an_edited_part_of_a_format_4_checkpoint_is_refused(tmp_path):
     """Format 4 binds each part by its hash in the index: a part edited after the save (here one
     digit of a shape) is an IntegrityError when a tensor of it is asked for."""
