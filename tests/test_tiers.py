@@ -684,6 +684,32 @@ def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
         fetch(SoloComm(), f"{src}/t1", plan)
 
 
+def test_the_peer_copy_of_a_save_in_parts_keeps_only_the_senders_files(tmp_path):
+    """NodeSpread.move_own between two real ranks on simulated nodes (tests/peer_worker.py): each
+    rank's shard file, part, rank file (and rank 0's meta file) arrive at the other node as they
+    were sent; a block that also holds a name that is not the sender's (one leading out of the
+    directory, one of another rank) is refused on the receiving rank, and nothing of it is kept
+    outside; a shard file written for another checkpoint is refused and not kept."""
+    from adacheck.tiers import own_files
+    d = str(tmp_path)
+    out = launch(2, {}, d, script="peer_worker.py", timeout=180)
+    check(out)
+    got = [json.load(open(f"{d}/rank{r}.json")) for r in range(2)]
+    for r in range(2):
+        other = 1 - r
+        good = got[r]["good"]
+        assert good["error"] is None and set(good["files"]) == set(own_files(0, 0) + own_files(0, 1)[:3]), good
+        for name in own_files(0, other)[:3] + ([own_files(0, 0)[3]] if other == 0 else []):
+            assert open(f"{d}/node{r}/good/{name}", "rb").read() == open(f"{d}/node{other}/good/{name}", "rb").read()
+        foreign = got[r]["foreign"]
+        assert "FormatError" in foreign["error"] and "not one of its names" in foreign["error"], foreign
+        assert not set(foreign["files"]) & set(own_files(0, other)), foreign
+        assert json.load(open(f"{d}/node{r}/evil.json")) == {"rank": r}      # (not written over from outside)
+        wrong = got[r]["wrong_tag"]
+        assert "FormatError" in wrong["error"] and "'other'" in wrong["error"], wrong
+        assert own_files(0, other)[0] not in wrong["files"] and not [f for f in wrong["files"] if ".tmp" in f], wrong
+
+
 def test_a_replacement_node_is_planned_the_deltas_its_ranks_read():
     """delta_moves (pure): three nodes a, b, e recorded a chain per node (b's peer copies on e);
     b is replaced by c.  Node c is sent the chain file and ranks 2-3's steps from e, up to the
