@@ -120,12 +120,12 @@ def has_manifest(ckpt_dir: str, store: Storage = LOCAL) -> bool:
 
 
 def write_manifest(ckpt_dir: str, manifest: Manifest, store: Storage = LOCAL) -> None:
-    atomic_write_text(store.join(ckpt_dir, MANIFEST_NAME), dumps(manifest), store=store)
+    write_manifest_bytes(ckpt_dir, dumps(manifest).encode("utf-8"), store)
 
 
 def write_manifest_bytes(ckpt_dir: str, raw: bytes, store: Storage = LOCAL) -> None:
     """A manifest already serialized (by rank 0, written by another rank: each node's leader in a
-    memory-tier save in parts across nodes)."""
+    memory-tier save in parts across nodes; a memory checkpoint's copy in durable storage)."""
     store.write_atomic(store.join(ckpt_dir, MANIFEST_NAME), raw)
 
 

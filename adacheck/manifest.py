@@ -335,6 +335,12 @@ class _WrittenFiles:
                 and any(a <= int(m.group(1)) < b for a, b in self.writers))
 
 
+def writer_of(fname: str) -> Optional[int]:
+    """The rank that wrote a shard file (``planner.file_name``), from its name; None for other files."""
+    m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
+    return int(m.group(1)) if m is not None else None
+
+
 def _read_checked(open_part, name: str, where: str, what: str, digest: Optional[str] = None) -> bytes:
     """The bytes of file ``name`` of a manifest in parts (``what``: "part", "rank file", ...), with
     ``digest``: checked against it, the hash the manifest binds it by."""
@@ -533,7 +539,7 @@ class FileTable(Mapping):
     def __getitem__(self, fname: str) -> dict:
         if fname not in self.ranks.files:
             raise KeyError(fname)
-        return self.ranks.get(int(_WRITER_FILE.match(fname).group(1))).files[fname]
+        return self.ranks.get(writer_of(fname)).files[fname]
 
     def __contains__(self, fname) -> bool:
         try:

@@ -50,7 +50,7 @@ from .compression import ENCODING_KEY
 from .errors import AdaCheckError, ConfigError, FormatError
 from .exchange import agree
 from .manifest import (JOB_OBJECTS, RANK_OBJECT, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name,
-                       referenced_files)
+                       referenced_files, writer_of)
 from .planner import file_name
 from .reader import SafetensorsFile
 from .storage import LOCAL, Storage, copy_file
@@ -119,7 +119,7 @@ class NodeSpread:
     peer: bool
 
     @cached_property
-    def _on(self) -> Dict[str, List[int]]:
+    def by_node(self) -> Dict[str, List[int]]:
         """node -> its ranks in order (built once: every question below is then O(1) in the job)."""
         on: Dict[str, List[int]] = {}
         for r, n in enumerate(self.nodes):
@@ -129,30 +129,30 @@ class NodeSpread:
     @cached_property
     def _order(self) -> Dict[str, str]:
         """node -> the next node (in sorted order, the last to the first)."""
-        order = sorted(self._on)
+        order = sorted(self.by_node)
         return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
 
     def ranks_on(self, node: str) -> List[int]:
-        return list(self._on.get(node, ()))
+        return list(self.by_node.get(node, ()))
 
     def leads(self, rank: int) -> bool:
-        return self._on[self.nodes[rank]][0] == rank
+        return self.by_node[self.nodes[rank]][0] == rank
 
     def next_node(self, node: str) -> str:
         return self._order[node]
 
     def before(self, rank: int) -> int:
         """The rank before ``rank`` on its node (cyclic: the node's last before its first)."""
-        here = self._on[self.nodes[rank]]
+        here = self.by_node[self.nodes[rank]]
         return here[here.index(rank) - 1]
 
     def partner(self, rank: int) -> Optional[int]:
         """The rank of the next node that keeps copies of what ``rank`` writes (None: one node)."""
         node = self.nodes[rank]
-        there = self._on[self.next_node(node)]
+        there = self.by_node[self.next_node(node)]
         if self.nodes[there[0]] == node:
             return None
-        return there[self._on[node].index(rank) % len(there)]
+        return there[self.by_node[node].index(rank) % len(there)]
 
     def peer_moves(self, files: Dict[str, dict]) -> List[Tuple[str, int, int]]:
         """(file, writer, the rank of the next node that keeps its copy), the same on every rank."""
@@ -656,9 +656,8 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
     node then holds the manifest and a copy of every region its ranks held when saved (every
     region: with ``everything``, or when the job's world size is not the saving one's), and the
     objects (rank file, object tensors) of the saving ranks ``reads_objects_of[r]`` its rank r reads."""
-    leaders: Dict[str, int] = {}
-    for r, n in enumerate(nodes):
-        leaders.setdefault(n, r)
+    on = NodeSpread(tuple(nodes), False).by_node
+    leaders = {n: ranks[0] for n, ranks in on.items()}
     seen: Dict[Tuple[str, str], dict] = {}
     has: Dict[Tuple[str, str], Dict[str, set]] = {}     # checkpoint -> file -> leaders holding it
     with_manifest: Dict[Tuple[str, str], List[int]] = {}
@@ -693,11 +692,8 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
     h, held = seen[best], has.get(best, {})
     every = everything or h["world"] != len(nodes) or h["derived"]
     moves: List[Tuple[Optional[str], int, int]] = []
-    on: Dict[str, set] = {}
-    for r, n in enumerate(nodes):
-        on.setdefault(n, set()).add(r)
     for node in sorted(leaders, key=leaders.get):
-        lead, mine = leaders[node], on[node]
+        lead, mine = leaders[node], set(on[node])
         if lead not in with_manifest[best]:
             moves.append((None, with_manifest[best][0], lead))
         local = {f for f, rs in held.items() if lead in rs}
@@ -709,20 +705,11 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
             if any(f in local for f in files) or not any(f in held for f in files):
                 continue
             # (the copy its own ranks wrote when saved, where there is one: the peer copy of a lost node)
-            f = min((f for f in files if f in held), key=lambda f: (_writer_of(f) not in mine, f))
+            f = min((f for f in files if f in held), key=lambda f: (writer_of(f) not in mine, f))
             moves.append((f, min(held[f]), lead))
             local.add(f)
     return {"tag": best[0], "step": h["step"], "digest": best[1], "moves": moves, "nbytes": h["nbytes"],
             "deltas": delta_moves(h, reports, best, nodes, every)}
-
-
-_SHARD_NAME = re.compile(r"^rank(\d+)-g\d+\.safetensors$")
-
-
-def _writer_of(fname: str) -> Optional[int]:
-    """The rank that wrote a shard file, from its name (None for other files)."""
-    hit = _SHARD_NAME.match(fname)
-    return int(hit.group(1)) if hit else None
 
 
 def fetch(comm, ckpt_dir: str, plan: dict) -> int:
@@ -867,7 +854,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
             return False
         time.sleep(0.05)
     confirm(dst_store, dst, files)
-    dst_store.write_atomic(dst_store.join(dst, commit.MANIFEST_NAME), manifest_bytes)
+    commit.write_manifest_bytes(dst, manifest_bytes, dst_store)
     for r in copiers:
         dst_store.remove(dst_store.join(dst, _marker(r)))
     if update_latest:
