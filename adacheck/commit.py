@@ -16,8 +16,9 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from .errors import AdaCheckError, FormatError, IntegrityError, NotFoundError
-from .manifest import (MANIFEST_NAME, PART_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name, part_names,
-                       meta_bytes, meta_name, rank_file_bytes, rank_file_name, referenced_files, tensor_meta)
+from .manifest import (MANIFEST_NAME, PART_PATTERN, SHARD_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name,
+                       part_names, meta_bytes, meta_name, rank_file_bytes, rank_file_name, referenced_files,
+                       tensor_meta)
 from .hashing import hash_buffer
 from .storage import LOCAL, Storage
 from .types import Manifest
@@ -205,7 +206,7 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     return 1 + max(gens) if gens else 0
 
 
-_SHARD_FILE = re.compile(r"^(rank\d{5}-g\d+\.safetensors|" + PART_PATTERN + ")("
+_SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
                          + re.escape(TMP_SUFFIX) + ")?$")     # (a shard file, a manifest's part)
 
 

@@ -36,7 +36,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from .boxes import check_tiling
 from .errors import FormatError, IntegrityError
@@ -62,7 +62,9 @@ MANIFEST_NAME = "manifest.json"
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
 RANK_OBJECT = re.compile(r"^rank\d+/")     # (the tensors of a rank's own objects, checkpoint._object_shards)
 JOB_OBJECTS = "object/"                     # (and of the job's objects, saved by rank 0)
-_WRITER_FILE = re.compile(r"^rank(\d{5})-g(\d+)\.safetensors$")     # (planner.file_name's names)
+# planner.file_name's names: five digits of rank, more from rank 100,000 on
+SHARD_PATTERN = r"rank(\d{5,})-g(\d+)\.safetensors"
+_WRITER_FILE = re.compile("^" + SHARD_PATTERN + "$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
 
 
@@ -330,15 +332,21 @@ class _WrittenFiles:
         self.generation, self.writers = generation, writers
 
     def __contains__(self, fname) -> bool:
-        m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
-        return (m is not None and int(m.group(2)) == self.generation
-                and any(a <= int(m.group(1)) < b for a, b in self.writers))
+        written = shard_file_of(fname)
+        return (written is not None and written[1] == self.generation
+                and any(a <= written[0] < b for a, b in self.writers))
+
+
+def shard_file_of(fname: str) -> Optional[Tuple[int, int]]:
+    """(writing rank, generation) of a shard file's name (``planner.file_name``); None for other names."""
+    m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
+    return (int(m.group(1)), int(m.group(2))) if m is not None else None
 
 
 def writer_of(fname: str) -> Optional[int]:
     """The rank that wrote a shard file (``planner.file_name``), from its name; None for other files."""
-    m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
-    return int(m.group(1)) if m is not None else None
+    written = shard_file_of(fname)
+    return written[0] if written is not None else None
 
 
 def _read_checked(open_part, name: str, where: str, what: str, digest: Optional[str] = None) -> bytes:

@@ -13,7 +13,8 @@ from adacheck import deltas
 from adacheck.boxes import flat_range_to_boxes
 from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
                                  Options, resolve, save)
-from adacheck.manifest import checksum
+from adacheck.manifest import checksum, shard_file_of, writer_of
+from adacheck.planner import file_name
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
 from adacheck.exchange import SoloComm
 from adacheck.types import Box
@@ -394,6 +395,9 @@ def test_next_commit_removes_torn_saves_of_a_killed_job(tmp_path):
     torn.mkdir()
     (torn / "rank00000-g0.safetensors.tmp").write_bytes(b"x" * 100)
     (torn / "rank00001-g0.safetensors").write_bytes(b"x" * 100)
+    # and of a job of 100,000 ranks or more (six-digit ranks in the names the writers give)
+    (torn / (file_name(100_000, 0) + ".tmp")).write_bytes(b"x" * 100)
+    (torn / file_name(123_456, 0)).write_bytes(b"x" * 100)
     mixed = tmp_path / "step9"
     mixed.mkdir()
     (mixed / "rank00000-g0.safetensors").write_bytes(b"x")
@@ -407,6 +411,18 @@ def test_next_commit_removes_torn_saves_of_a_killed_job(tmp_path):
     assert os.listdir(mixed) == ["notes.txt"]
     assert sorted(os.listdir(damaged)) == ["manifest.json", "rank00000-g0.safetensors"]
     assert (tmp_path / "step7" / "manifest.json").exists()
+
+
+def test_the_writer_and_generation_of_every_rank_s_shard_file_are_read_from_its_name():
+    """What recovery (the copy a node's own ranks wrote) and a format 5 file table (the files its
+    writers wrote) read from a shard file's name is what the writer put there, at any rank."""
+    for rank in (0, 7, 99_999, 100_000, 123_456, 1_048_575):
+        for generation in (0, 12):
+            assert shard_file_of(file_name(rank, generation)) == (rank, generation)
+            assert writer_of(file_name(rank, generation)) == rank
+    for other in ("manifest.json", "manifest-g0-rank-00000.json", "rank0001-g0.safetensors",
+                  "rank00001-g0.safetensors.tmp", "x/rank00001-g0.safetensors", None):
+        assert shard_file_of(other) is None and writer_of(other) is None
 
 
 @pytest.mark.parametrize("where", ["tmp", "shm"])
