@@ -24,6 +24,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -465,7 +466,7 @@ class Checkpointer:
         self._stores: Dict[str, Storage] = {}
         self.staging = Staging()             # the async saves' host copies, reused
         self.pending: Optional[PendingSave] = None
-        self.last_committed: Optional[Manifest] = None   # of the last asynchronous save that committed
+        self.last_committed: Optional[Manifest] = None   # of the last save that committed (reported)
         self._background: Optional[Comm] = None
         self.writer: Optional["writer_process.WriterProcess"] = None
         self._no_writer: Optional[str] = None    # why this job cannot have writer processes
@@ -532,6 +533,10 @@ class Checkpointer:
                                      on_error=o.on_error)
         return self.tiered
 
+    def where(self, path: str) -> Tuple[Storage, str]:
+        """:meth:`locate` for a URL; a plain path is on this checkpointer's ``store`` whatever the options."""
+        return self.locate(path) if is_url(str(path)) else (self.store, str(path))
+
     def locate(self, path: str) -> Tuple[Storage, str]:
         """The storage ``path`` lives on and the path as it names it: a URL (``s3://bucket/prefix``,
         ``file:///dir``, any fsspec protocol) opens that filesystem with ``options.storage_options``
@@ -571,16 +576,19 @@ class Checkpointer:
         checkpoint), or every ``persist_interval``-th (None)."""
         lifecycle.register()
         if self.options.tiers is not None:
-            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False, persist=persist,
-                                     recorder=recorder)
-        _refuse_non_persistent(persist)
-        self.finish()
-        if recorder is not None:
-            recorder.flush()
-        snap = self.snapshot(comm, save_dir, tag, collect)
-        manifest = self.persist(comm, snap, update_latest)
-        if recorder is not None:
-            _start_chain(recorder, snap.store, snap.save_dir, manifest)
+            manifest = self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False,
+                                         persist=persist, recorder=recorder)
+        else:
+            _refuse_non_persistent(persist)
+            self.finish()
+            if recorder is not None:
+                recorder.flush()
+            snap = self.snapshot(comm, save_dir, tag, collect)
+            manifest = self.persist(comm, snap, update_latest)
+            if recorder is not None:
+                _start_chain(recorder, snap.store, snap.save_dir, manifest)
+        if manifest is not None:
+            self.last_committed = manifest
         return manifest
 
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
@@ -1240,6 +1248,47 @@ def find_intact(comm: Comm, load_dir: str, exclude=(), store: Storage = LOCAL) -
     return None
 
 
+class RankObjectLookup(Mapping):
+    """Values the saving ranks kept in their own objects, by key, read when first asked for
+    (``pick(rank objects, where) -> {key: value}``, decoded by the reader): a key is looked for in
+    the objects of the saving ranks ``candidates``, in order, and only then in every saving rank's."""
+
+    def __init__(self, reader: "CheckpointReader", candidates: Tuple[int, ...],
+                 pick: Callable[[dict, str], dict]):
+        self.reader, self.pick, self.found, self.added = reader, pick, {}, set()
+        self.ranks = len(reader.manifest.rank_objects)
+        self.candidates = [r for r in dict.fromkeys(candidates) if 0 <= r < self.ranks]
+
+    def _add(self, rank: int) -> None:
+        if rank not in self.added:
+            saved = self.pick(self.reader.manifest.rank_objects[rank], f"rank {rank}'s objects of {self.reader.dir}")
+            self.found.update(self.reader.decode(saved))
+            self.added.add(rank)
+
+    def _look(self, key) -> bool:
+        for rank in [*self.candidates, *range(self.ranks)]:
+            if key in self.found:
+                return True
+            self._add(rank)
+        return key in self.found
+
+    def __getitem__(self, key: str):
+        if not self._look(key):
+            raise KeyError(key)
+        return self.found[key]
+
+    def __contains__(self, key) -> bool:
+        return self._look(key)
+
+    def __iter__(self):
+        for rank in range(self.ranks):
+            self._add(rank)
+        return iter(self.found)
+
+    def __len__(self) -> int:
+        return len(list(iter(self)))
+
+
 class CheckpointReader:
     """Reads boxes of logical tensors from a committed checkpoint, verifying hashes.
 
@@ -1273,6 +1322,14 @@ class CheckpointReader:
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
         self._held: Optional[Dict[str, TensorEntry]] = None
+
+    def framework(self, name: str, label: str, hint: str) -> dict:
+        """The manifest's framework record, when ``name`` saved the checkpoint (a StateError that
+        names the saving one, ``label`` and ``hint`` else)."""
+        saved_by = self.manifest.framework.get("name")
+        if saved_by != name:
+            raise StateError(f"{self.dir} was saved by {saved_by!r}, not {label}; {hint}")
+        return self.manifest.framework
 
     def held(self) -> Dict[str, TensorEntry]:
         """The entries of the boxes ``prefer_rank`` held when the checkpoint was saved, cut down

@@ -288,6 +288,24 @@ class AdaCheckConfig:
         known = _known({_ALIASES.get(k, k): v for k, v in block.items()}, cls, where)
         return cls(**known)
 
+    @classmethod
+    def in_config(cls, raw, framework: str) -> "AdaCheckConfig | None":
+        """The validated ``"adacheck"`` block of ``framework``'s JSON config dict ``raw`` (None without
+        one).  A top-level key that looks like a misspelt ``"adacheck"`` (``"adachek"``, ``"AdaCheck"``,
+        ``"ada_check"``) is a ConfigError: the framework ignores unknown keys, so the block would be
+        silently lost and training would go on with native checkpoints."""
+        if not isinstance(raw, dict):
+            return None
+        for key in raw:
+            if key != "adacheck" and isinstance(key, str) and (
+                    "".join(c for c in key.lower() if c.isalnum()) == "adacheck"
+                    or difflib.SequenceMatcher(None, key.lower(), "adacheck").ratio() >= 0.8):
+                raise ConfigError(f"the {framework} config has a top-level key {key!r}; did you mean \"adacheck\"? "
+                                  f"{framework} ignores unknown keys, so this block would not turn AdaCheck on. "
+                                  "Rename it to \"adacheck\".")
+        block = raw.get("adacheck")
+        return cls.from_dict(block) if block is not None else None
+
 
 _TYPES = {"enabled": bool, "save_dir": str, "storage_options": dict, "async_save": bool, "async_writer": str, "on_error": str, "compression": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,

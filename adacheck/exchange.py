@@ -13,7 +13,7 @@ import hashlib
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .errors import AdaCheckError, DistributedError, kind_of
+from .errors import AdaCheckError, ConfigError, DistributedError, kind_of
 
 
 GATHERS = ("ring", "allgather")                 # how all_gather_bytes moves the blocks
@@ -297,6 +297,28 @@ def default_comm() -> Comm:
     except ImportError:  # pragma: no cover
         pass
     return SoloComm()
+
+
+def one_process_group() -> Callable[[], None]:
+    """A process group for offline code that needs one (a conversion in one process): a gloo group
+    of this process alone, or the one it is in, when that has one rank (ConfigError in a larger
+    one).  Returns what tears down the group it made (nothing for one it found)."""
+    import os
+    import shutil
+    import tempfile
+    import torch.distributed as dist
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ConfigError("conversion runs in one process; call it outside a distributed job")
+        return lambda: None
+    rendezvous = tempfile.mkdtemp(prefix="adacheck-pg-")
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(rendezvous, 'rendezvous')}",
+                            rank=0, world_size=1)
+
+    def done() -> None:
+        dist.destroy_process_group()
+        shutil.rmtree(rendezvous, ignore_errors=True)
+    return done
 
 
 HOST_BACKENDS = ("gloo", "mpi")

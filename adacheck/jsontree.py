@@ -142,3 +142,16 @@ def saveable(tree, what: str, strict: bool = True, quiet: bool = False, tensors:
                 warnings.warn(f"AdaCheck: not saving {what}[{k!r}]: {e}")
     return kept
 
+
+def dicts(tree):
+    """Every dict inside ``tree``, ``tree`` included (depth first)."""
+    if isinstance(tree, dict):
+        yield tree
+    if isinstance(tree, (dict, list, tuple)):
+        for v in (tree.values() if isinstance(tree, dict) else tree):
+            yield from dicts(v)
+
+
+def find(tree, key):
+    """The first value (not None) stored under ``key`` anywhere in ``tree`` (depth first), else None."""
+    return next((d[key] for d in dicts(tree) if d.get(key) is not None), None)

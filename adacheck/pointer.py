@@ -11,14 +11,17 @@ saved at.  Both directories may be local paths or URLs; every read and write goe
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 from . import commit, deltas
 from .errors import FormatError
 from .storage import Storage
 
 POINTER_NAME = "adacheck.json"
+log = logging.getLogger("adacheck")
+Where = Callable[[str], Tuple[Storage, str]]    # a directory -> the storage it is on, and its path there
 
 
 @dataclass(frozen=True)
@@ -72,3 +75,27 @@ def newer_state(store: Storage, save_dir: str, pointer: Pointer) -> Optional[str
     except OSError:
         steps = []
     return f"online deltas up to step {steps[-1]}" if steps else None
+
+
+def leave(where: Where, given: str, save_dir: str, tag: str, step: int) -> None:
+    """After a save of ``tag`` into ``save_dir`` that the caller asked for in ``given``: the pointer
+    in ``given``, when that is another directory (rank 0 only)."""
+    (here, at), (store, path) = where(given), where(save_dir)
+    if here.canonical(at) != store.canonical(path):
+        write(here, at, tag, store.canonical(path), step)
+
+
+def follow(where: Where, load_dir: str, tag: Optional[str], rank: int) -> Optional[Pointer]:
+    """The pointer a load of ``load_dir`` (``tag``) follows, or None.  Rank 0 warns when the job's
+    directory holds newer state than the pointer's step, which that load does not take."""
+    found = find(*where(load_dir), tag)
+    if found is None:
+        return None
+    log.info("AdaCheck: %s names %s of %s: loading step %s, the step it was saved at", load_dir,
+             found.tag, found.save_dir, found.step)
+    newer = newer_state(*where(found.save_dir), found) if rank == 0 else None
+    if newer:
+        log.warning("AdaCheck: %s holds state newer than step %s (%s), which this load does not take: load %s "
+                    "itself for the newest state (a Hugging Face Trainer resumes at the step of its checkpoint-N, "
+                    "so there the older step is the right one)", found.save_dir, found.step, newer, found.save_dir)
+    return found

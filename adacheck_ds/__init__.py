@@ -7,11 +7,8 @@ same for an engine built any other way.  Without the block DeepSpeed is unchange
 """
 from __future__ import annotations
 
-import difflib
-
 from adacheck.compat import warn_if_untested
 from adacheck.config import AdaCheckConfig
-from adacheck.errors import ConfigError
 
 from .engine import AdaCheckDeepSpeed
 
@@ -48,27 +45,6 @@ def _block_of(engine):
     return raw.get("adacheck") if isinstance(raw, dict) else None
 
 
-def _normal(key: str) -> str:
-    return "".join(c for c in key.lower() if c.isalnum())
-
-
-def check_config(raw) -> "AdaCheckConfig | None":
-    """The validated ``"adacheck"`` block of a DeepSpeed config dict (None without one).  A
-    top-level key that looks like a misspelt ``"adacheck"`` (``"adachek"``, ``"AdaCheck"``,
-    ``"ada_check"``) is a ConfigError: DeepSpeed ignores unknown keys, so the block would be
-    silently lost and training would go on with native checkpoints."""
-    if not isinstance(raw, dict):
-        return None
-    for key in raw:
-        if key != "adacheck" and isinstance(key, str) and (
-                _normal(key) == "adacheck" or difflib.SequenceMatcher(None, key.lower(), "adacheck").ratio() >= 0.8):
-            raise ConfigError(f"the DeepSpeed config has a top-level key {key!r}; did you mean \"adacheck\"? "
-                              "DeepSpeed ignores unknown keys, so this block would not turn AdaCheck on. Rename it "
-                              "to \"adacheck\".")
-    block = raw.get("adacheck")
-    return AdaCheckConfig.from_dict(block) if block is not None else None
-
-
 def _config_given(args, kwargs):
     """The DeepSpeed config dict an engine is being built from, before DeepSpeed builds it."""
     config_class = kwargs.get("config_class")
@@ -87,12 +63,12 @@ def _config_given(args, kwargs):
 def save_native(engine, *args, **kwargs):
     """DeepSpeed's own save_checkpoint, whatever is attached."""
     install()
-    return _ORIG["save"](engine, *args, **kwargs)
+    return _ORIG["save_checkpoint"](engine, *args, **kwargs)
 
 
 def load_native(engine, *args, **kwargs):
     install()
-    return _ORIG["load"](engine, *args, **kwargs)
+    return _ORIG["load_checkpoint"](engine, *args, **kwargs)
 
 
 def install() -> None:
@@ -100,13 +76,12 @@ def install() -> None:
     if _ORIG:
         return
     from deepspeed.runtime.engine import DeepSpeedEngine
-    _ORIG.update(init=DeepSpeedEngine.__init__, save=DeepSpeedEngine.save_checkpoint,
-                 load=DeepSpeedEngine.load_checkpoint)
+    _ORIG.update({name: getattr(DeepSpeedEngine, name) for name in ("__init__", "save_checkpoint", "load_checkpoint")})
 
     def __init__(self, *args, **kwargs):
         # validated before DeepSpeed builds anything: a mistake costs no model start-up
-        config = check_config(_config_given(args, kwargs))
-        _ORIG["init"](self, *args, **kwargs)
+        config = AdaCheckConfig.in_config(_config_given(args, kwargs), "DeepSpeed")
+        _ORIG["__init__"](self, *args, **kwargs)
         block = _block_of(self)
         if config is None and block is not None:    # (a config DeepSpeed found some other way)
             config = AdaCheckConfig.from_dict(block)
@@ -118,19 +93,17 @@ def install() -> None:
         ac = getattr(self, "adacheck", None)
         if ac is not None:
             return ac.save_checkpoint(*args, **kwargs)
-        return _ORIG["save"](self, *args, **kwargs)
+        return _ORIG["save_checkpoint"](self, *args, **kwargs)
 
     def load_checkpoint(self, *args, **kwargs):
         ac = getattr(self, "adacheck", None)
         if ac is not None:
             return ac.load_checkpoint(*args, **kwargs)
-        return _ORIG["load"](self, *args, **kwargs)
+        return _ORIG["load_checkpoint"](self, *args, **kwargs)
 
     for name, fn in (("__init__", __init__), ("save_checkpoint", save_checkpoint),
                      ("load_checkpoint", load_checkpoint)):
-        fn.__wrapped__ = _ORIG[{"__init__": "init", "save_checkpoint": "save",
-                                "load_checkpoint": "load"}[name]]
-        fn.__doc__ = fn.__wrapped__.__doc__
+        fn.__wrapped__, fn.__doc__ = _ORIG[name], _ORIG[name].__doc__
         setattr(DeepSpeedEngine, name, fn)
 
 

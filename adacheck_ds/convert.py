@@ -48,9 +48,7 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     ckpt = resolve(src, tag)
     r = CheckpointReader(ckpt, verify=verify, cache_bytes=32 << 20)
     m = r.manifest
-    if m.framework.get("name") != "deepspeed":
-        raise StateError(f"{ckpt} was saved by {m.framework.get('name')!r}, not DeepSpeed; "
-                         "universal conversion needs a DeepSpeed checkpoint")
+    r.framework("deepspeed", "DeepSpeed", "universal conversion needs a DeepSpeed checkpoint")
     objects = Objects.of(r.objects(), f"the objects of {ckpt}")
     model = objects.model(ckpt)
     final = os.path.join(out_dir, m.tag)

@@ -79,7 +79,6 @@ class AdaCheckDeepSpeed:
         self.config = config
         self.checkpointer = core.Checkpointer(options=core.Options.from_config(config))   # this engine's job
         lifecycle.register()      # writers closed and gloo settled when the script ends
-        self.last_manifest = None
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
         self.replay_until = None    # load replays committed deltas up to this step (None: all)
         self.online = None
@@ -108,20 +107,19 @@ class AdaCheckDeepSpeed:
             self.checkpointer.tiered.close()
         return self._destroy(*args, **kwargs)
 
+    @property
+    def last_manifest(self):
+        """The manifest of the last save that committed (an asynchronous one: once reported)."""
+        return self.checkpointer.last_committed
+
     def poll(self):
         """The asynchronous save's manifest once it has committed (None while it runs, or none is
         in flight: then this costs one attribute test)."""
-        manifest = self.checkpointer.poll()
-        if manifest is not None:
-            self.last_manifest = manifest
-        return manifest
+        return self.checkpointer.poll()
 
     def finish(self):
         """Wait for the asynchronous save in flight (if any) and report it."""
-        manifest = self.checkpointer.finish()
-        if manifest is not None:
-            self.last_manifest = manifest
-        return manifest
+        return self.checkpointer.finish()
 
     @staticmethod
     def comm():
@@ -137,23 +135,16 @@ class AdaCheckDeepSpeed:
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
         if given and default_comm().rank == 0:
             # (a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer)
-            (here, at), (store, where) = self._where(given), self._where(save_dir)
-            if here.canonical(at) != store.canonical(where):
-                pointer.write(here, at, tag, store.canonical(where), e.global_steps)
+            pointer.leave(self.checkpointer.where, given, save_dir, tag, e.global_steps)
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
         with checkpoint_event(e.optimizer):     # (an async save's snapshot is taken inside)
             if self.config.async_save and self.online is None:
                 self.checkpointer.save_async(default_comm(), save_dir, tag, collect, update_latest=save_latest)
-                self.last_manifest = self.checkpointer.last_committed   # (the previous one, if it committed)
             else:
-                self.last_manifest = self.checkpointer.save(
+                self.checkpointer.save(
                     default_comm(), save_dir, tag, collect, update_latest=save_latest,
                     recorder=self.online.recorder if self.online is not None else None)
         return True
-
-    def _where(self, path):
-        """The storage and path of a directory: a URL on its fsspec filesystem, a plain path local."""
-        return self.checkpointer.locate(path) if is_url(str(path)) else (self.checkpointer.store, str(path))
 
     def _collect(self, client_state, exclude_frozen):
         e = self.engine
@@ -221,29 +212,18 @@ class AdaCheckDeepSpeed:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        found = pointer.find(*self._where(load_dir), tag) if load_dir and self.config.save_dir else None
+        found = (pointer.follow(self.checkpointer.where, load_dir, tag, default_comm().rank)
+                 if load_dir and self.config.save_dir else None)
         if found is not None:
             # (a directory the caller names, e.g. a Hugging Face Trainer's checkpoint-N, whose save went to
             # adacheck.save_dir: exactly the step it was saved at, with no online deltas after it)
-            log.info("AdaCheck: %s names %s of %s: loading step %s, the step it was saved at", load_dir,
-                     found.tag, found.save_dir, found.step)
-            newer = pointer.newer_state(*self._where(found.save_dir), found) if default_comm().rank == 0 else None
-            if newer:
-                log.warning("AdaCheck: %s holds state newer than step %s (%s), which this load does not take: "
-                            "load %s itself for the newest state (a Hugging Face Trainer resumes at the step of its "
-                            "checkpoint-N, so there the older step is the right one)", found.save_dir,
-                            found.step, newer, found.save_dir)
-            until, self.replay_until = self.replay_until, found.step
-            try:
-                return self._load(found.save_dir, found.tag, load_module_strict, load_optimizer_states,
-                                  load_lr_scheduler_states, load_module_only, custom_load_fn)
-            finally:
-                self.replay_until = until
+            return self._load(found.save_dir, found.tag, load_module_strict, load_optimizer_states,
+                              load_lr_scheduler_states, load_module_only, custom_load_fn, until=found.step)
         return self._load(self.config.save_dir or load_dir, tag, load_module_strict, load_optimizer_states,
-                          load_lr_scheduler_states, load_module_only, custom_load_fn)
+                          load_lr_scheduler_states, load_module_only, custom_load_fn, until=self.replay_until)
 
     def _load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-              load_module_only, custom_load_fn):
+              load_module_only, custom_load_fn, until):
         e = self.engine
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
@@ -294,7 +274,7 @@ class AdaCheckDeepSpeed:
             from .online import Replay
             model = loaded["objects"].model(ckpt_dir)
             replay = Replay(self, model.optimizer if model is not None else None)
-        done = recovery.after_load(comm, self.checkpointer, ckpt_dir, manifest, replay, until=self.replay_until,
+        done = recovery.after_load(comm, self.checkpointer, ckpt_dir, manifest, replay, until=until,
                                    without="the optimizer and scheduler states",
                                    recorder=self.online.recorder if self.online is not None else None)
         if done.steps:

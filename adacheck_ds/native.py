@@ -91,10 +91,8 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
     """The shell of an AdaCheck DeepSpeed checkpoint, and its manifest."""
     r = CheckpointReader(ckpt_dir, verify=False)
     m = r.manifest
-    if m.framework.get("name") != "deepspeed":
-        raise StateError(f"{ckpt_dir} was saved by {m.framework.get('name')!r}, not DeepSpeed; this "
-                         "conversion rebuilds DeepSpeed engines (Megatron: --to torch-dist, or load in the "
-                         "training job and save to materialise online deltas)")
+    r.framework("deepspeed", "DeepSpeed", "this conversion rebuilds DeepSpeed engines (Megatron: --to "
+                "torch-dist, or load in the training job and save to materialise online deltas)")
     objects = Objects.of(r.objects(), f"the objects of {ckpt_dir}")
     saved = objects.model(ckpt_dir)
     if saved is None:

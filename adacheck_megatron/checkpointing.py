@@ -43,7 +43,7 @@ from . import parallel
 from .saved import Objects, RankObjects
 from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map, distopt_refresh,
                     distopt_refreshed, distopt_set_main, distopt_stage_load, distopt_stage_main, distributed_optimizers,
-                    drop_fresh_state, never_stepped, stage_load, SavedObjects)
+                    drop_fresh_state, never_stepped, stage_load, saved_objects)
 from .flags import config_from_args
 from .hooks import add_post_step_hook, wrap_optimizer_step
 from .parallel import (SIZES, chunk_key, is_same_layout, json_args, layout_name, load_scheduler,
@@ -296,7 +296,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         objects = Objects.of(r.objects(), f"the objects of {r.dir}")
         saved_layout = r.manifest.layout.get("ranks", [])
         same = is_same_layout(saved_layout, topology(), comm.world_size, comm.rank)
-        sharded_objects = SavedObjects(r, (comm.rank, *replica_ranks()) if same else ())
+        sharded_objects = saved_objects(r, (comm.rank, *replica_ranks()) if same else ())
         sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
         with_distopt = optimizer is not None and bool(distributed_optimizers(optimizer))
         dist = load_optim and with_distopt

@@ -33,13 +33,10 @@ import dataclasses
 import io
 import os
 import warnings
-import shutil
-import tempfile
 from typing import Callable, Optional
 
 import megatron.core
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -53,7 +50,7 @@ from adacheck import checkpoint as core
 from adacheck import jsontree
 from adacheck.convert import output_dir
 from adacheck.errors import ConfigError, StateError
-from adacheck.exchange import SoloComm
+from adacheck.exchange import SoloComm, one_process_group
 
 from adacheck.types import Box, torch_dtype
 
@@ -67,32 +64,11 @@ _TOP_LEVEL = ("iteration", "opt_param_scheduler", "num_floating_point_operations
 
 
 def _solo_group():
-    """dist_checkpointing needs a process group: a one-process gloo group if there is none."""
+    """dist_checkpointing needs a process group (exchange.one_process_group); returns its teardown."""
     if not torch.cuda.is_available():   # dist_checkpointing synchronizes CUDA even offline
         from .cpu import enable_cpu
         enable_cpu()
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise ConfigError("conversion runs in one process; call it outside a distributed job")
-        return None
-    store = tempfile.mkdtemp(prefix="adacheck-pg-")
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(store, 'rendezvous')}",
-                            rank=0, world_size=1)
-    return store
-
-
-def _done(store):
-    if store is not None:
-        dist.destroy_process_group()
-        shutil.rmtree(store, ignore_errors=True)
-
-
-def _megatron(r: core.CheckpointReader):
-    fw = r.manifest.framework
-    if fw.get("name") != "megatron":
-        raise StateError(f"{r.dir} was saved by {fw.get('name')!r}, not Megatron; torch_dist "
-                         "conversion needs an AdaCheck checkpoint of megatron-core")
-    return fw
+    return one_process_group()
 
 
 def _streaming_strategy(load: Callable[[str], torch.Tensor]):
@@ -143,7 +119,7 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
     (plus Megatron-LM's ``latest_checkpointed_iteration.txt``); returns that directory."""
 
     r = core.CheckpointReader(core.resolve(src, tag), verify=verify, cache_bytes=32 << 20)   # streams
-    _megatron(r)
+    r.framework("megatron", "Megatron", "torch_dist conversion needs an AdaCheck checkpoint of megatron-core")
     objects = Objects.of(r.objects(), f"the objects of {r.dir}")
     iteration = objects.iteration
     final = os.path.join(out_dir, f"iter_{iteration:07d}")
@@ -180,12 +156,12 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
         objs.update(RankObjects.of(r.objects(i), f"rank {i}'s objects of {r.dir}").sharded_objects)
     state["adacheck_objects"] = {uk: dataclasses.replace(ShardedObject.empty_from_unique_key(uk), data=v)
                                  for uk, v in sorted(objs.items())}
-    store = _solo_group()
+    done_with_group = _solo_group()
     try:
         with output_dir(final, os.path.join(out_dir, "latest_checkpointed_iteration.txt"), str(iteration)) as tmp:
             dist_checkpointing.save(state, tmp, sharded_strategy=_streaming_strategy(load))
     finally:
-        _done(store)
+        done_with_group()
     return final
 
 
@@ -201,7 +177,7 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
             src = os.path.join(src, f"iter_{int(f.read().strip()):07d}")
     if not os.path.isfile(os.path.join(src, "metadata.json")):
         raise ConfigError(f"{src} is not a torch_dist checkpoint (no metadata.json)")
-    store = _solo_group()
+    done_with_group = _solo_group()
     try:
         common = dist_checkpointing.load_common_state_dict(src)
         meta = dist_checkpointing.load_tensors_metadata(src)
@@ -270,7 +246,7 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
                                           derive=master, derive_ok=ok))
         total[0] -= sum(sh.derive_ok for sh in shards)   # a weight that is its master cast is not written
     except BaseException:
-        _done(store)
+        done_with_group()
         raise
     rest = {k: v for k, v in common.items() if k not in _TOP_LEVEL}
     if distopt is not None:
@@ -292,4 +268,4 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
                          reference_previous=False)
     finally:
         source.release()
-        _done(store)
+        done_with_group()

@@ -19,13 +19,13 @@ optimizer's ``load_state_dict`` expect.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from adacheck import jsontree
 from adacheck.boxes import flat_pieces
-from adacheck.checkpoint import CheckpointReader, LocalShard
+from adacheck.checkpoint import CheckpointReader, LocalShard, RankObjectLookup
 from adacheck.errors import StateError
 from adacheck.hashing import same_bytes
 from adacheck.types import Box
@@ -139,20 +139,6 @@ def _shape_of(tree):
     return None
 
 
-def _dicts(tree):
-    """Every dict inside ``tree``, ``tree`` included (depth first)."""
-    if isinstance(tree, dict):
-        yield tree
-    if isinstance(tree, (dict, list, tuple)):
-        for v in (tree.values() if isinstance(tree, dict) else tree):
-            yield from _dicts(v)
-
-
-def _find(tree, key):
-    """The first value (not None) stored under ``key`` anywhere in ``tree`` (depth first), else None."""
-    return next((d[key] for d in _dicts(tree) if d.get(key) is not None), None)
-
-
 def reconcile_common(saved: dict, target: dict) -> dict:
     """The common (non-tensor) state to load: the saved one when this job's has the same
     structure; otherwise (the optimizer was split differently, e.g. expert parameters in
@@ -162,9 +148,9 @@ def reconcile_common(saved: dict, target: dict) -> dict:
     if _shape_of(saved.get("optimizer")) == _shape_of(target.get("optimizer")) or "optimizer" not in target:
         return saved
     out = dict(saved, optimizer=target["optimizer"])
-    step = _find(saved.get("optimizer"), "common_step")
-    scaler = _find(saved.get("optimizer"), "grad_scaler")
-    for d in list(_dicts(out["optimizer"])):
+    step = jsontree.find(saved.get("optimizer"), "common_step")
+    scaler = jsontree.find(saved.get("optimizer"), "grad_scaler")
+    for d in list(jsontree.dicts(out["optimizer"])):
         if "param_groups" in d:     # a torch optimizer's state dict
             if step is not None:
                 d.setdefault("state", {})["common_step"] = step
@@ -217,45 +203,11 @@ def _read_padded(reader: CheckpointReader, name: str, meta: ShardedTensor, dtype
     return out
 
 
-class SavedObjects(Mapping):
-    """megatron-core's ShardedObjects of a checkpoint by unique key (each saving rank keeps its
-    main replicas in its objects), read when first asked for: a key is looked for in the objects
-    of the saving ranks ``candidates``, in order (a load in the layout it saved: this rank, whose
-    own main replicas are there, then the ranks that may hold replicas of its state, lowest
-    first, where the main replicas of the others are), and only then in every saving rank's."""
-
-    def __init__(self, reader: CheckpointReader, candidates: Tuple[int, ...] = ()):
-        self.reader, self.found, self.added = reader, {}, set()
-        self.candidates = [r for r in dict.fromkeys(candidates) if 0 <= r < len(reader.manifest.rank_objects)]
-
-    def _add(self, rank: int) -> None:
-        if rank not in self.added:
-            saved = RankObjects.of(self.reader.manifest.rank_objects[rank], f"rank {rank}'s objects of {self.reader.dir}")
-            self.found.update(self.reader.decode(saved.sharded_objects))
-            self.added.add(rank)
-
-    def _look(self, key) -> bool:
-        for rank in [*self.candidates, *range(len(self.reader.manifest.rank_objects))]:
-            if key in self.found:
-                return True
-            self._add(rank)
-        return key in self.found
-
-    def __getitem__(self, key: str):
-        if not self._look(key):
-            raise KeyError(key)
-        return self.found[key]
-
-    def __contains__(self, key) -> bool:
-        return self._look(key)
-
-    def __iter__(self):
-        for rank in range(len(self.reader.manifest.rank_objects)):
-            self._add(rank)
-        return iter(self.found)
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
+def saved_objects(reader: CheckpointReader, candidates: Tuple[int, ...] = ()) -> RankObjectLookup:
+    """megatron-core's ShardedObjects of a checkpoint by unique key, each saving rank's main
+    replicas in its objects, read when first asked for: ``candidates`` first (a load in the layout
+    it saved: this rank, then the ranks that may hold replicas of its state, lowest first)."""
+    return RankObjectLookup(reader, candidates, lambda tree, where: RankObjects.of(tree, where).sharded_objects)
 
 
 def stage_load(sharded_state_dict: dict, reader: CheckpointReader, common: dict,
@@ -558,8 +510,8 @@ def _distopt_commons(subs, saved: list) -> list:
     if len(saved) == len(subs) and all(
             len(a["optimizer"]["param_groups"]) == len(b.optimizer.param_groups) for a, b in zip(saved, subs)):
         return saved
-    step = _find(saved, "step")
-    scaler = _find(saved, "grad_scaler")
+    step = jsontree.find(saved, "step")
+    scaler = jsontree.find(saved, "grad_scaler")
     out = []
     for opt in subs:
         sd = opt.state_dict()

@@ -176,13 +176,13 @@ def _same_torch_dist(a_dir: str, b_dir: str) -> bool:
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
-    from adacheck_megatron.convert import _done, _solo_group
+    from adacheck_megatron.convert import _solo_group
 
     def only(d):
         return os.path.join(d, next(x for x in sorted(os.listdir(d)) if x.startswith("iter_")))
 
     a, b = only(a_dir), only(b_dir)
-    store = _solo_group()
+    done_with_group = _solo_group()
     try:
         ma, mb = dist_checkpointing.load_tensors_metadata(a), dist_checkpointing.load_tensors_metadata(b)
         if sorted(ma) != sorted(mb):
@@ -194,7 +194,7 @@ def _same_torch_dist(a_dir: str, b_dir: str) -> bool:
 
         return all(ma[k].dtype == mb[k].dtype and torch.equal(load(a, k, ma[k]), load(b, k, mb[k])) for k in sorted(ma))
     finally:
-        _done(store)
+        done_with_group()
 
 
 def _same_adacheck(a_dir: str, b_dir: str) -> bool:

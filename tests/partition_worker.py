@@ -118,10 +118,10 @@ def main():
         if how == "partitioned":
             # megatron-core's ShardedObjects as adacheck_megatron's load finds them: this rank's own,
             # then its data-parallel group's (the ranks at its tensor-parallel rank), then everyone's
-            from adacheck_megatron.state import SavedObjects
+            from adacheck_megatron.state import saved_objects
             reader = CheckpointReader(f"{spec['dir']}/{how}/s3", prefer_rank=rank)
             tp, found = rank % TP, {}
-            objs = SavedObjects(reader, (rank, *range(tp, WORLD, TP)))
+            objs = saved_objects(reader, (rank, *range(tp, WORLD, TP)))
             mine = objs[f"obj/tp{tp}"]
             found["mine"] = [mine["tp"], mine["t"].tolist(), len(reader.manifest.ranks.loaded)]
             other = objs[f"obj/tp{1 - tp}"]

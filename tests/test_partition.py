@@ -69,7 +69,7 @@ def test_partitioned_exchange_stores_what_the_ring_stores(tmp_path, copies):
         # partitioned: from the rank's own rank file alone, no part of the tensor table read
         own_file = os.path.getsize(f"{d}/partitioned/s3/manifest-g0-rank-{r:05d}.json")
         assert res[r]["partitioned/own_bytes"] == {"parts": 0, "rank_files": own_file}, res[r]["partitioned/own_bytes"]
-        # ShardedObjects (adacheck_megatron.state.SavedObjects): a rank that saved its own reads one
+        # ShardedObjects (adacheck_megatron.state.saved_objects): a rank that saved its own reads one
         # rank file, another of its data-parallel group two; one elsewhere is found in every rank's
         tp = r % 2
         assert res[r]["sharded_objects"] == {"mine": [tp, [tp, 3], 1 if r < 2 else 2], "other": [1 - tp, [1 - tp, 3]],
