@@ -76,6 +76,12 @@ def flat_pieces(region: Box, start: int, stop: int) -> List[Tuple[Box, slice]]:
     return out
 
 
+def flat_views(region: Box, start: int, flat: torch.Tensor) -> List[Tuple[Box, torch.Tensor]]:
+    """A 1-D run of elements ``[start, start + len(flat))`` of the box ``region`` of a tensor, cut
+    into (its box in the tensor's coordinates, a view of ``flat`` in that box's shape) pieces."""
+    return [(b, flat[run].view(b.lengths)) for b, run in flat_pieces(region, start, start + flat.numel())]
+
+
 def _check_disjoint(name: str, regions: List[Box]) -> None:
     """Raise if two boxes overlap: a sweep along the axis where the boxes' offsets differ most,
     comparing each box only with those still open there (about n log n for the layouts

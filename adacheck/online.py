@@ -85,6 +85,17 @@ class OnlineRecorder:
         if self.log is not None and (self.mine is None or key in self.mine):
             self.log.add(key, grad)
 
+    def note_preclip_of(self, tensor, grad, args) -> None:
+        """:meth:`note_preclip` for a tensor of the tap's (others, and a missing gradient, are not recorded)."""
+        key = self.tap.key_of(tensor)
+        if key is not None and grad is not None:
+            self.note_preclip(key, grad, args)
+
+    def _base(self, step: int) -> None:
+        t0 = time.perf_counter()
+        self.take_base()
+        log.info("AdaCheck online: base checkpoint at step %d in %.2fs", step, time.perf_counter() - t0)
+
     def expect(self, step: int) -> None:
         """The step the next optimizer calls belong to."""
         self._next = step
@@ -100,7 +111,7 @@ class OnlineRecorder:
         if due and not (self.bridge and self.log is not None and self.base_step is not None):
             if self.log is not None:
                 self.log.discard()
-            self.take_base()
+            self._base(step)
             return
         tree = dict(scalars, calls=calls, preclip=pre, param_groups=self.tap.group_state(),
                     rank_state=self.rank_state())
@@ -109,7 +120,7 @@ class OnlineRecorder:
         if self.log is not None:
             self.log.submit(step, enc, dict(tensors), deviation=deviation)
         if due:       # (bridge: recorded above, then the base)
-            self.take_base()
+            self._base(step)
             return
         if self.interval is None and step == self.base_step + 2:
             self._decide_interval()

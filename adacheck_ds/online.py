@@ -23,7 +23,6 @@ layout (tensor parallelism, stage, optimizer) restores the base and says so.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from typing import Optional
 
@@ -71,17 +70,12 @@ class OnlineDS:
                                               preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not
-        self._unrecord = self.lay.wrapper.record_clipping(self._note)
+        self._unrecord = self.lay.wrapper.record_clipping(self.recorder.note_preclip_of)
         self._orig_step = e.step
         e.step = self._engine_step
         self._orig_destroy = getattr(e, "destroy", None)
         if self._orig_destroy is not None:
             e.destroy = self._destroy
-
-    def _note(self, tensor: torch.Tensor, grad: torch.Tensor, args: dict) -> None:
-        key = self.tap.key_of(tensor)
-        if key is not None and grad is not None:
-            self.recorder.note_preclip(key, grad, args)
 
     def _engine_step(self, *args, **kwargs):
         e = self.engine
@@ -94,10 +88,7 @@ class OnlineDS:
         return out
 
     def _take_base(self) -> None:
-        t0 = time.perf_counter()
         self.ac.save_checkpoint(self.save_dir)   # starts the new chain (see AdaCheckDeepSpeed)
-        log.info("AdaCheck online: base checkpoint at step %d in %.2fs", self.engine.global_steps,
-                 time.perf_counter() - t0)
 
     def _destroy(self, *args, **kwargs):
         self.close()

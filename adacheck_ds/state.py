@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from adacheck.boxes import flat_pieces
+from adacheck.boxes import flat_views
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import StateError
 from adacheck.hashing import same_bytes
@@ -106,12 +106,6 @@ def describe(engine) -> Layout:
     return lay
 
 
-def _boxes_of(origin: Box, start: int, flat: torch.Tensor):
-    """Cut a 1-D run [start, start+len) of this rank's parameter (the ``origin`` box of the
-    logical tensor) into (logical box, tensor) pieces."""
-    return [(b, flat[run].view(b.lengths)) for b, run in flat_pieces(origin, start, start + flat.numel())]
-
-
 def _state_tensor(v) -> Optional[torch.Tensor]:
     if isinstance(v, torch.Tensor):
         return v.detach()
@@ -134,7 +128,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
     for f in lay.frags:
         shape, origin = lay.origin[f.name]
         if has_master:
-            for b, t in _boxes_of(origin, f.start, f.master):
+            for b, t in flat_views(origin, f.start, f.master):
                 shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t,
                                          replicated=f.name in tp_copy))
             lstart, lview = lay.lp_views[f.name]
@@ -145,7 +139,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel() == f.base_param.numel() and v.dim() >= 1:
                 view = v.detach().view(-1).narrow(0, f.offset, f.numel)
-                for b, t in _boxes_of(origin, f.start, view):
+                for b, t in flat_views(origin, f.start, view):
                     shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", shape, b, t,
                                              replicated=lay.wrapper.optim_replicated(f.name, tp_copy)))
             else:
@@ -161,7 +155,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
         ok = proven[n] if derive else False
         if not has_master and n in lay.trained and view.dtype != torch.float32:
             raise StateError(f"{n} is {view.dtype} without fp32 master weights; unsupported layout")
-        for b, t in _boxes_of(origin, start, view):
+        for b, t in flat_views(origin, start, view):
             shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
                                      replicated=lay.wrapper.model_replicated(n, tp_copy)))
     for n, buf in engine.module.named_buffers():

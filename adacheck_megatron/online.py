@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import math
-import time
 import weakref
 from collections import defaultdict
 from typing import Optional
@@ -148,9 +147,7 @@ class OnlineMegatron:
             return      # (a norm JSON cannot hold: the clipped gradients are recorded instead)
         args = {"norm": norm, "clip": float(max_norm)}
         for p in params:
-            key = self.tap.key_of(p)
-            if key is not None and p.grad is not None:
-                self.recorder.note_preclip(key, p.grad, args)
+            self.recorder.note_preclip_of(p, p.grad, args)
 
     def _take_base(self) -> None:
         """A base at this iteration, as the loop will be once it has stepped the scheduler."""
@@ -158,15 +155,12 @@ class OnlineMegatron:
         before = sched.state_dict() if sched is not None else None
         if sched is not None and self._ok:
             sched.step(increment=self.increment)
-        t0 = time.perf_counter()
         try:
             save_checkpoint(self.iteration, self.model, self.optimizer, sched, args=self.args, config=self.config,
                             extra_state=self.extra_state() if self.extra_state is not None else None)
         finally:
             if sched is not None:
                 load_scheduler(sched, before)
-        log.info("AdaCheck online: base checkpoint at iteration %d in %.2fs", self.iteration,
-                 time.perf_counter() - t0)
 
 
 def attach(model, optimizer, opt_param_scheduler, args, config) -> OnlineMegatron:
