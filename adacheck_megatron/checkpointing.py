@@ -243,6 +243,99 @@ class Staged:
     mains: Optional[list]              # the main-weight shards alone (a load of the weights only)
 
 
+class _Load:
+    """One load into this job's model, optimizer and scheduler: what each rank reads before anything
+    is applied (``read``), applies (``apply``), and takes back when any rank failed (``undo``).
+    Honours ``--no-load-optim``, ``--no-load-rng`` and ``--finetune`` (weights only)."""
+
+    def __init__(self, model, optimizer, opt_param_scheduler, args, strict: bool, comm):
+        self.model, self.optimizer, self.scheduler, self.args, self.strict, self.comm = (
+            model, optimizer, opt_param_scheduler, args, strict, comm)
+        finetune = bool(getattr(args, "finetune", False))
+        self.load_optim = not finetune and not getattr(args, "no_load_optim", False)
+        self.load_rng = not finetune and not getattr(args, "no_load_rng", False)
+        # building the state dict to load into creates a never-stepped optimizer's state (as Megatron
+        # does); if the load fails on any rank, every rank removes that state again (undo), so training
+        # goes on exactly as before the failed load
+        self.inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                      if getattr(o, "optimizer", None) is not None] if optimizer is not None else []
+        self.empty = [[p for p, st in o.state.items() if not st] + [p for g in o.param_groups for p in g["params"]
+                                                                    if p not in o.state] for o in self.inner]
+
+    def undo(self) -> None:
+        for o, params in zip(self.inner, self.empty):
+            for p in params:
+                o.state.pop(p, None)
+
+    def read(self, r: core.CheckpointReader) -> Staged:
+        model, optimizer, comm, load_optim = self.model, self.optimizer, self.comm, self.load_optim
+        objects = Objects.of(r.objects(), f"the objects of {r.dir}")
+        saved_layout = r.manifest.layout.get("ranks", [])
+        same = is_same_layout(saved_layout, topology(), comm.world_size, comm.rank)
+        sharded_objects = saved_objects(r, (comm.rank, *replica_ranks()) if same else ())
+        sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
+        with_distopt = optimizer is not None and bool(distributed_optimizers(optimizer))
+        dist = load_optim and with_distopt
+        saved_dist = objects.distributed_optimizer is not None
+        if load_optim and optimizer is not None and dist != saved_dist:
+            raise ConfigError(
+                f"{r.dir} was saved {'with' if saved_dist else 'without'} the distributed optimizer "
+                f"and this job runs {'with' if dist else 'without'} it; their optimizer states are "
+                "laid out differently (not supported yet): match --use-distributed-optimizer, or "
+                "load the weights only with --no-load-optim")
+        dstaged = distopt_stage_load(optimizer, sd, r, objects.distributed_optimizer) if dist else None
+        # module weights saved as their main weights' casts: megatron-core makes them in apply() from
+        # the main weights this rank loads (with the optimizer state, or alone: its own shard, not
+        # the whole model's main weights that rebuilding the module weights would read)
+        unread = distopt_refreshed(optimizer, model, sd, r) if with_distopt else set()
+        mains = distopt_stage_main(optimizer, sd, r) if unread and not load_optim else None
+        # an optimizer that had applied no update when saved has no moments in the checkpoint;
+        # the state Megatron creates for loading is dropped again in apply()
+        fresh = load_optim and not dist and any(objects.optimizer_never_stepped)
+        state, missing = stage_load(sd, r, objects.common, sharded_objects, strict=self.strict,
+                                    absent=("optimizer.state.",) if fresh else (), unread=unread)
+        rng = None
+        if self.load_rng:
+            if same:
+                rng = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}").rng
+            elif comm.rank == 0:
+                saved = layout_name(saved_layout[0]) if saved_layout else "?"
+                warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
+                              f"{saved} on {len(saved_layout)} ranks, this job runs "
+                              f"{layout_name(topology())} on {comm.world_size}")
+        return Staged(objects, state, rng, missing, dstaged, unread, mains)
+
+    def apply(self, staged: Staged) -> Objects:
+        optimizer, args, objects = self.optimizer, self.args, staged.objects
+        chunks = list(self.model)
+        for i, chunk in enumerate(chunks):
+            unwrap(chunk).load_state_dict(staged.state[chunk_key(i, len(chunks))], strict=self.strict)
+        if staged.mains is not None:       # (collective, as below)
+            distopt_set_main(optimizer, staged.mains)
+            distopt_refresh(optimizer, chunks)
+        if not self.load_optim and optimizer is not None and hasattr(optimizer, "reload_model_params") and (
+                getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+            optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM
+        if self.load_optim and optimizer is not None:
+            if staged.distopt is not None:
+                distopt_apply(optimizer, staged.distopt, objects.distributed_optimizer,
+                              objects.optimizer_never_stepped)
+                if staged.refreshed:      # (collective: every rank decided the same from the manifest)
+                    distopt_refresh(optimizer, chunks)
+            else:
+                if any(objects.optimizer_never_stepped):     # exactly as saved: the first update creates the state
+                    drop_fresh_state(staged.state["optimizer"], objects.optimizer_never_stepped)
+                optimizer.load_state_dict(staged.state["optimizer"])
+            if self.scheduler is not None and objects.opt_param_scheduler is not None:
+                load_scheduler(self.scheduler, objects.opt_param_scheduler)
+        if staged.rng is not None:
+            set_rank_state(staged.rng)
+        if staged.missing and self.comm.rank == 0:
+            warnings.warn(f"AdaCheck: {len(staged.missing)} tensors not in the checkpoint kept their "
+                          f"current values: {staged.missing[:8]}")
+        return objects
+
+
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True,
                     checkpointing_context=None, *, args: Optional[argparse.Namespace] = None,
                     config: Optional[AdaCheckConfig] = None, tag: Optional[str] = None,
@@ -274,97 +367,15 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
         return (0, 0, {}) if return_extra_state else (0, 0)
     finetune = bool(getattr(args, "finetune", False))
-    load_optim = not finetune and not getattr(args, "no_load_optim", False)
-    load_rng = not finetune and not getattr(args, "no_load_rng", False)
     comm = parallel.comm()
     t0 = time.perf_counter()
-
-    # building the state dict to load into creates a never-stepped optimizer's state (as Megatron
-    # does); if the load fails on any rank, every rank removes that state again (undo), so training
-    # goes on exactly as before the failed load
-    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
-             if getattr(o, "optimizer", None) is not None] if optimizer is not None else []
-    empty = [[p for p, st in o.state.items() if not st] + [p for g in o.param_groups for p in g["params"]
-                                                           if p not in o.state] for o in inner]
-
-    def undo():
-        for o, params in zip(inner, empty):
-            for p in params:
-                o.state.pop(p, None)
-
-    def read(r: core.CheckpointReader):
-        objects = Objects.of(r.objects(), f"the objects of {r.dir}")
-        saved_layout = r.manifest.layout.get("ranks", [])
-        same = is_same_layout(saved_layout, topology(), comm.world_size, comm.rank)
-        sharded_objects = saved_objects(r, (comm.rank, *replica_ranks()) if same else ())
-        sd = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optim)
-        with_distopt = optimizer is not None and bool(distributed_optimizers(optimizer))
-        dist = load_optim and with_distopt
-        saved_dist = objects.distributed_optimizer is not None
-        if load_optim and optimizer is not None and dist != saved_dist:
-            raise ConfigError(
-                f"{r.dir} was saved {'with' if saved_dist else 'without'} the distributed optimizer "
-                f"and this job runs {'with' if dist else 'without'} it; their optimizer states are "
-                "laid out differently (not supported yet): match --use-distributed-optimizer, or "
-                "load the weights only with --no-load-optim")
-        dstaged = distopt_stage_load(optimizer, sd, r, objects.distributed_optimizer) if dist else None
-        # module weights saved as their main weights' casts: megatron-core makes them in apply() from
-        # the main weights this rank loads (with the optimizer state, or alone: its own shard, not
-        # the whole model's main weights that rebuilding the module weights would read)
-        unread = distopt_refreshed(optimizer, model, sd, r) if with_distopt else set()
-        mains = distopt_stage_main(optimizer, sd, r) if unread and not load_optim else None
-        # an optimizer that had applied no update when saved has no moments in the checkpoint;
-        # the state Megatron creates for loading is dropped again in apply()
-        fresh = load_optim and not dist and any(objects.optimizer_never_stepped)
-        state, missing = stage_load(sd, r, objects.common, sharded_objects, strict=strict,
-                                      absent=("optimizer.state.",) if fresh else (), unread=unread)
-        rng = None
-        if load_rng:
-            if same:
-                rng = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}").rng
-            elif comm.rank == 0:
-                saved = layout_name(saved_layout[0]) if saved_layout else "?"
-                warnings.warn(f"AdaCheck: RNG states not restored: the checkpoint was saved with "
-                              f"{saved} on {len(saved_layout)} ranks, this job runs "
-                              f"{layout_name(topology())} on {comm.world_size}")
-        return Staged(objects, state, rng, missing, dstaged, unread, mains)
-
-    def apply(staged: Staged):
-        objects, state, rng, missing = staged.objects, staged.state, staged.rng, staged.missing
-        dstaged, unread, mains = staged.distopt, staged.refreshed, staged.mains
-        chunks = list(model)
-        for i, chunk in enumerate(chunks):
-            unwrap(chunk).load_state_dict(state[chunk_key(i, len(chunks))], strict=strict)
-        if mains is not None:       # (collective, as below)
-            distopt_set_main(optimizer, mains)
-            distopt_refresh(optimizer, chunks)
-        if not load_optim and optimizer is not None and hasattr(optimizer, "reload_model_params") and (
-                getattr(args, "fp16", False) or getattr(args, "bf16", False)):
-            optimizer.reload_model_params()   # fp32 masters from the loaded weights, as Megatron-LM
-        if load_optim and optimizer is not None:
-            if dstaged is not None:
-                distopt_apply(optimizer, dstaged, objects.distributed_optimizer, objects.optimizer_never_stepped)
-                if unread:      # (collective: every rank decided the same from the manifest)
-                    distopt_refresh(optimizer, chunks)
-            else:
-                if any(objects.optimizer_never_stepped):     # exactly as saved: the first update creates the state
-                    drop_fresh_state(state["optimizer"], objects.optimizer_never_stepped)
-                optimizer.load_state_dict(state["optimizer"])
-            if opt_param_scheduler is not None and objects.opt_param_scheduler is not None:
-                load_scheduler(opt_param_scheduler, objects.opt_param_scheduler)
-        if rng is not None:
-            set_rank_state(rng)
-        if missing and comm.rank == 0:
-            warnings.warn(f"AdaCheck: {len(missing)} tensors not in the checkpoint kept their "
-                          f"current values: {missing[:8]}")
-        return objects
-
-    ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, read, apply, how_to_load=_how_to_load, undo=undo,
-                                           reads_objects_of=main_replica_ranks())
+    loading = _Load(model, optimizer, opt_param_scheduler, args, strict, comm)
+    ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, loading.read, loading.apply, how_to_load=_how_to_load,
+                                           undo=loading.undo, reads_objects_of=main_replica_ranks())
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
     replay = (Replay(comm, model, optimizer, opt_param_scheduler, objects)
-              if load_optim and opt_param_scheduler is not None else None)
+              if loading.load_optim and opt_param_scheduler is not None else None)
     done = recovery.after_load(comm, job, ckpt_dir, manifest, replay, until=until,
                                without="the optimizer state (not with --no-load-optim / --finetune)",
                                recorder=on.recorder if on is not None else None)
