@@ -705,6 +705,21 @@ class Checkpointer:
         warnings.warn(said + " (on_error: warn; training goes on)", SaveWarning, stacklevel=4)
         return None
 
+    KEPT = "adacheck_checkpointer"      # the attribute of the object a job's Checkpointer is kept on
+
+    @classmethod
+    def kept_on(cls, owner, options: Options) -> "Checkpointer":
+        """The Checkpointer kept on ``owner`` (an object that lives as long as the job), made the first
+        time and given ``options`` after; without an owner, a new one sharing the process's caches."""
+        if owner is None:
+            return cls(options=options, caches=DEFAULT_CACHES)
+        job = getattr(owner, cls.KEPT, None)
+        if job is None:
+            job = cls(options=options)
+            setattr(owner, cls.KEPT, job)
+        job.configure(options)
+        return job
+
     def configure(self, options: Options) -> None:
         """Other options from the next save or load on (the one in flight finishes first)."""
         if options != self.options:

@@ -288,6 +288,14 @@ class AdaCheckConfig:
         known = _known({_ALIASES.get(k, k): v for k, v in block.items()}, cls, where)
         return cls(**known)
 
+    def directory(self, given, what: str, hint: str) -> str:
+        """The directory ``what`` (a save, a load) uses: ``save_dir``, else ``given``, else a
+        ConfigError saying where to name one (``hint``)."""
+        chosen = self.save_dir or given
+        if not chosen:
+            raise ConfigError(f"AdaCheck {what} needs a directory: {hint}")
+        return chosen
+
     @classmethod
     def in_config(cls, raw, framework: str) -> "AdaCheckConfig | None":
         """The validated ``"adacheck"`` block of ``framework``'s JSON config dict ``raw`` (None without

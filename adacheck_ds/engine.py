@@ -129,9 +129,8 @@ class AdaCheckDeepSpeed:
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
         e = self.engine
-        given, save_dir = save_dir, self.config.save_dir or save_dir
-        if not save_dir:
-            raise adacheck.ConfigError("save_checkpoint needs a directory (argument or adacheck.save_dir)")
+        given, save_dir = save_dir, self.config.directory(save_dir, "save_checkpoint",
+                                                          "pass one or set adacheck.save_dir")
         tag = str(tag) if tag is not None else f"global_step{e.global_steps}"
         if given and default_comm().rank == 0:
             # (a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer)

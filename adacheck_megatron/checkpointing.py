@@ -40,7 +40,7 @@ from adacheck.deltas import base_for_step
 from adacheck.errors import ConfigError
 
 from . import parallel
-from .saved import Objects, RankObjects
+from .saved import Objects, RankObjects, tracked_checkpoint
 from .state import (MASTER_PREFIX, describe, distopt_apply, distopt_describe, distopt_partition_map, distopt_refresh,
                     distopt_refreshed, distopt_set_main, distopt_stage_load, distopt_stage_main, distributed_optimizers,
                     drop_fresh_state, never_stepped, stage_load, saved_objects)
@@ -60,30 +60,18 @@ def online_of(optimizer):
     return getattr(optimizer, ONLINE, None) if optimizer is not None else None
 
 
-# A job's Checkpointer (its caches: references, exchange, plan; its asynchronous save in flight)
-# sits on its optimizer (not on args, which Megatron-LM pickles into its own checkpoints); a job
-# without one gets a new one each time, sharing the process's caches.
-CHECKPOINTER = "adacheck_checkpointer"
-
-
 def checkpointer(optimizer, config: AdaCheckConfig) -> core.Checkpointer:
-    """This job's Checkpointer with the options of ``config``."""
-    options = core.Options.from_config(config)
-    if optimizer is None:
-        return core.Checkpointer(options=options, caches=core.DEFAULT_CACHES)
-    job = getattr(optimizer, CHECKPOINTER, None)
-    if job is None:
-        job = core.Checkpointer(options=options)
-        setattr(optimizer, CHECKPOINTER, job)
-    job.configure(options)
-    return job
+    """This job's Checkpointer (its caches, its asynchronous save in flight) with the options of
+    ``config``: kept on its optimizer, not on args, which Megatron-LM pickles into its checkpoints."""
+    return core.Checkpointer.kept_on(optimizer, core.Options.from_config(config))
 
 
 def poll_async_save(optimizer, update_successful: bool = True) -> None:
     """Post-step hook: report this job's asynchronous save once it has committed (cheap)."""
-    job = getattr(optimizer, CHECKPOINTER, None)
+    job = getattr(optimizer, core.Checkpointer.KEPT, None)
     if job is not None:
         job.poll()
+
 
 log = logging.getLogger("adacheck")
 
@@ -122,9 +110,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     """
     args = _args(args)
     cfg = _config(args, config)
-    save_dir = cfg.save_dir or getattr(args, "save", None)
-    if not save_dir:
-        raise ConfigError("AdaCheck save needs a directory: --adacheck-dir or --save")
+    save_dir = cfg.directory(getattr(args, "save", None), "save", "--adacheck-dir or --save")
     t0 = time.perf_counter()
     comm = parallel.comm()
     on = online_of(optimizer)
@@ -217,12 +203,7 @@ def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
     native checkpoint with Megatron's own loader; the next save is AdaCheck's."""
     if not load_dir or is_url(load_dir) or os.path.exists(os.path.join(load_dir, "latest")):
         return None
-    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        it = f.read().strip()
-    return os.path.join(load_dir, "release" if it == "release" else f"iter_{int(it):07d}")
+    return tracked_checkpoint(load_dir)
 
 
 def _how_to_load(tag: str, manifest) -> str:
@@ -352,9 +333,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     """
     args = _args(args)
     cfg = _config(args, config)
-    load_dir = cfg.save_dir or getattr(args, load_arg, None)
-    if not load_dir:
-        raise ConfigError(f"AdaCheck load needs a directory: --adacheck-dir or --{load_arg}")
+    load_dir = cfg.directory(getattr(args, load_arg, None), "load", f"--adacheck-dir or --{load_arg}")
     job = checkpointer(optimizer, cfg)
     store, where = job.locate(load_dir)
     until = None

@@ -54,7 +54,7 @@ from adacheck.exchange import SoloComm, one_process_group
 
 from adacheck.types import Box, torch_dtype
 
-from .saved import Objects, RankObjects
+from .saved import Objects, RankObjects, tracked_checkpoint
 from .parallel import json_args
 from .state import MASTER_PREFIX, kind_of
 
@@ -165,86 +165,103 @@ def to_torch_dist(src: str, out_dir: str, tag: Optional[str] = None, verify: boo
     return final
 
 
+def _fully_reshardable(src: str, opt) -> Optional[list]:
+    """The DistributedOptimizers' common state in a torch_dist checkpoint's optimizer entry ``opt``,
+    saved ``fully_reshardable`` (None: a plain optimizer); the other layouts are refused."""
+    def distopt(d) -> bool:
+        return isinstance(d, dict) and "param_state_sharding_type" in d
+
+    if distopt(opt):
+        subs = [opt]
+    elif isinstance(opt, dict) and any(distopt(d) for d in opt.values()):    # (a ChainedOptimizer's)
+        subs = [opt[k] for k in sorted(opt)]
+    else:
+        return None
+    kinds = {d["param_state_sharding_type"] for d in subs if distopt(d)}
+    if kinds - {"fully_reshardable"}:
+        raise StateError(f"{src}: DistributedOptimizer state saved as {sorted(kinds)} describes "
+                         "internal buffers, not parameters; re-save it with the 'fully_reshardable' "
+                         "layout (Megatron-LM: --dist-ckpt-optim-fully-reshardable)")
+    return [{k: v for k, v in d.items() if k not in ("param_state_sharding_type", "param_state")} for d in subs]
+
+
+def _plain_sharded_objects(src: str) -> dict:
+    """A torch_dist checkpoint's ShardedObjects that are plain values, by unique key (RNG states are
+    per rank and layout: not converted; any other is left out with a warning)."""
+    sharded_objects, skipped = {}, []
+    want = {v.unique_key: ShardedObject.empty_from_unique_key(v.unique_key)
+            for v in load_sharded_metadata(src).values()
+            if isinstance(v, ShardedObject) and v.key != "rng_state"}
+    for uk, got in sorted((dist_checkpointing.load(want, src) if want else {}).items()):
+        try:
+            jsontree.encode(got, uk)
+        except StateError:
+            skipped.append(uk)
+            continue
+        sharded_objects[uk] = got
+    if skipped:
+        warnings.warn(f"AdaCheck: {len(skipped)} sharded objects are not plain values and were not "
+                      f"converted: {skipped[:8]}")
+    return sharded_objects
+
+
+def _deferred_shards(src: str, meta: dict, progress: Optional[Callable[[int, int], None]]):
+    """(the shards of every tensor of a torch_dist checkpoint, each read with megatron-core's loader
+    only when the save hashes or writes it; their source, to release). A weight that is its master
+    cast down is saved as that derivation."""
+    reads, total = [0], [0]
+
+    def read(key: str) -> torch.Tensor:   # one tensor, with megatron-core's loader
+        m = meta[key]
+        want = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(m.global_shape), dtype=m.dtype),
+                                               replica_id=0)
+        t = dist_checkpointing.load({"t": want}, src)["t"]
+        reads[0] += 1
+        if progress:
+            progress(min(reads[0], total[0]), total[0])
+        return t
+
+    source = core.DeferredSource(read)
+    key_of = {MASTER_PREFIX + k[len(_DISTOPT_PARAM):] if k.startswith(_DISTOPT_PARAM) else k: k
+              for k in sorted(meta)}
+    plan = []   # (name, shape, kind, its master, compare them?)
+    for name in sorted(key_of):
+        shape = tuple(meta[key_of[name]].global_shape)
+        kind = kind_of(name)
+        master = MASTER_PREFIX + name if kind == "model" and MASTER_PREFIX + name in key_of else None
+        plan.append((name, shape, kind, master,
+                     master is not None and tuple(meta[key_of[master]].global_shape) == shape))
+    # reads: each tensor to hash it and again to write it, and each compared pair once
+    total[0] = 2 * len(plan) + 2 * sum(compare for *_, compare in plan)
+    shards = []
+    for name, shape, kind, master, compare in plan:
+        ok = False
+        if compare:   # is the weight its master cast down? (then only the master is stored)
+            t = source.get(key_of[name])
+            ok = bool(torch.equal(read(key_of[master]).to(t.dtype), t))
+        shards.append(core.LocalShard(name, kind, shape, Box.full(shape),
+                                      source.tensor(key_of[name], shape, meta[key_of[name]].dtype),
+                                      derive=master, derive_ok=ok))
+    total[0] -= sum(sh.derive_ok for sh in shards)   # a weight that is its master cast is not written
+    return shards, source
+
+
 def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, int], None]] = None,
                     fsync: bool = True) -> core.Manifest:
     """Convert the torch_dist checkpoint directory ``src`` (``iter_NNNNNNN``, or a save dir
     with Megatron-LM's latest_checkpointed_iteration.txt) into an AdaCheck checkpoint under
     ``save_dir``; returns its manifest."""
 
-    tracker = os.path.join(src, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            src = os.path.join(src, f"iter_{int(f.read().strip()):07d}")
+    src = tracked_checkpoint(src) or src
     if not os.path.isfile(os.path.join(src, "metadata.json")):
         raise ConfigError(f"{src} is not a torch_dist checkpoint (no metadata.json)")
     done_with_group = _solo_group()
     try:
         common = dist_checkpointing.load_common_state_dict(src)
         meta = dist_checkpointing.load_tensors_metadata(src)
-        opt = common.get("optimizer")
-        kinds = set()
-        for d in ([opt] if isinstance(opt, dict) and "param_state_sharding_type" in opt
-                  else list(opt.values()) if isinstance(opt, dict) else []):
-            if isinstance(d, dict) and "param_state_sharding_type" in d:
-                kinds.add(d["param_state_sharding_type"])
-        if kinds - {"fully_reshardable"}:
-            raise StateError(f"{src}: DistributedOptimizer state saved as {sorted(kinds)} describes "
-                             "internal buffers, not parameters; re-save it with the 'fully_reshardable' "
-                             "layout (Megatron-LM: --dist-ckpt-optim-fully-reshardable)")
-        distopt = None
-        if kinds:
-            subs = [opt] if "param_state_sharding_type" in opt else [opt[k] for k in sorted(opt)]
-            distopt = [{k: v for k, v in d.items() if k not in ("param_state_sharding_type", "param_state")}
-                       for d in subs]
-        sharded_objects, skipped = {}, []
-        want = {v.unique_key: ShardedObject.empty_from_unique_key(v.unique_key)
-                for v in load_sharded_metadata(src).values()
-                # (RNG states are per rank and layout: not converted)
-                if isinstance(v, ShardedObject) and v.key != "rng_state"}
-        for uk, got in sorted((dist_checkpointing.load(want, src) if want else {}).items()):
-            try:
-                jsontree.encode(got, uk)
-            except StateError:
-                skipped.append(uk)
-                continue
-            sharded_objects[uk] = got
-        if skipped:
-            warnings.warn(f"AdaCheck: {len(skipped)} sharded objects are not plain values and were not "
-                          f"converted: {skipped[:8]}")
-        reads = [0]
-
-        def read(key: str) -> torch.Tensor:   # one tensor, with megatron-core's loader
-            m = meta[key]
-            want = ShardedTensor.from_rank_offsets(key, torch.empty(tuple(m.global_shape), dtype=m.dtype),
-                                                   replica_id=0)
-            t = dist_checkpointing.load({"t": want}, src)["t"]
-            reads[0] += 1
-            if progress:
-                progress(min(reads[0], total[0]), total[0])
-            return t
-
-        source = core.DeferredSource(read)
-        key_of = {MASTER_PREFIX + k[len(_DISTOPT_PARAM):] if k.startswith(_DISTOPT_PARAM) else k: k
-                  for k in sorted(meta)}
-        plan = []   # (name, shape, kind, its master, compare them?)
-        for name in sorted(key_of):
-            shape = tuple(meta[key_of[name]].global_shape)
-            kind = kind_of(name)
-            master = MASTER_PREFIX + name if kind == "model" and MASTER_PREFIX + name in key_of else None
-            plan.append((name, shape, kind, master,
-                         master is not None and tuple(meta[key_of[master]].global_shape) == shape))
-        # reads: each tensor to hash it and again to write it, and each compared pair once
-        total = [2 * len(plan) + 2 * sum(compare for *_, compare in plan)]
-        shards = []
-        for name, shape, kind, master, compare in plan:
-            ok = False
-            if compare:   # is the weight its master cast down? (then only the master is stored)
-                t = source.get(key_of[name])
-                ok = bool(torch.equal(read(key_of[master]).to(t.dtype), t))
-            shards.append(core.LocalShard(name, kind, shape, Box.full(shape),
-                                          source.tensor(key_of[name], shape, meta[key_of[name]].dtype),
-                                          derive=master, derive_ok=ok))
-        total[0] -= sum(sh.derive_ok for sh in shards)   # a weight that is its master cast is not written
+        distopt = _fully_reshardable(src, common.get("optimizer"))
+        sharded_objects = _plain_sharded_objects(src)
+        shards, source = _deferred_shards(src, meta, progress)
     except BaseException:
         done_with_group()
         raise

@@ -4,6 +4,7 @@ one online step.  checkpointing.py, online.py and convert.py write them; checkpo
 replay.py and convert.py read them, all through these classes."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -46,3 +47,14 @@ class StepScalars(Record):
     update_successful: bool = entry(of_kind(bool), "true or false", default=True)
     scheduler: Optional[dict] = entry(optional(dict), "the scheduler's state (an object) or null", default=None)
     grad_scalers: Optional[list] = entry(optional(list), "a list of loss-scaler states or null", default=None)
+
+
+def tracked_checkpoint(save_dir: str) -> Optional[str]:
+    """The checkpoint directory Megatron-LM's ``latest_checkpointed_iteration.txt`` in ``save_dir``
+    names (``iter_NNNNNNN`` or ``release``), None without one."""
+    tracker = os.path.join(save_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        it = f.read().strip()
+    return os.path.join(save_dir, "release" if it == "release" else f"iter_{int(it):07d}")
