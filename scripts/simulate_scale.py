@@ -32,7 +32,11 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
                             --no-load-optim into a job without the distributed optimizer: a
                             load of the main weights, or of the weights only into the
                             distributed optimizer, leaves that to the framework), which reads
-                            their parts too; ``rank0_gather_bytes``: what rank 0 receives
+                            their parts too; ``..._other_layout``: a load in another layout
+                            (half the data-parallel size), which reads the parts of every
+                            tensor it holds, against ``manifest_bytes_needed_per_rank_other_layout``,
+                            the entries of the boxes it needs (two saving ranks' rank files);
+                            ``rank0_gather_bytes``: what rank 0 receives
                             once per save for the manifest (``partition.gather``: each owner's
                             counts, warnings and meta entries, as long as they are), against
                             ``rank0_gather_bytes_padded``, a gather of objects that pads each to
@@ -342,7 +346,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     root5_bytes = len(mf.dumps(root5).encode("utf-8"))
     # (the meta file: read by a load that asks of a tensor it did not hold, as DeepSpeed's name checks do)
     meta_file_bytes = round(len(mf.meta_bytes(man.tag, 0, mf.tensor_meta(plan.tensors))) * scale)
-    rank_reads, derived_reads = [], []
+    rank_reads, derived_reads, other_reads, other_needed = [], [], [], []
     for i in probe:
         boxes = {}
         for x in sampled[i]:
@@ -355,6 +359,11 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         # where it holds): the parts that list their sources too (every data-parallel rank's box)
         sources = {hash_owner("master/param." + n[len("model/"):], ranks) for n in boxes if n.startswith("model/")}
         derived_reads.append(rank_reads[-1] + sum(part_size.get(p, 0) for p in sources))
+        # a load in another layout (e.g. half the data-parallel size) reads the parts of every tensor
+        # it holds, each tensor's entry whole (every box of it in the job); against the entries of
+        # the boxes such a rank needs: about two saving ranks' rank files' worth
+        other_reads.append(root5_bytes + sum(part_size.get(p, 0) for p in {hash_owner(n, ranks) for n in boxes}))
+        other_needed.append(root5_bytes + 2 * (rank_reads[-1] - root5_bytes))
     written = [0] * len(sampled)
     for f, info in plan.files.items():
         written[info["writer"]] += info["nbytes"]
@@ -404,6 +413,8 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "manifest_root_bytes": root5_bytes,
             "manifest_meta_file_bytes": meta_file_bytes,
             "manifest_bytes_read_per_rank_derived_weights": round(sum(derived_reads) / len(derived_reads)),
+            "manifest_bytes_read_per_rank_other_layout": round(sum(other_reads) / len(other_reads)),
+            "manifest_bytes_needed_per_rank_other_layout": round(sum(other_needed) / len(other_needed)),
             "format4": {"manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
                         "manifest_bytes_read_busiest_rank": round(max(part_reads)),
                         "manifest_root_bytes": round(root_bytes)}},
