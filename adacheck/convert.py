@@ -123,10 +123,17 @@ def output_dir(final: str, tracker: Optional[str] = None, tag: str = ""):
     os.makedirs(tmp)
     try:
         yield tmp
-        os.replace(tmp, final)
+        publish(tmp, final, tracker, tag)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish(built: str, final: str, tracker: Optional[str] = None, tag: str = "") -> None:
+    """Move the finished checkpoint directory ``built`` to ``final`` (never over an existing one),
+    then have the format's ``tracker`` file (its 'latest', if any) name ``tag``."""
+    refuse_existing(final)
+    os.replace(built, final)
     if tracker is not None:
         commit.atomic_write_text(tracker, tag)
 

@@ -10,6 +10,9 @@ that fails therefore never leaves the others waiting in a later collective.
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -303,9 +306,6 @@ def one_process_group() -> Callable[[], None]:
     """A process group for offline code that needs one (a conversion in one process): a gloo group
     of this process alone, or the one it is in, when that has one rank (ConfigError in a larger
     one).  Returns what tears down the group it made (nothing for one it found)."""
-    import os
-    import shutil
-    import tempfile
     import torch.distributed as dist
     if dist.is_initialized():
         if dist.get_world_size() != 1:

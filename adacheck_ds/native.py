@@ -53,7 +53,7 @@ from typing import Dict, List, Optional
 
 from adacheck import commit, deltas, local_ranks
 from adacheck.checkpoint import CheckpointReader, resolve
-from adacheck.convert import refuse_existing
+from adacheck.convert import publish, refuse_existing
 from adacheck.errors import ConfigError, StateError
 from adacheck.types import torch_dtype
 from .saved import Objects
@@ -417,20 +417,13 @@ def run_rank(a) -> None:
         done(3, "native checkpoint written")
         torch.distributed.barrier()
         if rank == 0:
-            _publish_native(tmp, a.out, out_tag)
+            publish(os.path.join(tmp, out_tag), os.path.join(a.out, out_tag), os.path.join(a.out, "latest"), out_tag)
+            shutil.rmtree(tmp, ignore_errors=True)
             done(4, "published")
     except BaseException:
         if rank == 0 and tmp and a.direction == "to-native":
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _publish_native(tmp: str, out: str, tag: str) -> None:
-    final = os.path.join(out, tag)
-    refuse_existing(final)
-    os.replace(os.path.join(tmp, tag), final)
-    commit.atomic_write_text(os.path.join(out, "latest"), tag)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _read_json(path: str) -> dict:
