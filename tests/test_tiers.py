@@ -75,9 +75,10 @@ def test_a_checkpoint_copied_to_the_directory_leaves_memory_once_the_copy_ends(t
              "actions": [["slow_persist", 3]] + saves + [["ls", mem], ["finish"], ["ls", mem], ["latest", ck]]}]
     check(launch(1, {"runs": runs}, f"{d}/a"))
     got = results(f"{d}/a")[0]
-    # (before the finish, 3 is being copied, and 5 written or committed already: its asynchronous
-    # save runs on its own time)
-    assert got["ls_dirs"][0] == ["global_step3", "global_step4", "global_step5"], got["ls_dirs"]
+    # (before the finish, 3 is being copied and kept beyond keep; 5's asynchronous save runs on its
+    # own time: its directory may not be there yet)
+    assert got["ls_dirs"][0] in (["global_step3", "global_step4"], ["global_step3", "global_step4", "global_step5"]), \
+        got["ls_dirs"]
     assert got["ls"][0] in (["global_step3", "global_step4"], ["global_step3", "global_step4", "global_step5"]), got["ls"]
     assert got["ls"][1] == ["global_step4", "global_step5"], got["ls"]
     assert got["ls_dirs"][1] == ["global_step4", "global_step5"], got["ls_dirs"]     # (3's files went)
