@@ -39,7 +39,7 @@ from .tiers import DeltaSpread, MemoryTier, newest_committed, own_files, spares_
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
 from .compression import check as check_compression
-from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, RANKED_SINCE, PartedTensors,
+from .manifest import (BOUND_SINCE, COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PAGED_SINCE, PartedTensors,
                        JOB_OBJECTS, RANK_OBJECT, dumps, meta_entry, meta_name, part_name, rank_file_name,
                        ranked_tables, split_file)
 from .planner import PlanCache, WritePlan, file_name, gc_paused, plan_save, previous_index
@@ -946,7 +946,7 @@ class Checkpointer:
         topology = dict({"world_size": comm.world_size},
                         **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
         if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
-            version, gen, ckpt_dir = RANKED_SINCE, exchanged.generation, prepared.ckpt_dir
+            version, gen, ckpt_dir = PAGED_SINCE, exchanged.generation, prepared.ckpt_dir
             mine = (part_name(gen, comm.rank), rank_file_name(gen, comm.rank), meta_name(gen) if comm.rank == 0 else None)
             topology.pop("nodes", None)      # (each rank's is in its rank file, as are its bytes written)
             stats.pop("per_rank_bytes", None)
@@ -1356,7 +1356,8 @@ class CheckpointReader:
 
     def _entry_for(self, name: str, box: Optional[Box]):
         """The entry to read ``box`` (default: all) of ``name`` from: the held one when its boxes
-        cover ``box``, else the whole tensor's."""
+        cover ``box``, else the whole tensor's, or (a manifest in parts) its boxes that meet ``box``
+        (format 6 reads only the pages of its part that list them)."""
         e = self.held().get(name)
         if e is not None:
             want = box if box is not None else Box.full(e.shape)
@@ -1364,6 +1365,13 @@ class CheckpointReader:
             if want.fits(e.shape) and sum(x.numel for x in (want.intersect(b) for b in regions)
                                           if x is not None) == want.numel:
                 return e
+        tensors = self.manifest.tensors
+        if box is not None and isinstance(tensors, PartedTensors) and (meta := self._meta()) is not None \
+                and name in meta and box.fits(meta[name][2]) and box != Box.full(meta[name][2]):
+            try:
+                return tensors.region(name, box)
+            except KeyError:
+                pass        # (the meta file lists it, its part not: reported as the whole read reports it)
         return self.entry(name, whole=True)
 
     def has(self, name: str) -> bool:

@@ -60,14 +60,18 @@ class PartFiles:
     def __call__(self, name: str) -> bytes:
         return self.store.read_bytes(self.store.join(self.ckpt_dir, name))
 
+    def read_range(self, name: str, start: int, size: int) -> bytes:
+        """Bytes ``[start, start + size)`` of file ``name`` (fewer at its end): a page of a part."""
+        return self.store.read_range(self.store.join(self.ckpt_dir, name), start, size)
+
 
 def write_part(ckpt_dir: str, generation: int, part: int, tag: str, tensors, fsync: bool = True,
                store: Storage = LOCAL) -> None:
-    """Part ``part`` of a manifest in parts (format 5), written whole before the manifest: until
+    """Part ``part`` of a manifest in parts (format 6: paged), written whole before the manifest: until
     that is committed, nothing reads it (an interrupted save's parts are garbage, removed like
     its shard files)."""
     store.write_atomic(store.join(ckpt_dir, part_name(generation, part)),
-                       part_bytes(tag, part, tensors, generation), fsync=fsync)
+                       part_bytes(tag, part, tensors, generation, paged=True), fsync=fsync)
 
 
 def write_meta(ckpt_dir: str, generation: int, tag: str, meta: dict, fsync: bool = True,

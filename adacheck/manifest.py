@@ -28,14 +28,18 @@ and its own rank file (:class:`RankFiles`, :class:`RankTable`, :class:`FileTable
 only for a tensor it did not hold (:meth:`PartedTensors.meta`); ``adacheck verify`` checks that
 the rank files and the meta file say what the parts say.  A box of a format 5 checkpoint names a file
 of its own generation's writers (the index's ``writers``, as ranges of ranks), or ``<earlier
-tag>/<file>`` listed in the index's ``referenced``.
+tag>/<file>`` listed in the index's ``referenced``.  6 (written by the partitioned exchange now) is
+5 with paged parts (:func:`paged_part_bytes`): a part's header lists its tensors, and each tensor's
+boxes are in pages under a tree of rows, each row bounding what its page lists and binding it by
+its hash, so a load in another layout reads the header and the pages that meet the region it
+needs (:meth:`PartedTensors.region`), not every box of the tensor.
 """
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Tuple
 
 from .boxes import check_tiling
@@ -47,11 +51,15 @@ from .types import KINDS, DTYPES, Box, Derivation, Manifest, StoredBox, TensorEn
 
 FORMAT = "adacheck"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 COMPRESSED_SINCE = 3   # format versions from here on may hold encoded (compressed) shard files
 PARTED_SINCE = 4       # format versions from here on may keep the tensor table in parts (``index``)
 RANKED_SINCE = 5       # from here on a manifest in parts keeps its per-rank tables in rank files
+PAGED_SINCE = 6        # from here on its parts keep each tensor's boxes in pages (read by region)
 PART_FORMAT = "adacheck-manifest-part"
+PAGED_PART_FORMAT = "adacheck-manifest-paged-part"
+PAGE_BOXES = 16        # boxes per page of a paged part
+PAGE_ROWS = 16         # rows per page of rows, and at most in its header, per tensor
 RANK_FORMAT = "adacheck-manifest-rank"
 META_FORMAT = "adacheck-manifest-meta"
 # the names part_name, rank_file_name and meta_name give
@@ -129,13 +137,68 @@ def rank_file_bytes(tag: str, generation: int, rank: int, tensors: dict, tables:
                                 "tensors": tensors}, **(tables or {})))
 
 
-def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: Optional[int] = None) -> bytes:
+def part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: Optional[int] = None,
+               paged: bool = False) -> bytes:
     """The text of part ``part`` of checkpoint ``tag``'s tensor table: format 4 (its hash goes in the
-    index), or with ``generation`` format 5 (with a checksum)."""
+    index), with ``generation`` format 5 (with a checksum), and with ``paged`` too format 6
+    (:func:`paged_part_bytes`)."""
+    if paged:
+        return paged_part_bytes(tag, part, tensors, generation)
     d = {"format": PART_FORMAT, "tag": tag, "part": part, "tensors": tensors_json(tensors)}
     if generation is None:
         return json.dumps(d, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
     return _checked_bytes(dict(d, generation=generation))
+
+
+def _compact(v) -> bytes:
+    return json.dumps(v, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
+
+
+def _box_list(d: dict) -> Tuple[list, list]:
+    """(the list holding an entry's boxes: its stored boxes or its derived boxes, the path to it)."""
+    return (d["derived"].get("boxes", []), ["derived", "boxes"]) if "derived" in d else (d["boxes"], ["boxes"])
+
+
+def paged_part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: int) -> bytes:
+    """Format 6's part: one line of header, then pages.  The header (canonical JSON with its checksum)
+    has each tensor's entry with, in place of its boxes, ``pages`` and ``depth``: its boxes, sorted
+    by offsets (so that a page covers a compact region), go PAGE_BOXES to a page; with more than
+    PAGE_ROWS pages, the rows of PAGE_ROWS pages go to a page of rows, and so on up (``depth``: the
+    levels of pages of rows below the header).  A row is ``[offsets, lengths, start, size, hash]``:
+    the box bounding what its page lists, where the page's bytes start after the header's newline,
+    how many, and their xxh3-128; a page is the JSON list of its boxes (as format 5 writes them) or
+    rows, and a newline.  A reader that needs a region of a tensor reads the header and, level by
+    level, the pages whose rows meet the region: what it reads grows with the logarithm of the
+    tensor's number of boxes, not with it."""
+    head, pages, pos = {}, [], 0
+
+    def page(items: list, bounds: list) -> list:
+        nonlocal pos
+        data = _compact(items) + b"\n"
+        lo = [min(b[0][k] for b in bounds) for k in range(len(bounds[0][0]))]
+        hi = [max(b[0][k] + b[1][k] for b in bounds) for k in range(len(bounds[0][0]))]
+        row = [lo, [h - o for o, h in zip(lo, hi)], pos, len(data), hash_buffer(data)]
+        pages.append(data)
+        pos += len(data)
+        return row
+
+    for name, d in tensors_json(tensors).items():
+        boxes, _ = _box_list(d)
+        boxes = sorted(boxes, key=lambda b: (b["offsets"], b["lengths"], b.get("file", ""), b.get("key", "")))
+        rows = [page(boxes[i:i + PAGE_BOXES], [(b["offsets"], b["lengths"]) for b in boxes[i:i + PAGE_BOXES]])
+                for i in range(0, len(boxes), PAGE_BOXES)]
+        depth = 0
+        while len(rows) > PAGE_ROWS:
+            rows = [page(rows[i:i + PAGE_ROWS], [r[:2] for r in rows[i:i + PAGE_ROWS]])
+                    for i in range(0, len(rows), PAGE_ROWS)]
+            depth += 1
+        if "derived" in d:
+            d["derived"].pop("boxes", None)
+        else:
+            d.pop("boxes")
+        head[name] = dict(d, pages=rows, depth=depth)
+    header = {"format": PAGED_PART_FORMAT, "tag": tag, "part": part, "generation": generation, "tensors": head}
+    return _checked_bytes(header) + b"\n" + b"".join(pages)
 
 
 def tensor_meta(tensors: Dict[str, TensorEntry]) -> Dict[str, list]:
@@ -203,6 +266,28 @@ def dumps(m: Manifest) -> str:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _inside(box: Box, bound: Box) -> bool:
+    """``box`` lies inside ``bound`` (an empty box: within its far corner)."""
+    end = tuple(o + n for o, n in zip(bound.offsets, bound.lengths))
+    return box.intersect(bound) == box or (box.numel == 0 and box.fits(end))
+
+
+def _rows(rows, ndim: int, bound: Optional[Box], where: str) -> None:
+    """Raise unless ``rows`` is a list of [offsets, lengths, start, size, hash] of ``ndim`` dimensions,
+    each inside ``bound`` (the row that points at them, if any)."""
+    for row in rows if isinstance(rows, list) else [rows]:
+        if not (isinstance(row, list) and len(row) == 5 and all(
+                isinstance(v, list) and len(v) == ndim and all(_count(x) for x in v) for v in row[:2])
+                and _count(row[2]) and _count(row[3]) and isinstance(row[4], str) and check_digest_format(row[4])
+                and (bound is None or _inside(Box(row[0], row[1]), bound))):
+            raise FormatError(f"{where} has a row that is not [offsets, lengths, start, size, hash] inside its "
+                              f"page's bounds: {row!r}")
 
 
 def _need(d, key, types, where):
@@ -398,6 +483,11 @@ class PartedTensors(Mapping):
         self.referenced = set(index["referenced"])
         self.bytes_read = self.meta_bytes_read = 0
         self._meta: Optional[Dict[str, list]] = None
+        self.paged = version >= PAGED_SINCE
+        self._headers: Dict[int, Tuple[dict, int]] = {}     # format 6: part -> (its header's tensors, base)
+        self._pages: Dict[tuple, bytes] = {}                # (part, start) -> a page's bytes, checked
+        self._parsed: Dict[tuple, list] = {}                # (part, start) -> its boxes or rows (raw)
+        self._regions: Dict[tuple, TensorEntry] = {}
 
     def meta(self) -> Optional[Dict[str, list]]:
         """Format 5: what its meta file says of each tensor but a rank's own objects ([kind, dtype,
@@ -437,10 +527,20 @@ class PartedTensors(Mapping):
         data = _read_checked(self.open_part, name, self.where, "part", digest)
         self.bytes_read += len(data)
         where = f"{self.where} part {name}"
-        expect = {"format": PART_FORMAT, "tag": self.tag, "part": i}
-        d = _load_checked(data, where, dict(expect, generation=self.index["generation"]) if ranked else expect, ranked)
-        tensors = _tensors(_need(d, "tensors", dict, where), self.version, self.files, self.tag, where,
-                           referenced=self.referenced)
+        if self.paged:      # (the header's entries, each with the boxes of all its pages)
+            end = data.find(b"\n")
+            head, base = self._header_of(i, data[:end] if end >= 0 else data, end + 1)
+            body = data[base:]
+            raw = {n: self._with_boxes(n, t, self._boxes(i, n, t["pages"], t["depth"], None, body))
+                   for n, t in head.items()}
+            if sum(len(v) for k, v in self._pages.items() if k[0] == i) != len(body):
+                raise FormatError(f"{where}: its pages do not fill the file after its header")
+        else:
+            expect = {"format": PART_FORMAT, "tag": self.tag, "part": i}
+            d = _load_checked(data, where, dict(expect, generation=self.index["generation"]) if ranked else expect,
+                              ranked)
+            raw = _need(d, "tensors", dict, where)
+        tensors = _tensors(raw, self.version, self.files, self.tag, where, referenced=self.referenced)
         strays = [n for n in tensors if owner_of(n, self.index["parts"]) != i]
         if strays:
             raise FormatError(f"{where}: lists {strays[0]!r}, which belongs to another part")
@@ -450,6 +550,128 @@ class PartedTensors(Mapping):
 
     def __getitem__(self, name: str) -> TensorEntry:
         return self.part(owner_of(name, self.index["parts"]))[name]
+
+    def region(self, name: str, box: Box) -> TensorEntry:
+        """Tensor ``name``'s entry cut down to its boxes that meet ``box``: format 6 reads the
+        header of its part and the pages whose rows meet ``box`` (once each), earlier formats the part."""
+        i = owner_of(name, self.index["parts"])
+        if not self.paged or i in self.loaded:
+            e = self.part(i)[name]
+            if e.derived is not None:
+                return replace(e, derived=replace(e.derived, boxes=tuple(
+                    (b, h) for b, h in e.derived.boxes if b.intersect(box) is not None)))
+            return replace(e, boxes=tuple(sb for sb in e.boxes if sb.box.intersect(box) is not None))
+        t = self._header(i)[name]
+        boxes = self._boxes(i, name, t["pages"], t["depth"], box)
+        key = (name, tuple(id(b) for b in boxes))
+        if key not in self._regions:
+            where = f"{self.where} part {part_name(self.index['generation'], i)}"
+            self._regions[key] = _tensors({name: self._with_boxes(name, t, boxes)}, self.version, self.files,
+                                          self.tag, where, referenced=self.referenced, whole=False)[name]
+        return self._regions[key]
+
+    def _header(self, i: int) -> dict:
+        """Format 6: part ``i``'s header's entries (read in growing ranges up to its newline)."""
+        if i not in self._headers:
+            name, data, size = part_name(self.index["generation"], i), b"", 1024
+            while True:
+                more = self._read_range(name, len(data), size)
+                data += more
+                end = data.find(b"\n")
+                if end >= 0 or len(more) < size:
+                    break
+                size *= 2
+            self._header_of(i, data[:end] if end >= 0 else data, end + 1)
+        return self._headers[i][0]
+
+    def _header_of(self, i: int, data: bytes, base: int) -> Tuple[dict, int]:
+        """Part ``i``'s header from its bytes, checked and validated (kept), and where its pages start."""
+        name = part_name(self.index["generation"], i)
+        where = f"{self.where} part {name}"
+        if base <= 0:
+            raise FormatError(f"{where}: no header line (a paged part starts with one)")
+        d = _load_checked(data, where, {"format": PAGED_PART_FORMAT, "tag": self.tag, "part": i,
+                                        "generation": self.index["generation"]}, True)
+        head = _need(d, "tensors", dict, where)
+        for n, t in head.items():
+            w = f"{where}.tensors[{n}]"
+            _rows(_need(t, "pages", list, w), len(_need(t, "shape", list, w)), None, f"{where}: tensors[{n!r}]")
+            if not _count(t.get("depth")):
+                raise FormatError(f"{where}: tensors[{n!r}].depth is not a count: {t.get('depth')!r}")
+            if owner_of(n, self.index["parts"]) != i:
+                raise FormatError(f"{where}: lists {n!r}, which belongs to another part")
+        self._headers[i] = (head, base)
+        return self._headers[i]
+
+    def _boxes(self, i: int, name: str, rows: list, depth: int, box: Optional[Box],
+               body: Optional[bytes] = None) -> list:
+        """The boxes (raw) of ``name`` under ``rows`` of part ``i`` that lie in pages meeting ``box``
+        (None: all), its pages read (from ``body``, the part's bytes after its header, if given) and
+        checked once each."""
+        out = []
+        for row in rows:
+            bound = Box(row[0], row[1])
+            if box is not None and bound.intersect(box) is None:
+                continue
+            items = self._page(i, name, row, depth, body)
+            out += items if depth == 0 else self._boxes(i, name, items, depth - 1, box, body)
+        return out
+
+    def _page(self, i: int, name: str, row: list, depth: int, body: Optional[bytes]) -> list:
+        """The page ``row`` points at: its boxes (``depth`` 0) or rows, checked against the hash ``row``
+        binds it by, each inside ``row``'s bounds (kept)."""
+        if (i, row[2]) not in self._pages:
+            where = f"{self.where} part {part_name(self.index['generation'], i)}"
+            base = self._headers[i][1]
+            data = body[row[2]:row[2] + row[3]] if body is not None else \
+                self._read_range(part_name(self.index["generation"], i), base + row[2], row[3])
+            if len(data) != row[3] or hash_buffer(data) != row[4]:
+                raise IntegrityError(f"{where}: the page of {name} at bytes {row[2]}-{row[2] + row[3]} after its "
+                                     "header does not match the hash its row binds it by: it was edited or damaged "
+                                     "after AdaCheck wrote it, so nothing it says can be trusted. Restore it from a "
+                                     "copy, or load an older checkpoint (adacheck ls lists them)")
+            bound, what = Box(row[0], row[1]), f"{where}: the page of {name} at bytes {row[2]}-{row[2] + row[3]}"
+            try:
+                items = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+            except (ValueError, RecursionError) as e:
+                raise FormatError(f"{what} is not valid JSON ({e})") from None
+            if depth > 0:
+                _rows(items, bound.ndim, bound, what)
+            else:
+                try:
+                    inside = isinstance(items, list) and all(
+                        isinstance(b, dict) and _inside(Box(b.get("offsets"), b.get("lengths")), bound) for b in items)
+                except (TypeError, FormatError):
+                    inside = False
+                if not inside:
+                    raise FormatError(f"{what} is not a list of boxes inside {row[:2]}")
+            self._pages[i, row[2]] = data
+            self._parsed[i, row[2]] = items
+        return self._parsed[i, row[2]]
+
+    @staticmethod
+    def _with_boxes(name: str, head: dict, boxes: list) -> dict:
+        """A header entry as format 5 writes it, with ``boxes``."""
+        raw = {k: v for k, v in head.items() if k not in ("pages", "depth")}
+        if "derived" in raw:
+            raw["derived"] = dict(raw["derived"], boxes=boxes) if isinstance(raw["derived"], dict) else raw["derived"]
+        else:
+            raw["boxes"] = boxes
+        return raw
+
+    def _read_range(self, name: str, start: int, size: int) -> bytes:
+        """Bytes ``[start, start + size)`` of file ``name`` (fewer at its end), counted."""
+        ranged = getattr(self.open_part, "read_range", None)
+        try:
+            data = ranged(name, start, size) if ranged is not None else \
+                _read_checked(self.open_part, name, self.where, "part")[start:start + size]
+        except FileNotFoundError:
+            raise FormatError(f"{self.where}: its part {name} is missing: the checkpoint is incomplete or damaged") \
+                from None
+        except OSError as e:
+            raise FormatError(f"{self.where}: cannot read its part {name}: {e}") from e
+        self.bytes_read += len(data)
+        return data
 
     def __contains__(self, name) -> bool:
         return isinstance(name, str) and name in self.part(owner_of(name, self.index["parts"]))
@@ -582,7 +804,7 @@ def ranked_tables(index: dict, tag: str, version: int, open_part: Optional[Calla
 
 def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[[str], bytes]] = None) -> Manifest:
     """The manifest ``text``, validated; ``open_part(name)``: the bytes of a part or rank file of a
-    manifest in parts (formats 4 and 5), read when a tensor (a rank's table) of it is first asked for."""
+    manifest in parts (formats 4-6), read when a tensor (a rank's table) of it is first asked for."""
     try:
         d = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:

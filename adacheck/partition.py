@@ -20,7 +20,7 @@ hash of its name) and each set of holders has one too:
    view); three all-to-alls per distinct set size, none when no owner's boxes to write changed
    since the last save (the last placement is reused).
 4. **assign**: each writer learns the boxes it writes, each tensor owner its boxes' files; each
-   owner writes its part of the manifest's tensor table (format 5, :mod:`adacheck.manifest`) and
+   owner writes its part of the manifest's tensor table (format 6, :mod:`adacheck.manifest`) and
    rank 0 gathers the warnings and counts, and commits the manifest.
 5. **tell the holders** (one all-to-all): each owner sends each rank that held boxes of its
    tensors where they are stored; each rank writes them in its rank file, from which a load in

@@ -121,6 +121,11 @@ class Storage:
         """The file's bytes (the first ``limit`` of them if given); FileNotFoundError if none."""
         raise NotImplementedError
 
+    def read_range(self, path: str, start: int, size: int) -> bytes:
+        """Bytes ``[start, start + size)`` of the file (fewer at its end), in one request."""
+        buffer = bytearray(size)
+        return bytes(buffer[:self.read_into(path, start, memoryview(buffer))])
+
     def make_dirs(self, path: str) -> None:
         raise NotImplementedError
 
@@ -468,6 +473,9 @@ class FsspecStorage(Storage):
 
     def read_bytes(self, path, limit=None):
         return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)
+
+    def read_range(self, path, start, size):
+        return self.fs.cat_file(path, start=start, end=start + size)    # (not a whole block)
 
     def make_dirs(self, path):
         self.fs.makedirs(path, exist_ok=True)

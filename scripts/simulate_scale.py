@@ -246,6 +246,26 @@ def payload(metas, r: int, m: Model, ranks: int) -> dict:
             "framework": {"name": "megatron", "layout": {"tp": m.tp, "pp": m.pp, "ep": m.ep}}}
 
 
+def digests(e):
+    """Entry ``e`` with its hashes as a manifest holds them (the prefix of the digest's name)."""
+    if e.derived is not None:
+        return replace(e, derived=replace(e.derived, boxes=tuple((b, "xxh3_128:" + h) for b, h in e.derived.boxes)))
+    return replace(e, boxes=tuple(replace(sb, hash="xxh3_128:" + sb.hash) for sb in e.boxes))
+
+
+class InMemory:
+    """Part files held in memory, read whole or by range as commit.PartFiles reads them from disk."""
+
+    def __init__(self, files: dict):
+        self.files = files
+
+    def __call__(self, name: str) -> bytes:
+        return self.files[name]
+
+    def read_range(self, name: str, start: int, size: int) -> bytes:
+        return self.files[name][start:start + size]
+
+
 def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     if ranks % (m.tp * m.pp) or (ranks // (m.tp * m.pp)) % m.ep:
         raise SystemExit(f"{m.name}: {ranks} ranks do not divide into TP={m.tp} x PP={m.pp} x DP (a multiple of EP={m.ep})")
@@ -335,6 +355,13 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     root_bytes = (len(mf.dumps(root).encode("utf-8")) * scale + (len(digest) + 3) * ranks)
     part_reads = [root_bytes + sum(part_size.get(i, 0) for i in {hash_owner(x.name, ranks) for x in metas})
                   for metas in sampled]
+    # format 6 (what the partitioned exchange writes now): the same parts, each tensor's boxes in
+    # pages; a load in another layout reads, with the real reader (manifest.PartedTensors.region),
+    # the header of each part that lists a tensor it needs and the pages that meet its region
+    # (the simulation's hashes written as the reader checks them: "xxh3_128:" and 32 hex digits)
+    by_part = {i: {n: digests(e) for n, e in t.items()} for i, t in by_part.items()}
+    part5_size = {i: len(mf.part_bytes(man.tag, i, t, 0)) * scale for i, t in by_part.items()}
+    paged = {mf.part_name(0, i): mf.part_bytes(man.tag, i, t, 0, paged=True) for i, t in by_part.items()}
     del by_part
     # format 5, as the partitioned exchange writes it now: the root holds no per-rank table; a rank
     # that loads the layout it saved reads the root and its own rank file (its layout, objects and
@@ -346,7 +373,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     root5_bytes = len(mf.dumps(root5).encode("utf-8"))
     # (the meta file: read by a load that asks of a tensor it did not hold, as DeepSpeed's name checks do)
     meta_file_bytes = round(len(mf.meta_bytes(man.tag, 0, mf.tensor_meta(plan.tensors))) * scale)
-    rank_reads, derived_reads, other_reads, other_needed = [], [], [], []
+    rank_reads, derived_reads, other_reads, other5_reads, other_needed = [], [], [], [], []
     for i in probe:
         boxes = {}
         for x in sampled[i]:
@@ -362,8 +389,25 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         # a load in another layout (e.g. half the data-parallel size) reads the parts of every tensor
         # it holds, each tensor's entry whole (every box of it in the job); against the entries of
         # the boxes such a rank needs: about two saving ranks' rank files' worth
-        other_reads.append(root5_bytes + sum(part_size.get(p, 0) for p in {hash_owner(n, ranks) for n in boxes}))
+        other5_reads.append(root5_bytes + sum(part5_size.get(p, 0) for p in {hash_owner(n, ranks) for n in boxes}))
         other_needed.append(root5_bytes + 2 * (rank_reads[-1] - root5_bytes))
+        # (format 6: this rank and the next data-parallel rank's boxes, one rank's at half the size)
+        nxt = i + 1 if (i % dp) + 1 < dp else i - 1
+        tensors = mf.ranked_tables(root5.index, man.tag, mf.PAGED_SINCE, InMemory(paged), "simulated")[0]
+        for x in sampled[i] + (sampled[nxt] if nxt >= 0 else []):
+            tensors.region(x.name, x.box)
+        # (a part's header lists the tensors of every stage that hash to it: those of the stages not
+        # sampled are counted as the sampled others, scaled as the parts are)
+        needed = {x.name for x in sampled[i] + (sampled[nxt] if nxt >= 0 else [])}
+        heads = estimate = 0
+        for p in {hash_owner(n, ranks) for n in needed}:
+            text = paged[mf.part_name(0, p)]
+            head = text[:text.index(b"\n") + 1]
+            ours = sum(len(json.dumps({n: e}, separators=(",", ":")))
+                       for n, e in json.loads(head)["tensors"].items() if n in needed)
+            heads += len(head)
+            estimate += ours + (len(head) - ours) * scale
+        other_reads.append(root5_bytes + tensors.bytes_read - heads + estimate)
     written = [0] * len(sampled)
     for f, info in plan.files.items():
         written[info["writer"]] += info["nbytes"]
@@ -415,6 +459,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "manifest_bytes_read_per_rank_derived_weights": round(sum(derived_reads) / len(derived_reads)),
             "manifest_bytes_read_per_rank_other_layout": round(sum(other_reads) / len(other_reads)),
             "manifest_bytes_needed_per_rank_other_layout": round(sum(other_needed) / len(other_needed)),
+            "format5": {"manifest_bytes_read_per_rank_other_layout": round(sum(other5_reads) / len(other5_reads))},
             "format4": {"manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
                         "manifest_bytes_read_busiest_rank": round(max(part_reads)),
                         "manifest_root_bytes": round(root_bytes)}},

@@ -18,7 +18,8 @@ class Relay:
     """Forwards TCP connections from its own port to the server's.  ``cut_on(marker)``: when a
     request whose first line holds ``marker`` (bytes, e.g. b"PUT /bucket/x/manifest.json") arrives,
     that request is dropped and the relay shuts: open connections are closed and new ones refused,
-    as when the server goes away.  ``reopen()`` serves again."""
+    as when the server goes away.  ``reopen()`` serves again.  ``received``: the bytes the server
+    has sent back so far (responses, headers included)."""
 
     def __init__(self, target_port: int):
         self.target = target_port
@@ -26,6 +27,7 @@ class Relay:
         self.marker: Optional[bytes] = None
         self.cut = threading.Event()
         self.requests = []
+        self.received = 0
         self._conns = []
         self._lock = threading.Lock()
         self._listen()
@@ -69,6 +71,9 @@ class Relay:
                         if self.marker is not None and self.marker in first:
                             self.shut()
                             return
+                else:
+                    with self._lock:
+                        self.received += len(data)
                 if self.cut.is_set():
                     return
                 dst.sendall(data)

@@ -21,9 +21,10 @@ from adacheck.types import Box
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1")   # written by format 1
-# written by the partitioned exchange: format 4 (by AdaCheck before format 5), format 5 (now)
+# written by the partitioned exchange: formats 4 and 5 (by AdaCheck before format 6), format 6 (now)
 GOLDEN_V4 = os.path.join(os.path.dirname(__file__), "golden", "v4")
 GOLDEN_V5 = os.path.join(os.path.dirname(__file__), "golden", "v5")
+GOLDEN_V6 = os.path.join(os.path.dirname(__file__), "golden", "v6")
 
 
 def golden_state():
@@ -47,7 +48,7 @@ def write_golden(d, exchange="ring"):
     return w
 
 
-@pytest.mark.parametrize("exchange,golden", [("ring", GOLDEN), ("partitioned", GOLDEN_V5)])
+@pytest.mark.parametrize("exchange,golden", [("ring", GOLDEN), ("partitioned", GOLDEN_V6)])
 def test_golden_bytes(tmp_path, exchange, golden):
     write_golden(str(tmp_path), exchange)
     produced = sorted(os.listdir(tmp_path / "step7"))
@@ -56,10 +57,10 @@ def test_golden_bytes(tmp_path, exchange, golden):
         assert (tmp_path / "step7" / name).read_bytes() == open(os.path.join(golden, name), "rb").read(), name
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1, GOLDEN_V4, GOLDEN_V5])
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V1, GOLDEN_V4, GOLDEN_V5, GOLDEN_V6])
 def test_golden_loads_and_is_standard_safetensors(golden):
     """Every format version loads (format 1 with a warning that it lacks the identity binding),
-    with its rank's objects; formats 4 and 5 (in parts) read only what a load asks for."""
+    with its rank's objects; formats 4-6 (in parts) read only what a load asks for."""
     w, _ = golden_state()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -71,8 +72,8 @@ def test_golden_loads_and_is_standard_safetensors(golden):
     assert r.objects()["sched"] == {"last_epoch": 7}
     assert torch.equal(r.objects()["t"], torch.arange(2))
     assert r.objects(0) == {"seed": 1} and len(r.manifest.rank_objects) == 1
-    assert r.manifest.format_version == {GOLDEN: 2, GOLDEN_V1: 1, GOLDEN_V4: 4, GOLDEN_V5: 5}[golden]
-    if golden == GOLDEN_V5:      # (its rank 0 reads its own rank file: no part of the tensor table)
+    assert r.manifest.format_version == {GOLDEN: 2, GOLDEN_V1: 1, GOLDEN_V4: 4, GOLDEN_V5: 5, GOLDEN_V6: 6}[golden]
+    if golden in (GOLDEN_V5, GOLDEN_V6):      # (its rank 0 reads its own rank file: no part of the tensor table)
         own = CheckpointReader(golden, prefer_rank=0)
         assert torch.equal(own.read("master/w"), w) and torch.equal(own.read("model/w"), w.bfloat16())
         assert torch.equal(own.objects()["t"], torch.arange(2)) and own.objects(0) == {"seed": 1}
@@ -81,7 +82,7 @@ def test_golden_loads_and_is_standard_safetensors(golden):
     assert sum(t.numel() for t in raw.values()) == 15 + 1 + 2 + 0
 
 
-@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V4, GOLDEN_V5])
+@pytest.mark.parametrize("golden", [GOLDEN, GOLDEN_V4, GOLDEN_V5, GOLDEN_V6])
 def test_a_memory_checkpoint_of_each_format_is_copied_whole_to_durable_storage(tmp_path, golden):
     """tiers.persist_checkpoint, the memory tier's copy to the checkpoint directory (no collective:
     one rank here), of a checkpoint of each format that writes one: every file arrives with the
@@ -101,6 +102,45 @@ def test_a_memory_checkpoint_of_each_format_is_copied_whole_to_durable_storage(t
     assert read_latest(ck) == "step7"
     r = CheckpointReader(f"{ck}/step7")
     assert torch.equal(r.read("master/w"), w) and torch.equal(r.objects()["t"], torch.arange(2))
+
+
+def test_a_region_of_a_tensor_reads_only_the_pages_of_its_part_that_list_it(tmp_path):
+    """Format 6 pages each tensor's boxes in its part: a read of a region (a load in another
+    layout) reads the part's header and the pages that meet the region, not the whole entry.
+    Oracle: the tensors given to the save, and the part file's size on disk; an edited page or
+    header is refused."""
+    rows = 512
+    w = torch.randn(rows, 8, generator=torch.Generator().manual_seed(1))
+    shards = [LocalShard("master/w", "master", (rows, 8), Box((r, 0), (1, 8)), w[r:r + 1]) for r in range(rows)]
+    shards += [LocalShard("model/w", "model", (rows, 8), Box((r, 0), (8, 8)), w[r:r + 8].bfloat16(),
+                          derive="master/w", derive_ok=True) for r in range(0, rows, 8)]
+    Checkpointer(options=Options(exchange="partitioned")).save(SoloComm(), str(tmp_path), "s1",
+                                                               lambda: LocalState(shards, step=1))
+    ck = str(tmp_path / "s1")
+    part = os.path.join(ck, "manifest-g0-part-00000.json")
+    size = os.path.getsize(part)
+    r = CheckpointReader(ck)
+    assert r.manifest.format_version == 6
+    assert torch.equal(r.read("master/w", Box((300, 2), (3, 4))), w[300:303, 2:6])
+    assert torch.equal(r.read_flat("master/w", 8 * 40, 8 * 41), w[40])
+    assert torch.equal(r.read("model/w", Box((7, 0), (2, 8))), w[7:9].bfloat16())
+    assert 0 < r.manifest.tensors.bytes_read < size / 4, (r.manifest.tensors.bytes_read, size)
+    whole = CheckpointReader(ck)
+    assert torch.equal(whole.read("master/w"), w) and whole.manifest.tensors.bytes_read == size
+    # a page edited after the save (one digit of a box's offsets): that page is refused, the others read
+    text = open(part, "rb").read()
+    at = text.index(b'"offsets":[300,0]')
+    open(part, "wb").write(text[:at] + b'"offsets":[301,0]' + text[at + 17:])
+    damaged = CheckpointReader(ck)
+    assert torch.equal(damaged.read("master/w", Box((2, 0), (1, 8))), w[2:3])
+    with pytest.raises(IntegrityError, match="the page of master/w at bytes .* does not match the hash"):
+        damaged.read("master/w", Box((300, 0), (1, 8)))
+    # the header edited (what a tensor is): refused by its checksum
+    header = json.loads(text[:text.index(b"\n")])
+    assert header["tensors"]["master/w"]["depth"] >= 1       # (pages of rows above the pages of boxes)
+    open(part, "wb").write(text.replace(b'"kind":"master"', b'"kind":"optim"', 1))
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
+        CheckpointReader(ck).read("master/w", Box((2, 0), (1, 8)))
 
 
 def test_an_edited_part_of_a_format_4_checkpoint_is_refused(tmp_path):

@@ -248,4 +248,4 @@ def test_auto_exchange_is_the_ring_below_32_ranks_and_partitioned_from_there(tmp
     m = save(SoloComm(), str(tmp_path), "s1", lambda: st)
     assert m.stats["exchange"]["how"] == "ring" and m.format_version < 5
     m = save(SoloComm(), str(tmp_path), "s2", lambda: st, exchange="partitioned")
-    assert m.stats["exchange"]["how"] == "partitioned" and m.format_version == 5
+    assert m.stats["exchange"]["how"] == "partitioned" and m.format_version == 6

@@ -150,7 +150,7 @@ def parted_checks(d):
     from adacheck.manifest import checksum, meta_name, part_name, rank_file_name
     ck = f"{d}/partitioned/s3"
     m = read_manifest(ck)
-    assert m.format_version == 5 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
+    assert m.format_version == 6 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2
     root = json.load(open(f"{ck}/manifest.json"))     # (nothing in it grows with the job)
     assert not {"files", "rank_objects", "layout"} & set(root) and set(root["topology"]) == {"world_size", "copies"}
     kept = sorted(f for f in os.listdir(ck) if f.startswith("manifest-g"))
@@ -244,7 +244,7 @@ def test_the_default_exchange_is_partitioned_from_32_ranks(tmp_path, world):
     recs = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
     for r, rec in enumerate(recs):
         for step in ("s1", "s2"):
-            assert rec[step]["how"] == "partitioned" and rec[step]["format_version"] == 5, (r, rec)
+            assert rec[step]["how"] == "partitioned" and rec[step]["format_version"] == 6, (r, rec)
         assert rec["own_rows"] and rec["emb"] and rec["rng"], (r, rec)
     assert recs[0]["s1"]["stored_bytes"] == 16 * 8 * 4 + 2 * world * 6 * 4 + 2 * world * 8     # (each box once)
     assert recs[0]["s2"]["stored_bytes"] == 2 * world * 6 * 4 + 2 * world * 8      # (the embedding referenced)

@@ -445,7 +445,7 @@ def test_megatron_recovers_from_the_memory_tier_after_a_sigkill(tmp_path, monkey
     for node in "ab":
         assert tags(ck) == [] and tags(memory_of(monkeypatch, d, ck, node)) == ["iter_0000003"]
         raw = json.load(open(f"{memory_of(monkeypatch, d, ck, node)}/iter_0000003/manifest.json"))
-        assert (raw["format_version"] == 5) == (exchange == "partitioned")
+        assert (raw["format_version"] == 6) == (exchange == "partitioned")
     shutil.rmtree(f"{d}/shm-b")
     out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["train", 2], ["dump", "b"]]}]},
                  d, script="megatron_worker.py", rank_env=on("ac"))
@@ -484,7 +484,7 @@ def test_megatron_partitioned_exchange_with_the_memory_tier_after_a_sigkill(tmp_
     assert [rc for rc, _ in out] == [-9, -9], out[0][1][-3000:]
     assert tags(mem) == ["iter_0000005", "iter_0000006"] and tags(ck) == ["iter_0000005"]
     for where in (f"{mem}/iter_0000006", f"{ck}/iter_0000005"):
-        assert json.load(open(f"{where}/manifest.json"))["format_version"] == 5, where
+        assert json.load(open(f"{where}/manifest.json"))["format_version"] == 6, where
     said = cli("verify", f"{ck}/iter_0000005")     # (every part and rank file there, as the root says)
     assert "OK" in said, said
     out = launch(2, {"runs": [{"argv": argv, "actions": [["scramble"], ["load", ck], ["dump", "b6"]]}]}, f"{d}/b",
@@ -539,7 +539,7 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     if exchange == "partitioned":
         for mem in (mem_a, mem_b):      # (in parts, on both nodes: each rank's files and their peer copies)
             raw = open(f"{mem}/global_step5/manifest.json", "rb").read()
-            assert json.loads(raw)["format_version"] == 5 and raw == open(f"{mem_a}/global_step5/manifest.json",
+            assert json.loads(raw)["format_version"] == 6 and raw == open(f"{mem_a}/global_step5/manifest.json",
                                                                           "rb").read()
             assert {f"manifest-g0-{k}-{r:05d}.json" for k in ("part", "rank") for r in range(4)} <= set(
                 os.listdir(f"{mem}/global_step5")), os.listdir(f"{mem}/global_step5")
@@ -611,7 +611,7 @@ def test_partitioned_exchange_with_the_memory_tier(tmp_path, monkeypatch):
     mem_a = mem_of("a")
     assert tags(ck) == ["global_step2"] and tags(mem_a) == ["global_step2", "global_step3"]
     for where in (f"{ck}/global_step2", f"{mem_a}/global_step3"):
-        assert json.load(open(f"{where}/manifest.json"))["format_version"] == 5, where
+        assert json.load(open(f"{where}/manifest.json"))["format_version"] == 6, where
     # the directory's copy holds every file of the memory copy (the parts, rank files and meta file too)
     assert sorted(os.listdir(f"{ck}/global_step2")) == sorted(os.listdir(f"{mem_a}/global_step2"))
     assert {"manifest-g0-part-00001.json", "manifest-g0-rank-00001.json", "manifest-g0-meta.json"} <= set(
@@ -631,7 +631,7 @@ def test_partitioned_exchange_with_the_memory_tier(tmp_path, monkeypatch):
     # (its save across nodes, in parts on each node, persisted at the clean exit: each rank copied
     # its files from its own node's memory)
     assert tags(ck) == ["global_step2", "global_step4"] and commit.read_latest(ck) == "global_step4"
-    assert json.load(open(f"{ck}/global_step4/manifest.json"))["format_version"] == 5
+    assert json.load(open(f"{ck}/global_step4/manifest.json"))["format_version"] == 6
     said = cli("verify", f"{ck}/global_step4")
     assert "OK" in said, said
 
