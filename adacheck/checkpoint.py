@@ -713,12 +713,17 @@ class Checkpointer:
         time and given ``options`` after; without an owner, a new one sharing the process's caches."""
         if owner is None:
             return cls(options=options, caches=DEFAULT_CACHES)
-        job = getattr(owner, cls.KEPT, None)
+        job = cls.kept(owner)
         if job is None:
             job = cls(options=options)
             setattr(owner, cls.KEPT, job)
         job.configure(options)
         return job
+
+    @classmethod
+    def kept(cls, owner) -> "Optional[Checkpointer]":
+        """The Checkpointer :meth:`kept_on` keeps on ``owner`` (None: none yet)."""
+        return getattr(owner, cls.KEPT, None)
 
     def configure(self, options: Options) -> None:
         """Other options from the next save or load on (the one in flight finishes first)."""

@@ -68,7 +68,7 @@ def checkpointer(optimizer, config: AdaCheckConfig) -> core.Checkpointer:
 
 def poll_async_save(optimizer, update_successful: bool = True) -> None:
     """Post-step hook: report this job's asynchronous save once it has committed (cheap)."""
-    job = getattr(optimizer, core.Checkpointer.KEPT, None)
+    job = core.Checkpointer.kept(optimizer)
     if job is not None:
         job.poll()
 
