@@ -1370,13 +1370,11 @@ class CheckpointReader:
             if want.fits(e.shape) and sum(x.numel for x in (want.intersect(b) for b in regions)
                                           if x is not None) == want.numel:
                 return e
-        tensors = self.manifest.tensors
-        if box is not None and isinstance(tensors, PartedTensors) and (meta := self._meta()) is not None \
-                and name in meta and box.fits(meta[name][2]) and box != Box.full(meta[name][2]):
+        if box is not None and isinstance(self.manifest.tensors, PartedTensors):
             try:
-                return tensors.region(name, box)
+                return self.manifest.tensors.region(name, box)
             except KeyError:
-                pass        # (the meta file lists it, its part not: reported as the whole read reports it)
+                pass        # (its part does not list it: reported as the whole read reports it)
         return self.entry(name, whole=True)
 
     def has(self, name: str) -> bool:

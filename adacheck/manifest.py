@@ -29,10 +29,10 @@ only for a tensor it did not hold (:meth:`PartedTensors.meta`); ``adacheck verif
 the rank files and the meta file say what the parts say.  A box of a format 5 checkpoint names a file
 of its own generation's writers (the index's ``writers``, as ranges of ranks), or ``<earlier
 tag>/<file>`` listed in the index's ``referenced``.  6 (written by the partitioned exchange now) is
-5 with paged parts (:func:`paged_part_bytes`): a part's header lists its tensors, and each tensor's
-boxes are in pages under a tree of rows, each row bounding what its page lists and binding it by
-its hash, so a load in another layout reads the header and the pages that meet the region it
-needs (:meth:`PartedTensors.region`), not every box of the tensor.
+5 with paged parts (:func:`paged_part_bytes`): a part's header says where each tensor's entry is,
+and the entry's boxes are in pages under a tree of rows, each row bounding what its page lists and
+binding it by its hash, so a load in another layout reads the header, the entry and the pages
+that meet the region it needs (:meth:`PartedTensors.region`), not every box of the tensor.
 """
 from __future__ import annotations
 
@@ -161,15 +161,17 @@ def _box_list(d: dict) -> Tuple[list, list]:
 
 def paged_part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: int) -> bytes:
     """Format 6's part: one line of header, then pages.  The header (canonical JSON with its checksum)
-    has each tensor's entry with, in place of its boxes, ``pages`` and ``depth``: its boxes, sorted
-    by offsets (so that a page covers a compact region), go PAGE_BOXES to a page; with more than
-    PAGE_ROWS pages, the rows of PAGE_ROWS pages go to a page of rows, and so on up (``depth``: the
-    levels of pages of rows below the header).  A row is ``[offsets, lengths, start, size, hash]``:
-    the box bounding what its page lists, where the page's bytes start after the header's newline,
-    how many, and their xxh3-128; a page is the JSON list of its boxes (as format 5 writes them) or
-    rows, and a newline.  A reader that needs a region of a tensor reads the header and, level by
-    level, the pages whose rows meet the region: what it reads grows with the logarithm of the
-    tensor's number of boxes, not with it."""
+    gives each tensor ``[start, size, hash]`` of its entry: where its bytes start after the header's
+    newline, how many, and their xxh3-128.  The entry (a JSON object and a newline) is format 5's
+    with, in place of its boxes, ``pages`` and ``depth``: its boxes, sorted by offsets (so that a page
+    covers a compact region), go PAGE_BOXES to a page; with more than PAGE_ROWS pages, the rows of
+    PAGE_ROWS pages go to a page of rows, and so on up (``depth``: the levels of pages of rows below
+    the entry).  A row is ``[offsets, lengths, start, size, hash]``: the box bounding what its page
+    lists, and where the page is, as above; a page is the JSON list of its boxes (as format 5 writes
+    them) or rows, and a newline.  A reader that needs a region of a tensor reads the header, the
+    tensor's entry and, level by level, the pages whose rows meet the region: what it reads grows
+    with the logarithm of the tensor's number of boxes, not with it, nor with the other tensors of
+    the part beyond their names."""
     head, pages, pos = {}, [], 0
 
     def page(items: list, bounds: list) -> list:
@@ -196,7 +198,10 @@ def paged_part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], gener
             d["derived"].pop("boxes", None)
         else:
             d.pop("boxes")
-        head[name] = dict(d, pages=rows, depth=depth)
+        entry = _compact(dict(d, pages=rows, depth=depth)) + b"\n"
+        head[name] = [pos, len(entry), hash_buffer(entry)]
+        pages.append(entry)
+        pos += len(entry)
     header = {"format": PAGED_PART_FORMAT, "tag": tag, "part": part, "generation": generation, "tensors": head}
     return _checked_bytes(header) + b"\n" + b"".join(pages)
 
@@ -484,9 +489,10 @@ class PartedTensors(Mapping):
         self.bytes_read = self.meta_bytes_read = 0
         self._meta: Optional[Dict[str, list]] = None
         self.paged = version >= PAGED_SINCE
-        self._headers: Dict[int, Tuple[dict, int]] = {}     # format 6: part -> (its header's tensors, base)
+        self._headers: Dict[int, Tuple[dict, int]] = {}     # format 6: part -> (its header's index, base)
         self._pages: Dict[tuple, bytes] = {}                # (part, start) -> a page's bytes, checked
         self._parsed: Dict[tuple, list] = {}                # (part, start) -> its boxes or rows (raw)
+        self._entries: Dict[tuple, dict] = {}               # (part, tensor) -> its entry (raw)
         self._regions: Dict[tuple, TensorEntry] = {}
 
     def meta(self) -> Optional[Dict[str, list]]:
@@ -531,8 +537,10 @@ class PartedTensors(Mapping):
             end = data.find(b"\n")
             head, base = self._header_of(i, data[:end] if end >= 0 else data, end + 1)
             body = data[base:]
-            raw = {n: self._with_boxes(n, t, self._boxes(i, n, t["pages"], t["depth"], None, body))
-                   for n, t in head.items()}
+            raw = {}
+            for n in head:
+                t = self._entry(i, n, body)
+                raw[n] = self._with_boxes(n, t, self._boxes(i, n, t["pages"], t["depth"], None, body))
             if sum(len(v) for k, v in self._pages.items() if k[0] == i) != len(body):
                 raise FormatError(f"{where}: its pages do not fill the file after its header")
         else:
@@ -561,7 +569,8 @@ class PartedTensors(Mapping):
                 return replace(e, derived=replace(e.derived, boxes=tuple(
                     (b, h) for b, h in e.derived.boxes if b.intersect(box) is not None)))
             return replace(e, boxes=tuple(sb for sb in e.boxes if sb.box.intersect(box) is not None))
-        t = self._header(i)[name]
+        self._header(i)
+        t = self._entry(i, name)
         boxes = self._boxes(i, name, t["pages"], t["depth"], box)
         key = (name, tuple(id(b) for b in boxes))
         if key not in self._regions:
@@ -593,15 +602,45 @@ class PartedTensors(Mapping):
         d = _load_checked(data, where, {"format": PAGED_PART_FORMAT, "tag": self.tag, "part": i,
                                         "generation": self.index["generation"]}, True)
         head = _need(d, "tensors", dict, where)
-        for n, t in head.items():
-            w = f"{where}.tensors[{n}]"
-            _rows(_need(t, "pages", list, w), len(_need(t, "shape", list, w)), None, f"{where}: tensors[{n!r}]")
-            if not _count(t.get("depth")):
-                raise FormatError(f"{where}: tensors[{n!r}].depth is not a count: {t.get('depth')!r}")
+        for n, at in head.items():
+            if not (isinstance(at, list) and len(at) == 3 and _count(at[0]) and _count(at[1])
+                    and isinstance(at[2], str) and check_digest_format(at[2])):
+                raise FormatError(f"{where}: tensors[{n!r}] is not [start, size, hash]: {at!r}")
             if owner_of(n, self.index["parts"]) != i:
                 raise FormatError(f"{where}: lists {n!r}, which belongs to another part")
         self._headers[i] = (head, base)
         return self._headers[i]
+
+    def _entry(self, i: int, name: str, body: Optional[bytes] = None) -> dict:
+        """Tensor ``name``'s entry in part ``i`` (its header read), checked against the hash the header
+        binds it by and validated (kept); KeyError if the part does not list it."""
+        if (i, name) not in self._entries:
+            start, size, digest = self._headers[i][0][name]
+            what = f"{self.where} part {part_name(self.index['generation'], i)}: the entry of {name}"
+            try:
+                t = json.loads(self._bytes(i, start, size, digest, what, body), parse_constant=_no_constant)
+            except (ValueError, RecursionError) as e:
+                raise FormatError(f"{what} is not valid JSON ({e})") from None
+            if not isinstance(t, dict):
+                raise FormatError(f"{what} is not a JSON object")
+            _rows(_need(t, "pages", list, what), len(_need(t, "shape", list, what)), None, what)
+            if not _count(t.get("depth")):
+                raise FormatError(f"{what}: its depth is not a count: {t.get('depth')!r}")
+            self._entries[i, name] = t
+        return self._entries[i, name]
+
+    def _bytes(self, i: int, start: int, size: int, digest: str, what: str, body: Optional[bytes]) -> bytes:
+        """Bytes ``[start, start + size)`` after part ``i``'s header (from ``body`` if given), checked
+        against ``digest`` (kept, for the check that its pages fill the part)."""
+        data = body[start:start + size] if body is not None else \
+            self._read_range(part_name(self.index["generation"], i), self._headers[i][1] + start, size)
+        if len(data) != size or hash_buffer(data) != digest:
+            raise IntegrityError(f"{what} (bytes {start}-{start + size} after its header) does not match the hash "
+                                 "that binds it: it was edited or damaged after AdaCheck wrote it, so nothing it says "
+                                 "can be trusted. Restore it from a copy, or load an older checkpoint (adacheck ls "
+                                 "lists them)")
+        self._pages[i, start] = data
+        return data
 
     def _boxes(self, i: int, name: str, rows: list, depth: int, box: Optional[Box],
                body: Optional[bytes] = None) -> list:
@@ -620,17 +659,10 @@ class PartedTensors(Mapping):
     def _page(self, i: int, name: str, row: list, depth: int, body: Optional[bytes]) -> list:
         """The page ``row`` points at: its boxes (``depth`` 0) or rows, checked against the hash ``row``
         binds it by, each inside ``row``'s bounds (kept)."""
-        if (i, row[2]) not in self._pages:
-            where = f"{self.where} part {part_name(self.index['generation'], i)}"
-            base = self._headers[i][1]
-            data = body[row[2]:row[2] + row[3]] if body is not None else \
-                self._read_range(part_name(self.index["generation"], i), base + row[2], row[3])
-            if len(data) != row[3] or hash_buffer(data) != row[4]:
-                raise IntegrityError(f"{where}: the page of {name} at bytes {row[2]}-{row[2] + row[3]} after its "
-                                     "header does not match the hash its row binds it by: it was edited or damaged "
-                                     "after AdaCheck wrote it, so nothing it says can be trusted. Restore it from a "
-                                     "copy, or load an older checkpoint (adacheck ls lists them)")
-            bound, what = Box(row[0], row[1]), f"{where}: the page of {name} at bytes {row[2]}-{row[2] + row[3]}"
+        if (i, row[2]) not in self._parsed:
+            what = f"{self.where} part {part_name(self.index['generation'], i)}: a page of {name}"
+            data = self._bytes(i, row[2], row[3], row[4], what, body)
+            bound = Box(row[0], row[1])
             try:
                 items = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
             except (ValueError, RecursionError) as e:
@@ -645,7 +677,6 @@ class PartedTensors(Mapping):
                     inside = False
                 if not inside:
                     raise FormatError(f"{what} is not a list of boxes inside {row[:2]}")
-            self._pages[i, row[2]] = data
             self._parsed[i, row[2]] = items
         return self._parsed[i, row[2]]
 

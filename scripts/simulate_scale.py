@@ -33,8 +33,10 @@ Megatron's buckets), every rank's shard list is built the way adacheck_megatron 
                             load of the main weights, or of the weights only into the
                             distributed optimizer, leaves that to the framework), which reads
                             their parts too; ``..._other_layout``: a load in another layout
-                            (half the data-parallel size), which reads the parts of every
-                            tensor it holds, against ``manifest_bytes_needed_per_rank_other_layout``,
+                            (half the data-parallel size), which reads (format 6, with the real
+                            reader) the header of each part that lists a tensor it holds, that
+                            tensor's entry and the pages that meet its regions (``format5``: those
+                            parts whole), against ``manifest_bytes_needed_per_rank_other_layout``,
                             the entries of the boxes it needs (two saving ranks' rank files);
                             ``rank0_gather_bytes``: what rank 0 receives
                             once per save for the manifest (``partition.gather``: each owner's

@@ -133,12 +133,18 @@ def test_a_region_of_a_tensor_reads_only_the_pages_of_its_part_that_list_it(tmp_
     open(part, "wb").write(text[:at] + b'"offsets":[301,0]' + text[at + 17:])
     damaged = CheckpointReader(ck)
     assert torch.equal(damaged.read("master/w", Box((2, 0), (1, 8))), w[2:3])
-    with pytest.raises(IntegrityError, match="the page of master/w at bytes .* does not match the hash"):
+    with pytest.raises(IntegrityError, match="a page of master/w .bytes .* does not match the hash"):
         damaged.read("master/w", Box((300, 0), (1, 8)))
-    # the header edited (what a tensor is): refused by its checksum
-    header = json.loads(text[:text.index(b"\n")])
-    assert header["tensors"]["master/w"]["depth"] >= 1       # (pages of rows above the pages of boxes)
+    # the tensor's entry edited (what it is): refused by the hash its header binds it by
+    base = text.index(b"\n") + 1
+    start, size, _ = json.loads(text[:base])["tensors"]["master/w"]
+    entry = json.loads(text[base + start:base + start + size])
+    assert entry["kind"] == "master" and entry["depth"] >= 1     # (pages of rows above the pages of boxes)
     open(part, "wb").write(text.replace(b'"kind":"master"', b'"kind":"optim"', 1))
+    with pytest.raises(IntegrityError, match="the entry of master/w .bytes .* does not match the hash"):
+        CheckpointReader(ck).read("master/w", Box((2, 0), (1, 8)))
+    # the header edited (where an entry is): refused by its checksum
+    open(part, "wb").write(text.replace(b'"master/w":[%d,' % start, b'"master/w":[%d,' % (start + 1), 1))
     with pytest.raises(IntegrityError, match="does not match its checksum"):
         CheckpointReader(ck).read("master/w", Box((2, 0), (1, 8)))
 
