@@ -6,48 +6,60 @@ weights replicated over data parallelism, fp32 main weights and Adam moments spl
 Megatron's buckets), every rank's shard list is built the way adacheck_megatron describes it
 (``adacheck.boxes.flat_pieces`` cuts each rank's flat range into boxes).  Then, per (model, ranks):
 
-  plan_seconds_per_rank     ``planner.plan_save`` as every rank runs it today at a later save
-                            (the job's PlanCache from the first; new hashes): over the whole
-                            job's shards.  Run for ``--sample-stages`` pipeline stages (all their
-                            ranks: whole tensors), scaled by the number of stages;
-                            ``first_plan_seconds_per_rank`` for the first save
-  exchange_bytes_per_rank   what a rank receives in the exchange of a later save (structures
-                            cached: hashes only), from ``checkpoint.exchange_blob`` of sampled
-                            ranks; ``first_exchange_bytes_per_rank`` with the structures
-  exchange_rounds           sequential steps of the ring (and the digests' all-gather)
-  manifest_bytes_read_per_rank   today every rank reads the whole manifest
-                            (``manifest.dumps`` of the sampled stages, scaled)
-  partitioned               the same decisions partitioned by tensor (``planner.route`` to
-                            each tensor's owner, ``planner.decide`` there; equal to the whole
-                            plan's): seconds and hash bytes received per rank (mean, busiest
-                            owner) and sent, in two all-to-all rounds; and the balance of
-                            writers chosen per holder set (``planner.place_by_group``, no
-                            global view), against the whole plan's; the manifest bytes a rank
-                            reads to load the layout it saved: format 5 (what the partitioned
-                            exchange writes: the root and the rank's own rank file) and, under
-                            ``format4``, the format before it (the root with every rank's
-                            tables and the parts that list the rank's tensors);
-                            ``..._derived_weights``: format 5 for a load that rebuilds bf16
-                            weights derived from the fp32 main weights (Megatron with
-                            --no-load-optim into a job without the distributed optimizer: a
-                            load of the main weights, or of the weights only into the
-                            distributed optimizer, leaves that to the framework), which reads
-                            their parts too; ``..._other_layout``: a load in another layout
-                            (half the data-parallel size), which reads (format 6, with the real
-                            reader) the header of each part that lists a tensor it holds, that
-                            tensor's entry and the pages that meet its regions (``format5``: those
-                            parts whole), against ``manifest_bytes_needed_per_rank_other_layout``,
-                            the entries of the boxes it needs (two saving ranks' rank files);
-                            ``rank0_gather_bytes``: what rank 0 receives
-                            once per save for the manifest (``partition.gather``: each owner's
-                            counts, warnings and meta entries, as long as they are), against
+The top-level fields are what AdaCheck's default exchange (``"auto"``: partitioned from 32 ranks
+on) costs a rank at these sizes; ``ring`` holds the same for the ring, with its whole-job plan on
+every rank (``exchange: "ring"``, and what every size ran before the partitioned exchange):
+
+  exchange                  "partitioned"
+  plan_seconds_per_rank     the decisions partitioned by tensor (``planner.route`` to each
+                            tensor's owner, ``planner.decide`` there; equal to the whole plan's)
+                            at a later save (each owner's PlanCache from the first; new hashes),
+                            mean over the job's ranks; ``partitioned`` has the busiest owner's
+  exchange_bytes_per_rank   the hash bytes a rank receives (mean; ``partitioned``: the busiest
+                            owner's, and what a rank sends)
+  exchange_rounds           two all-to-alls
+  manifest_bytes_read_per_rank   what a rank reads to load the layout it saved: the root and its
+                            own rank file (format 6, the real serialisers' bytes)
+  max_over_mean_bytes_written    the busiest writer over the mean, writers chosen per holder set
+                            (``planner.place_by_group``, no global view)
+  stored_over_unique        bytes stored over each distinct box once (the whole plan's, which
+                            the partitioned decisions equal: tests/test_partition.py)
+  partitioned               more of the partitioned exchange: the busiest owner; ``format4``, the
+                            manifest format before (the root with every rank's tables and the
+                            parts that list the rank's tensors); ``..._derived_weights``: a
+                            load that rebuilds bf16 weights derived from the fp32 main weights
+                            (Megatron with --no-load-optim into a job without the distributed
+                            optimizer: a load of the main weights, or of the weights only into
+                            the distributed optimizer, leaves that to the framework), which
+                            reads their parts too; ``..._other_layout``: a load in another
+                            layout (half the data-parallel size), which reads (format 6, with
+                            the real reader) the header of each part that lists a tensor it
+                            holds, that tensor's entry and the pages that meet its regions
+                            (``format5``: those parts whole), against
+                            ``manifest_bytes_needed_per_rank_other_layout``, the entries of the
+                            boxes it needs (two saving ranks' rank files);
+                            ``rank0_gather_bytes``: what rank 0 receives once per save for the
+                            manifest (``partition.gather``: each owner's counts, warnings and
+                            meta entries, as long as they are), against
                             ``rank0_gather_bytes_padded``, a gather of objects that pads each to
                             the longest (what it was)
-  max_over_mean_bytes_written    the busiest writer over the mean, from the plan
-  stored_over_unique        bytes stored over each distinct box once
+  ring                      ``plan_seconds_per_rank``: ``planner.plan_save`` as every rank runs
+                            it (over the whole job's shards; run for ``--sample-stages`` pipeline
+                            stages, all their ranks, scaled by the number of stages), and
+                            ``first_plan_seconds_per_rank`` for the first save;
+                            ``exchange_bytes_per_rank``: what a rank receives in the ring of a
+                            later save (structures cached: hashes only), from
+                            ``checkpoint.exchange_blob`` of sampled ranks
+                            (``first_exchange_bytes_per_rank`` with the structures);
+                            ``exchange_rounds``: its N-1 sequential steps and the digests'
+                            all-gather; ``manifest_bytes_read_per_rank``: its one manifest,
+                            which every rank reads; ``max_over_mean_bytes_written``: its greedy
+                            placement over the whole job
   projection                save seconds = max(busiest rank's bytes / per-rank share of node
                             storage bandwidth, all bytes / file system bandwidth), AdaCheck
-                            against native DeepSpeed (data-parallel rank 0 writes the weights)
+                            (the ring's greedy placement) against native DeepSpeed
+                            (data-parallel rank 0 writes the weights); the busiest owner's
+                            partitioned decisions
 
 Bandwidths are assumptions, given as flags (defaults: 8 ranks per node sharing
 ``--node-gbps`` of local NVMe writes, ``--fs-gbps`` of aggregate parallel file system
@@ -439,8 +451,13 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         "shards_per_rank": sum(len(x) for x in sampled) / len(sampled),
         "shards_whole_job": round(sum(len(x) for x in sampled) * scale),
         "sampled_stages": sample_stages, "sampled_ranks": len(sampled),
-        "plan_seconds_per_rank": plan_s * scale, "plan_seconds_sampled": plan_s,
-        "first_plan_seconds_per_rank": first_plan_s * scale,
+        "exchange": "partitioned",
+        "plan_seconds_per_rank": sum(decide_s) * scale / ranks,
+        "exchange_bytes_per_rank": round(sum(received) * scale / ranks),
+        "exchange_rounds": 2,
+        "manifest_bytes_read_per_rank": round(sum(rank_reads) / len(rank_reads)),
+        "max_over_mean_bytes_written": grouped_max / mean_written,
+        "stored_over_unique": stored / sampled_unique,
         "partitioned": {
             "decide_seconds_per_rank": sum(decide_s) * scale / ranks,
             "decide_seconds_busiest_owner_sampled": max(decide_s),
@@ -465,20 +482,22 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
             "format4": {"manifest_bytes_read_per_rank": round(sum(part_reads) / len(part_reads)),
                         "manifest_bytes_read_busiest_rank": round(max(part_reads)),
                         "manifest_root_bytes": round(root_bytes)}},
+        "ring": {"plan_seconds_per_rank": plan_s * scale, "plan_seconds_sampled": plan_s,
+                 "first_plan_seconds_per_rank": first_plan_s * scale,
+                 "exchange_bytes_per_rank": round(mean_later * (ranks - 1)),
+                 "first_exchange_bytes_per_rank": round(mean_first * (ranks - 1)),
+                 "exchange_rounds": ranks - 1 + 1,
+                 "manifest_bytes_read_per_rank": round(manifest_sampled * scale),
+                 "max_over_mean_bytes_written": max_written / mean_written},
         "build_seconds": build_s,
-        "exchange_bytes_per_rank": round(mean_later * (ranks - 1)),
-        "first_exchange_bytes_per_rank": round(mean_first * (ranks - 1)),
-        "exchange_rounds": ranks - 1 + 1,
-        "manifest_bytes_read_per_rank": round(manifest_sampled * scale),
-        "max_over_mean_bytes_written": max_written / mean_written,
-        "stored_over_unique": stored / sampled_unique,
         "unique_bytes": all_unique, "busiest_rank_bytes": max_written,
         "native_deepspeed_busiest_rank_bytes": native_max,
         "projection": {"assumptions": {"ranks_per_node": a.ranks_per_node, "node_write_gbps": a.node_gbps,
                                        "fs_write_gbps": a.fs_gbps},
                        "adacheck_save_seconds": save_seconds(max_written, total),
                        "native_deepspeed_save_seconds": save_seconds(native_max, all_unique),
-                       "adacheck_plan_and_exchange_seconds": plan_s * scale},
+                       # (the partitioned decisions: the save waits for the busiest owner)
+                       "adacheck_plan_and_exchange_seconds": max(decide_s)},
     }
 
 
@@ -498,7 +517,7 @@ def main() -> None:
     print("| model | ranks | shards per rank | plan s per rank (first) | exchange MB per rank (first) | rounds | "
           "manifest MB read per rank | max / mean written | stored / unique | save s AdaCheck / native DS | "
           "partitioned: decide s per rank (busiest) | MB received per rank (busiest) | max / mean by holder set | "
-          "manifest MB read per rank (busiest): format 4 / format 5 |")
+          "manifest MB read per rank (busiest): format 4 / format 5-6 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in a.model:
         m = MODELS[name]
@@ -506,11 +525,11 @@ def main() -> None:
         for n in a.ranks:
             row = simulate(m, n, stages, a)
             rows.append(row)
-            pr, pa = row["projection"], row["partitioned"]
-            print(f"| {name} | {n:,} | {row['shards_per_rank']:.0f} | {row['plan_seconds_per_rank']:.1f} ({row['first_plan_seconds_per_rank']:.1f}) | "
-                  f"{row['exchange_bytes_per_rank'] / 1e6:.1f} ({row['first_exchange_bytes_per_rank'] / 1e6:.1f}) | "
-                  f"{row['exchange_rounds']:,} | {row['manifest_bytes_read_per_rank'] / 1e6:.1f} | "
-                  f"{row['max_over_mean_bytes_written']:.2f} | {row['stored_over_unique']:.4f} | "
+            pr, pa, ring = row["projection"], row["partitioned"], row["ring"]
+            print(f"| {name} | {n:,} | {row['shards_per_rank']:.0f} | {ring['plan_seconds_per_rank']:.1f} ({ring['first_plan_seconds_per_rank']:.1f}) | "
+                  f"{ring['exchange_bytes_per_rank'] / 1e6:.1f} ({ring['first_exchange_bytes_per_rank'] / 1e6:.1f}) | "
+                  f"{ring['exchange_rounds']:,} | {ring['manifest_bytes_read_per_rank'] / 1e6:.1f} | "
+                  f"{ring['max_over_mean_bytes_written']:.2f} | {row['stored_over_unique']:.4f} | "
                   f"{pr['adacheck_save_seconds']:.1f} / {pr['native_deepspeed_save_seconds']:.1f} | "
                   f"{pa['decide_seconds_per_rank']:.3f} ({pa['decide_seconds_busiest_owner_sampled']:.3f}) | "
                   f"{pa['exchange_bytes_per_rank'] / 1e6:.2f} ({pa['exchange_bytes_busiest_owner_sampled'] / 1e6:.2f}) | "
