@@ -1380,9 +1380,6 @@ class CheckpointReader:
     def has(self, name: str) -> bool:
         if name in self.held():
             return True
-        tensors = self.manifest.tensors
-        if isinstance(tensors, PartedTensors) and tensors.paged:     # (format 6: its part's header says)
-            return tensors.lists(name)
         meta = self._meta()
         if meta is not None and not RANK_OBJECT.match(name):    # (format 5: every other tensor is listed there)
             return name in meta
@@ -1420,9 +1417,6 @@ class CheckpointReader:
         tensor's with ``whole``, else perhaps only those ``prefer_rank`` held."""
         if not whole and name in self.held():
             return self._held[name]
-        tensors = self.manifest.tensors
-        if not whole and isinstance(tensors, PartedTensors) and tensors.paged and tensors.lists(name):
-            return tensors.described(name)      # (format 6: its entry in its part, no page read)
         meta = self._meta() if not whole else None
         if meta is not None and name in meta:
             return meta_entry(name, meta[name])

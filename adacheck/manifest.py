@@ -493,7 +493,6 @@ class PartedTensors(Mapping):
         self._pages: Dict[tuple, bytes] = {}                # (part, start) -> a page's bytes, checked
         self._parsed: Dict[tuple, list] = {}                # (part, start) -> its boxes or rows (raw)
         self._entries: Dict[tuple, dict] = {}               # (part, tensor) -> its entry (raw)
-        self._described: Dict[str, TensorEntry] = {}        # tensor -> its entry without boxes
         self._regions: Dict[tuple, TensorEntry] = {}
 
     def meta(self) -> Optional[Dict[str, list]]:
@@ -579,28 +578,6 @@ class PartedTensors(Mapping):
             self._regions[key] = _tensors({name: self._with_boxes(name, t, boxes)}, self.version, self.files,
                                           self.tag, where, referenced=self.referenced, whole=False)[name]
         return self._regions[key]
-
-    def lists(self, name: str) -> bool:
-        """The checkpoint has tensor ``name`` (format 6: its part's header says, no entry read)."""
-        if not isinstance(name, str):
-            return False
-        if not self.paged:
-            return name in self
-        return name in self._header(owner_of(name, self.index["parts"]))
-
-    def described(self, name: str) -> TensorEntry:
-        """Tensor ``name``'s kind, dtype, shape and derivation, without its boxes (format 6: from its
-        entry, no page read; KeyError if the checkpoint does not have it)."""
-        i = owner_of(name, self.index["parts"])
-        if not self.paged or i in self.loaded:
-            e = self.part(i)[name]
-            return replace(e, boxes=(), derived=replace(e.derived, boxes=()) if e.derived is not None else None)
-        if name not in self._described:
-            self._header(i)
-            where = f"{self.where} part {part_name(self.index['generation'], i)}"
-            self._described[name] = _tensors({name: self._with_boxes(name, self._entry(i, name), [])}, self.version,
-                                             self.files, self.tag, where, referenced=self.referenced, whole=False)[name]
-        return self._described[name]
 
     def _header(self, i: int) -> dict:
         """Format 6: part ``i``'s header's entries (read in growing ranges up to its newline)."""

@@ -125,10 +125,6 @@ def test_a_region_of_a_tensor_reads_only_the_pages_of_its_part_that_list_it(tmp_
     assert torch.equal(r.read_flat("master/w", 8 * 40, 8 * 41), w[40])
     assert torch.equal(r.read("model/w", Box((7, 0), (2, 8))), w[7:9].bfloat16())
     assert 0 < r.manifest.tensors.bytes_read < size / 4, (r.manifest.tensors.bytes_read, size)
-    # what a tensor is, and whether the checkpoint has one, from the part's header and entry: the
-    # meta file (which grows with the model) is not read
-    assert r.has("model/w") and not r.has("master/x") and r.entry("model/w").derived.source == "master/w"
-    assert r.entry("master/w").shape == (rows, 8) and r.manifest.tensors.meta_bytes_read == 0
     whole = CheckpointReader(ck)
     assert torch.equal(whole.read("master/w"), w) and whole.manifest.tensors.bytes_read == size
     # a page edited after the save (one digit of a box's offsets): that page is refused, the others read
