@@ -239,7 +239,7 @@ def test_resume_bit_identical_and_reshape_on_2_ranks(tmp_path):
         err = results(str(tmp_path), rank)[-1]["errors"]
         assert len(err) == 1 and "holds shape" in err[0] and "needs" in err[0], err
     # the bf16 model weights are proven casts of the fp32 masters: stored once
-    man = read_manifest(resolve(str(tmp_path / "pp2_bf16-ck")))     # (partitioned: format 5, in parts)
+    man = read_manifest(resolve(str(tmp_path / "pp2_bf16-ck")))     # (partitioned: format 6, in parts)
     model = {n: t for n, t in man.tensors.items() if t.kind == "model"}
     assert man.format_version == 6 and model and all(t.derived is not None for t in model.values())
 
