@@ -154,9 +154,10 @@ def _compact(v) -> bytes:
     return json.dumps(v, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False).encode("utf-8")
 
 
-def _box_list(d: dict) -> Tuple[list, list]:
-    """(the list holding an entry's boxes: its stored boxes or its derived boxes, the path to it)."""
-    return (d["derived"].get("boxes", []), ["derived", "boxes"]) if "derived" in d else (d["boxes"], ["boxes"])
+def _take_boxes(d: dict) -> list:
+    """The boxes of a tensor entry as :func:`tensors_json` writes it (its stored boxes, or a derived
+    tensor's), taken out of it."""
+    return d["derived"].pop("boxes", []) if "derived" in d else d.pop("boxes")
 
 
 def paged_part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], generation: int) -> bytes:
@@ -185,8 +186,7 @@ def paged_part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], gener
         return row
 
     for name, d in tensors_json(tensors).items():
-        boxes, _ = _box_list(d)
-        boxes = sorted(boxes, key=lambda b: (b["offsets"], b["lengths"], b.get("file", ""), b.get("key", "")))
+        boxes = sorted(_take_boxes(d), key=lambda b: (b["offsets"], b["lengths"], b.get("file", ""), b.get("key", "")))
         rows = [page(boxes[i:i + PAGE_BOXES], [(b["offsets"], b["lengths"]) for b in boxes[i:i + PAGE_BOXES]])
                 for i in range(0, len(boxes), PAGE_BOXES)]
         depth = 0
@@ -194,10 +194,6 @@ def paged_part_bytes(tag: str, part: int, tensors: Dict[str, TensorEntry], gener
             rows = [page(rows[i:i + PAGE_ROWS], [r[:2] for r in rows[i:i + PAGE_ROWS]])
                     for i in range(0, len(rows), PAGE_ROWS)]
             depth += 1
-        if "derived" in d:
-            d["derived"].pop("boxes", None)
-        else:
-            d.pop("boxes")
         entry = _compact(dict(d, pages=rows, depth=depth)) + b"\n"
         head[name] = [pos, len(entry), hash_buffer(entry)]
         pages.append(entry)
@@ -490,7 +486,7 @@ class PartedTensors(Mapping):
         self._meta: Optional[Dict[str, list]] = None
         self.paged = version >= PAGED_SINCE
         self._headers: Dict[int, Tuple[dict, int]] = {}     # format 6: part -> (its header's index, base)
-        self._pages: Dict[tuple, bytes] = {}                # (part, start) -> a page's bytes, checked
+        self._sizes: Dict[tuple, int] = {}                  # (part, start) -> a checked page's size
         self._parsed: Dict[tuple, list] = {}                # (part, start) -> its boxes or rows (raw)
         self._entries: Dict[tuple, dict] = {}               # (part, tensor) -> its entry (raw)
         self._regions: Dict[tuple, TensorEntry] = {}
@@ -512,7 +508,7 @@ class PartedTensors(Mapping):
             for n, row in meta.items():
                 if not (isinstance(row, list) and len(row) == 5 and row[0] in KINDS and row[1] in DTYPES
                         and isinstance(row[2], list)
-                        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in row[2])
+                        and all(_count(x) for x in row[2])
                         and (row[3] is None) == (row[4] is None)
                         and all(isinstance(x, (str, type(None))) for x in row[3:]) and not RANK_OBJECT.match(n)):
                     raise FormatError(f"{where}: meta[{n!r}] is not [kind, dtype, shape, source, op]: {row!r}")
@@ -540,8 +536,8 @@ class PartedTensors(Mapping):
             raw = {}
             for n in head:
                 t = self._entry(i, n, body)
-                raw[n] = self._with_boxes(n, t, self._boxes(i, n, t["pages"], t["depth"], None, body))
-            if sum(len(v) for k, v in self._pages.items() if k[0] == i) != len(body):
+                raw[n] = self._with_boxes(t, self._boxes(i, n, t["pages"], t["depth"], None, body))
+            if sum(n for k, n in self._sizes.items() if k[0] == i) != len(body):
                 raise FormatError(f"{where}: its pages do not fill the file after its header")
         else:
             expect = {"format": PART_FORMAT, "tag": self.tag, "part": i}
@@ -575,7 +571,7 @@ class PartedTensors(Mapping):
         key = (name, tuple(id(b) for b in boxes))
         if key not in self._regions:
             where = f"{self.where} part {part_name(self.index['generation'], i)}"
-            self._regions[key] = _tensors({name: self._with_boxes(name, t, boxes)}, self.version, self.files,
+            self._regions[key] = _tensors({name: self._with_boxes(t, boxes)}, self.version, self.files,
                                           self.tag, where, referenced=self.referenced, whole=False)[name]
         return self._regions[key]
 
@@ -639,7 +635,7 @@ class PartedTensors(Mapping):
                                  "that binds it: it was edited or damaged after AdaCheck wrote it, so nothing it says "
                                  "can be trusted. Restore it from a copy, or load an older checkpoint (adacheck ls "
                                  "lists them)")
-        self._pages[i, start] = data
+        self._sizes[i, start] = size
         return data
 
     def _boxes(self, i: int, name: str, rows: list, depth: int, box: Optional[Box],
@@ -681,8 +677,8 @@ class PartedTensors(Mapping):
         return self._parsed[i, row[2]]
 
     @staticmethod
-    def _with_boxes(name: str, head: dict, boxes: list) -> dict:
-        """A header entry as format 5 writes it, with ``boxes``."""
+    def _with_boxes(head: dict, boxes: list) -> dict:
+        """A format 6 entry as format 5 writes it, with ``boxes``."""
         raw = {k: v for k, v in head.items() if k not in ("pages", "depth")}
         if "derived" in raw:
             raw["derived"] = dict(raw["derived"], boxes=boxes) if isinstance(raw["derived"], dict) else raw["derived"]

@@ -407,12 +407,13 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         other_needed.append(root5_bytes + 2 * (rank_reads[-1] - root5_bytes))
         # (format 6: this rank and the next data-parallel rank's boxes, one rank's at half the size)
         nxt = i + 1 if (i % dp) + 1 < dp else i - 1
+        loaded = sampled[i] + (sampled[nxt] if nxt >= 0 else [])
         tensors = mf.ranked_tables(root5.index, man.tag, mf.PAGED_SINCE, InMemory(paged), "simulated")[0]
-        for x in sampled[i] + (sampled[nxt] if nxt >= 0 else []):
+        for x in loaded:
             tensors.region(x.name, x.box)
         # (a part's header lists the tensors of every stage that hash to it: those of the stages not
         # sampled are counted as the sampled others, scaled as the parts are)
-        needed = {x.name for x in sampled[i] + (sampled[nxt] if nxt >= 0 else [])}
+        needed = {x.name for x in loaded}
         heads = estimate = 0
         for p in {hash_owner(n, ranks) for n in needed}:
             text = paged[mf.part_name(0, p)]
