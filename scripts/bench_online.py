@@ -39,7 +39,7 @@ every step's deltas also travel to the next node behind training (``peer MB/step
 busiest rank received per step).  ``gradients GB/s per rank``: the gradient bytes a rank stages per
 second of a plain step, the rate at which deltas arrive (``--batch`` and ``--seq`` set the tokens
 per step, so the compute per gradient byte); ``its hook ms``: the memory-tier engine's time in the
-hook per step (the staging copy, and waiting for a free staging slot when its writer fell behind).
+hook per step: the staging copy + waiting for a free staging slot (when its writer fell behind).
 
 and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
 added up (the ranks wait for each other at each collective, so one rank's writer delays all),
@@ -162,7 +162,7 @@ def worker(a) -> None:
         for dtype in a.dtypes:
             work = os.path.join(a.work, f"z{stage}-{dtype}")
             ck, ck_tiers = os.path.join(work, "online"), os.path.join(work, "online-tiers")
-            online = {"enabled": True, "base_interval": 10 ** 6, "compact": a.compact}
+            online = {"enabled": True, "base_interval": 10 ** 6, "compact": a.compact, "queue_depth": a.queue_depth}
             plain = engine_for(stage, dtype, {"enabled": True})
             on = engine_for(stage, dtype, {"enabled": True, "save_dir": url + ck, "online": online})
             tiers = {"enabled": True, "save_dir": url + ck_tiers,
@@ -199,8 +199,8 @@ def worker(a) -> None:
                 tiered.adacheck.online.flush()       # (and the peer copies of its steps)
                 tl = tiered.adacheck.online.recorder.log     # its writer's CPU per step (slowest rank)
                 tiers_cpu = on_device(torch.tensor([tl.write_cpu_seconds / max(1, tl.steps_written), tl.files_reused,
-                                                    tl.steps_written, (tl.stage_seconds + tl.stall_seconds)
-                                                    / max(1, tl.steps_written)], dtype=torch.float64))
+                                                    tl.steps_written, tl.stage_seconds / max(1, tl.steps_written),
+                                                    tl.stall_seconds / max(1, tl.steps_written)], dtype=torch.float64))
                 dist.all_reduce(tiers_cpu, op=dist.ReduceOp.MAX)
                 tiers_cpu = tiers_cpu.tolist()
                 spread = tiered.adacheck.online.recorder.spread
@@ -278,7 +278,8 @@ def worker(a) -> None:
                                     nodes=a.nodes, peer_mb_per_step=peer_mb and peer_mb[0],
                                     peer_cpu_ms_per_step=peer_mb and peer_mb[1], tiers_base_interval=a.tiers_base_interval,
                                     tiers_writer_cpu_ms=1e3 * tiers_cpu[0], tiers_files_written_over=int(tiers_cpu[1]),
-                                    tiers_steps_written=int(tiers_cpu[2]), tiers_hook_ms=1e3 * tiers_cpu[3],
+                                    tiers_steps_written=int(tiers_cpu[2]), tiers_hook_ms=1e3 * (tiers_cpu[3] + tiers_cpu[4]),
+                                    tiers_stage_ms=1e3 * tiers_cpu[3], tiers_stall_ms=1e3 * tiers_cpu[4],
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)])
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
@@ -341,7 +342,7 @@ def table(rows) -> str:
     tiered = [r for r in rows if "overhead_tiers" in r]
     if tiered:
         out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | gradients GB/s per rank | overhead: deltas to disk "
-                "| overhead: deltas to the memory tier | its hook ms | its writer CPU ms/step (files written over) "
+                "| overhead: deltas to the memory tier | its hook ms (copy + wait) | its writer CPU ms/step (files written over) "
                 "| peer MB/step (peer thread CPU) | tiers exact | exit copy s |", "|" + "---:|" * 14]
         for r in tiered:
             def ov(key):
@@ -351,7 +352,7 @@ def table(rows) -> str:
                     if r.get("peer_mb_per_step") is not None else "-")
             out.append(f"| {r['dp']} | {r.get('nodes', 1)} | {r['stage']} | {r['dtype']} | "
                        f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {r['staged_gbps']:.2f} | "
-                       f"{ov('overhead')} | {ov('overhead_tiers')} | {r['tiers_hook_ms']:.1f} | "
+                       f"{ov('overhead')} | {ov('overhead_tiers')} | {r['tiers_stage_ms']:.1f} + {r['tiers_stall_ms']:.1f} | "
                        f"{r['tiers_writer_cpu_ms']:.1f} ({r['tiers_files_written_over']}/"
                        f"{r['tiers_steps_written']}) | {peer} | {'yes' if r['tiers_exact'] else 'NO'} | "
                        f"{r['tiers_close_s']:.1f} |")
@@ -386,11 +387,16 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1,
                     help="with --tiers: simulated nodes (ranks split in order; each its own memory directory "
                          "under --memory-dir) and the peer tier: every step's deltas also go to the next node")
+    ap.add_argument("--queue-depth", type=int, default=2, help="online.queue_depth of both online engines")
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     add_device_flag(ap)
     a = ap.parse_args()
+    if a.tiers_base_interval and a.blocks * a.steps >= a.tiers_base_interval:
+        ap.error(f"--blocks x --steps ({a.blocks * a.steps} timed steps) must be under --tiers-base-interval "
+                 f"({a.tiers_base_interval}): the memory-tier engine's timed steps would include its next base "
+                 "save. Raise --tiers-base-interval or time fewer steps")
     os.environ["ADACHECK_BENCH_DEVICE"] = a.device
     if a.worker:
         return worker(a)
@@ -402,7 +408,8 @@ def main() -> None:
                         "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
                        + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
                        + (["--memory-dir", a.memory_dir] if a.memory_dir else [])
-                       + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes)]
+                       + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes),
+                          "--queue-depth", str(a.queue_depth)]
                        + (["--tiers-base-interval", str(a.tiers_base_interval)] if a.tiers_base_interval else []))
     import deepspeed
     import torch
@@ -411,7 +418,7 @@ def main() -> None:
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers, "batch": a.batch, "seq": a.seq},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "compact": a.compact, "device": a.device,
                    "tiers": a.tiers, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
-                   "nodes": a.nodes, "tiers_base_interval": a.tiers_base_interval,
+                   "nodes": a.nodes, "tiers_base_interval": a.tiers_base_interval, "queue_depth": a.queue_depth,
                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
     extra = attribution(rows)
