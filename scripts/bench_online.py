@@ -51,6 +51,7 @@ I/O completions; steal: the hypervisor's; idle+iowait: cores waiting)
     .venv/bin/python scripts/bench_online.py --stages 2 --dtypes bf16 --steps 6
     .venv/bin/python scripts/bench_online.py --stages 1 --dtypes fp32 --compact
     .venv/bin/python scripts/bench_online.py --stages 1 --dtypes bf16 fp32 --tiers --durable-mbps 200
+    .venv/bin/python scripts/bench_online.py --stages 1 --dtypes bf16 --tiers --tiers-base-interval 26 --profile 4
 """
 from __future__ import annotations
 
@@ -104,6 +105,37 @@ def slow_storage(mbps: float) -> str:
 
     fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
     return "slowfile://"
+
+
+def profile(a, engines, train, rank: int, path: str) -> None:
+    """``a.profile`` steps of each engine under torch.profiler (every rank; rank 0 writes the
+    tables): where the memory tier's extra time per step goes (its hook's copies and launches,
+    or the host threads it competes with)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from adacheck.deltas import DeltaLog
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device() == "cuda" else [])
+    out, add = [], DeltaLog.add
+
+    def labelled(log, key, grad):     # (the hook's copies, as one row and as their own ops)
+        with torch.profiler.record_function("adacheck: DeltaLog.add"):
+            return add(log, key, grad)
+    for name, eng in engines:
+        DeltaLog.add = labelled
+        try:
+            with torch.profiler.profile(activities=acts) as prof:
+                seconds = train(eng, a.profile)
+        finally:
+            DeltaLog.add = add
+        sort = "self_cuda_time_total" if device() == "cuda" else "self_cpu_time_total"
+        out.append(f"== {name}: {a.profile} steps, {seconds:.4f} s per step (profiled)\n"
+                   + prof.key_averages().table(sort_by="cpu_time_total", row_limit=20)
+                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                   + (prof.key_averages().table(sort_by=sort, row_limit=15) if device() == "cuda" else ""))
+    if rank == 0:
+        with open(path, "w") as f:
+            f.write("\n".join(out))
+        print(f"[bench] profile in {path}", flush=True)
 
 
 def worker(a) -> None:
@@ -180,6 +212,9 @@ def worker(a) -> None:
                 k = block % len(order)      # (each engine in each position in turn)
                 for times, host, eng in order[k:] + order[:k]:
                     times.append(train(eng, a.steps, host))
+            if a.profile and tiered is not None:
+                profile(a, [("plain", plain), ("memory tier", tiered)], train, rank,
+                        os.path.splitext(a.json)[0] + f"-profile-z{stage}-{dtype}.txt")
             t0 = time.perf_counter()
             on.adacheck.online.flush()
             device_sync()
@@ -388,13 +423,18 @@ def main() -> None:
                     help="with --tiers: simulated nodes (ranks split in order; each its own memory directory "
                          "under --memory-dir) and the peer tier: every step's deltas also go to the next node")
     ap.add_argument("--queue-depth", type=int, default=2, help="online.queue_depth of both online engines")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="with --tiers: after the timed blocks, N more steps of the plain and of the memory-tier "
+                         "engine under torch.profiler; rank 0 writes their ops by CPU time (and device time on a "
+                         "GPU) beside --json")
     ap.add_argument("--json", default="bench_online.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     add_device_flag(ap)
     a = ap.parse_args()
-    if a.tiers_base_interval and a.blocks * a.steps >= a.tiers_base_interval:
-        ap.error(f"--blocks x --steps ({a.blocks * a.steps} timed steps) must be under --tiers-base-interval "
+    if a.tiers_base_interval and a.blocks * a.steps + a.profile >= a.tiers_base_interval:
+        ap.error(f"--blocks x --steps + --profile ({a.blocks * a.steps + a.profile} steps) must be under "
+                 f"--tiers-base-interval "
                  f"({a.tiers_base_interval}): the memory-tier engine's timed steps would include its next base "
                  "save. Raise --tiers-base-interval or time fewer steps")
     os.environ["ADACHECK_BENCH_DEVICE"] = a.device
@@ -409,7 +449,8 @@ def main() -> None:
                        + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
                        + (["--memory-dir", a.memory_dir] if a.memory_dir else [])
                        + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes),
-                          "--queue-depth", str(a.queue_depth)]
+                          "--queue-depth", str(a.queue_depth), "--profile", str(a.profile),
+                          "--json", os.path.abspath(a.json)]
                        + (["--tiers-base-interval", str(a.tiers_base_interval)] if a.tiers_base_interval else []))
     import deepspeed
     import torch
