@@ -250,7 +250,7 @@ class DeltaLog:
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
                  queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL,
                  on_written: Optional[Callable[[str, int, bool], None]] = None, spares: Optional[str] = None,
-                 split: Optional[bool] = None):
+                 split: Optional[bool] = None, reuse: Optional["DeltaLog"] = None):
         self.ckpt_dir, self.rank, self.nonce, self.store = ckpt_dir, rank, nonce, store
         # stage fp32 gradients split into the high and low halves of their bits, the proof that
         # they are bf16 counted where they are (None: GPU gradients only; see add())
@@ -271,8 +271,14 @@ class DeltaLog:
         self.started = time.perf_counter()
         self.last_written: Optional[int] = None
         self._free: "queue.Queue[_Slot]" = queue.Queue()
-        for _ in range(queue_depth):
-            self._free.put(_Slot())
+        # ``reuse``: the closed log of the chain before, whose staging buffers (allocated, pinned,
+        # their pages touched, laid out) and hints this one takes over: a new chain's first steps
+        # would otherwise pay for all of that again on the training thread, at every base
+        slots = reuse._take_slots() if reuse is not None else []
+        for slot in (slots + [_Slot() for _ in range(queue_depth - len(slots))])[:queue_depth]:
+            self._free.put(slot)
+        if reuse is not None:
+            self._inexact |= reuse._inexact
         self._jobs: "queue.Queue" = queue.Queue()
         self._slot: Optional[_Slot] = None
         self._slot_step: Optional[int] = None
@@ -283,6 +289,16 @@ class DeltaLog:
         self._thread.start()
         self._closed = False
         lifecycle.keep(self)      # flushed and joined at interpreter exit if still open
+
+    def _take_slots(self) -> List[_Slot]:
+        """The staging slots of this closed log, for the next chain's (once)."""
+        if not self._closed:
+            raise RuntimeError("DeltaLog: staging slots are handed over only once the log is closed")
+        slots = [] if self._slot is None else [self._slot]
+        self._slot = None
+        while not self._free.empty():
+            slots.append(self._free.get_nowait())
+        return slots
 
     @property
     def files_reused(self) -> int:

@@ -190,9 +190,9 @@ class OnlineRecorder:
         """Deltas from now on belong to the base ``tag`` of step ``step`` (collective).
         ``resume_after``: continue that base's chain after this (recovered) step instead."""
         comm = self.comm()
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        done, self.log = self.log, None      # (its staging buffers go on in the new chain's log)
+        if done is not None:
+            done.close()
         ckpt_dir = self.store.join(self.save_dir, tag)
         spread = self.spread
         leads = spread.leads(comm.rank) if spread is not None else comm.rank == 0   # (each node's chain file)
@@ -231,7 +231,8 @@ class OnlineRecorder:
             self.interval = None
         self.log = deltas.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
                                    compact=self.config.compact, on_error=self.config.on_error, store=self.store,
-                                   on_written=spread.written if spread is not None else None, spares=self.spares)
+                                   on_written=spread.written if spread is not None else None, spares=self.spares,
+                                   reuse=done)
         self._stored = {}
         self.shadow = Shadow(self.tap) if self.config.compact else None
 

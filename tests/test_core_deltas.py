@@ -123,6 +123,43 @@ def test_split_staging_writes_what_whole_staging_writes(tmp_path, monkeypatch, c
     assert stored == ["bfloat16", "bfloat16"] + (["bfloat16"] * 2 if compact else ["float32"] * 2) + ["bfloat16"]
 
 
+def test_a_new_chain_stages_into_the_buffers_of_the_chain_before(tmp_path):
+    """At every base the online mode starts a new chain's log; it takes over the closed log's
+    staging buffers (the same memory: on a GPU host pinned, and on any host with its pages
+    touched, which a first step would otherwise pay for on the training thread) and its hint
+    that a gradient was not bf16.  What it writes is still each step's gradient, as safetensors'
+    own loader reads it."""
+    from safetensors.torch import load_file
+    exact, inexact = torch.randn(3000).to(torch.bfloat16).float(), torch.randn(2000)
+
+    def record(lg, steps):
+        for step in steps:
+            lg.begin(step)
+            lg.add("a", exact * 2.0 ** step)      # (bf16 at every step)
+            lg.add("b", inexact * step)
+            lg.submit(step, {"step": step})
+            lg.flush()        # (each step written before the next: every slot sees "b" whole)
+
+    def buffers(lg):
+        return sorted(b.data_ptr() for slot in list(lg._free.queue) for b in slot.buffers.values())
+    first = deltas.DeltaLog(str(tmp_path / "base1"), 0, "n1", fsync=False, split=True)
+    record(first, [1, 2, 3])
+    first.close()
+    held = buffers(first)
+    second = deltas.DeltaLog(str(tmp_path / "base4"), 0, "n4", fsync=False, split=True, reuse=first)
+    assert not second._splits("b", inexact) and second._splits("a", exact)
+    record(second, [4, 5, 6])
+    assert len(held) == 4 and buffers(second) == held
+    second.close()
+    for step in (4, 5, 6):
+        got = load_file(os.path.join(deltas.step_dir(str(tmp_path / "base4"), step), "rank0.safetensors"))
+        a, b = got[deltas.GRAD + "a"], got[deltas.GRAD + "b"]
+        assert a.dtype == torch.bfloat16 and torch.equal(a.float(), exact * 2.0 ** step), step
+        assert b.dtype == torch.float32 and torch.equal(b, inexact * step), step
+    with pytest.raises(RuntimeError, match="only once the log is closed"):
+        deltas.DeltaLog(str(tmp_path / "x"), 0, "n", fsync=False, reuse=deltas.DeltaLog(str(tmp_path / "y"), 0, "n"))
+
+
 def test_compact_is_lossy_and_says_by_how_much(tmp_path):
     ck = str(tmp_path)
     g = torch.randn(100)
