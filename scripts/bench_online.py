@@ -203,7 +203,10 @@ def worker(a) -> None:
                                "persist_interval": a.persist_interval}}
             tiered = engine_for(stage, dtype, tiers) if a.tiers else None
             train(plain, 2)
-            train(on, 2)            # the base (step 1) and the first delta
+            # the base (step 1), then each staging slot's first two steps: its buffers made, then
+            # laid out in one block (their pages touched twice), before steps are timed
+            warm = 2 + 2 * a.queue_depth
+            train(on, warm)
             if tiered is not None:     # (with --tiers-base-interval B: timed in the third chain, base 1's retired)
                 train(tiered, 2 * a.tiers_base_interval + 1 if a.tiers_base_interval else 2)
             t_plain, t_on, t_tiers, h_plain, h_on = [], [], [], [], []
@@ -256,7 +259,7 @@ def worker(a) -> None:
             adacheck_ds.save_native(on, native, tag="n")
             base_dir = os.path.join(ck, "global_step1")
             steps, _ = deltas.committed_steps(base_dir, 1, dist.get_world_size())
-            total_steps = 2 + a.blocks * a.steps
+            total_steps = warm + a.blocks * a.steps
             assert [s.step for s in steps] == list(range(2, total_steps + 1)), [s.step for s in steps]
             elems = deltas.stored_elements(steps)
             delta_bytes = statistics.mean(s.bytes for s in steps)
