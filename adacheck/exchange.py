@@ -97,7 +97,7 @@ class Comm:
 
     def transfer(self, moves: Sequence[Tuple[int, int]], read: Callable[[int], Any],
                  deliver: Callable[[int, Any], None], sizes: Optional[Sequence[int]] = None,
-                 window_bytes: int = 1 << 30) -> int:
+                 window_bytes: int = 1 << 30, into: Optional[Callable[[int, int], Any]] = None) -> int:
         """Point-to-point moves, the same list on every rank: move ``i`` = (source, destination)
         sends ``read(i)`` (bytes, or a uint8 CPU tensor) from the source rank to the destination,
         which gets ``deliver(i, data)``, a bytes-like object (None: the source could not read it;
@@ -105,7 +105,9 @@ class Comm:
         waiting).  The moves run in windows, the same on every rank: each holds consecutive moves of
         at most ``window_bytes`` by their expected ``sizes`` (one move each without them); in a
         window every rank starts all its sends and receives, then waits for them, so a window is
-        like a collective and cannot deadlock.  Returns the bytes received here."""
+        like a collective and cannot deadlock.  ``into(i, nbytes)``: the uint8 tensor move ``i``
+        is received into (default: new memory), which ``deliver`` has done with when it returns.
+        Returns the bytes received here."""
         failed: List[BaseException] = []
 
         def guarded(fn, *args):
@@ -140,7 +142,9 @@ class Comm:
                         outgoing[i] = data
             incoming = [i for i in window if moves[i][1] == self.rank and moves[i][0] != self.rank]
             received = self._exchange_blocks([(moves[i][1], d) for i, d in outgoing.items()],
-                                             [moves[i][0] for i in incoming]) if outgoing or incoming else []
+                                             [moves[i][0] for i in incoming],
+                                             into and (lambda k, n, ids=incoming: into(ids[k], n))) \
+                if outgoing or incoming else []
             for i, data in zip(incoming, received):
                 got += 0 if data is None else len(data)
                 guarded(deliver, i, data)
@@ -148,9 +152,10 @@ class Comm:
             raise failed[0]
         return got
 
-    def _exchange_blocks(self, sends, recv_from) -> list:
+    def _exchange_blocks(self, sends, recv_from, into=None) -> list:
         """Send each (rank, data) of ``sends`` and receive one block from each rank of
-        ``recv_from`` (in order), all at once: the received blocks (None: the source had none)."""
+        ``recv_from`` (in order), all at once: the received blocks (None: the source had none),
+        the k-th into ``into(k, nbytes)`` where given."""
         raise NotImplementedError("a world of one moves nothing between ranks")
 
     def barrier(self) -> None:
@@ -238,7 +243,7 @@ class TorchComm(Comm):
         for q in reqs:
             q.wait()
 
-    def _exchange_blocks(self, sends, recv_from) -> list:
+    def _exchange_blocks(self, sends, recv_from, into=None) -> list:
         import torch
         d = self._dist
         # sizes first (-1: nothing follows), then the data; every send and receive started before any wait
@@ -248,7 +253,8 @@ class TorchComm(Comm):
         reqs += [d.irecv(h, self._global(frm), group=self.group) for h, frm in zip(heads_in, recv_from)]
         for q in reqs:
             q.wait()
-        bufs = [None if int(h) < 0 else torch.empty(int(h), dtype=torch.uint8) for h in heads_in]
+        bufs = [None if int(h) < 0 else into(k, int(h)) if into is not None else torch.empty(int(h), dtype=torch.uint8)
+                for k, h in enumerate(heads_in)]
         reqs = []
         for to, data in sends:
             if data is not None and len(data):

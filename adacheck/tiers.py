@@ -41,6 +41,7 @@ import queue
 import re
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -232,6 +233,9 @@ class DeltaSpread:
         self.moves = [(w, d) for w in range(len(self.nodes)) for d in [self.layout.partner(w)] if d is not None] \
             if peer else []
         self.comm = background_comm(comm, timeout_s) if self.moves else None
+        # the blocks sent and received, in memory kept from step to step (new memory would have
+        # its pages faulted in on every step: most of what a step cost this thread)
+        self._outgoing, self._incoming = Reused(), defaultdict(Reused)
         self.sent = self.received = 0          # steps (this rank's) and bytes
         self.cpu_seconds = 0.0                 # CPU time of the peer thread (reading, sending, receiving, writing)
         self.failures = 0
@@ -272,7 +276,7 @@ class DeltaSpread:
 
     def _send(self, ckpt_dir: str, step: int, ok: bool) -> None:
         def read(i):
-            block = pack_step(ckpt_dir, step, self.moves[i][0]) if ok else None
+            block = pack_step(ckpt_dir, step, self.moves[i][0], self._outgoing) if ok else None
             if block is None:
                 raise FormatError(f"rank {self.rank} has no step {step} to send (its delta log did not write it)")
             return block
@@ -284,7 +288,8 @@ class DeltaSpread:
             receive_step(ckpt_dir, step, src, unpack_files(data), f"a peer's delta (from rank {src})")
 
         try:
-            got = self.comm.transfer(self.moves, read, deliver, sizes=[0] * len(self.moves))   # (one round)
+            got = self.comm.transfer(self.moves, read, deliver, sizes=[0] * len(self.moves),    # (one round)
+                                     into=lambda i, n: self._incoming[i](n))
             self.received += got
             self.sent += 1
         except Exception as e:  # noqa: BLE001 - a step without its peer copy: said, the next ones go on
@@ -327,12 +332,28 @@ def pack_files(files: Dict[str, bytes]) -> bytes:
     return b"".join([_block_head([(n, len(b)) for n, b in files.items()]), *(bytes(files[n]) for n in sorted(files))])
 
 
-def pack_step(ckpt_dir: str, step: int, rank: int):
+class Reused:
+    """A uint8 host buffer handed out again and again, ``buffer(nbytes)``: a view of its first
+    ``nbytes``, grown when a block needs more (the caller is done with the last view first)."""
+
+    def __init__(self):
+        self._buf = None
+
+    def __call__(self, nbytes: int):
+        import torch
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = None        # (freed before the larger one is made)
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes]
+
+
+def pack_step(ckpt_dir: str, step: int, rank: int, buffer: Optional[Callable[[int], object]] = None):
     """Rank ``rank``'s committed files of ``step`` in the memory checkpoint ``ckpt_dir`` as one
     :func:`pack_files` block, a uint8 tensor the files are read straight into (it is sent as it
-    is: one copy of the gradients on the way out); None when the step's record is not there.  The
-    record is read first (the gradients it commits are whole), the gradients under
-    :meth:`SpareFiles.held` (not written over meanwhile)."""
+    is: one copy of the gradients on the way out; ``buffer(nbytes)`` gives it, e.g. a
+    :class:`Reused`); None when the step's record is not there.  The record is read first (the
+    gradients it commits are whole), the gradients under :meth:`SpareFiles.held` (not written
+    over meanwhile)."""
     import torch
     d = deltas.step_dir(ckpt_dir, step)
     json_name, grad_name = f"rank{rank}.json", f"rank{rank}.safetensors"
@@ -346,7 +367,7 @@ def pack_step(ckpt_dir: str, step: int, rank: int):
     with SpareFiles.held(path), open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = _block_head([(json_name, len(record)), (grad_name, size)]) + record    # (the record's name sorts first)
-        out = torch.empty(len(head) + size, dtype=torch.uint8)
+        out = buffer(len(head) + size) if buffer is not None else torch.empty(len(head) + size, dtype=torch.uint8)
         view = memoryview(out.numpy())
         view[:len(head)] = head
         _fill(f, view[len(head):], path)

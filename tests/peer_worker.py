@@ -1,8 +1,9 @@
 """One rank of test_tiers.py's test of the peer copy in a save in parts (NodeSpread.move_own): two
 ranks on simulated nodes a and b, each sending its files to the other, in three cases: its own
 files; a block that also holds names that are not the sender's (one leading out of the
-directory); a shard file written for another checkpoint.  Writes what each rank received, or the
-error it raised, to <out>/rank<r>.json."""
+directory); a shard file written for another checkpoint.  Then three rounds of blocks received
+into a reused buffer (DeltaSpread's).  Writes what each rank received, or the error it raised,
+to <out>/rank<r>.json."""
 import json
 import os
 import sys
@@ -41,6 +42,20 @@ def main(spec_path: str, out: str) -> None:
         except Exception as e:  # noqa: BLE001 - reported to the test
             result[case] = {"error": f"{type(e).__name__}: {e}"}
         result[case]["files"] = sorted(os.listdir(d))
+    # DeltaSpread's rounds: blocks sent from and received into buffers kept from round to round
+    # (tiers.Reused): each round's block arrives whole, in the buffer given, whatever came before
+    from adacheck.tiers import Reused
+    sent, incoming, rounds = Reused(), Reused(), []
+    for n in (300_000, 200_000, 300_001):
+        block = sent(n)
+        block.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + rank)))
+        got = {}
+        comm.transfer([(0, 1), (1, 0)], lambda i, b=block: b, lambda i, data: got.update(data=bytes(data),
+                                                                                           at=data.ctypes.data),
+                      into=lambda i, n: incoming(n))
+        want = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + 1 - rank))
+        rounds.append({"same": got["data"] == bytes(want.numpy()), "at": got["at"], "buffer": incoming(1).data_ptr()})
+    result["reused"] = rounds
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -329,7 +329,7 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     step that is accepted: the gradient read back equals the tensor recorded."""
     import torch
     from adacheck.errors import FormatError
-    from adacheck.tiers import pack_files, pack_step, receive_step, unpack_files
+    from adacheck.tiers import Reused, pack_files, pack_step, receive_step, unpack_files
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     lg = deltas.DeltaLog(src, 2, "n0nce", fsync=False)
@@ -340,6 +340,10 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     files = {name: bytes(b) for name, b in unpack_files(pack_step(src, 5, 2)).items()}
     assert sorted(files) == ["rank2.json", "rank2.safetensors"]
     assert pack_step(src, 6, 2) is None and bytes(pack_step(src, 5, 2).numpy()) == pack_files(files)
+    kept = Reused()       # (the peer thread's: one buffer read into at every step)
+    for _ in range(2):
+        block = pack_step(src, 5, 2, kept)
+        assert bytes(block.numpy()) == pack_files(files) and block.data_ptr() == kept(1).data_ptr()
     here = deltas.step_dir(dst, 5)
 
     def refused(bad, match, rank=2):
@@ -690,7 +694,9 @@ def test_the_peer_copy_of_a_save_in_parts_keeps_only_the_senders_files(tmp_path)
     rank's shard file, part, rank file (and rank 0's meta file) arrive at the other node as they
     were sent; a block that also holds a name that is not the sender's (one leading out of the
     directory, one of another rank) is refused on the receiving rank, and nothing of it is kept
-    outside; a shard file written for another checkpoint is refused and not kept."""
+    outside; a shard file written for another checkpoint is refused and not kept.  Blocks that
+    Comm.transfer receives into a buffer kept from round to round (the online deltas' peer
+    copies) arrive whole, in that buffer, each round."""
     from adacheck.tiers import own_files
     d = str(tmp_path)
     out = launch(2, {}, d, script="peer_worker.py", timeout=180)
@@ -709,6 +715,9 @@ def test_the_peer_copy_of_a_save_in_parts_keeps_only_the_senders_files(tmp_path)
         wrong = got[r]["wrong_tag"]
         assert "FormatError" in wrong["error"] and "'other'" in wrong["error"], wrong
         assert own_files(0, other)[0] not in wrong["files"] and not [f for f in wrong["files"] if ".tmp" in f], wrong
+        rounds = got[r]["reused"]    # (the buffer is alive throughout: no other memory has its address)
+        assert [x["same"] for x in rounds] == [True] * 3, rounds
+        assert [x["at"] for x in rounds] == [x["buffer"] for x in rounds] and rounds[0]["at"] == rounds[1]["at"], rounds
 
 
 def test_a_replacement_node_is_planned_the_deltas_its_ranks_read():
