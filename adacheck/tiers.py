@@ -235,7 +235,7 @@ class DeltaSpread:
         self.comm = background_comm(comm, timeout_s) if self.moves else None
         # the blocks sent and received, in memory kept from step to step (new memory would have
         # its pages faulted in on every step: most of what a step cost this thread)
-        self._outgoing, self._incoming = Reused(), defaultdict(Reused)
+        self._outgoing, self._incoming = defaultdict(Reused), defaultdict(Reused)     # (by move)
         self.sent = self.received = 0          # steps (this rank's) and bytes
         self.cpu_seconds = 0.0                 # CPU time of the peer thread (reading, sending, receiving, writing)
         self.failures = 0
@@ -276,7 +276,7 @@ class DeltaSpread:
 
     def _send(self, ckpt_dir: str, step: int, ok: bool) -> None:
         def read(i):
-            block = pack_step(ckpt_dir, step, self.moves[i][0], self._outgoing) if ok else None
+            block = pack_step(ckpt_dir, step, self.moves[i][0], self._outgoing[i]) if ok else None
             if block is None:
                 raise FormatError(f"rank {self.rank} has no step {step} to send (its delta log did not write it)")
             return block
