@@ -107,6 +107,10 @@ def slow_storage(mbps: float) -> str:
     return "slowfile://"
 
 
+def profile_path(json_path: str, stage: int, dtype: str) -> str:
+    return os.path.splitext(json_path)[0] + f"-profile-z{stage}-{dtype}.txt"
+
+
 def profile(a, engines, train, rank: int, path: str) -> None:
     """``a.profile`` steps of each engine under torch.profiler (every rank; rank 0 writes the
     tables): where the memory tier's extra time per step goes (its hook's copies and launches,
@@ -127,15 +131,14 @@ def profile(a, engines, train, rank: int, path: str) -> None:
                 seconds = train(eng, a.profile)
         finally:
             DeltaLog.add = add
-        sort = "self_cuda_time_total" if device() == "cuda" else "self_cpu_time_total"
+        ops = prof.key_averages()
         out.append(f"== {name}: {a.profile} steps, {seconds:.4f} s per step (profiled)\n"
-                   + prof.key_averages().table(sort_by="cpu_time_total", row_limit=20)
-                   + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-                   + (prof.key_averages().table(sort_by=sort, row_limit=15) if device() == "cuda" else ""))
+                   + ops.table(sort_by="cpu_time_total", row_limit=20)
+                   + ops.table(sort_by="self_cpu_time_total", row_limit=30)
+                   + (ops.table(sort_by="self_cuda_time_total", row_limit=15) if device() == "cuda" else ""))
     if rank == 0:
         with open(path, "w") as f:
             f.write("\n".join(out))
-        print(f"[bench] profile in {path}", flush=True)
 
 
 def worker(a) -> None:
@@ -217,7 +220,7 @@ def worker(a) -> None:
                     times.append(train(eng, a.steps, host))
             if a.profile and tiered is not None:
                 profile(a, [("plain", plain), ("memory tier", tiered)], train, rank,
-                        os.path.splitext(a.json)[0] + f"-profile-z{stage}-{dtype}.txt")
+                        profile_path(a.json, stage, dtype))
             t0 = time.perf_counter()
             on.adacheck.online.flush()
             device_sync()
@@ -470,6 +473,8 @@ def main() -> None:
         print("\nOnline step's extra time against what the host's CPUs did more per step "
               "(online block minus plain block, medians; ms, all cores together):\n" + extra)
     print(f"\nJSON in {a.json}")
+    if a.profile and a.tiers:
+        print("profiles in " + ", ".join(profile_path(a.json, s, d) for s in a.stages for d in a.dtypes))
 
 
 if __name__ == "__main__":
