@@ -6,7 +6,9 @@ interpreter exit (``atexit``, which runs before Python starts tearing its thread
 1. closes every open background writer (:func:`keep`): what was promised is committed (the
    last online delta step becomes recoverable) and the writer thread is joined, so no thread of
    AdaCheck's is inside torch when the interpreter finalizes;
-2. releases the GIL for a moment (:data:`SETTLE_SECONDS`) when a gloo process group exists.
+2. releases the GIL for a moment (:data:`SETTLE_SECONDS`) when a gloo process group exists, or
+   existed when AdaCheck was attached (a script that called ``destroy_process_group()`` has no
+   group left, but DeepSpeed's engine still holds the groups, and their gloo threads run on).
    A gloo worker thread that finishes a collective may hold the last reference to a tensor
    that Python already let go of; freeing it needs the GIL.  Once finalization has begun,
    Python ends any thread that asks for the GIL with ``pthread_exit``, and the unwind through
@@ -32,14 +34,16 @@ import weakref
 log = logging.getLogger("adacheck")
 
 _OPEN: "weakref.WeakSet" = weakref.WeakSet()   # objects with close(): flushed and joined at exit
-_STATE = {"registered": False}
+_STATE = {"registered": False, "distributed": False}
 
 
 def register() -> None:
-    """Run :func:`at_exit` when the interpreter exits (once per process)."""
+    """Run :func:`at_exit` when the interpreter exits (once per process); notes whether the job
+    runs with process groups (:func:`settles`)."""
     if not _STATE["registered"]:
         atexit.register(at_exit)
         _STATE["registered"] = True
+    _STATE["distributed"] = _STATE["distributed"] or _initialized()
 
 
 def keep(obj) -> None:
@@ -75,13 +79,24 @@ def at_exit() -> None:
     settle_gloo()
 
 
-def settle_gloo() -> None:
-    """Release the GIL for SETTLE_SECONDS if process groups are still there (see above): the
-    default one may be gloo, and AdaCheck's own groups are (also under an NCCL default group)."""
+def _initialized() -> bool:
     try:
         import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-    except Exception:  # noqa: BLE001 - nothing to settle
-        return
-    time.sleep(SETTLE_SECONDS)
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001 - no torch.distributed: no groups
+        return False
+
+
+def settles() -> bool:
+    """Whether :func:`at_exit` pauses for gloo's threads: process groups are there, or were when
+    AdaCheck was attached.  After ``destroy_process_group()`` torch says none is initialized, but
+    the groups DeepSpeed's engine holds keep their gloo threads (measured: 7 threads per rank before
+    and after), so their race at exit is still there."""
+    return _STATE["distributed"] or _initialized()
+
+
+def settle_gloo() -> None:
+    """Release the GIL for SETTLE_SECONDS if process groups are (or were) there (see above): the
+    default one may be gloo, and AdaCheck's own groups are (also under an NCCL default group)."""
+    if settles():
+        time.sleep(SETTLE_SECONDS)
