@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -306,7 +307,7 @@ def worker(a) -> None:
                              # each block against the other engine's block next to it in time: how
                              # much the overhead of one pair of blocks varies on this machine
                              "overhead_pairs": [b / p - 1 for p, b in zip(t_plain, t_on)],
-                             "overhead_interval": interval(t_plain, t_on)[1:],
+                             "overhead_interval": interval(t_plain, t_on),
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "stage_ms": 1e3 * costs[0].item(), "stall_ms": 1e3 * costs[1].item(),
                              "writer_cpu_ms": 1e3 * costs[2].item(),
@@ -335,7 +336,7 @@ def worker(a) -> None:
                                     tiers_steps_written=int(tiers_cpu[2]), tiers_hook_ms=1e3 * (tiers_cpu[3] + tiers_cpu[4]),
                                     tiers_stage_ms=1e3 * tiers_cpu[3], tiers_stall_ms=1e3 * tiers_cpu[4],
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)],
-                                    overhead_tiers_interval=interval(t_plain, t_tiers)[1:])
+                                    overhead_tiers_interval=interval(t_plain, t_tiers))
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
             for eng in (plain, on, rec_engine) + ((tiered,) if tiered is not None else ()):
@@ -349,21 +350,20 @@ def worker(a) -> None:
 
 
 def interval(base, other, level: float = 0.9, draws: int = 4000):
-    """The overhead (median of ``other``'s blocks / median of ``base``'s - 1) and its bootstrap
-    ``level`` interval: the pairs of neighbouring blocks resampled with replacement, ``draws``
-    times, with a fixed seed (the same blocks give the same interval)."""
-    import random
+    """The bootstrap ``level`` interval (low, high) of the overhead (median of ``other``'s blocks /
+    median of ``base``'s - 1): the pairs of neighbouring blocks resampled with replacement,
+    ``draws`` times, with a fixed seed (the same blocks give the same interval)."""
     rng = random.Random(0)
     n = len(base)
-    est = statistics.median(other) / statistics.median(base) - 1
     if n < 2:
-        return est, est, est
+        est = statistics.median(other) / statistics.median(base) - 1
+        return est, est
     got = []
     for _ in range(draws):
         pick = [rng.randrange(n) for _ in range(n)]
         got.append(statistics.median(other[i] for i in pick) / statistics.median(base[i] for i in pick) - 1)
     got.sort()
-    return est, got[int((1 - level) / 2 * draws)], got[min(draws - 1, int((1 + level) / 2 * draws))]
+    return got[int((1 - level) / 2 * draws)], got[min(draws - 1, int((1 + level) / 2 * draws))]
 
 
 STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
