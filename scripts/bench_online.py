@@ -40,13 +40,18 @@ every write: a slow disk or network store on this VM), so the deltas to disk can
 the memory tier's deltas are not throttled, only its copies behind training.  ``--nodes N``
 splits the ranks over N simulated nodes (each its own memory directory) with the peer tier on:
 every step's deltas also travel to the next node behind training (``peer MB/step``: what the
-busiest rank received per step).  ``gradients GB/s per rank``: the gradient bytes a rank stages per
+busiest rank received per step; in brackets the peer thread's CPU per step, and the CPU
+that the rank's process spent, all threads and the kernel's work for them, on a bare transfer of
+as many bytes each way over the same process group, with nothing else running: the copy's
+floor on this machine).  ``gradients GB/s per rank``: the gradient bytes a rank stages per
 second of a plain step, the rate at which deltas arrive (``--batch`` and ``--seq`` set the tokens
 per step, so the compute per gradient byte); ``its hook ms``: the memory-tier engine's time in the
 hook per step: the staging copy + waiting for a free staging slot (when its writer fell behind).
 
-and a second table, where an online step's extra time goes: the hook, every rank's writer CPU
-added up (the ranks wait for each other at each collective, so one rank's writer delays all),
+and a second table, where an online step's extra time goes (a row for each online engine): the
+hook, the writers' CPU (the directory engine's: every rank's added up, as the ranks wait for each
+other at each collective, so one rank's writer delays all; the memory-tier engine's: the slowest
+rank's, and its peer thread's),
 and how much more CPU time per step the host spent in each /proc/stat category during online
 blocks than during plain ones (system: kernel work of the ranks' threads; irq+softirq: e.g.
 I/O completions; steal: the hypervisor's; idle+iowait: cores waiting)
@@ -217,10 +222,10 @@ def worker(a) -> None:
             train(on, warm)
             if tiered is not None:     # (with --tiers-base-interval B: timed in the third chain, base 1's retired)
                 train(tiered, 2 * a.tiers_base_interval + 1 if a.tiers_base_interval else 2)
-            t_plain, t_on, t_tiers, h_plain, h_on = [], [], [], [], []
+            t_plain, t_on, t_tiers, h_plain, h_on, h_tiers = [], [], [], [], [], []
             online_engines = [on] + ([tiered] if tiered is not None else [])
             for block in range(a.blocks):
-                order = [(t_plain, h_plain, plain), (t_on, h_on, on)] + ([(t_tiers, None, tiered)] if tiered else [])
+                order = [(t_plain, h_plain, plain), (t_on, h_on, on)] + ([(t_tiers, h_tiers, tiered)] if tiered else [])
                 k = block % len(order)      # (each engine in each position in turn)
                 for times, host, eng in order[k:] + order[:k]:
                     # no engine's writer (or peer copies) still works on its last block while another
@@ -258,9 +263,12 @@ def worker(a) -> None:
                 dist.all_reduce(tiers_cpu, op=dist.ReduceOp.MAX)
                 tiers_cpu = tiers_cpu.tolist()
                 spread = tiered.adacheck.online.recorder.spread
-                if spread is not None:          # MB this rank received from its peer per step, and the CPU ms
+                if spread is not None:          # MB this rank received from its peer per step, the CPU ms,
+                    # and what moving that many bytes alone costs the process
                     peer_mb = on_device(torch.tensor([spread.received / max(1, spread.sent) / 1e6,
-                                                      1e3 * spread.cpu_seconds / max(1, spread.sent)], dtype=torch.float64))
+                                                      1e3 * spread.cpu_seconds / max(1, spread.sent),
+                                                      1e3 * transport_cpu(spread, spread.received // max(1, spread.sent))],
+                                                     dtype=torch.float64))
                     dist.all_reduce(peer_mb, op=dist.ReduceOp.MAX)
                     peer_mb = peer_mb.tolist()
                 rec_tiers = engine_for(stage, dtype, {"enabled": True, "tiers": tiers["tiers"]})
@@ -318,9 +326,7 @@ def worker(a) -> None:
                              "writers_cpu_ms": 1e3 * writers.item(),
                              # host-wide CPU time per step by /proc/stat category, online block
                              # minus plain block (ms, all cores together); empty off Linux
-                             "host_extra_ms": {k: statistics.median(x[k] for x in h_on)
-                                               - statistics.median(x[k] for x in h_plain)
-                                               for k in (h_on[0] if h_on and h_on[0] else {})},
+                             "host_extra_ms": host_extra(h_on, h_plain),
                              "replay_s_per_step": replay["seconds"] / replay["steps"],
                              "replay_over_step": replay["seconds"] / replay["steps"] / tp,
                              "exact": bool(flag.item()), "differs": diff[:8], "compact": a.compact,
@@ -331,12 +337,14 @@ def worker(a) -> None:
                     tt = statistics.median(t_tiers)
                     rows[-1].update(step_tiers_s=tt, overhead_tiers=tt / tp - 1, tiers_exact=tiers_exact,
                                     nodes=a.nodes, peer_mb_per_step=peer_mb and peer_mb[0],
-                                    peer_cpu_ms_per_step=peer_mb and peer_mb[1], tiers_base_interval=a.tiers_base_interval,
+                                    peer_cpu_ms_per_step=peer_mb and peer_mb[1],
+                                    peer_transport_cpu_ms=peer_mb and peer_mb[2], tiers_base_interval=a.tiers_base_interval,
                                     tiers_writer_cpu_ms=1e3 * tiers_cpu[0], tiers_files_written_over=int(tiers_cpu[1]),
                                     tiers_steps_written=int(tiers_cpu[2]), tiers_hook_ms=1e3 * (tiers_cpu[3] + tiers_cpu[4]),
                                     tiers_stage_ms=1e3 * tiers_cpu[3], tiers_stall_ms=1e3 * tiers_cpu[4],
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)],
-                                    overhead_tiers_interval=interval(t_plain, t_tiers))
+                                    overhead_tiers_interval=interval(t_plain, t_tiers),
+                                    host_extra_tiers_ms=host_extra(h_tiers, h_plain))
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
             for eng in (plain, on, rec_engine) + ((tiered,) if tiered is not None else ()):
@@ -347,6 +355,25 @@ def worker(a) -> None:
             if rank == 0:
                 shutil.rmtree(work, ignore_errors=True)
     finish_worker(rows, a.rows)
+
+
+def transport_cpu(spread, nbytes: int, rounds: int = 5) -> float:
+    """CPU seconds of this whole process (every thread: gloo's own and the kernel's work for
+    them) per round of the peer group's transfer of ``nbytes`` each way, with nothing else
+    running: what the peer copy of one step costs at the least, without reading or writing
+    any file.  Collective (every rank, its peer thread idle)."""
+    import torch
+    from adacheck.tiers import Reused
+    block, into = torch.ones(max(1, nbytes), dtype=torch.uint8), Reused()
+
+    def once():
+        spread.comm.transfer(spread.moves, lambda i: block, lambda i, data: None, sizes=[0] * len(spread.moves),
+                             into=lambda i, n: into(n))
+    once()      # (the receive buffer made, its pages touched)
+    c0 = time.process_time()
+    for _ in range(rounds):
+        once()
+    return (time.process_time() - c0) / rounds
 
 
 def interval(base, other, level: float = 0.9, draws: int = 4000):
@@ -380,21 +407,38 @@ def host_cpu() -> dict:
     return {k: 1e3 * int(v) / hz for k, v in zip(STAT_FIELDS, ticks)}
 
 
+def host_extra(blocks, plain_blocks) -> dict:
+    """Host-wide CPU ms per step by /proc/stat category: the median of ``blocks`` minus that of
+    the plain engine's (every thread and process of the host, the kernel's work included: gloo's
+    own threads and its TCP copies too, which no thread of AdaCheck's counts); {} off Linux."""
+    if not blocks or not blocks[0] or not plain_blocks:
+        return {}
+    return {k: statistics.median(x[k] for x in blocks) - statistics.median(x[k] for x in plain_blocks)
+            for k in blocks[0]}
+
+
 def attribution(rows) -> str:
     """Where an online step's extra time goes: the hook and every rank's writer (the ranks
     wait for each other at every collective, so one rank's writer delays them all), and what
-    the host's CPUs did more (or less) per step than in a plain step."""
-    rows = [r for r in rows if r.get("host_extra_ms")]
-    if not rows:
-        return ""
-    out = ["| ZeRO | dtype | extra ms/step | hook ms | writers CPU ms (all ranks) | host CPU +ms/step: "
-           "user | system | irq+softirq | steal | idle+iowait |", "|" + "---:|" * 10]
+    the host's CPUs did more (or less) per step than in a plain step (rank 0's blocks; the
+    memory-tier engine's on a row of its own)."""
+    lines = []
     for r in rows:
-        h = r["host_extra_ms"]
-        out.append(f"| {r['stage']} | {r['dtype']} | {1e3 * (r['step_online_s'] - r['step_s']):+.1f} | "
-                   f"{r['stage_ms']:.1f} | {r['writers_cpu_ms']:.1f} | {h['user'] + h['nice']:+.1f} | "
-                   f"{h['system']:+.1f} | {h['irq'] + h['softirq']:+.1f} | {h['steal']:+.1f} | "
-                   f"{h['idle'] + h['iowait']:+.1f} |")
+        if r.get("host_extra_ms"):
+            lines.append((r, "directory", 1e3 * (r["step_online_s"] - r["step_s"]), r["stage_ms"],
+                          f"{r['writers_cpu_ms']:.1f} (all ranks)", r["host_extra_ms"]))
+        if r.get("host_extra_tiers_ms"):
+            peer = f" + peer thread {r['peer_cpu_ms_per_step']:.1f}" if r.get("peer_cpu_ms_per_step") is not None else ""
+            lines.append((r, "memory tier", 1e3 * (r["step_tiers_s"] - r["step_s"]), r["tiers_hook_ms"],
+                          f"{r['tiers_writer_cpu_ms']:.1f} (slowest rank){peer}", r["host_extra_tiers_ms"]))
+    if not lines:
+        return ""
+    out = ["| ZeRO | dtype | deltas to | extra ms/step | hook ms | writers CPU ms | host CPU +ms/step: "
+           "user | system | irq+softirq | steal | idle+iowait |", "|" + "---:|" * 11]
+    for r, where, extra, hook, writers, h in lines:
+        out.append(f"| {r['stage']} | {r['dtype']} | {where} | {extra:+.1f} | {hook:.1f} | {writers} | "
+                   f"{h['user'] + h['nice']:+.1f} | {h['system']:+.1f} | {h['irq'] + h['softirq']:+.1f} | "
+                   f"{h['steal']:+.1f} | {h['idle'] + h['iowait']:+.1f} |")
     return "\n".join(out)
 
 
@@ -416,12 +460,13 @@ def table(rows) -> str:
     if tiered:
         out += ["", "| DP | nodes | ZeRO | dtype | durable MB/s | step s | gradients GB/s per rank | overhead: deltas to disk [90% interval] "
                 "| overhead: deltas to the memory tier [90% interval] | its hook ms (copy + wait) | its writer CPU ms/step (files written over) "
-                "| peer MB/step (peer thread CPU) | tiers exact | exit copy s |", "|" + "---:|" * 14]
+                "| peer MB/step (peer thread CPU; the transfer alone, process CPU) | tiers exact | exit copy s |", "|" + "---:|" * 14]
         for r in tiered:
             def ov(key):
                 lo, hi = r[f"{key}_interval"]
                 return f"{r[key]:+.1%} [{lo:+.1%}, {hi:+.1%}]"
-            peer = (f"{r['peer_mb_per_step']:.1f} ({r['peer_cpu_ms_per_step']:.1f} ms CPU)"
+            peer = (f"{r['peer_mb_per_step']:.1f} ({r['peer_cpu_ms_per_step']:.1f} ms CPU; moving it alone: "
+                    f"{r['peer_transport_cpu_ms']:.1f} ms)"
                     if r.get("peer_mb_per_step") is not None else "-")
             out.append(f"| {r['dp']} | {r.get('nodes', 1)} | {r['stage']} | {r['dtype']} | "
                        f"{r['durable_mbps'] or 'unthrottled'} | {r['step_s']:.3f} | {r['staged_gbps']:.2f} | "
