@@ -24,6 +24,9 @@ Printed (and written as JSON to ``--json``):
                      slowest rank, in ms and as a share of the step without online deltas: what
                      the writer takes from training when no core is idle (as here)
   replay/step        replay time per delta / training time per step
+  control            (--control) a second engine without online mode, timed like the others:
+                     its "overhead" against the plain one, with its interval (an A/A test of
+                     how far two instances of one engine differ on this machine)
   exact              the recovered engine equals the online engine bit for bit (every
                      module weight, master weight and optimizer tensor); with --compact
                      (lossy bf16 gradients): the recovered engine's largest distance from
@@ -215,17 +218,23 @@ def worker(a) -> None:
                      "tiers": {"memory": True, "memory_dir": memory_dir, "peer": peer,
                                "persist_interval": a.persist_interval}}
             tiered = engine_for(stage, dtype, tiers) if a.tiers else None
+            # --control: a second engine like the plain one, timed in the same rotation (an A/A test:
+            # how far two instances of one engine differ on this machine with no online mode at all)
+            control = engine_for(stage, dtype, {"enabled": True}) if a.control else None
             train(plain, 2)
+            if control is not None:
+                train(control, 2)
             # the base (step 1), then each staging slot's first two steps: its buffers made, then
             # laid out in one block (their pages touched twice), before steps are timed
             warm = 2 + 2 * a.queue_depth
             train(on, warm)
             if tiered is not None:     # (with --tiers-base-interval B: timed in the third chain, base 1's retired)
                 train(tiered, 2 * a.tiers_base_interval + 1 if a.tiers_base_interval else 2)
-            t_plain, t_on, t_tiers, h_plain, h_on, h_tiers = [], [], [], [], [], []
+            t_plain, t_on, t_tiers, t_control, h_plain, h_on, h_tiers = [], [], [], [], [], [], []
             online_engines = [on] + ([tiered] if tiered is not None else [])
             for block in range(a.blocks):
-                order = [(t_plain, h_plain, plain), (t_on, h_on, on)] + ([(t_tiers, h_tiers, tiered)] if tiered else [])
+                order = [(t_plain, h_plain, plain), (t_on, h_on, on)] + ([(t_tiers, h_tiers, tiered)] if tiered else []) \
+                    + ([(t_control, None, control)] if control is not None else [])
                 k = block % len(order)      # (each engine in each position in turn)
                 for times, host, eng in order[k:] + order[:k]:
                     # no engine's writer (or peer copies) still works on its last block while another
@@ -345,9 +354,14 @@ def worker(a) -> None:
                                     overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)],
                                     overhead_tiers_interval=interval(t_plain, t_tiers),
                                     host_extra_tiers_ms=host_extra(h_tiers, h_plain))
+                if t_control:
+                    rows[-1].update(overhead_control=statistics.median(t_control) / tp - 1,
+                                    overhead_control_pairs=[b / p - 1 for p, b in zip(t_plain, t_control)],
+                                    overhead_control_interval=interval(t_plain, t_control))
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
-            for eng in (plain, on, rec_engine) + ((tiered,) if tiered is not None else ()):
+            for eng in (plain, on, rec_engine) + ((tiered,) if tiered is not None else ()) \
+                    + ((control,) if control is not None else ()):
                 eng.destroy()       # (the tiered one copies its newest base and deltas to durable storage)
             if rank == 0 and rows and tiered is not None:
                 rows[-1]["tiers_close_s"] = time.perf_counter() - t0
@@ -481,6 +495,14 @@ def table(rows) -> str:
             out.append(f"- ZeRO-{r['stage']} {r['dtype']}, {r.get('nodes', 1)} node(s): {verdict} "
                        f"({r['overhead_tiers']:+.1%} [{lo:+.1%}, {hi:+.1%}] over {len(r['overhead_tiers_pairs'])} "
                        "pairs of blocks)")
+    controls = [r for r in rows if "overhead_control" in r]
+    if controls:
+        out += ["", "A/A control, a second engine without online mode against the plain one (what the intervals "
+                "above do not cover: how far two instances of one engine differ here):"]
+        for r in controls:
+            lo, hi = r["overhead_control_interval"]
+            out.append(f"- DP={r['dp']} ZeRO-{r['stage']} {r['dtype']}: {r['overhead_control']:+.1%} "
+                       f"[{lo:+.1%}, {hi:+.1%}]")
     return "\n".join(out)
 
 
@@ -506,6 +528,9 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--compact", action="store_true", help="online.compact: gradients in bf16 even when lossy")
     ap.add_argument("--tiers", action="store_true", help="a third engine records into the memory tier")
+    ap.add_argument("--control", action="store_true",
+                    help="one more engine like the plain one (no online mode), timed in the same rotation: its "
+                         "'overhead' is how far two instances of the same engine differ on this machine")
     ap.add_argument("--durable-mbps", type=float, default=None,
                     help="throttle the checkpoint directories to this many MB/s per rank (default: not throttled)")
     ap.add_argument("--memory-dir", default=None, help="the memory tier's directory (default: /dev/shm/adacheck)")
@@ -545,7 +570,7 @@ def main() -> None:
                         "--clip", str(a.clip), "--steps", str(a.steps), "--blocks", str(a.blocks),
                         "--settle", str(a.settle),
                         "--stages", *map(str, a.stages), "--dtypes", *a.dtypes] + (["--compact"] if a.compact else [])
-                       + (["--tiers"] if a.tiers else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
+                       + (["--tiers"] if a.tiers else []) + (["--control"] if a.control else []) + (["--durable-mbps", str(a.durable_mbps)] if a.durable_mbps else [])
                        + (["--memory-dir", a.memory_dir] if a.memory_dir else [])
                        + ["--persist-interval", str(a.persist_interval), "--nodes", str(a.nodes),
                           "--queue-depth", str(a.queue_depth), "--profile", str(a.profile),
@@ -557,7 +582,7 @@ def main() -> None:
         json.dump({"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                    "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers, "batch": a.batch, "seq": a.seq},
                    "clip": a.clip, "steps": a.steps, "blocks": a.blocks, "settle": a.settle, "compact": a.compact, "device": a.device,
-                   "tiers": a.tiers, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
+                   "tiers": a.tiers, "control": a.control, "durable_mbps": a.durable_mbps, "persist_interval": a.persist_interval,
                    "nodes": a.nodes, "tiers_base_interval": a.tiers_base_interval, "queue_depth": a.queue_depth,
                    "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}, f, indent=1)
     print(table(rows))
