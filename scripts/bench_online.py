@@ -320,11 +320,7 @@ def worker(a) -> None:
                              "delta_bytes": delta_bytes, "full_bytes": full, "native_bytes": nb,
                              "full_over_delta": full / delta_bytes, "native_over_delta": nb / delta_bytes,
                              "bf16_share": elems.get("bfloat16", 0) / max(1, sum(elems.values())),
-                             "step_s": tp, "step_online_s": to, "overhead": to / tp - 1,
-                             # each block against the other engine's block next to it in time: how
-                             # much the overhead of one pair of blocks varies on this machine
-                             "overhead_pairs": [b / p - 1 for p, b in zip(t_plain, t_on)],
-                             "overhead_interval": interval(t_plain, t_on),
+                             "step_s": tp, "step_online_s": to, **against("overhead", t_plain, t_on),
                              "drain_s": drain, "replay_steps": replay["steps"],
                              "stage_ms": 1e3 * costs[0].item(), "stall_ms": 1e3 * costs[1].item(),
                              "writer_cpu_ms": 1e3 * costs[2].item(),
@@ -344,25 +340,22 @@ def worker(a) -> None:
                              "durable_mbps": a.durable_mbps})
                 if t_tiers:
                     tt = statistics.median(t_tiers)
-                    rows[-1].update(step_tiers_s=tt, overhead_tiers=tt / tp - 1, tiers_exact=tiers_exact,
+                    rows[-1].update(against("overhead_tiers", t_plain, t_tiers))
+                    rows[-1].update(step_tiers_s=tt, tiers_exact=tiers_exact,
                                     nodes=a.nodes, peer_mb_per_step=peer_mb and peer_mb[0],
                                     peer_cpu_ms_per_step=peer_mb and peer_mb[1],
                                     peer_transport_cpu_ms=peer_mb and peer_mb[2], tiers_base_interval=a.tiers_base_interval,
                                     tiers_writer_cpu_ms=1e3 * tiers_cpu[0], tiers_files_written_over=int(tiers_cpu[1]),
                                     tiers_steps_written=int(tiers_cpu[2]), tiers_hook_ms=1e3 * (tiers_cpu[3] + tiers_cpu[4]),
                                     tiers_stage_ms=1e3 * tiers_cpu[3], tiers_stall_ms=1e3 * tiers_cpu[4],
-                                    overhead_tiers_pairs=[b / p - 1 for p, b in zip(t_plain, t_tiers)],
-                                    overhead_tiers_interval=interval(t_plain, t_tiers),
                                     host_extra_tiers_ms=host_extra(h_tiers, h_plain))
                 if t_control:
-                    rows[-1].update(overhead_control=statistics.median(t_control) / tp - 1,
-                                    overhead_control_pairs=[b / p - 1 for p, b in zip(t_plain, t_control)],
-                                    overhead_control_interval=interval(t_plain, t_control))
+                    rows[-1].update(against("overhead_control", t_plain, t_control))
                 print(json.dumps(rows[-1]), flush=True)
             t0 = time.perf_counter()
-            for eng in (plain, on, rec_engine) + ((tiered,) if tiered is not None else ()) \
-                    + ((control,) if control is not None else ()):
-                eng.destroy()       # (the tiered one copies its newest base and deltas to durable storage)
+            for eng in (plain, on, rec_engine, tiered, control):
+                if eng is not None:
+                    eng.destroy()       # (the tiered one copies its newest base and deltas to durable storage)
             if rank == 0 and rows and tiered is not None:
                 rows[-1]["tiers_close_s"] = time.perf_counter() - t0
             dist.barrier()
@@ -388,6 +381,16 @@ def transport_cpu(spread, nbytes: int, rounds: int = 5) -> float:
     for _ in range(rounds):
         once()
     return (time.process_time() - c0) / rounds
+
+
+def against(key: str, base, other) -> dict:
+    """``other``'s timed blocks against the plain engine's (``base``): the overhead, the ratio of
+    their medians - 1 (``key``); each block against the plain block next to it in time, how much
+    one pair varies on this machine (``key_pairs``); and the overhead's 90% bootstrap interval
+    (``key_interval``)."""
+    return {key: statistics.median(other) / statistics.median(base) - 1,
+            f"{key}_pairs": [b / p - 1 for p, b in zip(base, other)],
+            f"{key}_interval": interval(base, other)}
 
 
 def interval(base, other, level: float = 0.9, draws: int = 4000):
