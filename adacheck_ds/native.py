@@ -23,8 +23,8 @@ bit-exact when the conversion runs the optimizer on the same kind of device as t
 (the device is DeepSpeed's accelerator of this environment; DS_ACCELERATOR chooses).
 
 Megatron-DeepSpeed style tensor parallelism: AdaCheck's logical tensors are whole, so any TP size
-can be written (``--tp``: ``mp_rank_XX`` files, an ``mpu`` of :mod:`adacheck_ds.mpu` in each
-engine, the parameters' split dimensions as AdaCheck recorded them).  Native files do not record
+can be written (``--tp``: ``mp_rank_XX`` files, DeepSpeed's own ``PipelineParallelGrid`` as the
+``mpu`` of each engine, the parameters' split dimensions as AdaCheck recorded them).  Native files do not record
 along which dimension a parameter is split; they are read with the model's own
 ``universal_checkpoint_info`` patterns (DeepSpeed's universal-checkpoint convention: TP-replicated
 parameters, row-parallel ones split along dimension 1, every other one along dimension 0).
@@ -313,11 +313,13 @@ def _import(path: str):
 
 def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     import deepspeed
+    import torch
 
     mpu = None
-    if tp > 1:
-        from .mpu import TensorParallel
-        mpu = TensorParallel(tp)
+    if tp > 1:   # DeepSpeed's own mpu: TP ranks consecutive, data-parallel groups strided by TP (Megatron's order)
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+        world = torch.distributed.get_world_size()
+        mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
     module = shell_module(spec, tp)
     named = dict(module.named_parameters())
     cfg = copy.deepcopy(spec.ds_config)

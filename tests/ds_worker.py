@@ -88,7 +88,7 @@ class TPNet(torch.nn.Module):
     def __init__(self, hidden, mpu):
         super().__init__()
         tp, r = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-        self.group, self.tp = mpu.get_tensor_model_parallel_group(), tp
+        self.group, self.tp = mpu.get_slice_parallel_group(), tp
         self.norm = torch.nn.LayerNorm(12)
         inp, out = torch.nn.Linear(12, hidden), torch.nn.Linear(hidden, 5)
         h = hidden // tp
@@ -117,10 +117,12 @@ _MPU = {}
 
 
 def mpu_of(tp):
-    """One TensorParallel (its process groups) per TP size and process."""
+    """DeepSpeed's own mpu (PipelineParallelGrid: TP ranks consecutive, as Megatron orders them),
+    one per TP size and process."""
     if tp not in _MPU:
-        from adacheck_ds.mpu import TensorParallel
-        _MPU[tp] = TensorParallel(tp)
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+        world = torch.distributed.get_world_size()
+        _MPU[tp] = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
     return _MPU[tp]
 
 
@@ -249,7 +251,7 @@ def full_state(engine):
     if engine.mpu is not None and engine.mpu.get_tensor_model_parallel_world_size() > 1:
         # tensor-parallel parameters: the logical tensor is the TP slices side by side
         params = dict(engine.module.named_parameters())
-        group, tp = engine.mpu.get_tensor_model_parallel_group(), engine.mpu.get_tensor_model_parallel_world_size()
+        group, tp = engine.mpu.get_slice_parallel_group(), engine.mpu.get_tensor_model_parallel_world_size()
         for k in sorted(out):
             p = params.get(k.rsplit("/", 1)[-1])
             if k.startswith(("model/", "master/", "optim/")) and getattr(p, "tensor_model_parallel", False):
