@@ -313,12 +313,11 @@ def _import(path: str):
 
 def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     import deepspeed
-    import torch
 
     mpu = None
     if tp > 1:   # DeepSpeed's own mpu: TP ranks consecutive, data-parallel groups strided by TP (Megatron's order)
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
-        world = torch.distributed.get_world_size()
+        world = deepspeed.comm.get_world_size()
         mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
     module = shell_module(spec, tp)
     named = dict(module.named_parameters())
