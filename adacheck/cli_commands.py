@@ -527,6 +527,64 @@ def cmd_convert(args, rest) -> int:
     """``--to weights`` (the default from AdaCheck) is the core's; every other format is a converter
     an integration registered (:mod:`adacheck.convert`), imported only when it is asked for."""
     from .convert import converter, export_weights
+    _check_convert_args(args)
+    conv, how = None, None
+    if args.from_ != "adacheck":
+        conv, how = converter(args.from_), "read"
+    elif args.to == "adacheck":
+        conv, how = _materialiser(args), "materialise"
+    elif args.to != "weights":
+        conv, how = converter(args.to), "write"
+    own = argparse.ArgumentParser(prog=f"adacheck convert (--to/--from {conv.name})" if conv else "adacheck convert",
+                                  add_help=False)
+    if conv is not None:
+        conv.add_arguments(own)
+    if args.help:
+        return _convert_help(conv)
+    for k, v in vars(own.parse_args(rest)).items():
+        setattr(args, k, v)
+    progress = _ProgressBars(args)
+    if how in ("read", "materialise"):
+        try:
+            out, what = getattr(conv, how)(args.src, args.out, args, progress)
+        except NotImplementedError:
+            raise ConfigError(f"the {conv.name} converter cannot {'read its format' if how == 'read' else 'replay deltas'}"
+                              " (adacheck convert --help lists what each format does)") from None
+        finally:
+            progress.close()
+        print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
+        return 0
+    store, src = located(args, args.src)
+    if how == "write" and store is not LOCAL:
+        raise ConfigError(f"--to {args.to} reads a local checkpoint; --to weights reads {args.src} directly (or "
+                          "copy the checkpoint directory to local disk first)")
+    d = resolve(src, args.tag, store)
+    _note_base_only(d, store, conv if how == "write" else None)
+    if how == "write":
+        try:
+            out, what = conv.write(d, args.out, args, progress)
+        finally:
+            progress.close()
+        print(json.dumps({"source": d, "out": out}) if args.json else f"wrote {what} to {out}")
+        return 0
+    if rest:
+        raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
+    try:
+        res = export_weights(d, args.out, dtype=args.dtype or "model", max_shard_bytes=args.max_shard_size,
+                             overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
+    finally:
+        progress.close()
+    if args.json:
+        print(json.dumps(dict(res, source=d, out=os.path.abspath(args.out)), indent=1))
+    else:
+        print(f"wrote {res['tensors']} tensors ({human(res['bytes'])}, dtype {res['dtype']}) from {d} to "
+              f"{os.path.abspath(args.out)}: {', '.join(res['files'])}")
+    return 0
+
+
+def _check_convert_args(args) -> None:
+    """The direction (``--to`` defaults to ``weights`` from AdaCheck, ``adacheck`` into it), options
+    that belong to another format, and an output that is a file or lies inside the source."""
     if args.to is None:
         args.to = "adacheck" if args.from_ != "adacheck" else "weights"
     if args.from_ != "adacheck" and args.to != "adacheck":
@@ -545,91 +603,52 @@ def cmd_convert(args, rest) -> int:
         if out == src or out.startswith(src + os.sep):
             raise ConfigError(f"the output {args.out} is inside the source {args.src}: a conversion never writes "
                               "into the checkpoint it reads; choose an output directory outside it")
-    conv, how = None, None
-    if args.from_ != "adacheck":
-        conv, how = converter(args.from_), "read"
-    elif args.to == "adacheck":
-        conv, how = _materialiser(args), "materialise"
-    elif args.to != "weights":
-        conv, how = converter(args.to), "write"
-    own = argparse.ArgumentParser(prog=f"adacheck convert (--to/--from {conv.name})" if conv else "adacheck convert",
-                                  add_help=False)
-    if conv is not None:
-        conv.add_arguments(own)
-    if args.help:
-        return _convert_help(conv)
-    for k, v in vars(own.parse_args(rest)).items():
-        setattr(args, k, v)
-    # (a progress bar on a terminal; ADACHECK_PROGRESS=1 shows it anywhere, 0 nowhere)
-    show = os.environ.get("ADACHECK_PROGRESS", "1" if sys.stderr.isatty() else "0") == "1" and not args.json
-    bars = []
 
-    def progress(done, total):
-        """``done`` of ``total`` (bytes for --to weights, else the phases of each run of ranks)."""
-        if not show:
+
+def _note_base_only(d: str, store: Storage, conv) -> None:
+    """Say that the conversion holds the base's step when committed online steps follow it (not
+    when ``conv``, the format written, materialises that framework's deltas itself)."""
+    if not deltas.step_dirs(d, store):
+        return
+    m = CheckpointReader(d, verify=False, store=store).manifest
+    dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)), store)
+    if not dl["committed"] or (conv is not None and conv.framework == m.framework.get("name")):
+        return
+    sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
+                     f"committed online steps (to step {dl['last']}); the conversion holds the "
+                     "base's step. For the newest step make it a base first: DeepSpeed: adacheck "
+                     "convert SRC NEW --to adacheck (replays the deltas); Megatron: run the "
+                     "training script with --adacheck --load SRC --adacheck-convert-save NEW "
+                     "[--ckpt-step N] (or Megatron-LM's --ckpt-convert-format torch_dist).\n")
+
+
+class _ProgressBars:
+    """``progress(done, total)`` for a conversion: bytes for ``--to weights``, else the phases of
+    each run of ranks; a new bar when the total changes.  Shown on a terminal
+    (ADACHECK_PROGRESS=1 shows it anywhere, 0 nowhere), never with ``--json``."""
+
+    def __init__(self, args):
+        self.bytes = args.to == "weights"
+        self.show = os.environ.get("ADACHECK_PROGRESS", "1" if sys.stderr.isatty() else "0") == "1" and not args.json
+        self.bars = []
+
+    def __call__(self, done, total) -> None:
+        if not self.show:
             return
         try:
             from tqdm import tqdm      # (DeepSpeed's dependency; the core runs without it, with no bar)
         except ImportError:
             return
-        if not bars or bars[-1].total != total or done < bars[-1].n:
-            if bars:
-                bars[-1].close()
-            weights = args.to == "weights"
-            bars.append(tqdm(total=total, desc="convert", file=sys.stderr, unit="B" if weights else " phases",
-                             unit_scale=weights, dynamic_ncols=True))
-        bars[-1].update(done - bars[-1].n)
+        if not self.bars or self.bars[-1].total != total or done < self.bars[-1].n:
+            if self.bars:
+                self.bars[-1].close()
+            self.bars.append(tqdm(total=total, desc="convert", file=sys.stderr, unit="B" if self.bytes else " phases",
+                                  unit_scale=self.bytes, dynamic_ncols=True))
+        self.bars[-1].update(done - self.bars[-1].n)
 
-    def end_progress():
-        for b in bars:
+    def close(self) -> None:
+        for b in self.bars:
             b.close()
-    if how in ("read", "materialise"):
-        try:
-            out, what = getattr(conv, how)(args.src, args.out, args, progress)
-        except NotImplementedError:
-            raise ConfigError(f"the {conv.name} converter cannot {'read its format' if how == 'read' else 'replay deltas'}"
-                              " (adacheck convert --help lists what each format does)") from None
-        finally:
-            end_progress()
-        print(json.dumps({"source": args.src, "out": out}) if args.json else f"wrote {what} to {out}")
-        return 0
-    store, src = located(args, args.src)
-    if how == "write" and store is not LOCAL:
-        raise ConfigError(f"--to {args.to} reads a local checkpoint; --to weights reads {args.src} directly (or "
-                          "copy the checkpoint directory to local disk first)")
-    d = resolve(src, args.tag, store)
-    if deltas.step_dirs(d, store):
-        m = CheckpointReader(d, verify=False, store=store).manifest
-        dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)), store)
-        if dl["committed"] and how == "write" and conv.framework == m.framework.get("name"):
-            pass    # (this format materialises the deltas itself, up to --step)
-        elif dl["committed"]:
-            sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
-                             f"committed online steps (to step {dl['last']}); the conversion holds the "
-                             "base's step. For the newest step make it a base first: DeepSpeed: adacheck "
-                             "convert SRC NEW --to adacheck (replays the deltas); Megatron: run the "
-                             "training script with --adacheck --load SRC --adacheck-convert-save NEW "
-                             "[--ckpt-step N] (or Megatron-LM's --ckpt-convert-format torch_dist).\n")
-    if how == "write":
-        try:
-            out, what = conv.write(d, args.out, args, progress)
-        finally:
-            end_progress()
-        print(json.dumps({"source": d, "out": out}) if args.json else f"wrote {what} to {out}")
-        return 0
-    if rest:
-        raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
-    try:
-        res = export_weights(d, args.out, dtype=args.dtype or "model", max_shard_bytes=args.max_shard_size,
-                             overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
-    finally:
-        end_progress()
-    if args.json:
-        print(json.dumps(dict(res, source=d, out=os.path.abspath(args.out)), indent=1))
-    else:
-        print(f"wrote {res['tensors']} tensors ({human(res['bytes'])}, dtype {res['dtype']}) from {d} to "
-              f"{os.path.abspath(args.out)}: {', '.join(res['files'])}")
-    return 0
 
 
 def _materialiser(args):

@@ -103,7 +103,12 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
         err = capsys.readouterr().err       # each run of DeepSpeed ranks reports its 4 phases as they end
         runs = 2 if args[1] == "onn" else 1     # (deltas into another layout: materialised first)
         assert err.count("convert:   0%") == runs and err.count(" 4/4 ") >= runs, (args, err[-2000:])
+        assert "committed online steps" not in err, (args, err[-2000:])   # (these replay them: no note)
     monkeypatch.delenv("ADACHECK_PROGRESS")
+    # a format that does not replay the deltas holds the base's step, and says so
+    assert cli(["convert", f"{d}/on", f"{d}/onw"]) == 0
+    err = capsys.readouterr().err
+    assert "(step 1) of 4 committed online steps (to step 5); the conversion holds the base's step" in err, err
     assert open(f"{d}/nat2/latest").read() == "global_step3"
     assert sorted(os.listdir(f"{d}/onm")) == ["global_step5", "latest"]
     # never overwrites, and bad requests are refused before anything is written
