@@ -364,6 +364,8 @@ class Snapshot:
     started: float
     ready: Optional[Callable[[], None]] = None
     given_dir: str = ""     # save_dir as the caller named it (a URL for remote storage)
+    min_generation: int = 0     # the save's file generation is at least this (the memory tier: past the
+    # generations of the same tag in the checkpoint directory, where its files are copied)
 
 
 UNKNOWN = object()
@@ -566,14 +568,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-             update_latest: bool = True, recorder=None, persist: Optional[bool] = None) -> Manifest:
+             update_latest: bool = True, recorder=None, persist: Optional[bool] = None,
+             min_generation: int = 0) -> Manifest:
         """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest (its
         ``stats`` also hold, in memory only, the exchange's cost and each step's seconds).
         ``recorder``: the job's :class:`~adacheck.online.OnlineRecorder`, if it records: its
         chain is made complete up to this step first, and a checkpoint committed into its
         directory is the base the deltas of the next steps belong to.  ``persist`` (with the
         memory tier): copy this one to ``save_dir`` now (True), never (False: a non-persistent
-        checkpoint), or every ``persist_interval``-th (None)."""
+        checkpoint), or every ``persist_interval``-th (None).  ``min_generation``: the lowest
+        generation its files may have (rank 0's counts)."""
         lifecycle.register()
         if self.options.tiers is not None:
             manifest = self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False,
@@ -583,7 +587,7 @@ class Checkpointer:
             self.finish()
             if recorder is not None:
                 recorder.flush()
-            snap = self.snapshot(comm, save_dir, tag, collect)
+            snap = replace(self.snapshot(comm, save_dir, tag, collect), min_generation=min_generation)
             manifest = self.persist(comm, snap, update_latest)
             if recorder is not None:
                 _start_chain(recorder, snap.store, snap.save_dir, manifest)
@@ -592,7 +596,8 @@ class Checkpointer:
         return manifest
 
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
-                   update_latest: bool = True, persist: Optional[bool] = None) -> PendingSave:
+                   update_latest: bool = True, persist: Optional[bool] = None,
+                   min_generation: int = 0) -> PendingSave:
         """Collectively snapshot this rank's state into reusable host buffers and return: hashing,
         the exchange, planning, writing and the commit (manifest, then ``latest``) run in the
         background, on a gloo group of their own: in a thread of this process, or in this rank's
@@ -614,7 +619,7 @@ class Checkpointer:
             self.staging = Staging(shared=True)
         if not in_process and self._background is None:
             self._background = background_comm(comm)
-        snap = self.snapshot(comm, save_dir, tag, collect, staging=self.staging)
+        snap = replace(self.snapshot(comm, save_dir, tag, collect, staging=self.staging), min_generation=min_generation)
         pending = PendingSave(snap, update_latest)
         background, writer, staging, options = self._background, self.writer, self.staging, self.options
         trusted = dict(self.caches.trusted)
@@ -812,7 +817,7 @@ class Checkpointer:
                     log.warning("AdaCheck: aborted %d unfinished uploads under %s left by an interrupted save",
                                 stale, save_dir)
                 store.make_dirs(ckpt_dir)
-                generation = commit.generation_of(ckpt_dir, store)
+                generation = max(commit.generation_of(ckpt_dir, store), snap.min_generation)
                 previous = self.previous(save_dir, tag, store) if opts.reference_previous else None
             elif opts.spread is not None:
                 store.make_dirs(ckpt_dir)       # (each node's own directory)

@@ -1069,12 +1069,15 @@ class MemoryTier:
             self._end_copy()        # (a copy that ended: reported now, and no longer kept from retention)
         t0 = time.perf_counter()
         self.memory.finish(waiting_for=tag)     # (the previous memory save, if it was asynchronous)
+        # its files are copied under their names into the checkpoint directory: past every generation of
+        # this tag there (a re-saved tag never writes over a committed checkpoint's files)
+        floor = commit.generation_of(store.join(save_dir, tag), store) if comm.rank == 0 else 0
         if asynchronous:
             self._retain(mem, ())         # (before the new save's files exist: nothing in flight now)
-            self.memory.save_async(comm, mem, tag, collect, update_latest=True)
+            self.memory.save_async(comm, mem, tag, collect, update_latest=True, min_generation=floor)
             manifest = None
         else:
-            manifest = self.memory.save(comm, mem, tag, collect, update_latest=True)
+            manifest = self.memory.save(comm, mem, tag, collect, update_latest=True, min_generation=floor)
             self._retain(mem, (tag,))
         n = self.saves[durable] = self.saves.get(durable, 0) + 1
         self.newest[durable] = (mem, tag, store, save_dir, update_latest)

@@ -66,7 +66,8 @@ def _serve(conn: Connection, sock: socket.socket) -> None:
                           for s, slot in zip(job.shards, job.slots)}
                 snap = checkpoint.Snapshot(save_dir, job.tag, store.join(save_dir, job.tag), store, shards,
                                            job.objects, job.rank_objects, job.layout, job.framework, job.step,
-                                           time.perf_counter() - job.seconds_before)
+                                           time.perf_counter() - job.seconds_before,
+                                           min_generation=job.min_generation)
                 reply["manifest"] = ckp.persist(comm, snap, job.update_latest)
                 reply["trusted"] = dict(ckp.caches.trusted)
             except Exception as e:  # noqa: BLE001 - sent to the rank, which reports it

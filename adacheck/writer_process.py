@@ -69,6 +69,7 @@ class Job:
     seconds_before: float           # the snapshot's seconds (counted in the manifest's total)
     arena_bytes: int
     new_arena: bool                 # its file descriptor follows the message
+    min_generation: int = 0         # (Snapshot.min_generation)
 
 
 class WriterProcess:
@@ -107,7 +108,7 @@ class WriterProcess:
         shards = [dataclasses.replace(s, tensor=None) for s in snap.shards.values()]
         job = Job(snap.given_dir, snap.tag, shards, list(staging.slots), snap.objects, snap.rank_objects,
                   snap.layout, snap.framework, snap.step, update_latest, options, dict(trusted),
-                  time.perf_counter() - snap.started, staging.nbytes, new_arena)
+                  time.perf_counter() - snap.started, staging.nbytes, new_arena, snap.min_generation)
         try:
             self.conn.send(job)
             if new_arena:

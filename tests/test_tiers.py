@@ -650,6 +650,49 @@ def test_partitioned_exchange_with_the_memory_tier(tmp_path, monkeypatch):
     assert_same(a2, dump(f"{d}/c", "C2"), keys)
 
 
+def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of_that_tag(tmp_path, monkeypatch):
+    """A re-saved tag never writes over a committed checkpoint's files, also when the memory tier
+    copies it in: global_step1 (whose file global_step2 references) is saved again by a job with
+    the memory tier, whose memory copy of the tag is its first (generation 0 there); its files come
+    into the checkpoint directory under a generation of their own, so the old file keeps its
+    bytes, global_step2 still loads what it saved, and global_step1 what the new job saved."""
+    import hashlib
+    import torch
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.config import TiersConfig
+    from adacheck.exchange import SoloComm
+    from adacheck.types import Box
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-resave")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck, comm = f"{d}/ck", SoloComm()
+
+    def collect(w, frozen, step):
+        return lambda: LocalState(shards=[
+            LocalShard("model/w", "model", (4,), Box.full((4,)), torch.full((4,), float(w))),
+            LocalShard("model/frozen", "model", (4,), Box.full((4,)), torch.full((4,), float(frozen)))],
+            framework={"name": "toy"}, step=step)
+
+    def load(tag):
+        return Checkpointer(options=Options(fsync=False)).load(
+            comm, ck, tag, lambda r: (r.read("model/w").tolist(), r.read("model/frozen").tolist()), lambda s: s)[2]
+
+    first = Checkpointer(options=Options(fsync=False))
+    first.save(comm, ck, "global_step1", collect(1, 7, 1))
+    first.save(comm, ck, "global_step2", collect(2, 7, 2))      # (its frozen weights: global_step1's file)
+    files = {f: hashlib.sha256(open(f"{ck}/global_step1/{f}", "rb").read()).hexdigest()
+             for f in os.listdir(f"{ck}/global_step1") if f.endswith(".safetensors")}
+    assert "global_step1/" in open(f"{ck}/global_step2/manifest.json").read()
+    tiered = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=1)))
+    tiered.save(comm, ck, "global_step1", collect(100, 200, 1))
+    tiered.finish()
+    tiered.close()
+    for f, digest in files.items():
+        assert hashlib.sha256(open(f"{ck}/global_step1/{f}", "rb").read()).hexdigest() == digest, f
+    assert load("global_step2") == ([2.0] * 4, [7.0] * 4)
+    assert load("global_step1") == ([100.0] * 4, [200.0] * 4)
+
+
 def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     """The peer receive path: a name that leaves the directory, a size or a header that is not
     what the manifest says is refused, and nothing is left under the file's name."""
