@@ -1151,7 +1151,7 @@ def _start_chain(recorder, store: Storage, save_dir: str, manifest: Manifest) ->
     steps belong to it."""
     if store.canonical(save_dir) == store.canonical(recorder.save_dir):
         recorder.start_chain(manifest.tag, int(manifest.step), int(manifest.stats.get("file_bytes", 0)),
-                             manifest.stats["seconds"]["total"])
+                             manifest.stats["seconds"]["total"], generation=manifest.framework.get("generation"))
 
 
 def _refuse_non_persistent(persist: Optional[bool]) -> None:

@@ -91,7 +91,8 @@ def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
         "file_bytes": sum(i["nbytes"] for i in m.files.values()),
         "per_kind": dict(per_kind), "per_rank_file_bytes": dict(sorted(per_rank.items())),
         "references": sorted({t for t, _ in referenced_files(m) if t is not None}),
-        "deltas": (deltas.summary(ckpt_dir, m.step, int(m.topology.get("world_size", 1)), store)
+        "deltas": (deltas.summary(ckpt_dir, m.step, int(m.topology.get("world_size", 1)), store,
+                                  m.framework.get("generation"))
                    if m.step is not None and deltas.step_dirs(ckpt_dir, store) else None),
     }
 
@@ -611,7 +612,7 @@ def _note_base_only(d: str, store: Storage, conv) -> None:
     if not deltas.step_dirs(d, store):
         return
     m = CheckpointReader(d, verify=False, store=store).manifest
-    dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)), store)
+    dl = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)), store, m.framework.get("generation"))
     if not dl["committed"] or (conv is not None and conv.framework == m.framework.get("name")):
         return
     sys.stderr.write(f"adacheck convert: note: {d} is the base (step {m.step}) of {dl['committed']} "
@@ -660,7 +661,8 @@ def _materialiser(args):
     d = resolve(src, args.tag)
     m = CheckpointReader(d, verify=False).manifest
     framework = m.framework.get("name")
-    committed = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)))["committed"] if (
+    committed = deltas.summary(d, m.step, int(m.topology.get("world_size", 1)),
+                               generation=m.framework.get("generation"))["committed"] if (
         m.step is not None and deltas.step_dirs(d)) else 0
     if not committed:
         raise NothingToDo(f"nothing to do: {d} has no committed online deltas, so it already is the state of "

@@ -5,7 +5,7 @@ consumed: the gradient of every tensor it stepped, plus JSON scalars (hyper-para
 the step, counters, scheduler / loss-scaler state, this rank's RNG).  On disk, inside the
 base checkpoint's directory::
 
-  deltas/chain.json                      the base: tag, step, bytes, save seconds (rank 0)
+  deltas/chain.json                      the base: tag, step, generation, bytes, save seconds (rank 0)
   deltas/<step:010d>/rank<r>.safetensors the gradients rank r stored for that step
   deltas/<step:010d>/rank<r>.json        rank r's record of the step, written LAST
                                          (tmp + fsync + rename) after its tensors are durable
@@ -14,7 +14,9 @@ A step is **committed** when every rank of the base's world has a valid record f
 carrying the same chain ``nonce`` (a fresh random id per incarnation of the chain, so
 records of a crashed run never combine with those of the run that recovered from it).
 Recovery replays the committed steps that directly follow the base, in order, and stops
-at the first gap.
+at the first gap.  The chain file names the generation of the base it follows: a tag saved
+again (a new generation) starts a chain of its own, and the steps of an earlier save of that
+tag are never replayed on it (a chain file of another generation: no step is committed).
 
 Gradients are stored in the narrowest dtype that reproduces them bit-exactly: an fp32
 gradient whose values are all exact bf16 values is stored as bf16 (proved per tensor by
@@ -746,12 +748,21 @@ def step_dirs(ckpt_dir: str, store: Storage = LOCAL) -> List[int]:
 
 
 def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = True,
-                    store: Storage = LOCAL, ranks: Optional[Sequence[int]] = None) -> Tuple[List[Step], str]:
+                    store: Storage = LOCAL, ranks: Optional[Sequence[int]] = None,
+                    generation: Optional[int] = None) -> Tuple[List[Step], str]:
     """The committed steps directly after ``base_step`` (in order, up to the first gap) and a
     one-line reason why the chain stops where it does.  A step is committed when the records of
     ``ranks`` (default: all ``world``) are there.  A record that is there but invalid is
-    damage, not a gap: a FormatError naming it (``strict``), or where the chain stops, saying so."""
+    damage, not a gap: a FormatError naming it (``strict``), or where the chain stops, saying so.
+    ``generation``: the base's (its manifest's); a chain file of another generation belongs to an
+    earlier save of the tag, and none of its steps is committed (chain files of versions that did
+    not record the generation are not compared)."""
     out: List[Step] = []
+    info = read_chain(ckpt_dir, store) if generation is not None else None
+    recorded = info.get("base_generation") if isinstance(info, dict) else None
+    if recorded is not None and recorded != generation:
+        return out, (f"the delta log belongs to an earlier save of this tag (generation {recorded}; the base is "
+                     f"generation {generation})")
     want = base_step + 1
     for s in step_dirs(ckpt_dir, store):
         if s < want:
@@ -853,9 +864,11 @@ def remove_steps_after(ckpt_dir: str, step: int, store: Storage = LOCAL) -> List
     return gone
 
 
-def summary(ckpt_dir: str, base_step: int, world: int, store: Storage = LOCAL) -> dict:
-    """What ``adacheck inspect`` shows about a base's delta log (damage is where it stops)."""
-    steps, why = committed_steps(ckpt_dir, base_step, world, strict=False, store=store)
+def summary(ckpt_dir: str, base_step: int, world: int, store: Storage = LOCAL,
+            generation: Optional[int] = None) -> dict:
+    """What ``adacheck inspect`` shows about a base's delta log (damage is where it stops);
+    ``generation``: the base's (:func:`committed_steps`)."""
+    steps, why = committed_steps(ckpt_dir, base_step, world, strict=False, store=store, generation=generation)
     devs = {s.step: d for s, d in ((s, s.deviation()) for s in steps) if d is not None}
     elems = stored_elements(steps)
     total = sum(elems.values())
@@ -883,11 +896,11 @@ def stored_elements(steps: List[Step]) -> Dict[str, int]:
 
 
 def reach(ckpt_dir: str, base_step: int, world: int, step: Optional[int] = None,
-          store: Storage = LOCAL) -> Tuple[int, int]:
+          store: Storage = LOCAL, generation: Optional[int] = None) -> Tuple[int, int]:
     """(committed online steps to replay, the step a load ends at) for the base checkpoint
-    ``ckpt_dir`` at ``base_step`` saved by ``world`` ranks: all its committed deltas, or those
-    up to ``step`` (which must be the base's step or one of them)."""
-    dl = summary(ckpt_dir, base_step, world, store) if step_dirs(ckpt_dir, store) else {"committed": 0}
+    ``ckpt_dir`` at ``base_step`` (of ``generation``) saved by ``world`` ranks: all its committed
+    deltas, or those up to ``step`` (which must be the base's step or one of them)."""
+    dl = summary(ckpt_dir, base_step, world, store, generation) if step_dirs(ckpt_dir, store) else {"committed": 0}
     pending, last = dl["committed"], (dl["last"] if dl["committed"] else base_step)
     if step is not None and step != last:
         if step == base_step:
@@ -908,7 +921,8 @@ def base_for_step(save_dir: str, step: int, store: Storage = LOCAL) -> str:
     for t, m, _ in commit.list_checkpoints(save_dir, store):
         if m is None or m.step is None or m.step > step:
             continue
-        _, last = reach(store.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)), store=store)
+        _, last = reach(store.join(save_dir, t), m.step, int(m.topology.get("world_size", 1)), store=store,
+                        generation=m.framework.get("generation"))
         if last >= step:
             found.append((m.step, t))
     if not found:

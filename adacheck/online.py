@@ -186,9 +186,10 @@ class OnlineRecorder:
             self.spread.flush()
 
     def start_chain(self, tag: str, step: int, base_bytes: int = 0, base_seconds: float = 0.0,
-                    resume_after: Optional[int] = None) -> None:
-        """Deltas from now on belong to the base ``tag`` of step ``step`` (collective).
-        ``resume_after``: continue that base's chain after this (recovered) step instead."""
+                    resume_after: Optional[int] = None, generation: Optional[int] = None) -> None:
+        """Deltas from now on belong to the base ``tag`` of step ``step`` and ``generation``
+        (collective).  ``resume_after``: continue that base's chain after this (recovered) step
+        instead."""
         comm = self.comm()
         done, self.log = self.log, None      # (its staging buffers go on in the new chain's log)
         if done is not None:
@@ -199,9 +200,14 @@ class OnlineRecorder:
         if resume_after is None:
             info = {"base_tag": tag, "base_step": step, "base_bytes": base_bytes,
                     "base_seconds": base_seconds, "world_size": comm.world_size}
+            if generation is not None:
+                info["base_generation"] = generation
             if spread is not None:
                 info["nodes"] = list(spread.nodes)
             if leads:
+                # (the steps of an earlier save of this tag: never replayed on this base, whose chain file
+                # names its generation; gone before that file, so that a crash in between leaves none)
+                deltas.remove_steps_after(ckpt_dir, -1, self.store)
                 deltas.write_chain(ckpt_dir, info, fsync=self.fsync, store=self.store)
         else:
             # a chain kept per node goes on only where the ranks share nodes as they did (each

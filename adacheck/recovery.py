@@ -152,7 +152,8 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
     world = int(manifest.topology.get("world_size", 1))
     latest = not comm.any(not latest)   # (across nodes' memories: each node's own "latest")
     steps, why, damage = chain(comm, ckpt_dir, base, world, until=until, strict=strict, store=store,
-                               same_layout=lambda: job.plan(manifest).same_layout)
+                               same_layout=lambda: job.plan(manifest).same_layout,
+                               generation=manifest.framework.get("generation"))
     if until is not None and damage is None and until != (steps[-1].step if steps else base):
         raise ConfigError(f"{ckpt_dir} (step {base}) does not reach step {until} with committed online deltas")
     plan = job.plan(manifest) if steps or recorder is not None else None
@@ -269,7 +270,8 @@ def _digest(obj) -> str:
 
 
 def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
-              strict: bool = True, store: Storage = LOCAL, same_layout: Callable[[], bool] = lambda: True):
+              strict: bool = True, store: Storage = LOCAL, same_layout: Callable[[], bool] = lambda: True,
+              generation: Optional[int] = None):
     """The committed steps every rank agrees on (those up to step ``until`` if given), and why
     the log stops.  A damaged record is a FormatError on every rank (``strict``), or where the
     chain stops.  A chain kept per node (:func:`node_group`) is read on each node: the ranks
@@ -277,7 +279,7 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
     ranks = node_group(comm, ckpt_dir, world, store, same_layout)
     steps, why = agree(comm, f"AdaCheck: reading the delta log of {ckpt_dir}",
                        lambda: deltas.committed_steps(ckpt_dir, base_step, world, strict=strict, store=store,
-                                                      ranks=ranks))
+                                                      ranks=ranks, generation=generation))
     n = -comm.max_each([-len(steps)])[0]
     held = [(s.step, s.nonce) for s in steps]
     parted = False
@@ -297,20 +299,20 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
 
 
 def chain(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Optional[int] = None,
-          strict: bool = True, store: Storage = LOCAL, same_layout: Callable[[], bool] = lambda: True
-          ) -> Tuple[List[deltas.Step], str, Optional[AdaCheckError]]:
+          strict: bool = True, store: Storage = LOCAL, same_layout: Callable[[], bool] = lambda: True,
+          generation: Optional[int] = None) -> Tuple[List[deltas.Step], str, Optional[AdaCheckError]]:
     """:func:`committed`, with damage of the log returned instead of raised: (the steps to replay,
     why the log stops, the damage or None).  ``strict``: no step is replayed from a damaged log;
     otherwise those before the damage are."""
     try:
         steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=True, store=store,
-                               same_layout=same_layout)
+                               same_layout=same_layout, generation=generation)
         return steps, why, None
     except AdaCheckError as e:
         if strict:
             return [], str(e), e
         steps, why = committed(comm, ckpt_dir, base_step, world, until, strict=False, store=store,
-                               same_layout=same_layout)
+                               same_layout=same_layout, generation=generation)
         return steps, why, e
 
 

@@ -150,7 +150,7 @@ def split_from_patterns(names: List[str], info: Optional[dict], where: str) -> D
 
 def reach(ckpt_dir: str, m, world: int, step: Optional[int] = None):
     """(online steps to replay, the step a load ends at, the DeepSpeed tag for that state)."""
-    pending, last = deltas.reach(ckpt_dir, m.step, world, step)
+    pending, last = deltas.reach(ckpt_dir, m.step, world, step, generation=m.framework.get("generation"))
     return pending, last, (f"global_step{last}" if pending else m.tag)
 
 

@@ -252,6 +252,30 @@ def test_a_step_not_committed_on_every_rank_is_not_replayed(tmp_path):
     assert_same(dump(d, "B_6"), dump(d, "C"))
 
 
+def test_a_tag_saved_again_starts_a_chain_of_its_own(tmp_path):
+    """Run A records base global_step1 and deltas 2-6; run B, started over in the same directory
+    (another seed, nothing loaded), takes base global_step1 again (a new generation) and records
+    steps 2-3; run D, without online deltas, saves global_step1 once more (as after a crash
+    between a base's commit and its new chain).  Each load recovers exactly the state of the run
+    that saved last (DeepSpeed's own accessors at that step): never the steps of an earlier save
+    of the tag replayed on the new base."""
+    d = str(tmp_path)
+    ck = f"{d}/ck"
+    ac, plain = online(ck, base_interval=100), {"enabled": True, "save_dir": ck}
+    check(launch(2, {"runs": [
+        {"stage": 2, "dtype": "bf16", "adacheck": ac, "actions": [["train_dump", 6, "A"]]},
+        {"stage": 2, "dtype": "bf16", "seed": 3, "adacheck": ac, "actions": [["train_dump", 3, "B"]]},
+        {"stage": 2, "dtype": "bf16", "seed": 4, "adacheck": ac, "actions": [["load", ck], ["steps"], ["dump", "C"]]},
+        {"stage": 2, "dtype": "bf16", "seed": 5, "adacheck": plain,
+         "actions": [["train", 1], ["save", ck], ["dump", "D1"]]},
+        {"stage": 2, "dtype": "bf16", "seed": 6, "adacheck": plain, "actions": [["load", ck], ["steps"], ["dump", "E"]]},
+    ]}, d))
+    res = results(d)
+    assert res[2]["steps"][0] == 3 and res[4]["steps"][0] == 1, (res[2], res[4])
+    assert_same(dump(d, "B3"), dump(d, "C"))
+    assert_same(dump(d, "D1"), dump(d, "E"))
+
+
 def test_sigkill_at_a_random_step_then_recover_and_continue(tmp_path):
     """One rank is SIGKILLed somewhere in a run with online deltas; a new job recovers the
     newest committed step (state equal to the uninterrupted run's at that step) and
