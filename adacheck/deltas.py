@@ -252,8 +252,10 @@ class DeltaLog:
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
                  queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL,
                  on_written: Optional[Callable[[str, int, bool], None]] = None, spares: Optional[str] = None,
-                 split: Optional[bool] = None, reuse: Optional["DeltaLog"] = None):
+                 split: Optional[bool] = None, reuse: Optional["DeltaLog"] = None,
+                 generation: Optional[int] = None):
         self.ckpt_dir, self.rank, self.nonce, self.store = ckpt_dir, rank, nonce, store
+        self.generation = generation     # the base's: every record names it (committed_steps)
         # stage fp32 gradients split into the high and low halves of their bits, the proof that
         # they are bf16 counted where they are (None: GPU gradients only; see add())
         self.split = None if split is None else bool(split) and sys.byteorder == "little"
@@ -520,6 +522,8 @@ class DeltaLog:
                "file": fname, "file_bytes": size, "tensors": meta, "extra": extra_meta,
                "lossy": any("max_abs_error" in v for v in meta.values()),
                "record": record}
+        if self.generation is not None:
+            rec["base_generation"] = self.generation
         if deviation is not None:     # JSON has no inf: a distance that is not finite is "inf"
             rec["deviation"] = {k: v if math.isfinite(v) else "inf" for k, v in deviation.items()}
         path = store.join(d, f"rank{self.rank}.json")
@@ -659,6 +663,8 @@ def check_record(rec, step: int, rank: int, where: str) -> dict:
                           f"lies where step {step} of rank {rank} belongs (moved or copied delta files)")
     if not isinstance(rec.get("nonce"), str) or not rec["nonce"]:
         raise FormatError(f"{where}: nonce {rec.get('nonce')!r} is not a chain id")
+    if "base_generation" in rec and (not _int(rec["base_generation"]) or rec["base_generation"] < 0):
+        raise FormatError(f"{where}: base_generation {rec['base_generation']!r} is not a generation")
     if rec.get("file") not in (None, f"rank{rank}.safetensors"):
         raise FormatError(f"{where}: file {rec.get('file')!r} is not rank{rank}.safetensors in its step directory")
     if not _int(rec.get("file_bytes")) or rec["file_bytes"] < 0:
@@ -754,9 +760,9 @@ def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = Tr
     one-line reason why the chain stops where it does.  A step is committed when the records of
     ``ranks`` (default: all ``world``) are there.  A record that is there but invalid is
     damage, not a gap: a FormatError naming it (``strict``), or where the chain stops, saying so.
-    ``generation``: the base's (its manifest's); a chain file of another generation belongs to an
-    earlier save of the tag, and none of its steps is committed (chain files of versions that did
-    not record the generation are not compared)."""
+    ``generation``: the base's (its manifest's); a chain file or a record of another generation
+    belongs to an earlier save of the tag, and is not committed (those of versions that did not
+    record the generation are not compared)."""
     out: List[Step] = []
     info = read_chain(ckpt_dir, store) if generation is not None else None
     recorded = info.get("base_generation") if isinstance(info, dict) else None
@@ -781,6 +787,9 @@ def committed_steps(ckpt_dir: str, base_step: int, world: int, strict: bool = Tr
                 return out, f"step {s} is damaged: {e}"
             if rec is None:
                 return out, f"step {s} is incomplete (rank {r} has no record)"
+            if generation is not None and rec.get("base_generation", generation) != generation:
+                return out, (f"step {s} was recorded on an earlier save of this tag (generation "
+                             f"{rec['base_generation']}; the base is generation {generation})")
             recs[r] = rec
         if len({rec["nonce"] for rec in recs.values()}) != 1:
             return out, f"step {s} mixes records of different runs"

@@ -238,7 +238,7 @@ class OnlineRecorder:
         self.log = deltas.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
                                    compact=self.config.compact, on_error=self.config.on_error, store=self.store,
                                    on_written=spread.written if spread is not None else None, spares=self.spares,
-                                   reuse=done)
+                                   reuse=done, generation=generation)
         self._stored = {}
         self.shadow = Shadow(self.tap) if self.config.compact else None
 

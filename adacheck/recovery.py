@@ -193,7 +193,8 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
         damaged = damage is not None or result.damage is not None
         here = store.canonical(store.parent(ckpt_dir)) == store.canonical(recorder.save_dir)
         if latest and until is None and plan.same_layout and not plan.refused and not damaged and here:
-            recorder.start_chain(manifest.tag, base, resume_after=done.step)
+            recorder.start_chain(manifest.tag, base, resume_after=done.step,
+                                 generation=manifest.framework.get("generation"))
         else:
             recorder.base_step = None
         recorder.tap.reindex()

@@ -54,6 +54,30 @@ def test_records_of_two_runs_never_combine(tmp_path):
     assert [s.step for s in steps] == [2] and "mixes records of different runs" in why
 
 
+def test_steps_of_an_earlier_save_of_the_tag_are_never_committed_on_the_new_base(tmp_path):
+    """Steps 2-6 recorded on generation 0 of a base; the tag saved again (generation 1) and steps
+    2-3 recorded on it into the same directories (as a copy from the memory tier writes them):
+    steps 4-6 of the earlier save end the chain of generation 1, and a chain file of another
+    generation commits nothing.  A record's generation that is not one is damage."""
+    ck = str(tmp_path)
+    deltas.write_chain(ck, {"base_tag": "t", "base_step": 1, "base_generation": 0}, fsync=False)
+    write_steps(ck, [2, 3, 4, 5, 6], generation=0)
+    assert [s.step for s in deltas.committed_steps(ck, 1, 2, generation=0)[0]] == [2, 3, 4, 5, 6]
+    steps, why = deltas.committed_steps(ck, 1, 2, generation=1)
+    assert steps == [] and "the delta log belongs to an earlier save of this tag (generation 0" in why
+    deltas.write_chain(ck, {"base_tag": "t", "base_step": 1, "base_generation": 1}, fsync=False)
+    write_steps(ck, [2, 3], nonce="n2", generation=1)
+    steps, why = deltas.committed_steps(ck, 1, 2, generation=1)
+    assert [s.step for s in steps] == [2, 3] and "step 4 was recorded on an earlier save of this tag" in why
+    assert len(deltas.committed_steps(ck, 1, 2)[0]) == 5      # (a caller that does not know the base's generation)
+    path = os.path.join(deltas.step_dir(ck, 2), "rank1.json")
+    rec = json.load(open(path))
+    rec["base_generation"] = "1"
+    json.dump(rec, open(path, "w"))
+    with pytest.raises(FormatError, match="base_generation '1' is not a generation"):
+        deltas.committed_steps(ck, 1, 2, generation=1)
+
+
 def test_narrowest_exact_dtype_and_round_trip(tmp_path):
     ck = str(tmp_path)
     exact = torch.randn(64).to(torch.bfloat16).float()
