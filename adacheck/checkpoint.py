@@ -33,7 +33,7 @@ import torch
 from . import commit, jsontree, lifecycle, partition, writer_process
 from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
-                     NotFoundError, StateError)
+                     NotFoundError, SaveWarning, StateError)
 from .exchange import Comm, agree, background_comm, exchange_for
 from .tiers import DeltaSpread, MemoryTier, newest_committed, own_files, spares_of
 from .hashing import bound_digest, box_identity, hash_tensor
@@ -134,10 +134,6 @@ class LocalState:
     layout: dict = field(default_factory=dict)        # this rank's framework layout
     framework: dict = field(default_factory=dict)
     step: Optional[int] = None
-
-
-class SaveWarning(UserWarning):
-    pass
 
 
 class LegacyFormatWarning(UserWarning):

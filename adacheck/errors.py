@@ -96,3 +96,7 @@ def kind_of(e: BaseException) -> str:
     if isinstance(e, DistributedError):
         return e.kind or "DistributedError"
     return type(e).__name__
+
+
+class SaveWarning(UserWarning):
+    """A save that did not complete as asked, with ``on_error: "warn"``: training goes on."""

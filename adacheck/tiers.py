@@ -41,6 +41,7 @@ import queue
 import re
 import threading
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -48,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import commit, deltas
 from .compression import ENCODING_KEY
-from .errors import AdaCheckError, ConfigError, FormatError
+from .errors import AdaCheckError, ConfigError, FormatError, SaveWarning
 from .exchange import agree
 from .manifest import (JOB_OBJECTS, RANK_OBJECT, RANKED_SINCE, meta_name, parse, part_name, part_names, rank_file_name,
                        referenced_files, writer_of)
@@ -666,9 +667,42 @@ def delta_moves(h: dict, reports: Sequence[Optional[dict]], key: Tuple[str, str]
     return moves
 
 
+def newer_in_memory(reports: Sequence[Optional[dict]], latests: Sequence[Optional[str]], store: Storage,
+                    load_dir: str, plan: Callable) -> Tuple[str, Optional[dict]]:
+    """Pure but for reading durable storage's ``latest``, on rank 0: ("memory" or "durable", the
+    memory's plan) for a load without a tag.  The memory's candidate is the checkpoint its
+    ``latest`` names (the newest save that moved ``latest``: it goes to memory first, also after
+    a roll-back to an older tag), complete between the nodes' memories; if it is not, the newest
+    complete one of no later step (``plan(tag, below)``: :func:`plan_recovery`); none if no memory
+    holds it any more (nor without a ``latest``: the newest complete one).  Memory wins
+    when durable storage's ``latest`` names a checkpoint the memory also holds (copied from it,
+    so not newer) or one of no later step than the candidate's."""
+    named = [t for t in latests if t is not None]
+    latest_mem = max(sorted(set(named)), key=named.count) if named else None   # (every node's, but a new one)
+    if latest_mem is None:
+        chosen = plan(None)
+    else:      # (one no memory holds any more: durable storage's)
+        chosen = plan(latest_mem)
+        steps = [rep[latest_mem]["step"] for rep in reports if rep and latest_mem in rep]
+        if chosen is None and steps:
+            chosen = plan(None, max(steps))
+    if chosen is None:
+        return "durable", None
+    latest = commit.latest_or_none(load_dir, store) if store.is_dir(load_dir) else None
+    if latest is None:
+        return "memory", chosen
+    try:
+        step = commit.read_manifest(store.join(load_dir, latest), store).step
+        digest = hashlib.sha256(store.read_bytes(store.join(load_dir, latest, commit.MANIFEST_NAME))).hexdigest()
+    except (AdaCheckError, OSError):
+        return "memory", chosen
+    copied = chosen["tag"] == latest_mem and any(rep and rep.get(latest, {}).get("digest") == digest for rep in reports)
+    return ("memory", chosen) if copied or chosen["step"] >= (step if step is not None else -1) else ("durable", chosen)
+
+
 def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: Optional[str],
-                  everything: bool = False, reads_objects_of: Optional[Sequence[Sequence[int]]] = None
-                  ) -> Optional[dict]:
+                  everything: bool = False, reads_objects_of: Optional[Sequence[Sequence[int]]] = None,
+                  below: Optional[int] = None) -> Optional[dict]:
     """Pure, on rank 0: from each node leader's :func:`holdings` (``reports[r]``, None for other
     ranks) and the node of each rank now, the newest checkpoint (or ``tag``) that the nodes'
     memories hold complete between them: every stored region has a copy whose file is present,
@@ -702,7 +736,7 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
                     has.setdefault(key, {}).setdefault(f, set()).add(r)
     best = None
     for key, h in seen.items():
-        if tag is not None and key[0] != tag:
+        if (tag is not None and key[0] != tag) or (below is not None and h["step"] > below):
             continue
         held = has.get(key, {})
         if all(any(f in held for f in files) for files, _ in h["groups"]):
@@ -1071,13 +1105,18 @@ class MemoryTier:
         self.memory.finish(waiting_for=tag)     # (the previous memory save, if it was asynchronous)
         # its files are copied under their names into the checkpoint directory: past every generation of
         # this tag there (a re-saved tag never writes over a committed checkpoint's files)
-        floor = commit.generation_of(store.join(save_dir, tag), store) if comm.rank == 0 else 0
+        floor = 0
+        if comm.rank == 0:
+            try:
+                floor = commit.generation_of(store.join(save_dir, tag), store)
+            except OSError as e:      # (the copy will tell whether the directory can be written)
+                log.warning("AdaCheck: could not list %s before saving %s to memory: %s", save_dir, tag, e)
         if asynchronous:
             self._retain(mem, ())         # (before the new save's files exist: nothing in flight now)
-            self.memory.save_async(comm, mem, tag, collect, update_latest=True, min_generation=floor)
+            self.memory.save_async(comm, mem, tag, collect, update_latest=update_latest, min_generation=floor)
             manifest = None
         else:
-            manifest = self.memory.save(comm, mem, tag, collect, update_latest=True, min_generation=floor)
+            manifest = self.memory.save(comm, mem, tag, collect, update_latest=update_latest, min_generation=floor)
             self._retain(mem, (tag,))
         n = self.saves[durable] = self.saves.get(durable, 0) + 1
         self.newest[durable] = (mem, tag, store, save_dir, update_latest)
@@ -1177,18 +1216,20 @@ class MemoryTier:
             self.thread = None
         tag, self.persisting = self.persisting, None
         e, self.error = self.error, None
-        if e is not None:
-            if self.on_error == "raise" and isinstance(e, AdaCheckError):
+        if e is not None:       # (any error: a storage's OSError too, as an asynchronous save says it)
+            if self.on_error == "raise":
                 raise e
-            log.warning("AdaCheck: copying %s from the memory tier to durable storage failed; it stays in memory "
-                        "and the checkpoint directory is as it was: %s", tag, e)
+            warnings.warn(f"AdaCheck: copying {tag} from the memory tier to durable storage failed; it stays in "
+                          f"memory and the checkpoint directory is as it was (on_error: warn): {e}", SaveWarning,
+                          stacklevel=3)
 
     # ------------------------------------------------------------------ load
     def choose(self, comm, store: Storage, load_dir: str, tag: Optional[str], everything: bool = False,
                reads_objects_of: Sequence[int] = ()) -> Tuple[Storage, str, str, Optional[str]]:
         """(storage, directory, tier, tag) to load from: the memory tier when the nodes' memories
-        hold ``tag`` complete between them (or, without one, a checkpoint at least as new as
-        durable storage's newest), else the checkpoint directory (tag as given).  Decided by rank
+        hold ``tag`` complete between them (or, without one, the checkpoint the memory's ``latest``
+        names, as every save that moves ``latest`` writes it there first: see :func:`newer_in_memory`),
+        else the checkpoint directory (tag as given).  Decided by rank
         0 for every rank; a node that lacks files its ranks need (a node replaced after a loss:
         the peer copies; another layout: every region, as with ``everything``) gets them from the
         nodes that hold them first (collective), and the objects of the saving ranks each of its
@@ -1199,25 +1240,19 @@ class MemoryTier:
         nodes = [n for n, _ in placed]
         self.across = len(set(nodes)) > 1
         leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
-        reports = comm.gather_object(holdings(mem) if leads else None)      # (rank 0 decides for every rank)
+        # (rank 0 decides for every rank)
+        gathered = comm.gather_object((holdings(mem), commit.latest_or_none(mem, LOCAL)) if leads else None)
 
         def decide():
-            plan = plan_recovery(reports, nodes, None if tag is None else str(tag), everything,
-                                 reads_objects_of=[o for _, o in placed])
+            reports = [g[0] if g else None for g in gathered]
             newest = max(((h["step"], t) for rep in reports for t, h in (rep or {}).items()), default=None)
             if tag is not None:
+                plan = plan_recovery(reports, nodes, str(tag), everything, reads_objects_of=[o for _, o in placed])
                 return ("memory", plan, newest) if plan is not None else ("durable", None, newest)
-            latest = commit.latest_or_none(load_dir, store) if store.is_dir(load_dir) else None
-            d_step = -1
-            if latest is not None:
-                try:
-                    step = commit.read_manifest(store.join(load_dir, latest), store).step
-                    d_step = step if step is not None else -1
-                except AdaCheckError:
-                    d_step = -1
-            if plan is not None and plan["step"] >= d_step:
-                return "memory", plan, newest
-            return "durable", plan, newest
+            return newer_in_memory(reports, [g[1] for g in gathered if g], store, load_dir,
+                                   lambda t, below=None: plan_recovery(reports, nodes, t, everything, below=below,
+                                                                       reads_objects_of=[o for _, o in placed])) \
+                + (newest,)
 
         where, plan, newest = comm.broadcast_object(decide() if comm.rank == 0 else None)
         if where == "memory":

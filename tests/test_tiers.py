@@ -159,6 +159,30 @@ def test_memory_tier_recovers_newer_than_durable_falls_back_and_persists_at_exit
     assert_same(e3, dump(f"{d}/d", "F3"), keys)
 
 
+def test_a_load_without_a_tag_takes_what_latest_names_also_after_a_roll_back(tmp_path, monkeypatch):
+    """Saves 1-3 through the memory tier (each copied to the directory), a roll-back to
+    global_step1 by tag, then global_step2 saved again (the new run's) and global_step3 saved
+    with save_latest=False: a load without a tag takes global_step2, what 'latest' names and what
+    a load without the memory tier takes, not the memory's highest step (the abandoned run's, or
+    the save that was not to be latest).  Oracle: DeepSpeed's own accessors at that save."""
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", "job-rollback")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    ck = f"{d}/ck"
+    actions = [a for _ in range(3) for a in (["train", 1], ["save", ck])] + [
+        ["load", ck, {"tag": "global_step1"}], ["train", 1], ["save", ck], ["dump", "R2"],
+        ["train", 1], ["save", ck, None, {"save_latest": False}], ["dump", "N3"], ["finish"],
+        ["train", 1], ["load", ck], ["steps"], ["dump", "L"]]
+    runs = [{"stage": 1, "dtype": "bf16", "adacheck": {"enabled": True, "tiers": {"memory": True, "persist_interval": 1}},
+             "actions": actions}]
+    check(launch(2, {"runs": runs}, d))
+    got = results(d)[0]
+    assert got["steps"][0] == 2 and got["loaded"][-1][0].endswith("global_step2"), got["loaded"]
+    assert "/shm/" in got["loaded"][-1][0]       # (from the memory tier: it is as new as the directory's)
+    r2, keys = state(d, "R2")
+    assert_same(r2, dump(d, "L"), keys)
+
+
 def test_online_deltas_go_to_the_memory_tier_and_the_last_steps_to_durable_storage_at_exit(tmp_path, monkeypatch):
     """Online deltas with the memory tier (ZeRO-2 bf16, 2 ranks): bases every 3 steps and every
     step's deltas go to memory; every 2nd base also to the checkpoint directory, its deltas copied
@@ -691,6 +715,36 @@ def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of
         assert hashlib.sha256(open(f"{ck}/global_step1/{f}", "rb").read()).hexdigest() == digest, f
     assert load("global_step2") == ([2.0] * 4, [7.0] * 4)
     assert load("global_step1") == ([100.0] * 4, [200.0] * 4)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_a_copy_to_the_directory_that_fails_on_storage_is_said_as_on_error_asks(tmp_path, monkeypatch, on_error):
+    """The copy of a memory checkpoint to durable storage fails with an OSError (the directory's
+    parent is a file): finish() raises it with on_error "raise", or warns with a SaveWarning;
+    the checkpoint stays in memory either way.  (It was only logged, whatever on_error said.)"""
+    import torch
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.config import TiersConfig
+    from adacheck.errors import SaveWarning
+    from adacheck.exchange import SoloComm
+    from adacheck.types import Box
+    d = str(tmp_path)
+    monkeypatch.setenv("ADACHECK_JOB", f"job-{on_error}")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
+    open(f"{d}/afile", "w").close()
+    ck = f"{d}/afile/ck"
+    job = Checkpointer(options=Options(fsync=False, on_error=on_error, tiers=TiersConfig(memory=True,
+                                                                                         persist_interval=1)))
+    job.save(SoloComm(), ck, "s1", lambda: LocalState(
+        shards=[LocalShard("master/w", "master", (4,), Box.full((4,)), torch.arange(4.0))], step=1))
+    if on_error == "raise":
+        with pytest.raises(OSError):
+            job.finish()
+    else:
+        with pytest.warns(SaveWarning, match="copying s1 from the memory tier to durable storage failed"):
+            job.finish()
+    assert tags(memory_location(LOCAL, ck)) == ["s1"]
+    job.close()         # (it tries the copy once more, and says so: the interpreter is not exiting here)
 
 
 def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
