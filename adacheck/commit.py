@@ -223,7 +223,7 @@ def _tree_size(store: Storage, path: str) -> int:
 
 
 def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = (),
-                    store: Storage = LOCAL) -> List[Tuple[str, int]]:
+                    store: Storage = LOCAL, only: Optional[Tuple[str, ...]] = None) -> List[Tuple[str, int]]:
     """Delete shard files (and temporaries) that no committed checkpoint reads.
 
     That covers earlier generations of a re-saved tag, saves a killed job never committed,
@@ -232,6 +232,7 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     like AdaCheck shards are removed, and a directory without manifest that this call
     emptied is removed too.  Call it only when no save into ``save_dir`` is in flight.
     ``dry_run``: delete nothing, as if the checkpoints in ``retired`` had no manifest.
+    ``only``: look into these tags' directories alone (others may hold a save in flight).
     The online-delta log of a checkpoint goes with its manifest (``<tag>/deltas/``).
     Returns the files removed (or that would be), as (``<tag>/<file>``, bytes).
     """
@@ -250,7 +251,7 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     removed = []
     for tag in store.list(save_dir):
         d = store.join(save_dir, tag)
-        if tag in unreadable or not store.is_dir(d):
+        if tag in unreadable or (only is not None and tag not in only) or not store.is_dir(d):
             continue
         before = len(removed)
         committed = has_manifest(d, store) and tag not in retired

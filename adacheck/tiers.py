@@ -914,10 +914,14 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
         dst_store.remove(dst_store.join(dst, _marker(r)))
     if update_latest:
         commit.write_latest(dst_dir, tag, dst_store)
+    retired = []
     if keep_last:
         latest = commit.read_latest(dst_dir, dst_store)
-        commit.apply_retention(dst_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()), store=dst_store)
-    commit.collect_garbage(dst_dir, store=dst_store)
+        retired = commit.apply_retention(dst_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()),
+                                         store=dst_store)
+    # (only this tag's earlier generations and what retention retired: another rank may already be
+    # copying the next checkpoint into a directory that has no manifest yet)
+    commit.collect_garbage(dst_dir, store=dst_store, only=(tag, *retired))
     return True
 
 

@@ -747,6 +747,37 @@ def test_a_copy_to_the_directory_that_fails_on_storage_is_said_as_on_error_asks(
     job.close()         # (it tries the copy once more, and says so: the interpreter is not exiting here)
 
 
+def test_committing_a_copy_leaves_the_files_of_the_next_copy_in_flight(tmp_path):
+    """Rank 0 commits the copy of s1 to the checkpoint directory while another rank, done with
+    its part of s1, already copies its files of s2 there (no manifest yet): the retention and
+    clean-up after s1's commit leave them, and s2 then commits and loads.  (Every directory
+    without a manifest was cleaned up as an abandoned save: the next copy failed, its checkpoint
+    lost from both tiers once memory retired it.)"""
+    import shutil
+    import torch
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options, confirm_files
+    from adacheck.exchange import SoloComm
+    from adacheck.tiers import persist_checkpoint
+    from adacheck.types import Box
+    mem, ck, comm = str(tmp_path / "mem"), str(tmp_path / "ck"), SoloComm()
+    memory = Checkpointer(options=Options(fsync=False, reference_previous=False))
+    for step in (1, 2):
+        memory.save(comm, mem, f"s{step}", lambda step=step: LocalState(
+            shards=[LocalShard("master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
+    os.makedirs(f"{ck}/s2")
+    ahead = [f for f in os.listdir(f"{mem}/s2") if f.endswith(".safetensors")]
+    for f in ahead:          # (the other rank's copy of s2, under way)
+        shutil.copy(f"{mem}/s2/{f}", f"{ck}/s2/{f}")
+    assert persist_checkpoint(0, f"{mem}/s1", LOCAL, ck, "s1", False, True, 1, confirm_files)
+    assert sorted(os.listdir(f"{ck}/s2")) == sorted(ahead)
+    assert persist_checkpoint(0, f"{mem}/s2", LOCAL, ck, "s2", False, True, 1, confirm_files)
+    got = Checkpointer().load(comm, ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
+    assert got[0].endswith("s2") and got[2] == [2.0] * 4
+    assert tags(ck) == ["s2"]       # (keep_last 1: s1 retired, its files removed)
+    left = os.listdir(f"{ck}/s1") if os.path.isdir(f"{ck}/s1") else []
+    assert not [f for f in left if f.endswith(".safetensors")], left
+
+
 def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     """The peer receive path: a name that leaves the directory, a size or a header that is not
     what the manifest says is refused, and nothing is left under the file's name."""
