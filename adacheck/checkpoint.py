@@ -303,6 +303,13 @@ class Caches:
 DEFAULT_CACHES = Caches()
 
 
+class _Process:
+    """What the process's own Checkpointer is kept on (:meth:`Checkpointer.kept_on` without an owner)."""
+
+
+_PROCESS = _Process()
+
+
 @dataclass(frozen=True)
 class Options:
     """How a job saves and loads (AdaCheckConfig's keys, see adacheck.config): ``keep_last``
@@ -490,7 +497,8 @@ class Checkpointer:
 
     def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool,
                      persist: Optional[bool] = None, recorder=None):
-        lifecycle.keep(self)       # (at exit: the newest memory checkpoint persisted)
+        lifecycle.keep(self, strong=True)    # (at exit: the newest memory checkpoint persisted, also when
+        # the caller let this job go: the memory tier's promise)
         store, path = self.locate(save_dir)
         if recorder is not None:
             recorder.flush()
@@ -711,12 +719,13 @@ class Checkpointer:
     @classmethod
     def kept_on(cls, owner, options: Options) -> "Checkpointer":
         """The Checkpointer kept on ``owner`` (an object that lives as long as the job), made the first
-        time and given ``options`` after; without an owner, a new one sharing the process's caches."""
-        if owner is None:
-            return cls(options=options, caches=DEFAULT_CACHES)
+        time and given ``options`` after; without an owner, the process's own (its caches
+        DEFAULT_CACHES): one job, so that a memory tier's saves count towards one persist_interval
+        and its newest is the one persisted at exit."""
+        owner = owner if owner is not None else _PROCESS
         job = cls.kept(owner)
         if job is None:
-            job = cls(options=options)
+            job = cls(options=options, caches=DEFAULT_CACHES if owner is _PROCESS else None)
             setattr(owner, cls.KEPT, job)
         job.configure(options)
         return job

@@ -34,6 +34,7 @@ import weakref
 log = logging.getLogger("adacheck")
 
 _OPEN: "weakref.WeakSet" = weakref.WeakSet()   # objects with close(): flushed and joined at exit
+_HELD: set = set()       # those of them that must outlive their callers' references (keep(strong=True))
 _STATE = {"registered": False, "distributed": False}
 
 
@@ -46,14 +47,18 @@ def register() -> None:
     _STATE["distributed"] = _STATE["distributed"] or _initialized()
 
 
-def keep(obj) -> None:
-    """Close ``obj`` (its ``close()``) at exit unless it was :func:`release`-d before."""
+def keep(obj, strong: bool = False) -> None:
+    """Close ``obj`` (its ``close()``) at exit unless it was :func:`release`-d before; ``strong``:
+    hold it until then, also when nothing else does (what it must still do at exit is a promise)."""
     register()
     _OPEN.add(obj)
+    if strong:
+        _HELD.add(obj)
 
 
 def release(obj) -> None:
     _OPEN.discard(obj)
+    _HELD.discard(obj)
 
 
 def finish_saves(block: bool = True) -> None:
@@ -75,7 +80,7 @@ def at_exit() -> None:
             obj.close()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting: report, do not raise
             log.warning("AdaCheck: at exit, closing %s failed: %s", type(obj).__name__, e)
-        _OPEN.discard(obj)
+        release(obj)
     settle_gloo()
 
 

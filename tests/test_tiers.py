@@ -778,6 +778,68 @@ def test_committing_a_copy_leaves_the_files_of_the_next_copy_in_flight(tmp_path)
     assert not [f for f in left if f.endswith(".safetensors")], left
 
 
+def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_let_go(tmp_path):
+    """A script saves s1-s3 through the memory tier (persist_interval 2: s2 is copied, s3 is in
+    memory only) in a function whose Checkpointer is garbage-collected when it returns, and ends
+    without closing anything: at exit s3 is copied to the checkpoint directory, 'latest' names it
+    and it loads.  (The exit hook held the job weakly: s3 stayed in memory, no warning, exit 0.)"""
+    import textwrap
+    from adacheck.checkpoint import Checkpointer
+    from adacheck.exchange import SoloComm
+    d, ck = str(tmp_path), str(tmp_path / "ck")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import gc
+        import torch
+        from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+        from adacheck.config import TiersConfig
+        from adacheck.exchange import SoloComm
+        from adacheck.types import Box
+
+        def main():
+            job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2)))
+            for step in (1, 2, 3):
+                job.save(SoloComm(), {ck!r}, f"s{{step}}", lambda: LocalState(shards=[LocalShard(
+                    "master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
+            job.finish()
+
+        main()
+        gc.collect()
+        print(sorted(__import__("os").listdir({ck!r})))
+        """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, ADACHECK_JOB="job-let-go", ADACHECK_MEMORY_DIR=f"{d}/shm"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "['latest', 's2']", p.stdout     # (before the exit)
+    assert open(f"{ck}/latest").read().strip() == "s3"
+    got = Checkpointer().load(SoloComm(), ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
+    assert got[0].endswith("s3") and got[2] == [3.0] * 4
+
+
+def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, monkeypatch):
+    """Checkpointer.kept_on(None) (Megatron's save without an optimizer) is the process's one
+    job: two saves with persist_interval 2 copy the second to the checkpoint directory.  (A new
+    job per call counted each save as its first: nothing was copied until exit.)"""
+    import torch
+    from adacheck import lifecycle
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.config import TiersConfig
+    from adacheck.exchange import SoloComm
+    from adacheck.types import Box
+    monkeypatch.setenv("ADACHECK_JOB", "job-no-owner")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+    ck = str(tmp_path / "ck")
+    options = Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2))
+    for step in (1, 2):
+        Checkpointer.kept_on(None, options).save(SoloComm(), ck, f"s{step}", lambda: LocalState(
+            shards=[LocalShard("master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
+    job = Checkpointer.kept_on(None, options)
+    job.finish()
+    assert tags(ck) == ["s2"]
+    job.close()
+    lifecycle.release(job)
+
+
 def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     """The peer receive path: a name that leaves the directory, a size or a header that is not
     what the manifest says is refused, and nothing is left under the file's name."""
