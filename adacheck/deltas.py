@@ -14,9 +14,10 @@ A step is **committed** when every rank of the base's world has a valid record f
 carrying the same chain ``nonce`` (a fresh random id per incarnation of the chain, so
 records of a crashed run never combine with those of the run that recovered from it).
 Recovery replays the committed steps that directly follow the base, in order, and stops
-at the first gap.  The chain file names the generation of the base it follows: a tag saved
-again (a new generation) starts a chain of its own, and the steps of an earlier save of that
-tag are never replayed on it (a chain file of another generation: no step is committed).
+at the first gap.  The chain file and every record name the generation of the base they
+follow: a tag saved again (a new generation) starts a chain of its own, and the steps of an
+earlier save of that tag are never replayed on it (a chain file of another generation: no step
+is committed; a record of another generation: the chain stops there).
 
 Gradients are stored in the narrowest dtype that reproduces them bit-exactly: an fp32
 gradient whose values are all exact bf16 values is stored as bf16 (proved per tensor by

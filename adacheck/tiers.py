@@ -691,11 +691,13 @@ def newer_in_memory(reports: Sequence[Optional[dict]], latests: Sequence[Optiona
     latest = commit.latest_or_none(load_dir, store) if store.is_dir(load_dir) else None
     if latest is None:
         return "memory", chosen
-    try:
-        step = commit.read_manifest(store.join(load_dir, latest), store).step
-        digest = hashlib.sha256(store.read_bytes(store.join(load_dir, latest, commit.MANIFEST_NAME))).hexdigest()
-    except (AdaCheckError, OSError):
+    d = store.join(load_dir, latest)
+    try:      # (its bytes once: the step, and the digest memory's copies are compared by)
+        raw = store.read_bytes(store.join(d, commit.MANIFEST_NAME))
+        step = parse(raw.decode("utf-8"), where=d, open_part=commit.PartFiles(store, d)).step
+    except (AdaCheckError, OSError, UnicodeDecodeError):
         return "memory", chosen
+    digest = hashlib.sha256(raw).hexdigest()
     copied = chosen["tag"] == latest_mem and any(rep and rep.get(latest, {}).get("digest") == digest for rep in reports)
     return ("memory", chosen) if copied or chosen["step"] >= (step if step is not None else -1) else ("durable", chosen)
 
