@@ -2,10 +2,13 @@
 
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like torchrun; the
 whole group is killed when ``timeout`` passes or when one rank dies and the others do not
-follow within ``grace`` seconds.
+follow within ``grace`` seconds.  Ranks 0-3 of CPU jobs of ds_worker.py and megatron_worker.py
+are forked from servers that have imported torch and the framework once (tests/prestarted.py);
+set ADACHECK_TEST_FRESH_RANKS=1 to start every rank as a fresh interpreter.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -26,6 +29,95 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ------------------------------------------------------------------ prestarted ranks
+# one server per (worker script, rank index), started on first use, ended at exit
+_SERVERS: dict = {}
+PRESTARTED_RANKS = 4
+
+
+class _Server:
+    def __init__(self, script: str, rank: int):
+        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        self.errors = open(os.path.join(_server_dir(), f"{script}-{rank}.log"), "w")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "prestarted.py"), script], env=env, cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, text=True)
+        self.lock = threading.Lock()
+        self._ready = None
+
+    def ready(self) -> bool:
+        """Whether it has imported its modules and serves (waits for that the first time)."""
+        if self._ready is None:
+            self._ready = json.loads(self.proc.stdout.readline() or "{}").get("ready") is not None
+        return self._ready and self.proc.poll() is None
+
+    def ask(self, **req):
+        with self.lock:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            with open(self.errors.name) as f:
+                raise RuntimeError(f"the prestarted rank server {self.proc.args[-1]} died:\n{f.read()[-3000:]}")
+        return json.loads(line)
+
+    def start(self, argv, env, cwd, log):
+        return _Forked(self, self.ask(op="run", script=argv[0], args=argv[1:], env=env, cwd=cwd, log=log)["pid"])
+
+
+class _Forked:
+    """What launch() uses of a Popen, for a rank forked by a server."""
+
+    def __init__(self, server: _Server, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.server.ask(op="poll", pid=self.pid)["returncode"]
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def _server_dir() -> str:
+    import tempfile
+    path = os.path.join(tempfile.gettempdir(), f"adacheck-prestarted-{os.getpid()}")
+    if not os.path.isdir(path):
+        os.makedirs(path)
+        atexit.register(_stop_servers, path)
+    return path
+
+
+def _stop_servers(path: str) -> None:
+    import shutil
+    for server in _SERVERS.values():
+        server.proc.stdin.close()          # (a server ends when its stdin closes)
+    for server in _SERVERS.values():
+        try:
+            server.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _server(script: str, rank: int):
+    from prestarted import PRELOAD
+    if script not in PRELOAD or rank >= PRESTARTED_RANKS or os.environ.get("ADACHECK_TEST_FRESH_RANKS") == "1":
+        return None
+    if (script, rank) not in _SERVERS:
+        _SERVERS[script, rank] = _Server(script, rank)
+    return _SERVERS[script, rank]
+
+
 def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: float = 60,
            on_started=None, script: str = "ds_worker.py", device: str = "cpu", rank_env=None):
     """Run the worker on ``world`` ranks; returns [(returncode, output)] per rank.  ``device``
@@ -37,6 +129,7 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
         json.dump(spec, f)
     port = free_port()
     procs, logs = [], []
+    servers = [_server(script, rank) if device == "cpu" else None for rank in range(world)]   # (all starting)
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -44,8 +137,10 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
                    os.environ.get("PYTHONPATH", ""))
         env.update(rank_env(rank) if rank_env is not None else {})
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), spec_path, out_dir],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        argv = [os.path.join(HERE, script), spec_path, out_dir]
+        server = servers[rank] if servers[rank] is not None and servers[rank].ready() else None
+        procs.append(server.start(argv, env, ROOT, log.name) if server is not None else
+                     subprocess.Popen([sys.executable, *argv], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         logs.append(log)
     if on_started is not None:
         on_started(procs)

@@ -40,29 +40,29 @@ def read_losses(path):
 
 
 def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp_path):
-    """10 online-recovery jobs (each: load = base + replay of every committed delta, one more
-    step recorded, exit), 4 plain ones (load, one step, save, exit) and 4 async ones (the same, the
+    """6 online-recovery jobs (each: load = base + replay of every committed delta, one more
+    step recorded, exit), 2 plain ones (load, one step, save, exit) and 3 async ones (the same, the
     save still in flight when the script ends: the exit hook commits it, and stops the writer
-    processes: none is left), then 3 with the persist in a thread, all under torchrun:
+    processes: none is left), then 2 with the persist in a thread, all under torchrun:
     every job exits 0 (before the fix, 4 of 6 online-recovery jobs of this kind aborted with
-    SIGABRT), each online job recovers exactly the step the previous one ended at (its last
-    delta was committed at exit, not left as rank<r>.json.tmp), and every logged loss equals the
-    uninterrupted native run's."""
-    total = 3 + 10 + 4
+    SIGABRT: 5 recoveries here all pass by chance with odds under 1%), each online job recovers
+    exactly the step the previous one ended at (its last delta was committed at exit, not left as
+    rank<r>.json.tmp), and every logged loss equals the uninterrupted native run's."""
+    total = 3 + 6
     ref_log = str(tmp_path / "native.jsonl")
     torchrun("native", str(tmp_path / "native"), total, ref_log)   # (its exit code is DeepSpeed's own)
     reference = {r["step"]: r["loss"] for r in read_losses(ref_log)}
     assert sorted(reference) == list(range(1, total + 1))
 
     online, log = str(tmp_path / "online"), str(tmp_path / "online.jsonl")
-    runs = [("online", online, 3)] + [("online", online, 3 + i) for i in range(1, 11)]
+    runs = [("online", online, 3)] + [("online", online, 3 + i) for i in range(1, 6)]
     plain, plain_log = str(tmp_path / "plain"), str(tmp_path / "plain.jsonl")
-    runs += [("plain", plain, 13)] + [("plain", plain, 13 + i) for i in range(1, 4)]
+    runs += [("plain", plain, 8)] + [("plain", plain, 9)]
     # the last save of each async job is committed by the exit hook; the next job resumes from it
     asy, async_log = str(tmp_path / "async"), str(tmp_path / "async.jsonl")
-    runs += [("async", asy, 2)] + [("async", asy, 2 + i) for i in range(1, 4)]
+    runs += [("async", asy, 2)] + [("async", asy, 2 + i) for i in range(1, 3)]
     # (in writer processes, the default: the exit hook stops them too) ... and in threads
-    runs += [("async_thread", asy, 5 + i) for i in range(1, 4)]
+    runs += [("async_thread", asy, 4 + i) for i in range(1, 3)]
     for i, (mode, ckpt, until) in enumerate(runs):
         p = torchrun(mode, ckpt, until, {"online": log, "plain": plain_log, "async": async_log,
                                          "async_thread": async_log}[mode])
@@ -71,15 +71,15 @@ def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp
             # the step the previous job ended at was committed when it exited, and recovered now
             assert f"(steps 2-{until - 1})" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
     got = read_losses(log)
-    assert [r["step"] for r in got] == list(range(1, 14))
-    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 14)}
-    got = read_losses(plain_log)
-    assert [r["step"] for r in got] == list(range(1, 17))
-    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 17)}
-    got = read_losses(async_log)
     assert [r["step"] for r in got] == list(range(1, 9))
     assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 9)}
-    assert open(os.path.join(asy, "latest")).read().strip() == "global_step8"
+    got = read_losses(plain_log)
+    assert [r["step"] for r in got] == list(range(1, 10))
+    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 10)}
+    got = read_losses(async_log)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    assert {r["step"]: r["loss"] for r in got} == {s: reference[s] for s in range(1, 7)}
+    assert open(os.path.join(asy, "latest")).read().strip() == "global_step6"
     assert not [p for p in os.listdir("/proc") if p.isdigit() and _is_writer(p)], "a writer process outlived its job"
-    step13 = os.path.join(online, "global_step1", "deltas", "0000000013")
-    assert sorted(os.listdir(step13)) == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
+    step8 = os.path.join(online, "global_step1", "deltas", "0000000008")
+    assert sorted(os.listdir(step8)) == ["rank0.json", "rank0.safetensors", "rank1.json", "rank1.safetensors"]
