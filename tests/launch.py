@@ -2,8 +2,9 @@
 
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like torchrun; the
 whole group is killed when ``timeout`` passes or when one rank dies and the others do not
-follow within ``grace`` seconds.  Ranks 0-3 of CPU jobs of ds_worker.py and megatron_worker.py
-are forked from servers that have imported torch and the framework once (tests/prestarted.py);
+follow within ``grace`` seconds.  Ranks 0-3 of CPU jobs of the workers tests/prestarted.py names
+(DeepSpeed, megatron-core, Hugging Face Trainer) are forked from servers that have imported torch
+and the framework once;
 set ADACHECK_TEST_FRESH_RANKS=1 to start every rank as a fresh interpreter.
 """
 from __future__ import annotations

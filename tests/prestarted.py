@@ -30,6 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = {
     "ds_worker.py": ["torch", "torch._dynamo", "deepspeed", "safetensors.torch", "adacheck_ds"],
     "megatron_worker.py": ["torch", "torch._dynamo", "pretrain_gpt"],      # (scripts/pretrain_gpt.py)
+    "hf_worker.py": ["torch", "torch._dynamo", "deepspeed", "transformers.trainer",
+                     "transformers.models.gpt2.modeling_gpt2", "adacheck_ds"],
 }
 # what a fresh interpreter has on its path besides the script's folder and $PYTHONPATH
 _SITE = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
