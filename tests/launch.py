@@ -4,8 +4,7 @@ Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like t
 whole group is killed when ``timeout`` passes or when one rank dies and the others do not
 follow within ``grace`` seconds.  Ranks 0-3 of CPU jobs of the workers tests/prestarted.py names
 (DeepSpeed, megatron-core, Hugging Face Trainer) are forked from servers that have imported torch
-and the framework once;
-set ADACHECK_TEST_FRESH_RANKS=1 to start every rank as a fresh interpreter.
+and the framework once; ADACHECK_TEST_FRESH_RANKS=1 starts every rank as a fresh interpreter.
 """
 from __future__ import annotations
 
