@@ -817,7 +817,7 @@ class Checkpointer:
         def run():
             generation = previous = None
             if comm.rank == 0:
-                stale = store.abort_uploads(save_dir)   # (no rank is writing here now)
+                stale = store.abort_uploads(save_dir, commit.SAVED_FILE)   # (no rank of the job writes here now)
                 if stale:
                     log.warning("AdaCheck: aborted %d unfinished uploads under %s left by an interrupted save",
                                 stale, save_dir)

@@ -210,6 +210,10 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     return 1 + max(gens) if gens else 0
 
 
+# what a save uploads into a save directory, relative to it: a tag's shard files, manifest and
+# manifest parts, and its online delta files (the uploads a killed save may leave unfinished)
+SAVED_FILE = re.compile(r"^" + TAG_RE.pattern.strip("^$") + r"/(?:" + SHARD_PATTERN + "|" + PART_PATTERN + "|"
+                        + re.escape(MANIFEST_NAME) + r"|deltas/\d+/rank\d+\.(?:safetensors|json))$")
 _SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
                          + re.escape(TMP_SUFFIX) + ")?$")     # (a shard file, a manifest's part)
 

@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Pattern, Tuple
 
 import torch
 
@@ -176,9 +176,11 @@ class Storage:
         """Make the directory's entries (creations, renames, deletions) durable."""
         raise NotImplementedError
 
-    def abort_uploads(self, path: str) -> int:
-        """Abort unfinished uploads under ``path`` that a killed writer left (S3 multipart
-        uploads: invisible, but stored and billed until aborted); returns how many."""
+    def abort_uploads(self, path: str, names: Pattern[str]) -> int:
+        """Abort the unfinished uploads under ``path`` whose names relative to it match ``names``,
+        which a killed writer left (S3 multipart uploads: invisible, but stored and billed until
+        aborted); returns how many.  Others' uploads there (another job's, at the bucket's root
+        too) are not touched."""
         return 0
 
     def describe(self) -> str:
@@ -514,13 +516,13 @@ class FsspecStorage(Storage):
     def sync_dir(self, path):
         pass
 
-    def abort_uploads(self, path):
+    def abort_uploads(self, path, names):
         lister, abort = getattr(self.fs, "list_multipart_uploads", None), getattr(self.fs, "abort_mpu", None)
         if lister is None or abort is None:
             return 0     # (a filesystem without multipart uploads)
         bucket, _, prefix = self.fs._strip_protocol(path).partition("/")
         prefix = prefix.rstrip("/") + "/" if prefix else ""
-        stale = [u for u in lister(bucket) if u["Key"].startswith(prefix)]
+        stale = [u for u in lister(bucket) if u["Key"].startswith(prefix) and names.match(u["Key"][len(prefix):])]
         for u in stale:
             abort(bucket, u["Key"], u["UploadId"])
         return len(stale)

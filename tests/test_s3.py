@@ -45,15 +45,17 @@ def save_steps(checkpointer, root, steps, frozen):
 def test_an_s3_checkpoint_is_the_local_bytes_published_in_order(s3, tmp_path):
     frozen = torch.arange(9.0).view(3, 3)
     root = s3.url("order")
-    # a save killed earlier left multipart uploads: one here, one under another prefix
-    for key in ("order/s0/rank00000-g0.safetensors", "elsewhere/big.bin"):
+    # a save killed earlier left multipart uploads of a shard and a delta file here; the others are
+    # not AdaCheck's, or another job's (under another prefix, or its own save directory below this one)
+    others = ["elsewhere/big.bin", "order/run2/s0/rank00000-g0.safetensors", "order/tools/upload.bin"]
+    for key in ("order/s0/rank00000-g0.safetensors", "order/s0/deltas/0000000002/rank0.safetensors", *others):
         s3.fs.call_s3("create_multipart_upload", Bucket=s3.bucket, Key=key)
     s3.relay.requests.clear()
     checkpointer = job(s3, keep_last=2)
     save_steps(checkpointer, root, (1,), frozen)
     first = list(s3.relay.requests)
     weights = save_steps(checkpointer, root, (2, 3), frozen)
-    assert [u["Key"] for u in s3.fs.list_multipart_uploads(s3.bucket)] == ["elsewhere/big.bin"]
+    assert sorted(u["Key"] for u in s3.fs.list_multipart_uploads(s3.bucket)) == others
     # the first save: its shard object, then its manifest, then 'latest'
     puts = [r.split(b" ")[1].split(b"?")[0].decode() for r in first if r.startswith((b"PUT", b"POST"))]
     puts = [p for p in puts if p.startswith("/ckpt/order/")]
