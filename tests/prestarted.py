@@ -38,11 +38,11 @@ _SITE = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").sp
 
 
 def serve(script):
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)     # (nothing a library prints here reaches the pipe)
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     for name in PRELOAD[script]:
         importlib.import_module(name)
-    reply = os.fdopen(os.dup(1), "w")
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)     # (nothing a library prints here reaches the pipe)
     done = {}
     reply.write(json.dumps({"ready": os.getpid()}) + "\n")
     reply.flush()
