@@ -183,6 +183,10 @@ class Storage:
         too) are not touched."""
         return 0
 
+    def forget(self, path: str) -> None:
+        """Drop what this storage keeps of the file ``path`` (or of the files under it): a reader
+        that opens it reads what is stored now (another process may have written it again)."""
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -368,8 +372,9 @@ class FsspecStorage(Storage):
     Reads of less than ``BLOCK`` bytes are served from whole blocks fetched once (the last
     ``BLOCKS_KEPT`` of them): a checkpoint's boxes are read in file order, and a request per box
     costs a round trip each (on a local S3 server, 68 ranged reads of a 128 MB file took 7.7 s,
-    the whole file 0.7 s).  Shard files are never rewritten under the same name; a write or
-    removal through this storage drops that path's blocks."""
+    the whole file 0.7 s).  Blocks serve one reader of a file: opening a file for reading
+    (``forget``), or writing or removing it through this storage, drops its blocks, so a file
+    another process deleted and wrote again is read anew."""
 
     renames = False
     BLOCK = 64 << 20
@@ -388,7 +393,7 @@ class FsspecStorage(Storage):
     def __setstate__(self, state):
         self.__init__(state["fs"], state["protocol"])
 
-    def _forget(self, path: str) -> None:
+    def forget(self, path):
         with self._lock:
             for key in [k for k in self._blocks if k[0] == path or k[0].startswith(path.rstrip("/") + "/")]:
                 del self._blocks[key]
@@ -483,22 +488,22 @@ class FsspecStorage(Storage):
         self.fs.makedirs(path, exist_ok=True)
 
     def open_writer(self, path, fsync=True):
-        self._forget(path)
+        self.forget(path)
         return _FsspecWriter(self.fs, path)
 
     def write_atomic(self, path, data, fsync=True):
-        self._forget(path)
+        self.forget(path)
         self.fs.pipe_file(path, bytes(data))
 
     def remove(self, path):
-        self._forget(path)
+        self.forget(path)
         try:
             self.fs.rm(path)
         except FileNotFoundError:
             pass
 
     def remove_tree(self, path):
-        self._forget(path)
+        self.forget(path)
         try:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:

@@ -406,3 +406,23 @@ def test_a_region_of_a_tensor_on_s3_is_read_from_the_pages_of_its_part(s3):
     assert {sb.box.offsets[0] for sb in entry.boxes} >= {100, 101}
     assert torch.equal(r.read("master/w", Box((100, 0), (2, 8))), w[100:102])
     assert torch.equal(r.read_flat("master/w", 8 * 200, 8 * 203), w[200:203].reshape(-1))
+
+
+def test_a_tag_deleted_and_saved_again_elsewhere_loads_its_new_bytes(s3):
+    """A job that has read a checkpoint keeps blocks of its files; when another process deletes
+    that checkpoint and saves the same tag again (same object names), the job's next load reads
+    the new objects: the weights the second save was given, not a refusal over stale blocks."""
+    frozen = torch.zeros(3, 3)
+    root = s3.url("same-tag")
+    reading = job(s3)
+    first = save_steps(reading, root, (1,), frozen)
+    read = lambda r: r.read("master/w")   # noqa: E731
+    got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
+    assert torch.equal(got[2], first[1])
+    other = job(s3)        # another process: its own storage object
+    store, where = other.locate(root)
+    store.remove_tree(store.join(where, "s1"))
+    w, st = state(7, frozen)
+    other.save(SoloComm(), root, "s1", lambda: st)
+    got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
+    assert not torch.equal(w, first[1]) and torch.equal(got[2], w)
