@@ -1055,6 +1055,7 @@ class MemoryTier:
         self.fsync, self.keep_last, self.on_error = fsync, keep_last, on_error
         self.saves: Dict[str, int] = {}
         self.newest: Dict[str, tuple] = {}        # durable key -> (memory dir, tag, store, durable dir, latest?)
+        self.committed: Dict[str, tuple] = {}     # durable key -> the newest of its saves known committed in memory
         self.persisted: set = set()               # (durable key, tag) committed to durable storage
         self.persisting: Optional[str] = None     # the tag being copied
         self.thread: Optional[threading.Thread] = None
@@ -1109,6 +1110,7 @@ class MemoryTier:
             self._end_copy()        # (a copy that ended: reported now, and no longer kept from retention)
         t0 = time.perf_counter()
         self.memory.finish(waiting_for=tag)     # (the previous memory save, if it was asynchronous)
+        self._note_committed(durable)
         # its files are copied under their names into the checkpoint directory: past every generation of
         # this tag there (a re-saved tag never writes over a committed checkpoint's files)
         floor = 0
@@ -1138,6 +1140,14 @@ class MemoryTier:
         elif self.chain is not None and os.path.dirname(self.chain.src) == mem:
             self.chain.follow(os.path.join(mem, tag))     # (its deltas go on from the persisted base's)
         return manifest
+
+    def _note_committed(self, durable: str) -> None:
+        """Once the previous memory save of ``durable`` has ended: whether it committed (its
+        manifest is in memory on every node); the newest that did is what exit persists when a
+        later one failed."""
+        last = self.newest.get(durable)
+        if last is not None and commit.has_manifest(os.path.join(last[0], last[1]), LOCAL):
+            self.committed[durable] = last
 
     def _retain(self, mem: str, protect: tuple) -> None:
         """Rank 0: the newest ``keep`` memory checkpoints stay (and ``protect``, and the one being
@@ -1340,7 +1350,19 @@ class MemoryTier:
         chain, self.chain = self.chain, None
         if chain is not None:
             chain.end(wait=True)
-        for durable, (mem, tag, store, save_dir, update_latest) in list(self.newest.items()):
+        for durable, newest in list(self.newest.items()):
+            mem, tag, store, save_dir, update_latest = newest
+            if not commit.has_manifest(os.path.join(mem, tag), LOCAL):
+                # its memory save failed (said when it did): the newest that committed is the job's state
+                self._note_committed(durable)
+                before = self.committed.get(durable)
+                if self.rank == 0:
+                    log.warning("AdaCheck: at exit, %s is not in the memory tier (its save failed); %s", tag,
+                                f"persisting {before[1]}, the newest checkpoint there, instead" if before else
+                                "no earlier checkpoint of this job is there either")
+                if before is None:
+                    continue
+                mem, tag, store, save_dir, update_latest = before
             done = (durable, tag) in self.persisted
             if not done:
                 try:
@@ -1369,4 +1391,5 @@ class MemoryTier:
                 except OSError:
                     pass
         self.newest.clear()
+        self.committed.clear()
         self.memory.close()       # (its writer process, if any, stops)

@@ -816,6 +816,44 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     assert got[0].endswith("s3") and got[2] == [3.0] * 4
 
 
+def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_memory_save_failed(tmp_path):
+    """A script saves s1 asynchronously through the memory tier (not yet copied: persist_interval
+    10), then s2, whose memory save fails (a file stands where its directory goes), and ends without
+    closing anything: at exit s1, the state training went on from, is copied to the checkpoint
+    directory, and 'latest' names it.  (Exit tried to copy s2, which has no manifest, warned that
+    it "stays in the memory tier", and left s1 in memory only.)"""
+    import textwrap
+    d, ck = str(tmp_path), str(tmp_path / "ck")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+        from adacheck.config import TiersConfig
+        from adacheck.exchange import SoloComm
+        from adacheck.storage import LOCAL
+        from adacheck.tiers import memory_location
+
+        job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
+        for step in (1, 2):
+            if step == 2:
+                open(memory_location(LOCAL, {ck!r}) + "/s2", "w").close()
+            job.save_async(SoloComm(), {ck!r}, f"s{{step}}", lambda: LocalState(shards=[LocalShard(
+                "master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
+            job.finish()
+        print(__import__("os").path.isdir({ck!r}))
+        """).replace("from adacheck.exchange", "from adacheck.types import Box\nfrom adacheck.exchange"))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, ADACHECK_JOB="job-failed-last",
+                                ADACHECK_MEMORY_DIR=f"{d}/shm"))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "False", p.stdout     # (nothing copied before the exit)
+    assert "asynchronous save of" in p.stderr and "s2 failed" in p.stderr, p.stderr
+    assert "persisting s1, the newest checkpoint there, instead" in p.stderr, p.stderr
+    assert open(f"{ck}/latest").read().strip() == "s1"
+    shards = [f for f in os.listdir(f"{ck}/s1") if f.endswith(".safetensors")]
+    assert load_file(f"{ck}/s1/{shards[0]}")["master/w@0+4"].tolist() == [1.0] * 4, shards    # (safetensors reads it)
+
+
 def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, monkeypatch):
     """Checkpointer.kept_on(None) (Megatron's save without an optimizer) is the process's one
     job: two saves with persist_interval 2 copy the second to the checkpoint directory.  (A new
