@@ -386,14 +386,18 @@ class PendingSave:
         self.finished: Optional[float] = None
         self.thread: Optional[threading.Thread] = None
         self.trusted: Optional[Dict[str, str]] = None
-        self.manifest_before = None     # (the modification time of a manifest already there, or UNKNOWN)
+        self.manifest_before = None     # (what identified a manifest already there, or UNKNOWN)
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
 
-    def manifest_time(self) -> Optional[float]:
+    def manifest_stamp(self) -> Optional[tuple]:
+        """What tells the manifest at ``ckpt_dir`` from another written in its place: its
+        modification time, size and content tag (S3's times are whole seconds, its ETag a hash
+        of the bytes); None when there is none."""
         path = self.store.join(self.ckpt_dir, MANIFEST_NAME)
-        return self.store.mtime(path) if self.store.is_file(path) else None
+        state = self.store.file_state(path)
+        return None if state is None else (self.store.mtime(path), *state)
 
     def committed_all_the_same(self) -> Optional[Manifest]:
         """After a failure: the manifest this save committed before it failed (in publishing
@@ -401,7 +405,7 @@ class PendingSave:
         if self.manifest_before is UNKNOWN:
             return None
         try:
-            now = self.manifest_time()
+            now = self.manifest_stamp()
             if now is None or now == self.manifest_before:
                 return None
             return commit.read_manifest(self.ckpt_dir, self.store)
@@ -630,7 +634,7 @@ class Checkpointer:
 
         def run():
             try:
-                pending.manifest_before = pending.manifest_time()
+                pending.manifest_before = pending.manifest_stamp()
             except Exception:  # noqa: BLE001 - then a failure is not told apart from a commit (said as before)
                 pending.manifest_before = UNKNOWN
             try:

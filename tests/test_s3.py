@@ -426,3 +426,41 @@ def test_a_tag_deleted_and_saved_again_elsewhere_loads_its_new_bytes(s3):
     other.save(SoloComm(), root, "s1", lambda: st)
     got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
     assert not torch.equal(w, first[1]) and torch.equal(got[2], w)
+
+
+def test_a_tag_saved_again_asynchronously_that_fails_after_its_commit_is_said_committed(s3):
+    """An asynchronous save of a tag already on S3 commits its manifest, then 'latest' cannot be
+    written (the server goes away): it is said committed, its manifest returned, when the new
+    manifest has the same modification second as the one it replaced (S3's times are whole
+    seconds; the two were told apart by time alone, and the commit said "training goes on from
+    the previous checkpoint").  Tried until the two manifests share a second."""
+    import warnings
+    from adacheck.errors import SaveWarning
+    frozen = torch.zeros(3, 3)
+    root = s3.url("again-async")
+    checkpointer = job(s3, writer="thread")       # (a writer process that failed is started anew: seconds)
+    store, where = checkpointer.locate(root)
+    manifest = store.join(where, "s1", commit.MANIFEST_NAME)
+    same_second = False
+    for attempt in range(12):
+        save_steps(checkpointer, root, (1,), frozen)
+        before = s3.fs.modified(manifest)
+        w, st = state(2, frozen)
+        s3.relay.cut_on(b"PUT /ckpt/again-async/latest")
+        try:
+            pending = checkpointer.save_async(SoloComm(), root, "s1", lambda: st)
+            pending.thread.join(timeout=120)
+        finally:
+            s3.relay.reopen()
+        s3.fs.invalidate_cache()
+        same_second = s3.fs.modified(manifest) == before
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = checkpointer.finish()
+        text = "\n".join(str(x.message) for x in said if issubclass(x.category, SaveWarning))
+        assert "was committed" in text and "'latest' names it" in text, (attempt, same_second, text)
+        assert got is not None and got.step == 2
+        assert torch.equal(CheckpointReader(store.join(where, "s1"), store=store).read("master/w"), w)
+        if same_second:
+            break
+    assert same_second
