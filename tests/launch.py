@@ -12,6 +12,7 @@ import atexit
 import json
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -44,10 +45,17 @@ class _Server:
         self.lock = threading.Lock()
         self._ready = None
 
+    READY_S = 300
+
     def ready(self) -> bool:
-        """Whether it has imported its modules and serves (waits for that the first time)."""
+        """Whether it has imported its modules and serves (waits for that the first time, up to
+        READY_S: a server stuck importing is killed, and jobs start fresh interpreters instead)."""
         if self._ready is None:
-            self._ready = json.loads(self.proc.stdout.readline() or "{}").get("ready") is not None
+            readable = select.select([self.proc.stdout], [], [], self.READY_S)[0]
+            if not readable:
+                self.proc.kill()
+            line = self.proc.stdout.readline() if readable else ""
+            self._ready = json.loads(line or "{}").get("ready") is not None
         return self._ready and self.proc.poll() is None
 
     def ask(self, **req):
