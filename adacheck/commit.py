@@ -202,11 +202,13 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     """Generation for a new save into ``ckpt_dir``: past every generation whose files are
     there (committed, torn, or kept because a later checkpoint references them), so a new
     save never writes over an existing shard file.  0 for a fresh directory."""
-    gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(store.list(ckpt_dir)))]
-    try:
-        gens.append(int(read_manifest(ckpt_dir, store).framework.get("generation", 0)))
-    except (NotFoundError, FormatError):
-        pass
+    names = store.list(ckpt_dir)
+    gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(names))]
+    if MANIFEST_NAME in names:      # (a new tag's directory: one listing, no more requests)
+        try:
+            gens.append(int(read_manifest(ckpt_dir, store).framework.get("generation", 0)))
+        except (NotFoundError, FormatError):
+            pass
     return 1 + max(gens) if gens else 0
 
 
