@@ -2,9 +2,10 @@
 
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like torchrun; the
 whole group is killed when ``timeout`` passes or when one rank dies and the others do not
-follow within ``grace`` seconds.  Ranks 0-3 of CPU jobs of the workers tests/prestarted.py names
-(DeepSpeed, megatron-core, Hugging Face Trainer) are forked from servers that have imported torch
-and the framework once; ADACHECK_TEST_FRESH_RANKS=1 starts every rank as a fresh interpreter.
+follow within ``grace`` seconds.  The ranks of CPU jobs of the workers tests/prestarted.py names
+(DeepSpeed, megatron-core, Hugging Face Trainer, the synthetic 8- and 32-rank layouts) are forked
+from four servers that have imported torch and the framework once; ADACHECK_TEST_FRESH_RANKS=1
+starts every rank as a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def free_port() -> int:
 
 
 # ------------------------------------------------------------------ prestarted ranks
-# one server per (worker script, rank index), started on first use, ended at exit
+# one server per (worker script, rank index mod PRESTARTED_RANKS), started on first use, ended at exit
 _SERVERS: dict = {}
 PRESTARTED_RANKS = 4
 
@@ -119,8 +120,9 @@ def _stop_servers(path: str) -> None:
 
 def _server(script: str, rank: int):
     from prestarted import PRELOAD
-    if script not in PRELOAD or rank >= PRESTARTED_RANKS or os.environ.get("ADACHECK_TEST_FRESH_RANKS") == "1":
+    if script not in PRELOAD or os.environ.get("ADACHECK_TEST_FRESH_RANKS") == "1":
         return None
+    rank %= PRESTARTED_RANKS
     if (script, rank) not in _SERVERS:
         _SERVERS[script, rank] = _Server(script, rank)
     return _SERVERS[script, rank]

@@ -9,9 +9,10 @@ of it that runs the script as ``__main__`` with the rank's own environment, work
 arguments and log file, and ends the way a fresh interpreter ends (atexit, non-daemon threads,
 the exit code or the signal that killed it).
 
-Rank r of every job comes from server r, a process of its own, so the ranks of one job still
-differ in everything a fresh process would: their hash seeds (set iteration order), Python's
-``random`` (reseeded after a fork anyway), their pids.  Only CPU jobs use it (a CUDA context must
+Rank r of every job comes from server r mod 4, a process of its own, so ranks 0-3 of one job
+still differ in everything a fresh process would: their hash seeds (set iteration order), Python's
+``random`` (reseeded after a fork anyway), their pids (a larger job's ranks r and r + 4 share a
+hash seed).  Only CPU jobs use it (a CUDA context must
 not be forked), and only the workers named in ``PRELOAD``.
 
 Protocol (one JSON line each way, over the server's stdin / stdout):
@@ -32,6 +33,8 @@ PRELOAD = {
     "megatron_worker.py": ["torch", "torch._dynamo", "pretrain_gpt"],      # (scripts/pretrain_gpt.py)
     "hf_worker.py": ["torch", "torch._dynamo", "deepspeed", "transformers.trainer",
                      "transformers.models.gpt2.modeling_gpt2", "adacheck_ds"],
+    "partition_worker.py": ["torch", "adacheck.checkpoint", "adacheck_megatron.state"],    # (8 ranks)
+    "auto_worker.py": ["torch", "adacheck.checkpoint"],                                    # (32 ranks)
 }
 # what a fresh interpreter has on its path besides the script's folder and $PYTHONPATH
 _SITE = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
