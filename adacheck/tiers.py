@@ -1056,6 +1056,8 @@ class MemoryTier:
         self.saves: Dict[str, int] = {}
         self.newest: Dict[str, tuple] = {}        # durable key -> (memory dir, tag, store, durable dir, latest?)
         self.committed: Dict[str, tuple] = {}     # durable key -> the newest of its saves known committed in memory
+        self.due: Dict[str, str] = {}             # durable key -> the tag whose copy was started last
+        self.owed: set = set()                    # durable keys whose due copy found its memory save failed
         self.persisted: set = set()               # (durable key, tag) committed to durable storage
         self.persisting: Optional[str] = None     # the tag being copied
         self.thread: Optional[threading.Thread] = None
@@ -1134,8 +1136,10 @@ class MemoryTier:
             held = held_in(mem)
             log.info("AdaCheck: the memory tier holds %d checkpoint(s) of %s, %.1f MB (keep: %d)", held[0], save_dir,
                      held[1] / 1e6, self.config.keep)
-        if persist or (persist is None and n % self.config.persist_interval == 0):
+        if persist or (persist is None and (n % self.config.persist_interval == 0 or durable in self.owed)):
             self.saves[durable] = 0
+            self.owed.discard(durable)
+            self.due[durable] = tag
             self.start_persist(durable)
         elif self.chain is not None and os.path.dirname(self.chain.src) == mem:
             self.chain.follow(os.path.join(mem, tag))     # (its deltas go on from the persisted base's)
@@ -1144,10 +1148,15 @@ class MemoryTier:
     def _note_committed(self, durable: str) -> None:
         """Once the previous memory save of ``durable`` has ended: whether it committed (its
         manifest is in memory on every node); the newest that did is what exit persists when a
-        later one failed."""
+        later one failed.  One that failed when its copy to durable storage was due makes the
+        next save's copy due."""
         last = self.newest.get(durable)
-        if last is not None and commit.has_manifest(os.path.join(last[0], last[1]), LOCAL):
+        if last is None:
+            return
+        if commit.has_manifest(os.path.join(last[0], last[1]), LOCAL):
             self.committed[durable] = last
+        elif self.due.get(durable) == last[1]:
+            self.owed.add(durable)    # (its copy was due: the next save is copied, not the interval's next)
 
     def _retain(self, mem: str, protect: tuple) -> None:
         """Rank 0: the newest ``keep`` memory checkpoints stay (and ``protect``, and the one being
@@ -1193,7 +1202,8 @@ class MemoryTier:
                 if in_memory is not None:
                     in_memory.thread.join()
                     if in_memory.error is not None:
-                        log.warning("AdaCheck: %s is not copied to %s: its memory save failed", tag, save_dir)
+                        log.warning("AdaCheck: %s is not copied to %s: its memory save failed (the next save is)",
+                                    tag, save_dir)
                         return
                 if persist_checkpoint(rank, os.path.join(mem, tag), store, save_dir, tag, self.fsync, update_latest,
                                       self.keep_last, self.confirm):
@@ -1392,4 +1402,5 @@ class MemoryTier:
                     pass
         self.newest.clear()
         self.committed.clear()
+        self.owed.clear()
         self.memory.close()       # (its writer process, if any, stops)

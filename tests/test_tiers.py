@@ -854,6 +854,39 @@ def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_
     assert load_file(f"{ck}/s1/{shards[0]}")["master/w@0+4"].tolist() == [1.0] * 4, shards    # (safetensors reads it)
 
 
+def test_a_memory_save_that_fails_when_its_copy_is_due_makes_the_next_copy_due(tmp_path, monkeypatch):
+    """persist_interval 2, asynchronous memory saves: s2's copy to the checkpoint directory is due,
+    but its memory save fails (a file stands where its directory goes); s3 is then copied, not
+    s4.  (s3 was the first of a new interval: the directory stayed empty for another interval.)"""
+    import warnings
+    import torch
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.config import TiersConfig
+    from adacheck.errors import SaveWarning
+    from adacheck.exchange import SoloComm
+    from adacheck.types import Box
+    monkeypatch.setenv("ADACHECK_JOB", "job-due")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+    ck = str(tmp_path / "ck")
+    job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2)))
+    for step in (1, 2, 3):
+        if step == 2:
+            open(os.path.join(memory_location(LOCAL, ck), "s2"), "w").close()
+        job.save_async(SoloComm(), ck, f"s{step}", lambda step=step: LocalState(shards=[LocalShard(
+            "master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            job.finish()
+        failed = [w for w in said if issubclass(w.category, SaveWarning) and "s2 failed" in str(w.message)]
+        assert bool(failed) == (step == 2), (step, [str(w.message) for w in said])
+        if step < 3:
+            assert not os.path.exists(os.path.join(ck, "latest")), step
+    assert open(os.path.join(ck, "latest")).read().strip() == "s3"
+    shard = next(f for f in os.listdir(os.path.join(ck, "s3")) if f.endswith(".safetensors"))
+    assert load_file(os.path.join(ck, "s3", shard))["master/w@0+4"].tolist() == [3.0] * 4   # (safetensors reads it)
+    job.close()
+
+
 def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, monkeypatch):
     """Checkpointer.kept_on(None) (Megatron's save without an optimizer) is the process's one
     job: two saves with persist_interval 2 copy the second to the checkpoint directory.  (A new
