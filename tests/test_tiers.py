@@ -826,12 +826,14 @@ def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_
     d, ck = str(tmp_path), str(tmp_path / "ck")
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(f"""
+        import os
         import torch
         from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
         from adacheck.config import TiersConfig
         from adacheck.exchange import SoloComm
         from adacheck.storage import LOCAL
         from adacheck.tiers import memory_location
+        from adacheck.types import Box
 
         job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
         for step in (1, 2):
@@ -840,8 +842,8 @@ def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_
             job.save_async(SoloComm(), {ck!r}, f"s{{step}}", lambda: LocalState(shards=[LocalShard(
                 "master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
             job.finish()
-        print(__import__("os").path.isdir({ck!r}))
-        """).replace("from adacheck.exchange", "from adacheck.types import Box\nfrom adacheck.exchange"))
+        print(os.path.isdir({ck!r}))
+        """))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT, ADACHECK_JOB="job-failed-last",
                                 ADACHECK_MEMORY_DIR=f"{d}/shm"))
