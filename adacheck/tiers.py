@@ -322,6 +322,16 @@ class DeltaSpread:
                 log.warning("AdaCheck: the peer copies of the online deltas did not finish within %.0fs", timeout_s)
 
 
+def _remove_job_memory(mem: str) -> None:
+    """The memory directory ``mem`` of one checkpoint directory goes, and the job's directory
+    above it once that is empty."""
+    LOCAL.remove_tree(mem)
+    try:
+        os.rmdir(os.path.dirname(mem))
+    except OSError:
+        pass
+
+
 def _block_head(sizes: List[Tuple[str, int]]) -> bytes:
     """The start of a :func:`pack_files` block whose files (in name order) have these sizes."""
     head = json.dumps([[n, k] for n, k in sorted(sizes)]).encode()
@@ -1371,6 +1381,8 @@ class MemoryTier:
                                 f"persisting {before[1]}, the newest checkpoint there, instead" if before else
                                 "no earlier checkpoint of this job is there either")
                 if before is None:
+                    if self.leads and not any(commit.has_manifest(os.path.join(mem, t), LOCAL) for t in LOCAL.list(mem)):
+                        _remove_job_memory(mem)     # (no committed checkpoint there: nothing to keep)
                     continue
                 mem, tag, store, save_dir, update_latest = before
             done = (durable, tag) in self.persisted
@@ -1394,12 +1406,7 @@ class MemoryTier:
                     time.sleep(0.1)
                 done = commit.has_manifest(dst, store)
             if done and self.leads:
-                LOCAL.remove_tree(mem)
-                parent = os.path.dirname(mem)
-                try:
-                    os.rmdir(parent)      # (the job's directory, once it is empty)
-                except OSError:
-                    pass
+                _remove_job_memory(mem)
         self.newest.clear()
         self.committed.clear()
         self.owed.clear()

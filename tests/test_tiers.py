@@ -889,6 +889,34 @@ def test_a_memory_save_that_fails_when_its_copy_is_due_makes_the_next_copy_due(t
     job.close()
 
 
+def test_at_exit_a_failed_memory_save_with_none_committed_before_leaves_nothing_in_memory(tmp_path, monkeypatch):
+    """The job's only memory save fails at its commit (its manifest cannot be put in place): at
+    close nothing of the job stays in the memory directory.  (Close found no committed checkpoint
+    to persist and left the directory, its SOURCE file and the failed save's, in /dev/shm.)"""
+    import warnings
+    import torch
+    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.config import TiersConfig
+    from adacheck.errors import SaveWarning
+    from adacheck.exchange import SoloComm
+    from adacheck.types import Box
+    monkeypatch.setenv("ADACHECK_JOB", "job-none-committed")
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+    ck = str(tmp_path / "ck")
+    job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
+    os.makedirs(os.path.join(memory_location(LOCAL, ck), "s1", commit.MANIFEST_NAME))   # (a directory)
+    job.save_async(SoloComm(), ck, "s1", lambda: LocalState(shards=[LocalShard(
+        "master/w", "master", (4,), Box.full((4,)), torch.ones(4))], step=1))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        job.finish()
+    assert any(issubclass(w.category, SaveWarning) and "s1 failed" in str(w.message) and "IsADirectoryError"
+               in str(w.message) for w in said), [str(w.message) for w in said]
+    job.close()
+    assert os.listdir(tmp_path / "shm") == []
+    assert not os.path.exists(os.path.join(ck, "latest"))
+
+
 def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, monkeypatch):
     """Checkpointer.kept_on(None) (Megatron's save without an optimizer) is the process's one
     job: two saves with persist_interval 2 copy the second to the checkpoint directory.  (A new
