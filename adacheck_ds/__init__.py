@@ -10,7 +10,7 @@ from __future__ import annotations
 from adacheck.compat import warn_if_untested
 from adacheck.config import AdaCheckConfig
 
-from .engine import AdaCheckDeepSpeed
+from .engine import AdaCheckDeepSpeed, load_native, save_native
 
 warn_if_untested("deepspeed")
 
@@ -58,17 +58,6 @@ def _config_given(args, kwargs):
         from deepspeed.runtime.config import load_ds_config
         config = load_ds_config(config)
     return config if isinstance(config, dict) else None
-
-
-def save_native(engine, *args, **kwargs):
-    """DeepSpeed's own save_checkpoint, whatever is attached."""
-    install()
-    return _ORIG["save_checkpoint"](engine, *args, **kwargs)
-
-
-def load_native(engine, *args, **kwargs):
-    install()
-    return _ORIG["load_checkpoint"](engine, *args, **kwargs)
 
 
 def install() -> None:

@@ -6,7 +6,9 @@ import logging
 import os
 from typing import Optional
 
+import deepspeed
 import torch
+from deepspeed.runtime.engine import DeepSpeedEngine
 
 import adacheck
 from adacheck import checkpoint as core
@@ -17,6 +19,7 @@ from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 from adacheck.storage import is_url
 
+from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
 
@@ -47,11 +50,20 @@ def checkpoint_event(optimizer):
             optimizer.checkpoint_event_epilogue()
 
 
-def native_load(engine, *args, **kwargs):
-    """DeepSpeed's own load_checkpoint (the method adacheck_ds replaced keeps it as __wrapped__)."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    method = DeepSpeedEngine.load_checkpoint
-    return getattr(method, "__wrapped__", method)(engine, *args, **kwargs)
+def _native(method: str):
+    """DeepSpeed's own DeepSpeedEngine method (the one adacheck_ds replaced keeps it as __wrapped__)."""
+    found = getattr(DeepSpeedEngine, method)
+    return getattr(found, "__wrapped__", found)
+
+
+def save_native(engine, *args, **kwargs):
+    """DeepSpeed's own save_checkpoint, whatever is attached."""
+    return _native("save_checkpoint")(engine, *args, **kwargs)
+
+
+def load_native(engine, *args, **kwargs):
+    """DeepSpeed's own load_checkpoint, whatever is attached."""
+    return _native("load_checkpoint")(engine, *args, **kwargs)
 
 
 def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
@@ -59,13 +71,10 @@ def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
     means (DeepSpeed's 'latest' and AdaCheck's have the same name and content), or None."""
     if is_url(load_dir):
         return None      # (DeepSpeed's loader reads local files only)
-    if tag is None:
-        tag = latest_or_none(load_dir)     # (damaged: AdaCheck's load reports it)
-        if tag is None:
-            return None
-    if os.path.basename(str(tag)) != str(tag) or str(tag) in ("", ".", ".."):
+    tag = str(tag) if tag is not None else latest_or_none(load_dir)   # (damaged: AdaCheck's load reports it)
+    if tag is None or os.path.basename(tag) != tag or tag in ("", ".", ".."):
         return None
-    d = os.path.join(load_dir, str(tag))
+    d = os.path.join(load_dir, tag)
     if not os.path.isdir(d) or os.path.exists(os.path.join(d, "manifest.json")):
         return None
     return d if any(f.endswith("model_states.pt") for f in os.listdir(d)) else None
@@ -81,21 +90,24 @@ class AdaCheckDeepSpeed:
         lifecycle.register()      # writers closed and gloo settled when the script ends
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
         self.replay_until = None    # load replays committed deltas up to this step (None: all)
-        self.online = None
-        if config.online.enabled:
-            from .online import OnlineDS
-            self.online = OnlineDS(self)
-        if (config.async_save and self.online is None) or config.tiers.memory:
-            # a finished background save is reported at the next step (cheap when none is);
-            # the engine's destroy waits for it while the process groups still exist (with the
-            # memory tier: and persists the newest memory checkpoint, then frees the memory)
+        self.online = OnlineDS(self) if config.online.enabled else None
+        if self.online is not None or config.async_save or config.tiers.memory:
+            # one hook on the engine's step and destroy: the online mode records each step, a
+            # finished background save is reported at the next step (cheap when none is), and
+            # destroy waits for it while the process groups still exist (with the memory tier:
+            # and persists the newest memory checkpoint, then frees the memory)
             self._step, self._destroy = engine.step, getattr(engine, "destroy", None)
-            engine.step = self._step_and_poll
+            engine.step = self._on_step
             if self._destroy is not None:
                 engine.destroy = self._finish_and_destroy
 
-    def _step_and_poll(self, *args, **kwargs):
+    def _on_step(self, *args, **kwargs):
+        before, online = self.engine.global_steps, self.online
+        if online is not None:
+            online.recorder.expect(before + 1)
         out = self._step(*args, **kwargs)
+        if online is not None and self.engine.global_steps != before:
+            online.after_step()
         self.poll()
         return out
 
@@ -105,6 +117,9 @@ class AdaCheckDeepSpeed:
             if self.online is not None:
                 self.online.flush()       # (its last steps go to durable storage with their base)
             self.checkpointer.tiered.close()
+        if self.online is not None:
+            self.online.close()
+        self.engine.step, self.engine.destroy = self._step, self._destroy
         return self._destroy(*args, **kwargs)
 
     @property
@@ -120,10 +135,6 @@ class AdaCheckDeepSpeed:
     def finish(self):
         """Wait for the asynchronous save in flight (if any) and report it."""
         return self.checkpointer.finish()
-
-    @staticmethod
-    def comm():
-        return default_comm()
 
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
@@ -162,7 +173,6 @@ class AdaCheckDeepSpeed:
                            for g in lay.base_optimizer.param_groups] if lay.base_optimizer else None),
             client_state=jsontree.saveable(dict(client_state or {}), "client_state", strict),
             model_spec=self._model_spec(lay).tree())
-        import deepspeed
         dp_rank, dp_size = data_parallel(e)
         layout = {"zero_stage": lay.stage, "optimizer": lay.kind, "dp_rank": dp_rank, "dp_world_size": dp_size,
                   "tp_rank": lay.tp[0], "tp_world_size": lay.tp[1]}
@@ -216,13 +226,9 @@ class AdaCheckDeepSpeed:
         if found is not None:
             # (a directory the caller names, e.g. a Hugging Face Trainer's checkpoint-N, whose save went to
             # adacheck.save_dir: exactly the step it was saved at, with no online deltas after it)
-            return self._load(found.save_dir, found.tag, load_module_strict, load_optimizer_states,
-                              load_lr_scheduler_states, load_module_only, custom_load_fn, until=found.step)
-        return self._load(self.config.save_dir or load_dir, tag, load_module_strict, load_optimizer_states,
-                          load_lr_scheduler_states, load_module_only, custom_load_fn, until=self.replay_until)
-
-    def _load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-              load_module_only, custom_load_fn, until):
+            load_dir, tag, until = found.save_dir, found.tag, found.step
+        else:
+            load_dir, until = self.config.save_dir or load_dir, self.replay_until
         e = self.engine
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
@@ -235,7 +241,7 @@ class AdaCheckDeepSpeed:
             # switching an existing run to AdaCheck: its last checkpoint is DeepSpeed's own
             log.warning("AdaCheck: %s is a native DeepSpeed checkpoint; DeepSpeed loads it, "
                         "and the next save writes an AdaCheck checkpoint", native)
-            return native_load(e, load_dir, tag=tag, load_module_strict=load_module_strict,
+            return load_native(e, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
@@ -270,7 +276,6 @@ class AdaCheckDeepSpeed:
             comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
         replay = None
         if want_optim and load_lr_scheduler_states:
-            from .online import Replay
             model = loaded["objects"].model(ckpt_dir)
             replay = Replay(self, model.optimizer if model is not None else None)
         done = recovery.after_load(comm, self.checkpointer, ckpt_dir, manifest, replay, until=until,

@@ -1,24 +1,15 @@
-"""Online gradient deltas for DeepSpeed engines (ZeRO 0-3, fp32 / bf16 / fp16).
+"""Online gradient deltas for DeepSpeed engines, ZeRO 0-3, fp32 / bf16 / fp16 (docs/online.md).
 
-The *base optimizer* (the torch optimizer inside DeepSpeed's wrappers) is what turns
-gradients into new master weights and moments; an :class:`~adacheck.optimtap.OptimizerTap`
-on it sees every call exactly as DeepSpeed makes it (ZeRO 1/2 step one param group at a
-time, ZeRO-3 one sub-group flat at a time) with the gradients it consumed (after unscaling
-and clipping).  The post-step point is ``engine.step``: when it has advanced
-``global_steps`` the step is complete (a step the loss scaler skipped has no calls and
-stores only its scalars).
-
-Replay (recovery: :func:`adacheck.recovery.recover`, with :class:`Replay` saying how this
-engine replays) makes the same calls again, then refreshes the low-precision weights with
-DeepSpeed's own code for that optimizer (cast + all-gather for ZeRO 1/2, partition copy and
-persistent-parameter gather for ZeRO-3) and sets the counters, scheduler, loss scaler,
-hyper-parameters and RNG recorded after the last step.  No forward or backward pass runs.
-Replay needs the saving ZeRO stage, optimizer wrapper and optimizer class.  ZeRO-0's
-replicated optimizer replays on any number of data-parallel ranks; so do flat partitions
-(ZeRO 1-3, BF16_Optimizer): each base of an online chain records what every rank's partitions
-are made of, and a job on another data-parallel size rebuilds the saving ranks' partitions from
-the base and steps them with their own records (``Replay._partitions``).  Loading into another
-layout (tensor parallelism, stage, optimizer) restores the base and says so.
+Recorded at each ``engine.step`` that advances ``global_steps``: every call of the base optimizer
+(the torch optimizer inside DeepSpeed's wrapper) with the gradients it consumed, as an
+:class:`~adacheck.optimtap.OptimizerTap` sees them; a step the loss scaler skipped stores only
+its scalars.  Replayed (:class:`Replay`, for :func:`adacheck.recovery.recover`): the same calls
+without a forward or backward pass, then DeepSpeed's own code makes the module's weights again
+(:meth:`Wrapper.refresh`) and the counters, scheduler, loss scaler and RNG of the last step are
+set.  On another data-parallel size, ZeRO-0 follows one saving rank's record and flat partitions
+(ZeRO 1-3, BF16_Optimizer) are rebuilt from a base that records them (``Replay._partitions``).
+Refused, the base loaded and the refusal logged: another ZeRO stage, optimizer wrapper,
+optimizer class or tensor-parallel size than the recording one.
 """
 from __future__ import annotations
 
@@ -30,6 +21,7 @@ import torch
 
 from adacheck import online, recovery
 from adacheck.errors import ConfigError
+from adacheck.exchange import default_comm
 from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.rng import set_rng_state
 
@@ -61,49 +53,34 @@ class OnlineDS:
                               "step, before any save_checkpoint call names a directory")
         self.save_dir = ac.config.save_dir
         self.lay, self.tap = _tap(e)
-        mine, rec = None, ac.checkpointer.recording(ac.comm(), self.save_dir)
+        mine, rec = None, ac.checkpointer.recording(default_comm(), self.save_dir)
         if self.lay.wrapper.replicated:   # stored once per data-parallel group (per node), by a balanced choice
             me, group = data_parallel(e)[0], data_parallel_ranks(e)
             mine = online.replica_share(self.tap, sorted(self.tap.tensors), group, group[me], rec.spread)
-        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, rec, ac.comm, self._take_base,
+        self.recorder = online.OnlineRecorder(self.tap, ac.config.online, rec, default_comm, self._take_base,
                                               fsync=ac.config.fsync, mine=mine,
                                               preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not
         self._unrecord = self.lay.wrapper.record_clipping(self.recorder.note_preclip_of)
-        self._orig_step = e.step
-        e.step = self._engine_step
-        self._orig_destroy = getattr(e, "destroy", None)
-        if self._orig_destroy is not None:
-            e.destroy = self._destroy
 
-    def _engine_step(self, *args, **kwargs):
+    def after_step(self) -> None:
+        """Record the step the engine just completed (AdaCheckDeepSpeed's hook on ``engine.step``;
+        a step the loss scaler skipped stores only its scalars)."""
         e = self.engine
-        before = e.global_steps
-        self.recorder.expect(before + 1)
-        out = self._orig_step(*args, **kwargs)
-        if e.global_steps != before:
-            self.recorder.after_step(int(e.global_steps), StepScalars(
-                **self.ac.scalars().tree(), skipped=not getattr(e, "_step_applied", True)).tree())
-        return out
+        self.recorder.after_step(int(e.global_steps), StepScalars(
+            **self.ac.scalars().tree(), skipped=not getattr(e, "_step_applied", True)).tree())
 
     def _take_base(self) -> None:
         self.ac.save_checkpoint(self.save_dir)   # starts the new chain (see AdaCheckDeepSpeed)
-
-    def _destroy(self, *args, **kwargs):
-        self.close()
-        return self._orig_destroy(*args, **kwargs)
 
     def flush(self) -> None:
         self.recorder.flush(peers=True)
 
     def close(self) -> None:
         self.recorder.close()
-        self.engine.step = self._orig_step
         if self._unrecord is not None:
             self._unrecord()
-        if self._orig_destroy is not None:
-            self.engine.destroy = self._orig_destroy
 
 
 class Replay:
@@ -111,7 +88,7 @@ class Replay:
     expect = StepScalars.expect()     # the fields of a delta record restore() uses
 
     def __init__(self, ac, saved_optimizer: Optional[str] = None):
-        self.ac, self.engine, self.comm = ac, ac.engine, ac.comm()
+        self.ac, self.engine, self.comm = ac, ac.engine, default_comm()
         self.lay = describe(ac.engine)
         self.saved_optimizer = saved_optimizer   # the base optimizer's class that recorded (None: not known)
         self.saving_world = 0
