@@ -1,20 +1,9 @@
-"""AdaCheck checkpoint -> DeepSpeed's universal checkpoint format.
-
-DeepSpeed's universal checkpoint keeps every parameter's fp32 weights and optimizer state as
-full (unpartitioned) tensors, one folder per parameter, which is exactly an AdaCheck logical
-tensor; stock ``engine.load_checkpoint`` reads it into any ZeRO stage 1-3 and data-parallel
-size when the DeepSpeed config has ``"checkpoint": {"load_universal": true}``.  Written:
-
-  <out>/latest_universal                         the tag
-  <out>/<tag>/mp_rank_00_model_states.pt          module weights, counters, LR scheduler,
-  <out>/<tag>/zero_pp_rank_0_mp_rank_00_model_states.pt   client_state (the name ZeRO-3 reads)
-  <out>/<tag>/zero/optimizer_state.pt             param-group hyper-parameters, ds_version
-  <out>/<tag>/zero/<param>/{fp32,exp_avg,exp_avg_sq,...,step}.pt
-
-These are DeepSpeed's own torch.save (pickle) files: this converter writes them and never
-reads any.  Tensors are produced one at a time (peak memory: about one parameter's state).
-Files go to ``<out>/<tag>.tmp`` and are renamed into place when all are written; an
-existing ``<out>/<tag>`` is never overwritten.
+"""AdaCheck checkpoint -> DeepSpeed's universal checkpoint: every parameter's fp32 weights and
+optimizer state as whole tensors, one folder per parameter (docs/cli.md lists the files), which
+stock ``engine.load_checkpoint`` reads into any ZeRO stage 1-3 and data-parallel size with
+``"checkpoint": {"load_universal": true}``.  Tensors are produced one at a time (peak memory:
+about one parameter's state); the files are DeepSpeed's own torch.save files, written, never
+read; the output is renamed into place when complete and never replaces an existing one.
 """
 from __future__ import annotations
 

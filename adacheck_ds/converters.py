@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 from adacheck.convert import Converter
-from adacheck.errors import ConfigError
 
 from . import native
 
@@ -35,22 +34,9 @@ class NativeDeepSpeed(Converter):
         return self._run("materialise", src, out, options, progress)
 
     def _run(self, direction: str, src: str, out: str, options, progress=None):
-        if (options.zero_stage is not None or options.dp is not None or options.tp is not None) \
-                and direction != "to-native":
-            raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with "
-                              "--to deepspeed")
-        for flag in ("dp", "tp"):
-            if getattr(options, flag) is not None and getattr(options, flag) < 1:
-                raise ConfigError(f"--{flag} must be at least 1, got {getattr(options, flag)}")
-        if options.step is not None and direction == "from-native":
-            raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with "
-                              "--from deepspeed")
         if not options.json:
             sys.stderr.write(f"adacheck convert: {direction}: starting DeepSpeed ranks on this machine ...\n")
-        written = native.convert(direction, src, out, dp=options.dp, zero_stage=options.zero_stage,
-                                 tag=options.tag, ds_config=options.ds_config, optimizer=options.optimizer,
-                                 verify=not options.no_verify, step=options.step, tp=options.tp,
-                                 progress=progress)
+        written = native.convert(direction, src, out, options, progress)
         what = {"to-native": "a native DeepSpeed checkpoint (load it with engine.load_checkpoint)",
                 "from-native": "an AdaCheck checkpoint", "materialise": "an AdaCheck checkpoint"}[direction]
         return written, what

@@ -1,39 +1,22 @@
-"""AdaCheck <-> native DeepSpeed checkpoints for any ZeRO stage and data-parallel size,
-written and read by DeepSpeed itself.
+"""AdaCheck <-> native DeepSpeed checkpoints of any ZeRO stage, data-parallel and
+(Megatron-DeepSpeed) tensor-parallel size, written and read by DeepSpeed itself in engines
+built around a shell module (the checkpoint's parameters and buffers, no forward code) with
+the run's DeepSpeed config; docs/cli.md describes how, and what was tested.
 
-DeepSpeed's native files (a model-states file, one optimizer partition per rank, ``latest``)
-depend on how DeepSpeed flattens, pads and partitions each parameter group for a ZeRO stage
-and DP size.  Rather than re-implement that, the converter starts the target number of ranks
-and builds in each a DeepSpeed engine around a *shell* module: the checkpoint's parameters
-(names, shapes, dtypes, module order, trainability, optimizer groups) and buffers, with no
-forward code, plus the run's own DeepSpeed config with the target ZeRO stage.
+- ``to-native``: the newest committed state (online deltas replayed, in the saving layout,
+  first into a temporary base when the target layout differs), saved by DeepSpeed's own
+  ``save_checkpoint`` in the target layout;
+- ``from-native``: what DeepSpeed's own ``load_checkpoint`` reads, on as many ranks as saved it,
+  saved by AdaCheck;
+- ``materialise``: one AdaCheck base at the newest recoverable step, in the saving layout.
 
-- ``to-native``: the engine loads the AdaCheck checkpoint (resharded to the target layout; its
-  committed online deltas replayed), then DeepSpeed's own ``save_checkpoint`` writes the files.
-  Deltas replay only in the layout that recorded them, so when the target layout differs the
-  newest state is first materialised in the saving layout into a temporary AdaCheck base.
-- ``from-native``: DeepSpeed's own ``load_checkpoint`` reads a native checkpoint into an
-  engine of its layout, and AdaCheck saves it.
-- ``materialise``: load (replaying the deltas) and save again with AdaCheck: one base holding
-  the newest recoverable step.
-
-The shell is described by the ``model_spec`` object AdaCheck's DeepSpeed save records, or, for
-native checkpoints, by DeepSpeed's own ``param_shapes`` / module state / config.  Replay is
-bit-exact when the conversion runs the optimizer on the same kind of device as training did
-(the device is DeepSpeed's accelerator of this environment; DS_ACCELERATOR chooses).
-
-Megatron-DeepSpeed style tensor parallelism: AdaCheck's logical tensors are whole, so any TP size
-can be written (``--tp``: ``mp_rank_XX`` files, DeepSpeed's own ``PipelineParallelGrid`` as the
-``mpu`` of each engine, the parameters' split dimensions as AdaCheck recorded them).  Native files do not record
-along which dimension a parameter is split; they are read with the model's own
-``universal_checkpoint_info`` patterns (DeepSpeed's universal-checkpoint convention: TP-replicated
-parameters, row-parallel ones split along dimension 1, every other one along dimension 0).
-
-Run it with ``adacheck convert ... --to deepspeed|adacheck`` (which starts the ranks on this
-machine), or under torchrun for large layouts:
-``torchrun --nproc_per_node 8 -m adacheck_ds.native to-native SRC OUT --zero-stage 2``.
-Output goes to a temporary directory beside OUT and is renamed into place when every rank is
-done; an existing checkpoint of the same tag is never overwritten.
+Run ``adacheck convert ... --to deepspeed|adacheck`` (ranks started on this machine) or one rank
+each under torchrun: ``torchrun --nproc_per_node 8 -m adacheck_ds.native to-native SRC OUT
+--zero-stage 2``.  Guaranteed: the output is renamed into place only when every rank is done,
+and no existing checkpoint of the same tag is overwritten.  Refused with a ConfigError or
+StateError: parameters missing from the source, sub-parameter splits, a TP size that does not
+divide a split dimension, a native TP checkpoint without ``universal_checkpoint_info``, and
+online deltas to be replayed in another layout than the saving one.
 """
 from __future__ import annotations
 
@@ -446,20 +429,29 @@ def spawn(world: int, argv: List[str], progress=None) -> None:
     local_ranks.run("adacheck_ds.native", world, argv, env=env, progress=progress)
 
 
-def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_stage: Optional[int] = None,
-            tag: Optional[str] = None, ds_config: Optional[str] = None, optimizer: Optional[str] = None,
-            verify: bool = True, step: Optional[int] = None, tp: Optional[int] = None, progress=None) -> str:
+def convert(direction: str, src: str, out: str, options, progress=None) -> str:
     """Convert on this machine (ranks started here); returns the written checkpoint directory.
+    ``options``: the command line's (add_arguments', with ``tag`` and ``no_verify``);
     ``progress(done, total)``: the phases of each run of ranks, as rank 0 reports them."""
     if direction not in DIRECTIONS:
         raise ConfigError(f"unknown direction {direction!r}; expected one of {DIRECTIONS}")
+    tag, ds_config, step, tp, dp = options.tag, options.ds_config, options.step, options.tp, options.dp
+    if (options.zero_stage is not None or dp is not None or tp is not None) and direction != "to-native":
+        raise ConfigError("--zero-stage / --dp / --tp choose the layout of native files: use them with "
+                          "--to deepspeed")
+    for flag, value in (("dp", dp), ("tp", tp)):
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag} must be at least 1, got {value}")
+    if step is not None and direction == "from-native":
+        raise ConfigError("--step chooses a step of an AdaCheck checkpoint's online deltas; not with "
+                          "--from deepspeed")
     opts = ["--ds-config", ds_config] if ds_config else []
-    opts += ["--optimizer", optimizer] if optimizer else []
-    opts += ["--no-verify"] if not verify else []
+    opts += ["--optimizer", options.optimizer] if options.optimizer else []
+    opts += ["--no-verify"] if options.no_verify else []
     base = opts + (["--tag", tag] if tag else [])
     if direction == "from-native":
         src_dir = _native_dir(src, tag)
-        spec = spec_from_native(src_dir, _read_json(ds_config) if ds_config else None, optimizer)
+        spec = spec_from_native(src_dir, _read_json(ds_config) if ds_config else None, options.optimizer)
         final = os.path.join(out, os.path.basename(src_dir))
         refuse_existing(final)
         spawn(spec.world, ["from-native", src, out, *base], progress)
@@ -472,7 +464,7 @@ def convert(direction: str, src: str, out: str, dp: Optional[int] = None, zero_s
     tp = tp or spec.tp
     dp = dp or spec.dp
     check_tp(spec, tp)
-    stage = spec.stage if zero_stage is None else zero_stage
+    stage = spec.stage if options.zero_stage is None else options.zero_stage
     pending, _, out_tag = reach(src_dir, m, spec.world, step)
     if step is not None:
         base += ["--step", str(step)]
@@ -540,8 +532,7 @@ def main(argv=None) -> int:
             dist.barrier()
             dist.destroy_process_group()
         local_ranks.exit_rank(work)
-    print(convert(a.direction, a.src, a.out, a.dp, a.zero_stage, a.tag, a.ds_config, a.optimizer,
-                  not a.no_verify, a.step, a.tp))
+    print(convert(a.direction, a.src, a.out, a))
     return 0
 
 

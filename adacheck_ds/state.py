@@ -1,19 +1,13 @@
-"""DeepSpeed engine state <-> AdaCheck logical tensors, for ZeRO stages 0-3.
-
-Logical tensors (names are the module's parameter names, independent of the layout):
-  model/<p>        the module parameter in the module's dtype (bf16/fp16/fp32)
+"""DeepSpeed engine state <-> AdaCheck logical tensors, for ZeRO stages 0-3 (the wrapper kinds
+in :mod:`.wrappers` say where each rank's fragments live).  The names do not depend on the layout:
+  model/<p>        the module parameter in the module's dtype (bf16/fp16/fp32), declared
+                   derivable from master/<p> where each fragment's cast is proven equal
   master/<p>       the fp32 master weights, where the optimizer keeps a separate copy
   optim/<key>/<p>  optimizer state (exp_avg, exp_avg_sq, step, ...), per parameter
   buffer/<b>       module buffers
-Every rank reports the *fragments* it holds: a flat range ``[start, start+numel)`` of a
-parameter together with views of the master weights and optimizer state for that range.
-With Megatron-DeepSpeed style tensor parallelism (an engine built with ``mpu=``), a parameter
-marked ``tensor_model_parallel`` with a ``partition_dim`` is this rank's slice of a logical
-tensor ``tp`` times as large along that dimension: the logical tensors (and so the checkpoint)
-do not depend on the TP size, and a load reads the slice of the engine it loads into.
-ZeRO flat partitions (stages 1/2, and DeepSpeed's BF16 optimizer) come from DeepSpeed's own
-``_hp_mapping`` fragment table; stage 3 from each parameter's ``ds_tensor`` partition.
-``model/<p>`` is declared derivable from ``master/<p>`` and proven per fragment.
+A tensor-parallel parameter (an engine built with a Megatron-DeepSpeed ``mpu``, marked
+``tensor_model_parallel`` with a ``partition_dim``) is this rank's slice of one logical tensor
+``tp`` times as large along that dimension; a load reads the slice of the engine it loads into.
 """
 from __future__ import annotations
 
