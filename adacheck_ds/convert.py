@@ -13,9 +13,8 @@ from typing import Callable, Optional
 import torch
 
 from adacheck.checkpoint import CheckpointReader, resolve
-from adacheck.convert import output_dir
+from adacheck.convert import output_dir, weight_sources
 from adacheck.errors import StateError
-from adacheck.types import torch_dtype
 
 from .saved import Objects
 from .state import state_keys
@@ -81,12 +80,8 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                     "optimizer_state_dict": {"state": {0: {"step": step}},
                                              "param_groups": [dict(g) for g in groups]}},
                    os.path.join(tmp, "zero", "optimizer_state.pt"))
-        module = {}
-        for name in names:
-            e = m.tensors[f"model/{name}"]
-            module[name] = r.read(f"model/{name}", dtype=torch_dtype(e.dtype))
-        for n in sorted(x for x in m.tensors if x.startswith("buffer/")):
-            module[n[len("buffer/"):]] = r.read(n)
+        # the module's weights in their training dtype, and its buffers
+        module = {key: r.read(name, dtype=dtype) for key, (name, dtype) in weight_sources(r, "model").items()}
         counters = objects.counters
         dp = m.framework.get("dp_world_size", m.topology.get("world_size", 1))
         states = dict(objects.client_state)

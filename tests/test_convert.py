@@ -49,6 +49,13 @@ def test_deepspeed_universal_loads_with_stock_deepspeed(tmp_path):
         assert cli(["convert", f"{d}/ck{s}", f"{d}/uc{s}", "--to", "deepspeed-universal"]) == 0
         assert open(f"{d}/uc{s}/latest_universal").read() == "global_step3"
     assert cli(["convert", f"{d}/ck2", f"{d}/uc2", "--to", "deepspeed-universal"]) == 2   # never overwrites
+    for s, _ in sources:     # the model-states file's module: the saved module weights and buffers, as torch reads it
+        states = torch.load(f"{d}/uc{s}/global_step3/mp_rank_00_model_states.pt", weights_only=True)
+        saved = load_file(f"{d}/S{s}.safetensors")
+        want = {k.split("/", 1)[1]: v for k, v in saved.items() if k.startswith(("model/", "buffer/"))}
+        assert sorted(states["module"]) == sorted(want)
+        for k, v in want.items():
+            assert states["module"][k].dtype == v.dtype and torch.equal(states["module"][k], v), (s, k)
     uc = {"checkpoint": {"load_universal": True}}
     for world, targets in ((2, [(2, "bf16", 2), (1, "fp32", 0)]), (4, [(3, "bf16", 2), (1, "bf16", 2)])):
         runs = [dict(stage=t, dtype=dt, layers=3, seed=5, ds_extra=uc,
