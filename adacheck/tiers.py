@@ -327,9 +327,9 @@ def _remove_job_memory(mem: str) -> None:
     above it once that is empty."""
     LOCAL.remove_tree(mem)
     try:
-        os.rmdir(os.path.dirname(mem))
+        LOCAL.remove_dir(os.path.dirname(mem))
     except OSError:
-        pass
+        pass        # (the interpreter may be exiting: the empty directory stays)
 
 
 def _block_head(sizes: List[Tuple[str, int]]) -> bytes:
