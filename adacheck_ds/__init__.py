@@ -7,10 +7,12 @@ same for an engine built any other way.  Without the block DeepSpeed is unchange
 """
 from __future__ import annotations
 
+from deepspeed.runtime.engine import DeepSpeedEngine
+
 from adacheck.compat import warn_if_untested
 from adacheck.config import AdaCheckConfig
 
-from .engine import AdaCheckDeepSpeed, load_native, save_native
+from .engine import AdaCheckDeepSpeed, load_native, param_dict, save_native
 
 warn_if_untested("deepspeed")
 
@@ -40,36 +42,19 @@ def detach(engine) -> None:
 
 
 def _block_of(engine):
-    cfg = getattr(engine, "_config", None)
-    raw = getattr(cfg, "_param_dict", None)
-    return raw.get("adacheck") if isinstance(raw, dict) else None
-
-
-def _config_given(args, kwargs):
-    """The DeepSpeed config dict an engine is being built from, before DeepSpeed builds it."""
-    config_class = kwargs.get("config_class")
-    raw = getattr(config_class, "_param_dict", None)
-    if isinstance(raw, dict):
-        return raw
-    config = kwargs.get("config")
-    if config is None:
-        config = getattr(kwargs.get("args", args[0] if args else None), "deepspeed_config", None)
-    if isinstance(config, str):
-        from deepspeed.runtime.config import load_ds_config
-        config = load_ds_config(config)
-    return config if isinstance(config, dict) else None
+    return (param_dict(getattr(engine, "_config", None)) or {}).get("adacheck")
 
 
 def install() -> None:
     """Patch DeepSpeedEngine once (idempotent)."""
     if _ORIG:
         return
-    from deepspeed.runtime.engine import DeepSpeedEngine
     _ORIG.update({name: getattr(DeepSpeedEngine, name) for name in ("__init__", "save_checkpoint", "load_checkpoint")})
 
     def __init__(self, *args, **kwargs):
         # validated before DeepSpeed builds anything: a mistake costs no model start-up
-        config = AdaCheckConfig.in_config(_config_given(args, kwargs), "DeepSpeed")
+        # (deepspeed.initialize passes the config parsed, as config_class)
+        config = AdaCheckConfig.in_config(param_dict(kwargs.get("config_class")), "DeepSpeed")
         _ORIG["__init__"](self, *args, **kwargs)
         block = _block_of(self)
         if config is None and block is not None:    # (a config DeepSpeed found some other way)
@@ -78,21 +63,15 @@ def install() -> None:
         if config is not None and config.enabled:
             self.adacheck = AdaCheckDeepSpeed(self, config)
 
-    def save_checkpoint(self, *args, **kwargs):
-        ac = getattr(self, "adacheck", None)
-        if ac is not None:
-            return ac.save_checkpoint(*args, **kwargs)
-        return _ORIG["save_checkpoint"](self, *args, **kwargs)
+    def routed(name: str):
+        def method(self, *args, **kwargs):
+            ac = getattr(self, "adacheck", None)
+            return getattr(ac, name)(*args, **kwargs) if ac is not None else _ORIG[name](self, *args, **kwargs)
+        return method
 
-    def load_checkpoint(self, *args, **kwargs):
-        ac = getattr(self, "adacheck", None)
-        if ac is not None:
-            return ac.load_checkpoint(*args, **kwargs)
-        return _ORIG["load_checkpoint"](self, *args, **kwargs)
-
-    for name, fn in (("__init__", __init__), ("save_checkpoint", save_checkpoint),
-                     ("load_checkpoint", load_checkpoint)):
-        fn.__wrapped__, fn.__doc__ = _ORIG[name], _ORIG[name].__doc__
+    for name, fn in (("__init__", __init__), ("save_checkpoint", routed("save_checkpoint")),
+                     ("load_checkpoint", routed("load_checkpoint"))):
+        fn.__name__, fn.__wrapped__, fn.__doc__ = name, _ORIG[name], _ORIG[name].__doc__
         setattr(DeepSpeedEngine, name, fn)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
+import deepspeed
 import torch
 
 from adacheck.checkpoint import CheckpointReader, resolve
@@ -31,8 +32,6 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                  progress: Optional[Callable[[int, int], None]] = None) -> str:
     """Convert the AdaCheck checkpoint ``src`` (save dir or checkpoint dir) to a DeepSpeed
     universal checkpoint in ``out_dir``; returns the written checkpoint directory."""
-    import deepspeed
-
     ckpt = resolve(src, tag)
     r = CheckpointReader(ckpt, verify=verify, cache_bytes=32 << 20)
     m = r.manifest

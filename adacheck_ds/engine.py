@@ -21,7 +21,8 @@ from adacheck.storage import is_url
 
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
-from .state import apply_load, class_path, collect_shards, data_parallel, describe, partition_map, stage_load
+from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, partition_map,
+                    stage_load)
 
 log = logging.getLogger("adacheck")
 
@@ -66,6 +67,12 @@ def load_native(engine, *args, **kwargs):
     return _native("load_checkpoint")(engine, *args, **kwargs)
 
 
+def param_dict(config_class) -> Optional[dict]:
+    """The DeepSpeed config as given (a DeepSpeedConfig's ``_param_dict``), or None."""
+    raw = getattr(config_class, "_param_dict", None)
+    return raw if isinstance(raw, dict) else None
+
+
 def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
     """The directory of a native DeepSpeed checkpoint that ``load_checkpoint(load_dir, tag)``
     means (DeepSpeed's 'latest' and AdaCheck's have the same name and content), or None."""
@@ -108,7 +115,7 @@ class AdaCheckDeepSpeed:
         out = self._step(*args, **kwargs)
         if online is not None and self.engine.global_steps != before:
             online.after_step()
-        self.poll()
+        self.checkpointer.poll()     # (one attribute test when no save is in flight)
         return out
 
     def _finish_and_destroy(self, *args, **kwargs):
@@ -126,11 +133,6 @@ class AdaCheckDeepSpeed:
     def last_manifest(self):
         """The manifest of the last save that committed (an asynchronous one: once reported)."""
         return self.checkpointer.last_committed
-
-    def poll(self):
-        """The asynchronous save's manifest once it has committed (None while it runs, or none is
-        in flight: then this costs one attribute test)."""
-        return self.checkpointer.poll()
 
     def finish(self):
         """Wait for the asynchronous save in flight (if any) and report it."""
@@ -174,12 +176,12 @@ class AdaCheckDeepSpeed:
             client_state=jsontree.saveable(dict(client_state or {}), "client_state", strict),
             model_spec=self._model_spec(lay).tree())
         dp_rank, dp_size = data_parallel(e)
-        layout = {"zero_stage": lay.stage, "optimizer": lay.kind, "dp_rank": dp_rank, "dp_world_size": dp_size,
-                  "tp_rank": lay.tp[0], "tp_world_size": lay.tp[1]}
-        framework = {"name": "deepspeed", "deepspeed": deepspeed.__version__, "torch": torch.__version__,
-                     "adacheck": adacheck.__version__, "zero_stage": lay.stage, "optimizer": lay.kind,
-                     "dtype": "bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32",
-                     "dp_world_size": layout["dp_world_size"], "tp_world_size": lay.tp[1]}
+        sizes = {"zero_stage": lay.stage, "optimizer": lay.wrapper.name, "dp_world_size": dp_size,
+                 "tp_world_size": lay.tp[1]}
+        layout = dict(sizes, dp_rank=dp_rank, tp_rank=lay.tp[0])
+        framework = dict(sizes, name="deepspeed", deepspeed=deepspeed.__version__, torch=torch.__version__,
+                         adacheck=adacheck.__version__,
+                         dtype="bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32")
         rank_objects = RankObjects(rng=rng_state())
         if self.online is not None and lay.wrapper.flat_partitions:
             # what this rank's partitions are made of: its deltas replay on another DP size too
@@ -193,8 +195,8 @@ class AdaCheckDeepSpeed:
         as DeepSpeed was given them, the optimizer class and the DeepSpeed config."""
         e = self.engine
         base = lay.base_optimizer
-        raw = getattr(getattr(e, "_config", None), "_param_dict", None)
-        cfg = {k: v for k, v in raw.items() if k != "adacheck"} if isinstance(raw, dict) else None
+        raw = param_dict(getattr(e, "_config", None))
+        cfg = {k: v for k, v in raw.items() if k != "adacheck"} if raw is not None else None
         return SavedModel(parameters=[[n, bool(p.requires_grad)] for n, p in e.module.named_parameters()],
                           tensor_parallel={"size": lay.tp[1], "partition_dims": dict(sorted(lay.split.items()))},
                           buffers=[n for n, _ in e.module.named_buffers()],
@@ -221,7 +223,8 @@ class AdaCheckDeepSpeed:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        found = (pointer.follow(self.checkpointer.where, load_dir, tag, default_comm().rank)
+        e, comm = self.engine, default_comm()
+        found = (pointer.follow(self.checkpointer.where, load_dir, tag, comm.rank)
                  if load_dir and self.config.save_dir else None)
         if found is not None:
             # (a directory the caller names, e.g. a Hugging Face Trainer's checkpoint-N, whose save went to
@@ -229,11 +232,10 @@ class AdaCheckDeepSpeed:
             load_dir, tag, until = found.save_dir, found.tag, found.step
         else:
             load_dir, until = self.config.save_dir or load_dir, self.replay_until
-        e = self.engine
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
         self.finish()     # an asynchronous save in flight commits first
-        if tag is None and not self.checkpointer.has_checkpoint(load_dir, default_comm()):
+        if tag is None and not self.checkpointer.has_checkpoint(load_dir, comm):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)
             return None, None
         native = _native_checkpoint(load_dir, tag)
@@ -245,38 +247,23 @@ class AdaCheckDeepSpeed:
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
-        comm = default_comm()
-        opt = e.optimizer
         want_optim = load_optimizer_states and not load_module_only
 
-        def read(r: core.CheckpointReader):
-            lay = describe(e)
-            objects = Objects.of(r.objects(), f"the objects of {r.dir}")
-            st = stage_load(e, lay, r, want_optim, objects.param_groups, strict=load_module_strict)
-            st.objects = objects
-            ranks = r.manifest.topology.get("world_size", 1)
-            if comm.rank < ranks:
-                st.rank_objects = RankObjects.of(r.objects(comm.rank), f"rank {comm.rank}'s objects of {r.dir}")
-            return lay, st
-
-        loaded = {}
-
-        def apply(staged):
-            lay, st = staged
-            with checkpoint_event(opt):
-                apply_load(e, lay, st)
-            obj = loaded["objects"] = st.objects
+        def apply(st: Staged) -> Objects:
+            with checkpoint_event(e.optimizer):
+                apply_load(e, st)
             if not load_module_only:
-                self.apply_scalars(obj, load_lr_scheduler_states)
+                self.apply_scalars(st.objects, load_lr_scheduler_states)
                 if st.rank_objects is not None:
                     set_rng_state(st.rank_objects.rng)
-            return obj.client_state
+            return st.objects
 
-        ckpt_dir, manifest, client_state = self.checkpointer.load(
-            comm, load_dir, tag, read, apply, how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
+        ckpt_dir, manifest, objects = self.checkpointer.load(
+            comm, load_dir, tag, lambda r: stage_load(e, r, want_optim, load_module_strict, comm.rank), apply,
+            how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
         replay = None
         if want_optim and load_lr_scheduler_states:
-            model = loaded["objects"].model(ckpt_dir)
+            model = objects.model(ckpt_dir)
             replay = Replay(self, model.optimizer if model is not None else None)
         done = recovery.after_load(comm, self.checkpointer, ckpt_dir, manifest, replay, until=until,
                                    without="the optimizer and scheduler states",
@@ -284,7 +271,7 @@ class AdaCheckDeepSpeed:
         if done.steps:
             self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, done.step)
-        return ckpt_dir, client_state
+        return ckpt_dir, objects.client_state
 
     def apply_scalars(self, saved: Scalars, with_scheduler: bool = True) -> None:
         """Counters, LR scheduler and loss scaler from a checkpoint's (or delta's) scalars."""

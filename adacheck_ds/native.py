@@ -25,6 +25,7 @@ import copy
 import glob
 import importlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -34,6 +35,12 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+import adacheck_ds
 from adacheck import commit, deltas, local_ranks
 from adacheck.checkpoint import CheckpointReader, resolve
 from adacheck.convert import publish, refuse_existing
@@ -85,16 +92,12 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
     cfg = ds_config if ds_config is not None else saved.ds_config
     if not isinstance(cfg, dict):
         raise ConfigError(f"{ckpt_dir} does not hold the run's DeepSpeed config; pass it with --ds-config FILE")
-    params, missing = [], []
-    for name, trainable in saved.parameters:
-        e = m.tensors.get(f"model/{name}")
-        if e is None:
-            missing.append(name)
-            continue
-        params.append((name, tuple(e.shape), e.dtype, trainable))
+    missing = [name for name, _ in saved.parameters if f"model/{name}" not in m.tensors]
     if missing:
         raise StateError(f"{ckpt_dir} does not hold the parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          "(saved with exclude_frozen_parameters?); a native checkpoint needs every parameter")
+    params = [(n, tuple(m.tensors[f"model/{n}"].shape), m.tensors[f"model/{n}"].dtype, trainable)
+              for n, trainable in saved.parameters]
     buffers = [(n, tuple(m.tensors[f"buffer/{n}"].shape), m.tensors[f"buffer/{n}"].dtype)
                for n in saved.buffers if f"buffer/{n}" in m.tensors]
     return ModelSpec(params, buffers, saved.groups, saved.optimizer, cfg,
@@ -150,7 +153,6 @@ def _native_dir(src: str, tag: Optional[str]) -> str:
 def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                      optimizer: Optional[str] = None) -> ModelSpec:
     """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
-    import torch
     files = sorted(glob.glob(os.path.join(ckpt_dir, "*model_states.pt")))
     # DeepSpeed's own torch.save file, read without running code (weights_only: tensors, sizes,
     # dicts, lists and plain values; what DeepSpeed writes there)
@@ -172,10 +174,8 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
     frozen = set(sd.get("frozen_param_shapes") or {})
     lp = torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") else (
         torch.float16 if (cfg.get("fp16") or {}).get("enabled") else torch.float32)
-    full_shape = {}
-    for g in shapes or []:
-        full_shape.update({n: tuple(s) for n, s in g.items()})
-    full_shape.update({n: tuple(s) for n, s in (sd.get("frozen_param_shapes") or {}).items()})
+    # every parameter's whole shape (a ZeRO-3 module holds empty placeholders), frozen ones too
+    full_shape = {n: tuple(s) for g in [*(shapes or []), sd.get("frozen_param_shapes") or {}] for n, s in g.items()}
     param_names = [n for n in module if n not in buffer_names]
     tp = int(sd.get("mp_world_size") or 1)
     split = split_from_patterns(param_names, sd.get("universal_checkpoint_info"), files[0]) if tp > 1 else {}
@@ -240,8 +240,6 @@ def shell_module(spec: ModelSpec, tp: int = 1):
     """An nn.Module with the checkpoint's parameters and buffers under their dotted names, in
     module order (so DeepSpeed groups, flattens and partitions them as in the training job);
     with ``tp`` > 1 each split parameter is this rank's slice, marked as Megatron marks it."""
-    import torch
-
     root = torch.nn.Module()
     if tp > 1:
         check_tp(spec, tp)
@@ -295,11 +293,8 @@ def _import(path: str):
 
 
 def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
-    import deepspeed
-
     mpu = None
     if tp > 1:   # DeepSpeed's own mpu: TP ranks consecutive, data-parallel groups strided by TP (Megatron's order)
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
         world = deepspeed.comm.get_world_size()
         mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
     module = shell_module(spec, tp)
@@ -327,22 +322,11 @@ def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
 
 
 # ------------------------------------------------------------------ one rank
-def _init_distributed():
-    import deepspeed
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    cpu = get_accelerator().device_name() == "cpu"
-    deepspeed.init_distributed(dist_backend="gloo" if cpu else None)
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
 def run_rank(a) -> None:
     """One rank of a conversion (under torchrun, or started by ``convert``)."""
-    import logging
-    import torch
-    import adacheck_ds
     logging.getLogger("adacheck").setLevel(logging.INFO)
-    rank, world = _init_distributed()
+    deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
     def done(k: int, what: str) -> None:      # (rank 0 reports 4 phases: built, loaded, saved, published)
         if rank == 0:
@@ -402,12 +386,10 @@ def run_rank(a) -> None:
         torch.distributed.barrier()
         if rank == 0:
             publish(os.path.join(tmp, out_tag), os.path.join(a.out, out_tag), os.path.join(a.out, "latest"), out_tag)
-            shutil.rmtree(tmp, ignore_errors=True)
             done(4, "published")
-    except BaseException:
+    finally:        # (the native files' temporary directory: emptied by the publish, or failed)
         if rank == 0 and tmp and a.direction == "to-native":
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _read_json(path: str) -> dict:
@@ -423,7 +405,6 @@ def spawn(world: int, argv: List[str], progress=None) -> None:
     ``progress(done, total)``: rank 0's phases (see run_rank), as they happen."""
     env = {}
     if "DS_ACCELERATOR" not in os.environ:
-        import torch
         if not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
     local_ranks.run("adacheck_ds.native", world, argv, env=env, progress=progress)
@@ -527,10 +508,9 @@ def main(argv=None) -> int:
             a.tmp = os.path.join(a.out, f".adacheck-convert-{os.environ.get('MASTER_PORT', 'x')}")
 
         def work():
-            import torch.distributed as dist
             run_rank(a)
-            dist.barrier()
-            dist.destroy_process_group()
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
         local_ranks.exit_rank(work)
     print(convert(a.direction, a.src, a.out, a))
     return 0

@@ -59,7 +59,7 @@ class OnlineDS:
             mine = online.replica_share(self.tap, sorted(self.tap.tensors), group, group[me], rec.spread)
         self.recorder = online.OnlineRecorder(self.tap, ac.config.online, rec, default_comm, self._take_base,
                                               fsync=ac.config.fsync, mine=mine,
-                                              preclip=lambda key, g, a: self.lay.wrapper.preclip(g, a))
+                                              preclip=self.lay.wrapper.preclip)
         # gradients before the wrapper unscales / clips them in place: exact (bf16 sums) where
         # the clipped ones are not
         self._unrecord = self.lay.wrapper.record_clipping(self.recorder.note_preclip_of)
@@ -90,6 +90,7 @@ class Replay:
     def __init__(self, ac, saved_optimizer: Optional[str] = None):
         self.ac, self.engine, self.comm = ac, ac.engine, default_comm()
         self.lay = describe(ac.engine)
+        self.preclip = self.lay.wrapper.preclip      # (Replaying.preclip: the wrapper's own clipping)
         self.saved_optimizer = saved_optimizer   # the base optimizer's class that recorded (None: not known)
         self.saving_world = 0
 
@@ -101,11 +102,11 @@ class Replay:
         # the same optimizer code makes the same arithmetic: a ZeRO-Offload run (DeepSpeedCPUAdam)
         # resumed without offload (torch's or DeepSpeed's fused Adam) would not replay bit-exactly
         if (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) != \
-                (lay.stage, lay.kind, lay.tp[1]) or self.saved_optimizer not in (None, mine):
+                (lay.stage, lay.wrapper.name, lay.tp[1]) or self.saved_optimizer not in (None, mine):
             return recovery.ReplayPlan(same, refused=(
                 f"they were recorded by ZeRO-{fw.get('zero_stage')}/{fw.get('optimizer')} with "
                 f"{self.saved_optimizer or 'its optimizer'} (TP={fw.get('tp_world_size', 1)}), which this "
-                f"ZeRO-{lay.stage}/{lay.kind} engine with {mine} (TP={lay.tp[1]}) is not"))
+                f"ZeRO-{lay.stage}/{lay.wrapper.name} engine with {mine} (TP={lay.tp[1]}) is not"))
         if same:
             return recovery.ReplayPlan(True)
         saved = manifest.layout.get("ranks", [])
@@ -127,9 +128,6 @@ class Replay:
 
     def tap(self) -> OptimizerTap:
         return _tap(self.engine)[1]
-
-    def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
-        self.lay.wrapper.preclip(grad, args)
 
     def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
         self.lay.wrapper.refresh()      # the module's weights from the replayed master weights

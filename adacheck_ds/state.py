@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_rank,
+                                 bwc_tensor_model_parallel_world_size)
 
 from adacheck.boxes import flat_views
 from adacheck.checkpoint import CheckpointReader, LocalShard
@@ -33,8 +36,6 @@ def tensor_parallel(engine) -> Tuple[int, int]:
     mpu = getattr(engine, "mpu", None)
     if mpu is None:
         return 0, 1
-    from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_rank,
-                                     bwc_tensor_model_parallel_world_size)
     if bwc_pipeline_parallel_world_size(mpu) > 1:
         raise StateError("AdaCheck's DeepSpeed integration does not support pipeline parallelism (the mpu "
                          "reports a pipeline size > 1); use Megatron with --adacheck for pipelines")
@@ -61,7 +62,6 @@ def data_parallel_ranks(engine) -> List[int]:
 
 def _place_params(engine, lay: "Layout") -> None:
     """Each parameter's logical shape and the box of it this rank holds (``lay.origin``)."""
-    from deepspeed.runtime.utils import is_model_parallel_parameter
     lay.tp = tp_rank, tp = tensor_parallel(engine)
     for n, p in engine.module.named_parameters():
         local = tuple(getattr(p, "ds_shape", p.shape))
@@ -162,12 +162,14 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
 # ----------------------------------------------------------------------------- load
 @dataclass
 class Staged:
+    """What a load read on this rank (:func:`stage_load`), before anything is applied."""
+    lay: Layout                                                      # the engine's, when read
+    objects: Objects                                                 # the checkpoint's
+    rank_objects: Optional[RankObjects]     # this rank's (None: a rank the saving job did not have)
     master: Dict[str, torch.Tensor] = field(default_factory=dict)    # per frag (1-D)
     lp: Dict[str, torch.Tensor] = field(default_factory=dict)        # per lp view (1-D)
     optim_state: Optional[dict] = None                               # base optimizer state_dict
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
-    objects: Optional[Objects] = None
-    rank_objects: Optional[RankObjects] = None      # (None: a rank the saving job did not have)
     refresh: set = field(default_factory=set)       # module weights made from the masters (_refreshed)
 
 
@@ -227,9 +229,14 @@ def _check_names(engine, r: CheckpointReader, strict: bool) -> set:
     return set(params) - set(missing)   # buffers: stage_load takes those the checkpoint has
 
 
-def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: bool,
-               param_groups_saved, strict: bool = True) -> Staged:
-    st = Staged()
+def stage_load(engine, r: CheckpointReader, load_optimizer_states: bool, strict: bool, rank: int) -> Staged:
+    """This rank's part of checkpoint ``r`` for ``engine`` (``strict``: as
+    ``load_module_strict``), read; nothing of the engine is changed."""
+    lay = describe(engine)
+    objects = Objects.of(r.objects(), f"the objects of {r.dir}")
+    saved_rank = rank < r.manifest.topology.get("world_size", 1)
+    st = Staged(lay, objects, RankObjects.of(r.objects(rank), f"rank {rank}'s objects of {r.dir}")
+                if saved_rank else None)
     keep = _check_names(engine, r, strict)
     for n in keep:
         src = r.entry(_master_source(r, n))
@@ -252,7 +259,7 @@ def stage_load(engine, lay: Layout, r: CheckpointReader, load_optimizer_states: 
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
     if lay.base_optimizer is not None and load_optimizer_states:
         with lay.wrapper.stepping():
-            st.optim_state = _stage_optimizer(lay, r, param_groups_saved)
+            st.optim_state = _stage_optimizer(lay, r, objects.param_groups)
     return st
 
 
@@ -345,7 +352,8 @@ def read_partition(r: CheckpointReader, lay: Layout, numel: int, pieces: List[Sp
     return master, state_entry(r, lay, state_keys(r), pieces, numel, (numel,))
 
 
-def apply_load(engine, lay: Layout, st: Staged) -> None:
+def apply_load(engine, st: Staged) -> None:
+    lay = st.lay
     with torch.no_grad():
         for f in lay.frags:
             if f"{f.name}@{f.start}" in st.master:

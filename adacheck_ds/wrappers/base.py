@@ -12,6 +12,7 @@ Adding a kind is one new module in this package, listed in ``KINDS``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
@@ -58,11 +59,6 @@ class Layout:
 
     def __post_init__(self):
         self.trained = {n for g in self.groups for n in g}
-
-    @property
-    def kind(self) -> str:
-        """The wrapper kind as checkpoints record it."""
-        return self.wrapper.name
 
 
 def kept(norm):
@@ -132,8 +128,9 @@ class Wrapper:
         ``note`` was given), with the wrapper's own code."""
         raise NotImplementedError(f"{self.name} records no clipping")
 
-    def preclip(self, grad: torch.Tensor, args: dict) -> None:
-        """Replay of a recorded pre-clip gradient: :meth:`clip_as_recorded` with the recorded
+    def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
+        """Replay of a recorded pre-clip gradient (of the tensor ``key``, as
+        :meth:`adacheck.recovery.Replaying.preclip`): :meth:`clip_as_recorded` with the recorded
         ``gradient_clipping`` (a job resumed with another value replays the recorded steps)."""
         current = self.opt.clip_grad
         self.opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
@@ -150,9 +147,10 @@ class Wrapper:
         return None if self.engine.fp16_enabled() else self._wrap("unscale_and_clip_grads", replacement)
 
     def _wrap(self, method: str, replacement: Callable) -> Callable[[], None]:
-        """Replace the optimizer's ``method``; returns the function that puts it back."""
+        """Make the optimizer's ``method`` call ``replacement(original, *args, **kwargs)``, where
+        ``original`` is the method it had; returns the function that puts that back."""
         original = getattr(self.opt, method)
-        setattr(self.opt, method, replacement(original))
+        setattr(self.opt, method, functools.partial(replacement, original))
         return lambda: setattr(self.opt, method, original)
 
 

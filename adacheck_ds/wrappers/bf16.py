@@ -3,6 +3,7 @@ partition per param group on each data-parallel rank, mapped by DeepSpeed's ``_h
 from __future__ import annotations
 
 import torch
+from deepspeed.runtime import bf16_optimizer
 
 from .base import Frag, Layout, Wrapper, kept, lp_views_whole, relink
 
@@ -14,8 +15,7 @@ class BF16(Wrapper):
 
     @staticmethod
     def matches(opt) -> bool:
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-        return isinstance(opt, BF16_Optimizer)
+        return isinstance(opt, bf16_optimizer.BF16_Optimizer)
 
     def describe(self, stage, names) -> Layout:
         opt = self.opt
@@ -38,20 +38,18 @@ class BF16(Wrapper):
         if not all(g.dtype == torch.float32 for g in opt.fp32_groups_gradient_flat_partition):
             return None
 
-        def wrapper(original):
-            # BF16_Optimizer clips its fp32 gradient partitions in place right after asking for
-            # them with for_clipping=True: record them before that (exact bf16 sums, 2 bytes each)
-            def get_grads_for_norm(for_clipping=False, *a, **kw):
-                out = original(for_clipping, *a, **kw)
-                if for_clipping and opt.clip_grad > 0:
-                    args = {"norm": kept(opt._global_grad_norm), "clip": float(opt.clip_grad), "bf16_clip": True}
-                    for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
-                        note(flat, grad, args)
-                return out
-            return get_grads_for_norm
-        return self._wrap("get_grads_for_norm", wrapper)
+        # BF16_Optimizer clips its fp32 gradient partitions in place right after asking for
+        # them with for_clipping=True: record them before that (exact bf16 sums, 2 bytes each)
+        def get_grads_for_norm(original, for_clipping=False, *a, **kw):
+            out = original(for_clipping, *a, **kw)
+            if for_clipping and opt.clip_grad > 0:
+                args = {"norm": kept(opt._global_grad_norm), "clip": float(opt.clip_grad), "bf16_clip": True}
+                for flat, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition):
+                    note(flat, grad, args)
+            return out
+        return self._wrap("get_grads_for_norm", get_grads_for_norm)
 
     def clip_as_recorded(self, grad, args) -> None:
-        from deepspeed.runtime import bf16_optimizer     # the function BF16_Optimizer.step calls
+        # the function BF16_Optimizer.step calls
         bf16_optimizer.clip_tensors_by_global_norm(input_tensors=[grad], max_norm=self.opt.clip_grad,
                                                    global_norm=args["norm"], mpu=self.opt.mpu)

@@ -31,18 +31,16 @@ class FP16Unfused(Wrapper):
     def record_clipping(self, note):
         opt = self.opt
 
-        def wrapper(original):
-            def unscale_and_clip_grads(total_norm, apply_scale=True):
-                # scales every fp32 gradient by one factor for that norm
-                if apply_scale:
-                    args = {"norm": kept(total_norm), "clip": float(opt.clip_grad), "unfused": True}
-                    for group in opt.fp32_groups:
-                        for p in group:
-                            if p.grad is not None:
-                                note(p, p.grad, args)
-                return original(total_norm, apply_scale=apply_scale)
-            return unscale_and_clip_grads
-        return self._wrap_clipping(wrapper)
+        def unscale_and_clip_grads(original, total_norm, apply_scale=True):
+            # scales every fp32 gradient by one factor for that norm
+            if apply_scale:
+                args = {"norm": kept(total_norm), "clip": float(opt.clip_grad), "unfused": True}
+                for group in opt.fp32_groups:
+                    for p in group:
+                        if p.grad is not None:
+                            note(p, p.grad, args)
+            return original(total_norm, apply_scale=apply_scale)
+        return self._wrap_clipping(unscale_and_clip_grads)
 
     def clip_as_recorded(self, grad, args) -> None:
         combined = type(self.opt).unscale_and_clip_grads(self.opt, args["norm"], apply_scale=False)

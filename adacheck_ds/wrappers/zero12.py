@@ -3,6 +3,7 @@ one flat fp32 partition per param group, a contiguous run of the group's paramet
 from __future__ import annotations
 
 import torch
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from .base import Frag, Layout, Wrapper, kept, lp_views_whole, relink
 
@@ -14,7 +15,6 @@ class Zero12(Wrapper):
 
     @staticmethod
     def matches(opt) -> bool:
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
         return isinstance(opt, DeepSpeedZeroOptimizer)
 
     def describe(self, stage, names) -> Layout:
@@ -42,17 +42,15 @@ class Zero12(Wrapper):
     def record_clipping(self, note):
         opt = self.opt
 
-        def wrapper(original):
-            def unscale_and_clip_grads(grad_groups_flat, total_norm, *rest, **kw):
-                args = {"norm": kept(total_norm), "clip": float(opt.clip_grad)}
-                for g in grad_groups_flat:
-                    flat = next((f for f in opt.single_partition_of_fp32_groups if f.grad is g), None) \
-                        if torch.is_tensor(g) else None
-                    if flat is not None:
-                        note(flat, g, args)
-                return original(grad_groups_flat, total_norm, *rest, **kw)
-            return unscale_and_clip_grads
-        return self._wrap_clipping(wrapper)
+        def unscale_and_clip_grads(original, grad_groups_flat, total_norm, *rest, **kw):
+            args = {"norm": kept(total_norm), "clip": float(opt.clip_grad)}
+            for g in grad_groups_flat:
+                flat = next((f for f in opt.single_partition_of_fp32_groups if f.grad is g), None) \
+                    if torch.is_tensor(g) else None
+                if flat is not None:
+                    note(flat, g, args)
+            return original(grad_groups_flat, total_norm, *rest, **kw)
+        return self._wrap_clipping(unscale_and_clip_grads)
 
     def clip_as_recorded(self, grad, args) -> None:
         type(self.opt).unscale_and_clip_grads(self.opt, [grad], args["norm"])   # the class's, not a wrapper

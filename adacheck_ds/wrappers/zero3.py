@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from adacheck.recovery import holder
 
@@ -18,7 +19,6 @@ class Zero3(Wrapper):
 
     @staticmethod
     def matches(opt) -> bool:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         return isinstance(opt, DeepSpeedZeroOptimizer_Stage3)
 
     def describe(self, stage, names) -> Layout:
@@ -69,15 +69,13 @@ class Zero3(Wrapper):
     def record_clipping(self, note):
         opt = self.opt
 
-        def wrapper(original):
-            def unscale_and_clip_grads(sub_group_id, total_norm, *rest, **kw):
-                flat = opt.fp32_partitioned_groups_flat[sub_group_id]
-                if flat.grad is not None:
-                    note(flat, flat.grad, {"norm": kept(total_norm), "clip": float(opt.clip_grad),
-                                           "sub": int(sub_group_id)})
-                return original(sub_group_id, total_norm, *rest, **kw)
-            return unscale_and_clip_grads
-        return self._wrap_clipping(wrapper)
+        def unscale_and_clip_grads(original, sub_group_id, total_norm, *rest, **kw):
+            flat = opt.fp32_partitioned_groups_flat[sub_group_id]
+            if flat.grad is not None:
+                note(flat, flat.grad, {"norm": kept(total_norm), "clip": float(opt.clip_grad),
+                                       "sub": int(sub_group_id)})
+            return original(sub_group_id, total_norm, *rest, **kw)
+        return self._wrap_clipping(unscale_and_clip_grads)
 
     def clip_as_recorded(self, grad, args) -> None:
         # ZeRO-3 scales the .grad of its fp32 sub-group flat number ``sub``: let that be a
