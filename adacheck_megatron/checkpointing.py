@@ -21,6 +21,7 @@ layout that saved them (as Megatron-LM does); elsewhere a warning says they were
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+import megatron.core
 import torch
 
 import adacheck
@@ -131,7 +133,6 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             num_floating_point_operations_so_far=float(num_floating_point_operations_so_far),
             args=json_args(args), extra_state=extra_state or {}, distributed_optimizer=distopt,
             optimizer_never_stepped=never_stepped(optimizer) if optimizer is not None else [])
-        import megatron.core
         framework = {"name": "megatron", "megatron_core": megatron.core.__version__,
                      "torch": torch.__version__, "adacheck": adacheck.__version__,
                      "layout": {k: topo[k] for k in SIZES},
@@ -189,7 +190,6 @@ def save_converted(iteration: int, model, optimizer, opt_param_scheduler, out_di
     """``--adacheck-convert-save DIR``: the state just loaded (online deltas replayed) as one
     AdaCheck checkpoint in ``out_dir``, without online recording; refused when ``out_dir``
     already holds that iteration."""
-    import dataclasses
     refuse_existing_output(os.path.join(out_dir, f"iter_{int(iteration):07d}"))
     cfg = dataclasses.replace(config, save_dir=out_dir, async_save=False,
                               online=dataclasses.replace(config.online, enabled=False))

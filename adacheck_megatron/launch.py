@@ -172,7 +172,7 @@ def setup_hooks(model, optimizer, opt_param_scheduler, args) -> None:
     cfg = _config(args)
     if cfg.online.enabled and optimizer is not None:
         from . import online
-        on = online.active(optimizer)
+        on = online.online_of(optimizer)
         if on is None:   # (the load inside setup attaches first)
             on = online.attach(model, optimizer, opt_param_scheduler, args, cfg)
             on.extra_state = lambda: _extra_state(args, on.iteration, pending=int(args.global_batch_size))

@@ -33,7 +33,6 @@ import logging
 import math
 import weakref
 from collections import defaultdict
-from typing import Optional
 
 import torch
 
@@ -53,11 +52,6 @@ log = logging.getLogger("adacheck")
 # The online modes recording in this process, for the one clipping tap megatron-core's module
 # gets (_tap_clipping): it gives each the gradients of the tensors its tap knows.
 _RECORDING: "weakref.WeakSet[OnlineMegatron]" = weakref.WeakSet()
-
-
-def active(optimizer) -> Optional["OnlineMegatron"]:
-    """The online mode recording ``optimizer``'s steps (None: none)."""
-    return online_of(optimizer)
 
 
 def _replica_share(tap: OptimizerTap, optimizer, comm, spread=None) -> set:

@@ -67,7 +67,7 @@ def run_one(run, out):
         elif kind == "online":   # start the online mode (flags in argv), or stop it: ["online", false]
             from adacheck_megatron import online
             if rest and rest[0] is False:
-                online.active(optimizer).close()
+                online.online_of(optimizer).close()
             else:
                 online.attach(model, optimizer, scheduler, args, args.adacheck_config)
         elif kind == "online_legacy":   # start it recording as versions before per-kind gradient
