@@ -92,12 +92,12 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
     cfg = ds_config if ds_config is not None else saved.ds_config
     if not isinstance(cfg, dict):
         raise ConfigError(f"{ckpt_dir} does not hold the run's DeepSpeed config; pass it with --ds-config FILE")
-    missing = [name for name, _ in saved.parameters if f"model/{name}" not in m.tensors]
+    entries = {name: m.tensors.get(f"model/{name}") for name, _ in saved.parameters}
+    missing = [name for name, e in entries.items() if e is None]
     if missing:
         raise StateError(f"{ckpt_dir} does not hold the parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          "(saved with exclude_frozen_parameters?); a native checkpoint needs every parameter")
-    params = [(n, tuple(m.tensors[f"model/{n}"].shape), m.tensors[f"model/{n}"].dtype, trainable)
-              for n, trainable in saved.parameters]
+    params = [(n, tuple(entries[n].shape), entries[n].dtype, trainable) for n, trainable in saved.parameters]
     buffers = [(n, tuple(m.tensors[f"buffer/{n}"].shape), m.tensors[f"buffer/{n}"].dtype)
                for n in saved.buffers if f"buffer/{n}" in m.tensors]
     return ModelSpec(params, buffers, saved.groups, saved.optimizer, cfg,
