@@ -30,6 +30,16 @@ def untested(dist: str, found: Optional[str] = None) -> Optional[str]:
             f"{dist}=={TESTED[dist]}.*")
 
 
+def not_installed(error: ModuleNotFoundError, module: str, dist: str, extra: str) -> ImportError:
+    """The error to raise when importing an integration's framework failed: one that names the
+    extra to install when ``module`` itself is missing, else ``error`` as it was (a dependency
+    of the framework that is missing is the framework's problem)."""
+    if error.name != module:
+        return error
+    return ImportError(f"this AdaCheck integration needs {dist}, which is not installed: "
+                       f"pip install 'adacheck[{extra}]' (or install {dist} yourself)")
+
+
 def warn_if_untested(dist: str) -> None:
     text = untested(dist)
     if text is not None:

@@ -7,9 +7,12 @@ same for an engine built any other way.  Without the block DeepSpeed is unchange
 """
 from __future__ import annotations
 
-from deepspeed.runtime.engine import DeepSpeedEngine
+from adacheck.compat import not_installed, warn_if_untested
 
-from adacheck.compat import warn_if_untested
+try:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+except ModuleNotFoundError as e:
+    raise not_installed(e, "deepspeed", "deepspeed", "deepspeed") from None
 from adacheck.config import AdaCheckConfig
 
 from .engine import AdaCheckDeepSpeed, load_native, param_dict, save_native

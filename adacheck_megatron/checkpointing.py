@@ -29,8 +29,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-import megatron.core
 import torch
+
+from adacheck.compat import not_installed
+
+try:
+    import megatron.core
+except ModuleNotFoundError as e:
+    raise not_installed(e, "megatron", "megatron-core", "megatron") from None
 
 import adacheck
 from adacheck import checkpoint as core
