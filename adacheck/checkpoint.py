@@ -562,6 +562,25 @@ class Checkpointer:
             self._stores[protocol] = open_storage(path, self.options.storage_options or None)[0]
         return self._stores[protocol], storage_path(path)
 
+    def check_writable(self, comm: Comm, save_dir: str) -> None:
+        """Collectively, at start-up: every rank creates ``save_dir``, writes a small file into it
+        through its storage and removes it again, so that a directory the job cannot write is
+        found before training, not at the first save.  A ConfigError on every rank names each
+        rank that could not, and why; nothing else in ``save_dir`` is touched."""
+        store, path = self.locate(save_dir)
+        probe = store.join(path, f".adacheck-probe-{node_id()}-{os.getpid()}")
+
+        def run():
+            try:
+                store.make_dirs(path)
+                store.write_atomic(probe, b"AdaCheck checks that this directory is writable\n", fsync=False)
+                store.remove(probe)
+            except Exception as e:  # noqa: BLE001 - whatever the backend raises says why
+                raise ConfigError(f"the checkpoint directory {save_dir} is not writable from {node_id()}: "
+                                  f"{type(e).__name__}: {e}. Give adacheck.save_dir a directory this job "
+                                  "can create and write (or fix its permissions / credentials)") from e
+        agree(comm, f"the write check of {save_dir}", run)
+
     # ------------------------------------------------------------------ references
     def previous(self, save_dir: str, tag: str, store: Storage) -> Optional[str]:
         """The committed checkpoint a new save may reference (see Caches.trusted), or None."""

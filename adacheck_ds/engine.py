@@ -97,6 +97,8 @@ class AdaCheckDeepSpeed:
         lifecycle.register()      # writers closed and gloo settled when the script ends
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
         self.replay_until = None    # load replays committed deltas up to this step (None: all)
+        if config.save_dir:
+            self.checkpointer.check_writable(default_comm(), config.save_dir)   # (not hours later)
         self.online = OnlineDS(self) if config.online.enabled else None
         if self.online is not None or config.async_save or config.tiers.memory:
             # one hook on the engine's step and destroy: the online mode records each step, a

@@ -157,8 +157,8 @@ def test_config_block_validation_and_disabled_block(tmp_path):
     """A disabled block saves natively.  Config mistakes are ConfigErrors raised while the engine
     is being built, before any of DeepSpeed's engine code runs (no frame of
     deepspeed/runtime/engine.py in the traceback): an unknown key (with a suggestion), a value of
-    the wrong type, and top-level keys that look like a misspelt "adacheck" (DeepSpeed ignores
-    unknown keys, so the block would be silently lost)."""
+    the wrong type, top-level keys that look like a misspelt "adacheck" (DeepSpeed ignores
+    unknown keys, so the block would be silently lost), and a save_dir that cannot be written."""
     d = str(tmp_path)
     bad = [({"adacheck": {"enabled": True, "keep_lats": 2}}, "unknown key adacheck.'keep_lats'. Did you mean 'keep_last'?"),
            ({"adacheck": {"enabled": True, "keep_last": "2"}}, "adacheck.keep_last must be an integer, got '2'"),
@@ -169,7 +169,11 @@ def test_config_block_validation_and_disabled_block(tmp_path):
            ({"adacheck": {"enabled": True, "tiers": {"memory": "yes"}}}, "adacheck.tiers.memory must be true or false"),
            ({"adacheck": {"enabled": True, "tiers": {"peer": True}}}, "it needs tiers.memory true as well"),
            ({"adachek": {"enabled": True}}, "top-level key 'adachek'; did you mean \"adacheck\"?"),
-           ({"AdaCheck": {"enabled": True}}, "top-level key 'AdaCheck'; did you mean \"adacheck\"?")]
+           ({"AdaCheck": {"enabled": True}}, "top-level key 'AdaCheck'; did you mean \"adacheck\"?"),
+           # a save_dir no rank can create (its parent is a file): found here, not at the first save
+           ({"adacheck": {"enabled": True, "save_dir": d + "/a-file/ckpt"}},
+            f"the checkpoint directory {d}/a-file/ckpt is not writable from")]
+    open(d + "/a-file", "w").close()
     runs = [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": False},
              "actions": [["train", 1], ["save", d + "/native"]]}]
     runs += [{"stage": 1, "dtype": "fp32", "ds_extra": extra, "init_error": msg, "actions": []} for extra, msg in bad]
@@ -178,7 +182,8 @@ def test_config_block_validation_and_disabled_block(tmp_path):
     for r in (0, 1):
         res = results(d, r)[1:]
         for (_, msg), rec in zip(bad, res):
-            assert rec["errors"][0].startswith("ConfigError") and msg in rec["errors"][0], (msg, rec["errors"])
+            kind = rec["errors"][0].split(":")[0]     # (ConfigError, or DistributedConfigError from all ranks)
+            assert kind.endswith("ConfigError") and msg in rec["errors"][0], (msg, rec["errors"])
             assert rec["engine_code_ran"] is False, msg
 
 
