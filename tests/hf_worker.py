@@ -1,10 +1,15 @@
 """One rank of a Hugging Face Trainer run with DeepSpeed (CPU, gloo) and an ``adacheck`` block in
 the DeepSpeed config, as a user writes it: ``import adacheck_ds``, then ``TrainingArguments(
-deepspeed=config)``.  A tiny GPT-2 built from a config (no downloads), a synthetic dataset.
+deepspeed=config, use_cpu=True)``.  A tiny GPT-2 built from a config (no downloads), a synthetic
+dataset.  ``use_cpu=True`` is what makes the Trainer (through Accelerate) see the job's ranks on
+CPU: without it every rank believes it is the only process (world size 1) while DeepSpeed runs
+them all.
 
 spec = {"stage": 2, "adacheck": {...} | null, "output_dir": DIR, "max_steps": N, "save_steps": K,
         "resume": CHECKPOINT_DIR | null, "die_after": STEP | null}
-Rank 0 writes result.json: the loss the Trainer logged at each step ({step: loss}).
+Rank 0 writes result.json: {"losses": {step: the loss the Trainer logged}, and once training ends
+"ranks": [per rank, what the Trainer, Accelerate and torch.distributed say of the job and what
+engine trained (see facts())]}.
 """
 import json
 import logging
@@ -14,6 +19,7 @@ import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
+from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import adacheck_ds  # noqa: E402,F401  (the "adacheck" block is honoured from here on)
@@ -37,7 +43,7 @@ class Record(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:
             self.losses[state.global_step] = logs["loss"]
-            if args.process_index == 0:
+            if torch.distributed.get_rank() == 0:
                 with open(self.out, "w") as f:
                     json.dump({"losses": self.losses}, f)
 
@@ -63,12 +69,35 @@ def main():
                                                               "warmup_max_lr": "auto"}}}
     if spec.get("adacheck") is not None:
         ds["adacheck"] = spec["adacheck"]
+    # use_cpu=True: Accelerate's state, and so the Trainer's world size and data sharding, has
+    # the job's ranks on CPU; the Trainer's Accelerator still runs DeepSpeed
     args = TrainingArguments(output_dir=spec["output_dir"], per_device_train_batch_size=2, max_steps=spec["max_steps"],
                              save_steps=spec["save_steps"], logging_steps=1, learning_rate=3e-3, warmup_steps=2,
                              weight_decay=0.01, max_grad_norm=1.0, seed=0, data_seed=0, deepspeed=ds, report_to=[],
-                             dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[Record(spec, out)])
+                             dataloader_num_workers=0, disable_tqdm=True, use_cpu=True)
+    record = Record(spec, out)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[record])
     trainer.train(resume_from_checkpoint=spec.get("resume"))
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, facts(trainer))
+    if torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": record.losses, "ranks": ranks}, f)
+
+
+def facts(trainer) -> dict:
+    """What this rank's Trainer, its Accelerate state and torch.distributed say of the job, and
+    whether the model trained in a DeepSpeedEngine that AdaCheck is attached to."""
+    state, engine = trainer.accelerator.state, trainer.model_wrapped
+    return {"dist_world_size": torch.distributed.get_world_size(),
+            "dist_rank": torch.distributed.get_rank(),
+            "accelerate_num_processes": state.num_processes,
+            "accelerate_process_index": state.process_index,
+            "distributed_type": state.distributed_type.name,
+            "args_world_size": trainer.args.world_size,
+            "args_process_index": trainer.args.process_index,
+            "deepspeed_engine": isinstance(engine, DeepSpeedEngine),
+            "adacheck_attached": getattr(engine, "adacheck", None) is not None}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like torchrun; the
 whole group is killed when ``timeout`` passes or when one rank dies and the others do not
 follow within ``grace`` seconds.  The ranks of CPU jobs of the workers tests/prestarted.py names
-(DeepSpeed, megatron-core, Hugging Face Trainer, the synthetic 8- and 32-rank layouts) are forked
-from four servers that have imported torch and the framework once; ADACHECK_TEST_FRESH_RANKS=1
-starts every rank as a fresh interpreter.
+(DeepSpeed, megatron-core, Hugging Face Trainer and Accelerate, the synthetic 8- and 32-rank
+layouts) are forked from four servers that have imported torch and the framework once;
+ADACHECK_TEST_FRESH_RANKS=1 starts every rank as a fresh interpreter.
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ PRELOAD = {
     "megatron_worker.py": ["torch", "torch._dynamo", "pretrain_gpt"],      # (scripts/pretrain_gpt.py)
     "hf_worker.py": ["torch", "torch._dynamo", "deepspeed", "transformers.trainer",
                      "transformers.models.gpt2.modeling_gpt2", "adacheck_ds"],
+    "accelerate_worker.py": ["torch", "torch._dynamo", "deepspeed", "accelerate", "adacheck_ds"],
     "partition_worker.py": ["torch", "adacheck.checkpoint", "adacheck_megatron.state"],    # (8 ranks)
     "auto_worker.py": ["torch", "adacheck.checkpoint"],                                    # (32 ranks)
 }
