@@ -374,6 +374,11 @@ class Snapshot:
 UNKNOWN = object()
 
 
+def shown_dir(snap: Snapshot) -> str:
+    """The checkpoint's directory as the caller would name it (a URL for remote storage)."""
+    return f"{snap.given_dir.rstrip('/')}/{snap.tag}" if snap.given_dir else snap.ckpt_dir
+
+
 class PendingSave:
     """An asynchronous save whose persist runs in the background (:meth:`Checkpointer.save_async`)."""
 
@@ -387,6 +392,9 @@ class PendingSave:
         self.thread: Optional[threading.Thread] = None
         self.trusted: Optional[Dict[str, str]] = None
         self.manifest_before = None     # (what identified a manifest already there, or UNKNOWN)
+        self.rank = 0                   # this rank's number in the save's group
+        self.stall = 0.0                # seconds the save call held the caller
+        self.shown_dir = self.ckpt_dir  # the checkpoint's directory as the caller names it
 
     def done(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
@@ -457,6 +465,34 @@ class Written:
     total: int = 0
 
 
+def human(n: float) -> str:
+    """A byte count as people read it (B, KiB, MiB, GiB, TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def save_report(manifest: Manifest, ckpt_dir: str, stall: float, seconds: float, asynchronous: bool) -> dict:
+    """What one committed save cost, as ``Checkpointer.last_save`` and the log line give it:
+    ``stored_bytes`` written by this save (boxes unchanged since the checkpoint it references
+    are not), ``logical_bytes`` of the state it holds, ``held_bytes`` over all ranks' copies,
+    ``stall_s`` the caller waited, ``commit_s`` from the save call to its commit."""
+    st = manifest.stats
+    return {"tag": manifest.tag, "step": manifest.step, "dir": ckpt_dir, "async": asynchronous,
+            "stored_bytes": int(st.get("file_bytes", 0)), "logical_bytes": int(st.get("logical_bytes", 0)),
+            "held_bytes": int(st.get("held_bytes", 0)), "stall_s": round(stall, 4), "commit_s": round(seconds, 4)}
+
+
+def describe_save(r: dict) -> str:
+    """``save_report`` as one log line."""
+    return (f"AdaCheck: saved {r['tag']} (step {r['step']}) to {r['dir']}: {human(r['stored_bytes'])} "
+            f"written for {human(r['logical_bytes'])} of state ({human(r['held_bytes'])} held by all "
+            f"ranks), training stalled {r['stall_s']:.2f}s, committed "
+            f"{'in the background ' if r['async'] else ''}{r['commit_s']:.2f}s after the save call")
+
+
 class Checkpointer:
     """The checkpoints of one job: where they live (``store``), how they are saved and loaded
     (``options``), and what the job keeps between them (``caches``).
@@ -483,6 +519,8 @@ class Checkpointer:
         self.last_load: Optional[Tuple[Storage, str]] = None   # (storage, directory) the last load read from
         self.last_tier: Optional[str] = None      # and, with tiers, which one: "memory" or "durable"
         self.last_read: Optional[Dict[str, int]] = None   # manifest parts, rank files and data the last load read
+        self.last_save: Optional[dict] = None    # save_report of the last save that committed (reported)
+        self.on_saved: Optional[Callable[[dict], None]] = None   # called with it on every rank
 
     def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
@@ -539,9 +577,16 @@ class Checkpointer:
             memory = Checkpointer(LOCAL, Options(keep_last=None, fsync=False, reference_previous=False, copies=1,
                                                  exchange=o.exchange, chunk_bytes=o.chunk_bytes, verify=o.verify,
                                                  on_corrupt=o.on_corrupt, on_error=o.on_error, writer=o.writer))
+            memory.on_saved = self._saved_to_memory
             self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
                                      on_error=o.on_error)
         return self.tiered
+
+    def _saved_to_memory(self, report: dict) -> None:
+        """A save into the memory tier committed (its checkpointer logged it): this job's last save."""
+        self.last_save = report
+        if self.on_saved is not None:
+            self.on_saved(report)
 
     def where(self, path: str) -> Tuple[Storage, str]:
         """:meth:`locate` for a URL; a plain path is on this checkpointer's ``store`` whatever the options."""
@@ -606,7 +651,8 @@ class Checkpointer:
         checkpoint), or every ``persist_interval``-th (None).  ``min_generation``: the lowest
         generation its files may have (rank 0's counts)."""
         lifecycle.register()
-        if self.options.tiers is not None:
+        started = time.perf_counter()
+        if self.options.tiers is not None:      # (the memory tier's checkpointer reports it)
             manifest = self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False,
                                          persist=persist, recorder=recorder)
         else:
@@ -618,6 +664,8 @@ class Checkpointer:
             manifest = self.persist(comm, snap, update_latest)
             if recorder is not None:
                 _start_chain(recorder, snap.store, snap.save_dir, manifest)
+            seconds = time.perf_counter() - started
+            self._saved(comm.rank, save_report(manifest, shown_dir(snap), seconds, seconds, False))
         if manifest is not None:
             self.last_committed = manifest
         return manifest
@@ -634,6 +682,7 @@ class Checkpointer:
         if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
             return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True, persist=persist)
         _refuse_non_persistent(persist)
+        called = time.perf_counter()
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
         self.finish(waiting_for=tag)
         if self.options.writer == "process" and self._no_writer is None:
@@ -648,6 +697,7 @@ class Checkpointer:
             self._background = background_comm(comm)
         snap = replace(self.snapshot(comm, save_dir, tag, collect, staging=self.staging), min_generation=min_generation)
         pending = PendingSave(snap, update_latest)
+        pending.rank, pending.shown_dir = comm.rank, shown_dir(snap)
         background, writer, staging, options = self._background, self.writer, self.staging, self.options
         trusted = dict(self.caches.trusted)
 
@@ -671,6 +721,7 @@ class Checkpointer:
         pending.thread = threading.Thread(target=run, name=f"adacheck-persist-{tag}", daemon=True)
         self.pending = pending
         pending.thread.start()
+        pending.stall = time.perf_counter() - called
         return pending
 
     def poll(self) -> Optional[Manifest]:
@@ -702,11 +753,20 @@ class Checkpointer:
             return self._failed(pending)
         seconds = pending.finished - pending.started
         pending.manifest.stats["seconds"]["background"] = seconds
-        log.info("AdaCheck: %s committed in the background (%.2fs after the save call)", pending.ckpt_dir, seconds)
+        self._saved(pending.rank, save_report(pending.manifest, pending.shown_dir, pending.stall,
+                                              seconds + pending.stall, True))
         if pending.trusted is not None:      # (the writer process's references, now this job's)
             self.caches.trusted.update(pending.trusted)
         self.last_committed = pending.manifest
         return pending.manifest
+
+    def _saved(self, rank: int, report: dict) -> None:
+        """A save committed: kept as ``last_save``, logged by rank 0, given to ``on_saved``."""
+        self.last_save = report
+        if rank == 0:
+            log.info(describe_save(report))
+        if self.on_saved is not None:
+            self.on_saved(report)
 
     def _failed(self, pending: PendingSave) -> Optional[Manifest]:
         """An asynchronous save that failed: said as it is on storage.  Failed before its commit:

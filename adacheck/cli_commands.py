@@ -12,18 +12,10 @@ from typing import Optional
 import torch
 
 from . import commit, deltas
-from .checkpoint import CheckpointReader, resolve, verify_part
+from .checkpoint import CheckpointReader, human, resolve, verify_part
 from .errors import AdaCheckError, ConfigError, NothingToDo, NotFoundError
 from .manifest import referenced_files
 from .storage import LOCAL, Storage, open_storage
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"
 
 
 def table(rows, headers) -> str:

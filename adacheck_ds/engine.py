@@ -9,6 +9,7 @@ from typing import Optional
 import deepspeed
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import logger as ds_logger
 
 import adacheck
 from adacheck import checkpoint as core
@@ -94,6 +95,7 @@ class AdaCheckDeepSpeed:
         self.engine = engine
         self.config = config
         self.checkpointer = core.Checkpointer(options=core.Options.from_config(config))   # this engine's job
+        self.checkpointer.on_saved = self._said
         lifecycle.register()      # writers closed and gloo settled when the script ends
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
         self.replay_until = None    # load replays committed deltas up to this step (None: all)
@@ -130,6 +132,20 @@ class AdaCheckDeepSpeed:
             self.online.close()
         self.engine.step, self.engine.destroy = self._step, self._destroy
         return self._destroy(*args, **kwargs)
+
+    def _said(self, report: dict) -> None:
+        """A save committed: its line in DeepSpeed's log too (rank 0), unless the "adacheck"
+        logger already shows it."""
+        if self.engine.global_rank == 0 and not (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+            ds_logger.info(core.describe_save(report))
+
+    @property
+    def last_save(self) -> Optional[dict]:
+        """What the last committed save cost (an asynchronous one: once reported): ``tag``,
+        ``step``, ``dir``, ``async``, ``stored_bytes`` (written by it), ``logical_bytes`` (of the
+        state), ``held_bytes`` (all ranks' copies), ``stall_s`` (the training loop waited),
+        ``commit_s`` (from the call to its commit); None before the first."""
+        return self.checkpointer.last_save
 
     @property
     def last_manifest(self):

@@ -281,11 +281,14 @@ def act(engine, a, rec, out_dir, rank):
                                **(a[3] if len(a) > 3 else {}))
         if getattr(engine, "adacheck", None) is not None and engine.adacheck.last_manifest is not None:
             rec.setdefault("exchanges", []).append(engine.adacheck.last_manifest.stats["exchange"])
+        if getattr(engine, "adacheck", None) is not None:
+            rec.setdefault("last_save", []).append(engine.adacheck.last_save)
     elif op == "finish":   # wait for the asynchronous save in flight (and the online deltas submitted so far)
         if engine.adacheck.online is not None:
             engine.adacheck.online.flush()
         m = engine.adacheck.finish()
         rec.setdefault("finished", []).append(m.tag if m is not None else None)
+        rec.setdefault("last_save", []).append(engine.adacheck.last_save)
     elif op == "save_native":
         adacheck_ds.save_native(engine, a[1])
     elif op == "load":

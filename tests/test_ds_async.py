@@ -67,6 +67,14 @@ def test_async_saves_hold_the_state_at_the_call(tmp_path):
         assert len(res[r][1]["losses"]) == 3
         assert len(res[r][2]["errors"]) == 1 and "bad2" in res[r][2]["errors"][0]
     assert res[0][1]["latest"] == ["global_step1"]
+    # what the committed async save cost, on every rank once reported; a failed one replaces nothing
+    on_disk = sum(os.path.getsize(f"{bad}/global_step1/{f}") for f in os.listdir(f"{bad}/global_step1")
+                  if f.endswith(".safetensors"))
+    for r in (0, 1):
+        reports = res[r][1]["last_save"]      # (after: save, finish, save, finish that failed)
+        assert reports[0] is None and reports[1] == reports[2] == reports[3], reports
+        assert reports[1]["tag"] == "global_step1" and reports[1]["async"], reports
+        assert reports[1]["stored_bytes"] == on_disk and reports[1]["stall_s"] <= reports[1]["commit_s"], reports
     for r in (0, 1):
         died = res[r][5]
         assert died["finished"] == ["global_step1", None, "global_step3"], died

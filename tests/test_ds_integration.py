@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from adacheck.checkpoint import human
 from launch import check, kill_when_written, launch
 
 from adacheck.commit import read_manifest
@@ -311,12 +312,24 @@ def test_four_ranks_resume_and_load_back_into_two(tmp_path):
 
 def test_second_checkpoint_stores_only_what_changed(tmp_path):
     """ZeRO-0 on 4 ranks with a frozen layer: the second checkpoint references the frozen
-    weights and unchanged buffers in the first instead of writing them again, and loads."""
+    weights and unchanged buffers in the first instead of writing them again, and loads.
+    Each save says what it wrote: one log line on rank 0, and ``engine.adacheck.last_save`` on
+    every rank, whose stored bytes are the sizes of the files the save left (the filesystem's)."""
     d = str(tmp_path)
     c = dict(stage=0, dtype="fp32", frozen=["inp.", "norm."], hidden=64, adacheck={"enabled": True})
-    check(launch(4, {"runs": [dict(c, actions=[["train", 2], ["save", f"{d}/ck", "a"], ["train", 2],
-                                               ["save", f"{d}/ck", "b"], ["dump", "B"]]),
-                              dict(c, seed=3, actions=[["load", f"{d}/ck"], ["dump", "L"]])]}, d))
+    out = check(launch(4, {"runs": [dict(c, actions=[["train", 2], ["save", f"{d}/ck", "a"], ["train", 2],
+                                                     ["save", f"{d}/ck", "b"], ["dump", "B"]]),
+                                    dict(c, seed=3, actions=[["load", f"{d}/ck"], ["dump", "L"]])]}, d))
+    for tag in ("a", "b"):
+        on_disk = sum(os.path.getsize(f"{d}/ck/{tag}/{f}") for f in os.listdir(f"{d}/ck/{tag}")
+                      if f.endswith(".safetensors"))
+        for r in range(4):
+            report = results(d, r)[0]["last_save"][("a", "b").index(tag)]
+            assert report["tag"] == tag and report["dir"] == f"{d}/ck/{tag}" and not report["async"], report
+            assert report["stored_bytes"] == on_disk, (report, on_disk)
+            assert report["logical_bytes"] > 0 and report["held_bytes"] >= report["logical_bytes"], report
+        line = f"AdaCheck: saved {tag} (step {2 if tag == 'a' else 4}) to {d}/ck/{tag}: {human(on_disk)} written"
+        assert out[0][1].count(line) == 1 and not any(line in text for _, text in out[1:]), line
     a = json.load(open(f"{d}/ck/a/manifest.json"))
     b = json.load(open(f"{d}/ck/b/manifest.json"))
     frozen = [n for n in b["tensors"] if n.startswith(("model/inp.", "model/norm.", "buffer/"))]

@@ -67,6 +67,11 @@ def test_jobs_that_end_without_destroy_exit_cleanly_and_keep_their_last_step(tmp
         p = torchrun(mode, ckpt, until, {"online": log, "plain": plain_log, "async": async_log,
                                          "async_thread": async_log}[mode])
         assert p.returncode == 0, f"job {i} ({mode}) exited with {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        if mode != "online":
+            # the script configures no logging, and DeepSpeed's log_level "info": the save's line is
+            # in DeepSpeed's log, once (rank 0), for an async save too, which the exit hook commits
+            said = f"AdaCheck: saved global_step{until} (step {until}) to {ckpt}/global_step{until}: "
+            assert (p.stdout + p.stderr).count(said) == 1, (said, p.stdout[-2000:], p.stderr[-2000:])
         if mode == "online" and i > 0:
             # the step the previous job ended at was committed when it exited, and recovered now
             assert f"(steps 2-{until - 1})" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]

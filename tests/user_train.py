@@ -35,7 +35,8 @@ def main():
                                 torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(64, 4))
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-           "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
+           "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+           "log_level": "info"}     # (DeepSpeed's logger shows its INFO lines, AdaCheck's save line among them)
     asynchronous = a.mode.startswith("async")
     if a.mode != "native":
         cfg["adacheck"] = {"enabled": True, "save_dir": a.ckpt, "async": asynchronous,
