@@ -521,6 +521,7 @@ class Checkpointer:
         self.last_read: Optional[Dict[str, int]] = None   # manifest parts, rank files and data the last load read
         self.last_save: Optional[dict] = None    # save_report of the last save that committed (reported)
         self.on_saved: Optional[Callable[[dict], None]] = None   # called with it on every rank
+        self.explains = True     # a README in the directories it saves to (not in the memory tier's)
 
     def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
@@ -577,7 +578,7 @@ class Checkpointer:
             memory = Checkpointer(LOCAL, Options(keep_last=None, fsync=False, reference_previous=False, copies=1,
                                                  exchange=o.exchange, chunk_bytes=o.chunk_bytes, verify=o.verify,
                                                  on_corrupt=o.on_corrupt, on_error=o.on_error, writer=o.writer))
-            memory.on_saved = self._saved_to_memory
+            memory.on_saved, memory.explains = self._saved_to_memory, False
             self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
                                      on_error=o.on_error)
         return self.tiered
@@ -1131,6 +1132,8 @@ class Checkpointer:
             if leads:
                 if update_latest:
                     commit.write_latest(save_dir, prepared.tag, store)
+                if self.explains:
+                    commit.leave_readme(save_dir, store)
                 if keep_last:
                     latest = commit.read_latest(save_dir, store)
                     commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
@@ -1315,10 +1318,12 @@ def _committed_tags(load_dir: str, store: Storage = LOCAL) -> List[str]:
     return [t for _, _, t in sorted(found, reverse=True)]
 
 
-def verify_part(reader: "CheckpointReader", part: int = 0, parts: int = 1) -> int:
+def verify_part(reader: "CheckpointReader", part: int = 0, parts: int = 1,
+                progress: Optional[Callable[[int], None]] = None) -> int:
     """Read and verify every stored box of the checkpoint's files that fall to ``part`` of
     ``parts`` (files in sorted order, every ``parts``-th), so ``parts`` ranks check a whole
-    checkpoint once between them.  Raises on the first damage; returns the bytes checked."""
+    checkpoint once between them.  Raises on the first damage; returns the bytes checked.
+    ``progress(bytes)``: the bytes checked so far, after each box."""
     by_file: Dict[str, list] = {}
     for name, e in reader.manifest.tensors.items():
         for sb in e.boxes:
@@ -1330,6 +1335,8 @@ def verify_part(reader: "CheckpointReader", part: int = 0, parts: int = 1) -> in
         for name, sb in by_file[fname]:
             t = reader.stored(name, sb)
             checked += t.numel() * t.element_size()
+            if progress is not None:
+                progress(checked)
         reader.drop_cache()
     if reader.verify:     # derived tensors: each recorded box derived and checked (spread likewise)
         derived = [(name, e, b, h) for name, e in sorted(reader.manifest.tensors.items()) if e.derived is not None

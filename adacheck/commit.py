@@ -178,6 +178,35 @@ def write_latest(save_dir: str, tag: str, store: Storage = LOCAL) -> None:
     atomic_write_text(store.join(save_dir, LATEST), check_tag(tag) + "\n", store=store)
 
 
+README = "README"
+README_TEXT = """This directory holds AdaCheck checkpoints: each <tag>/ holds one, as manifest.json
+(written last) and safetensors files; 'latest' names the newest that was committed.
+
+DeepSpeed and Megatron do not read this format on their own. DeepSpeed's load_checkpoint
+fails here with a bare AssertionError (in state_dict_factory: assert len(self.ckpt_list) > 0)
+when the script does not import adacheck_ds. To load it:
+  DeepSpeed: import adacheck_ds before deepspeed.initialize, with
+             "adacheck": {"enabled": true} in the DeepSpeed config; then
+             engine.load_checkpoint(<this directory>) as before.
+  Megatron:  --adacheck --load <this directory> (or --adacheck-dir).
+To get native files instead:
+  adacheck convert <this directory> OUT --to deepspeed            (or --to deepspeed-universal)
+  adacheck convert <this directory> OUT --to torch-dist           (megatron-core)
+  adacheck convert <this directory> OUT                           (model.safetensors weights)
+See what is here: adacheck ls <this directory>; adacheck inspect <this directory>.
+Delete checkpoints with keep_last or adacheck prune, not by hand: later ones may read
+files of earlier ones.
+"""
+
+
+def leave_readme(save_dir: str, store: Storage = LOCAL) -> None:
+    """A README in ``save_dir`` (once) that tells a person or a stock loader's user what the
+    directory holds and how to load or convert it."""
+    path = store.join(save_dir, README)
+    if not store.exists(path):
+        store.write_atomic(path, README_TEXT.encode("utf-8"), fsync=False)
+
+
 def _is_shard_or_manifest(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
 

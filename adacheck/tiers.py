@@ -926,6 +926,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
         dst_store.remove(dst_store.join(dst, _marker(r)))
     if update_latest:
         commit.write_latest(dst_dir, tag, dst_store)
+    commit.leave_readme(dst_dir, dst_store)
     retired = []
     if keep_last:
         latest = commit.read_latest(dst_dir, dst_store)

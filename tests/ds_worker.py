@@ -351,6 +351,7 @@ def act(engine, a, rec, out_dir, rank):
             act(engine, a[2:], rec, out_dir, rank)
         except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
             rec["errors"].append(f"{type(e).__name__}: {e}")
+            rec.setdefault("error_lines", []).append(traceback.extract_tb(e.__traceback__)[-1].line)
             if a[1] not in str(e):
                 raise
         else:

@@ -199,13 +199,22 @@ def test_switching_a_native_run_to_adacheck(tmp_path):
             {"stage": 2, "dtype": "bf16", "seed": 7, "adacheck": {"enabled": True},
              "actions": [["load", ck], ["train", 2], ["save", ck]]},
             {"stage": 2, "dtype": "bf16", "seed": 7, "adacheck": {"enabled": True},
-             "actions": [["load", ck], ["train", 2]]}]
+             "actions": [["load", ck], ["train", 2]]},
+            # and a script that forgot adacheck_ds (its block ignored): DeepSpeed's own load fails
+            {"stage": 2, "dtype": "bf16", "adacheck": {"enabled": False},
+             "actions": [["expect_error", "", "load", ck]]}]
     check(launch(2, {"runs": runs}, str(tmp_path)))
-    whole, _, switched, resumed = results(str(tmp_path))
+    whole, _, switched, resumed, forgot = results(str(tmp_path))
     assert switched["losses"] == whole["losses"][3:5]
     assert resumed["losses"] == whole["losses"][5:7]
     assert os.path.exists(os.path.join(ck, "global_step5", "manifest.json"))
     assert not os.path.exists(os.path.join(ck, "global_step3", "manifest.json"))
+    # DeepSpeed's error says nothing of AdaCheck; the README AdaCheck left in the directory names the
+    # line that failed and what to do
+    assert forgot["errors"][0].startswith("AssertionError"), forgot
+    readme = open(os.path.join(ck, "README")).read()
+    assert forgot["error_lines"][0] in readme and "import adacheck_ds" in readme, (forgot, readme)
+    assert "adacheck convert" in readme
 
 
 def test_retention_keeps_last_k(tmp_path):

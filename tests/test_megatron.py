@@ -331,7 +331,7 @@ def test_pretrain_script_flags_end_to_end(tmp_path, monkeypatch):
     assert "exiting at iteration 3" in first
     with open(tmp_path / "b" / "latest") as f:
         assert f.read().strip() == "iter_0000003"        # (persisted at the clean exit)
-    assert sorted(os.listdir(tmp_path / "b")) == ["iter_0000002", "iter_0000003", "latest"]
+    assert sorted(os.listdir(tmp_path / "b")) == ["README", "iter_0000002", "iter_0000003", "latest"]
     assert not os.listdir(tmp_path / "shm")               # (the job's memory files went at its exit)
     second = run(2, SCRIPT + ["--adacheck", "--adacheck-dir", str(tmp_path / "b")] + tiers)
     assert "loaded AdaCheck checkpoint iteration 3" in second

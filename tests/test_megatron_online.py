@@ -77,7 +77,7 @@ def test_recovery_replays_deltas_bit_exactly(tmp_path):
     for i, name in enumerate(LAYOUTS):
         _check_resumed(d, name, i)
         ck = f"{d}/ck-{name}"
-        assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000004", "iter_0000007", "latest"], name
+        assert sorted(os.listdir(ck)) == ["README", "iter_0000001", "iter_0000004", "iter_0000007", "latest"], name
         parts = [f for f in os.listdir(f"{ck}/iter_0000004") if f.startswith("manifest-g")]
         assert bool(parts) == (name == "dp2-distopt-bf16"), (name, parts)
 
@@ -165,7 +165,7 @@ def test_training_script_materialises_deltas_offline(tmp_path):
     check(launch(2, {"runs": [{"argv": on, "actions": [["online"], ["train", 7], ["dump", "A7"], ["train", 1],
                                                         ["dump", "A8"], ["online", False]]}]}, d,
                  script="megatron_worker.py"))
-    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000006", "latest"]
+    assert sorted(os.listdir(ck)) == ["README", "iter_0000001", "iter_0000006", "latest"]
     script = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
               str(free_port()), os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *BASE, *flags, "--adacheck",
               "--load", ck]
@@ -179,9 +179,9 @@ def test_training_script_materialises_deltas_offline(tmp_path):
     assert "converted checkpoint iteration 8" in run("--adacheck-convert-save", f"{d}/out8")
     assert "converted checkpoint iteration 7" in run("--ckpt-step", "7", "--ckpt-convert-format", "torch_dist",
                                                       "--ckpt-convert-save", f"{d}/nat")
-    assert sorted(os.listdir(f"{d}/out8")) == ["iter_0000008", "latest"]
+    assert sorted(os.listdir(f"{d}/out8")) == ["README", "iter_0000008", "latest"]
     assert not os.path.exists(f"{d}/out8/iter_0000008/deltas")        # one state, no chain
-    assert sorted(os.listdir(ck)) == ["iter_0000001", "iter_0000006", "latest"]   # the source is untouched
+    assert sorted(os.listdir(ck)) == ["README", "iter_0000001", "iter_0000006", "latest"]   # the source is untouched
     bad = subprocess.run([*script, "--ckpt-step", "9", "--adacheck-convert-save", f"{d}/out9"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert bad.returncode != 0 and "step 9" in bad.stdout + bad.stderr and not os.path.exists(f"{d}/out9")
