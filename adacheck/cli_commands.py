@@ -254,9 +254,7 @@ def cmd_verify(args) -> int:
              for name, e in sorted(r.manifest.tensors.items()) if e.derived is not None for box, h in e.derived.boxes]
     total = sum(box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1) for name, box, _, _ in work)
     done, bad = 0, {}       # file (None: derived) -> {tensor: [messages]}
-    # (a one-line bar of its own, not tqdm: verify is a core command, which runs with torch,
-    # safetensors, xxhash and numpy alone; convert's bars are tqdm's, which DeepSpeed brings)
-    show = sys.stderr.isatty() and not args.quiet and not args.json
+    bar = LineBar("verify", total, show=not args.quiet and not args.json)
     for i, (name, box, fname, check) in enumerate(work):
         try:
             check()
@@ -264,12 +262,8 @@ def cmd_verify(args) -> int:
             bad.setdefault(fname, {}).setdefault(name, []).append(str(e))
         r.drop_cache()
         done += box.numel * r.entry(name).nbytes // max(r.entry(name).numel, 1)
-        if show:
-            frac = done / total if total else 1.0
-            bar = "#" * int(30 * frac)
-            sys.stderr.write(f"\rverify [{bar:<30}] {100 * frac:5.1f}% {human(done)}/{human(total)}")
-    if show:
-        sys.stderr.write("\n")
+        bar(done)
+    bar.close()
     nbad = sum(len(m) for t in bad.values() for m in t.values())
     if args.json:
         print(json.dumps({"dir": d, "ok": not bad, "boxes": len(work), "verified": len(work) - nbad, "bytes": total,
@@ -291,6 +285,28 @@ def cmd_verify(args) -> int:
 
 
 MAX_LISTED = 10
+
+
+class LineBar:
+    """A one-line progress bar of bytes on stderr, drawn on a terminal only (ADACHECK_PROGRESS=1:
+    anywhere, 0: nowhere).  Its own, not tqdm's: the core commands run with torch, safetensors,
+    xxhash and numpy alone (convert's bars are tqdm's, which DeepSpeed brings)."""
+
+    def __init__(self, what: str, total: int, show: bool = True):
+        self.what, self.total = what, total
+        wanted = os.environ.get("ADACHECK_PROGRESS", "1" if sys.stderr.isatty() else "0") == "1"
+        self.show, self.drawn = show and wanted, False
+
+    def __call__(self, done: int) -> None:
+        if self.show:
+            frac = min(done / self.total, 1.0) if self.total else 1.0
+            sys.stderr.write(f"\r{self.what} [{'#' * int(30 * frac):<30}] {100 * frac:5.1f}% "
+                             f"{human(done)}/{human(self.total)}")
+            self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
 
 
 def files_problem(store: Storage, save_dir: str, tag: str, m) -> Optional[str]:
@@ -330,11 +346,15 @@ def cmd_ls(args) -> int:
             state, note = "unverified", f"reads from {', '.join(refs)}" if refs else ""
             damage = files_problem(store, path, tag, m)
             if damage is None and args.verify:
+                boxed = sum(sb.box.numel * e.nbytes // max(e.numel, 1) for e in m.tensors.values() for sb in e.boxes)
+                bar = LineBar(f"verify {tag}", boxed, show=not args.json)
                 try:
-                    verify_part(CheckpointReader(store.join(path, tag), manifest=m, store=store))
+                    verify_part(CheckpointReader(store.join(path, tag), manifest=m, store=store), progress=bar)
                     state = "verified"
                 except AdaCheckError as e:
                     damage = str(e).splitlines()[0]
+                finally:
+                    bar.close()
             if damage is not None:
                 state, note = "damaged", damage
         elif users.get(tag):
@@ -617,7 +637,7 @@ def _note_base_only(d: str, store: Storage, conv) -> None:
 
 class _ProgressBars:
     """``progress(done, total)`` for a conversion: bytes for ``--to weights``, else the phases of
-    each run of ranks; a new bar when the total changes.  Shown on a terminal
+    each run of ranks (from the moment they start); a new bar when the total changes.  Shown on a terminal
     (ADACHECK_PROGRESS=1 shows it anywhere, 0 nowhere), never with ``--json``."""
 
     def __init__(self, args):
@@ -626,6 +646,7 @@ class _ProgressBars:
         self.bars = []
 
     def __call__(self, done, total) -> None:
+        """``total`` None: ranks are starting (they import the framework and build an engine)."""
         if not self.show:
             return
         try:
@@ -635,7 +656,8 @@ class _ProgressBars:
         if not self.bars or self.bars[-1].total != total or done < self.bars[-1].n:
             if self.bars:
                 self.bars[-1].close()
-            self.bars.append(tqdm(total=total, desc="convert", file=sys.stderr, unit="B" if self.bytes else " phases",
+            desc = "convert: starting ranks" if total is None else "convert"
+            self.bars.append(tqdm(total=total, desc=desc, file=sys.stderr, unit="B" if self.bytes else " phases",
                                   unit_scale=self.bytes, dynamic_ncols=True))
         self.bars[-1].update(done - self.bars[-1].n)
 

@@ -49,7 +49,8 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
     rank fails, the others get ``grace`` seconds (they may be waiting on it) before they are
     killed; the error names the rank that failed first and its last error line, and keeps every
     rank's log.  ``env``: added to this process's environment.  ``progress(done, total)``: called
-    with each :func:`phase` rank 0 reports, as it reports it."""
+    with each :func:`phase` rank 0 reports, as it reports it, and with the last one again while
+    none is new (``(0, None)`` while the ranks start, before rank 0 reports one)."""
     port = free_port()
     logs_dir = tempfile.mkdtemp(prefix=f"adacheck-{what}-logs-")
     base = dict(os.environ, **(env or {}))
@@ -63,9 +64,10 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
         logs.append(log)
     first_exit, first_failed = None, None
     seen = 0        # (bytes of rank 0's log read for its phases)
+    last = (0, None)    # the phase reported last; None: the ranks are starting (no total yet)
 
     def report():
-        nonlocal seen
+        nonlocal seen, last
         if progress is None:
             return
         with open(os.path.join(logs_dir, "rank0.log"), "rb") as f:
@@ -73,8 +75,11 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
             data = f.read()
         complete = data[:data.rfind(b"\n") + 1]     # (whole lines only)
         seen += len(complete)
-        for done, total in _phases(complete.decode("utf-8", errors="replace")):
-            progress(done, total)
+        phases = list(_phases(complete.decode("utf-8", errors="replace")))
+        for last in phases:
+            progress(*last)
+        if not phases:
+            progress(*last)     # (again: a bar that shows the time passing while a phase runs)
 
     while any(p.poll() is None for p in procs):
         report()

@@ -141,6 +141,22 @@ def test_ls_and_verify_name_the_damage_once(ckpt, tmp_path, capsys):
     assert main(["verify", ckpt, "--json"]) == 0 and json.loads(capsys.readouterr().out)["ok"]
 
 
+def test_ls_verify_and_verify_show_progress_in_bytes(ckpt, capsys, monkeypatch):
+    """A long verification is not silent: ``ls --verify`` and ``verify`` draw a bar of the bytes
+    checked (on a terminal; ADACHECK_PROGRESS=1 anywhere) that ends at every byte of the tensors
+    the checkpoint was given; --json draws none."""
+    from adacheck.checkpoint import human
+    everything = sum(4 * a * b for a, b in SHAPES.values())     # (fp32 tensors of these shapes)
+    monkeypatch.setenv("ADACHECK_PROGRESS", "1")
+    for argv, what in ((["ls", ckpt, "--verify"], "verify s1"), (["verify", ckpt], "verify")):
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        last = err.rstrip("\n").split("\r")[-1]
+        assert last.startswith(f"{what} [") and last.endswith(f"100.0% {human(everything)}/{human(everything)}"), err[-300:]
+        assert err.count("\r") > 1, err[-300:]      # (drawn as it goes, not once at the end)
+    assert main(["ls", ckpt, "--verify", "--json"]) == 0 and capsys.readouterr().err == ""
+
+
 def test_ls_tells_an_interrupted_save_from_a_damaged_one(ckpt, tmp_path, capsys):
     """A checkpoint without a manifest (an interrupted save) is INCOMPLETE; one whose manifest
     cannot be read, or that misses a shard file, is damaged (exit 1); each note is the whole
