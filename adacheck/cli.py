@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "most SIZE (5GB = 5*10^9 bytes, as Hugging Face counts; 5GiB = 5*2^30) with a "
                    "model.safetensors.index.json")
     s.add_argument("--overwrite", action="store_true", help="--to weights: replace existing output files")
+    s.add_argument("--config", metavar="PATH", help="--to weights: the model's config.json (or a directory "
+                   "holding one) to write beside the weights, so that from_pretrained(OUT) loads them; default: "
+                   "the config.json in SRC or beside the checkpoint (a Hugging Face Trainer's checkpoint-N has it)")
     s.add_argument("--no-verify", action="store_true", help="do not check hashes while reading")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(fn="convert")

@@ -582,9 +582,11 @@ def cmd_convert(args, rest) -> int:
         return 0
     if rest:
         raise ConfigError(f"options {rest} are not options of --to weights (see adacheck convert --help)")
+    extra = model_config(args, store, d)
     try:
         res = export_weights(d, args.out, dtype=args.dtype or "model", max_shard_bytes=args.max_shard_size,
-                             overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store)
+                             overwrite=args.overwrite, verify=not args.no_verify, progress=progress, source=store,
+                             extra_files=extra)
     finally:
         progress.close()
     if args.json:
@@ -592,7 +594,34 @@ def cmd_convert(args, rest) -> int:
     else:
         print(f"wrote {res['tensors']} tensors ({human(res['bytes'])}, dtype {res['dtype']}) from {d} to "
               f"{os.path.abspath(args.out)}: {', '.join(res['files'])}")
+        if "config.json" not in res["files"]:
+            print("note: no config.json was found in the source or beside the checkpoint; from_pretrained needs "
+                  "one: pass --config PATH (the model's config.json)")
     return 0
+
+
+CONFIG_FILES = ("config.json", "generation_config.json")   # what from_pretrained reads beside the weights
+
+
+def model_config(args, store: Storage, ckpt_dir: str) -> dict:
+    """The Hugging Face config files to write beside exported weights (name -> bytes): from
+    ``--config`` (a config.json, or a directory holding one: an error if there is none), else
+    from SRC or the directory holding the checkpoint, where there is one (else none)."""
+    if args.config:
+        path = os.path.join(args.config, "config.json") if os.path.isdir(args.config) else args.config
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {args.config}: no such file{' in it: config.json' if path != args.config else ''};"
+                              " give the model's config.json or the directory that holds it")
+        found = {"config.json": LOCAL.read_bytes(path)}
+        extra = os.path.join(os.path.dirname(path), "generation_config.json")
+        if os.path.isfile(extra):
+            found["generation_config.json"] = LOCAL.read_bytes(extra)
+        return found
+    source_store, src = located(args, args.src)
+    for where, s in ((src, source_store), (store.parent(ckpt_dir), store)):
+        if s.is_file(s.join(where, "config.json")):
+            return {name: s.read_bytes(s.join(where, name)) for name in CONFIG_FILES if s.is_file(s.join(where, name))}
+    return {}
 
 
 def _check_convert_args(args) -> None:
@@ -604,7 +633,8 @@ def _check_convert_args(args) -> None:
         raise ConfigError(f"--from {args.from_} converts into AdaCheck: use --to adacheck (or leave --to out)")
     if args.to != "weights":
         given = [flag for flag, v in (("--dtype", args.dtype), ("--max-shard-size", args.max_shard_size),
-                                      ("--overwrite", args.overwrite)) if v not in (None, False)]
+                                      ("--overwrite", args.overwrite), ("--config", args.config))
+                 if v not in (None, False)]
         if given:
             raise ConfigError(f"{', '.join(given)} apply to --to weights only, not to "
                               f"{'--from ' + args.from_ if args.from_ != 'adacheck' else '--to ' + args.to}: "

@@ -173,9 +173,13 @@ def weight_sources(r: CheckpointReader, dtype: str) -> Dict[str, tuple]:
 
 def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_bytes: Optional[int] = None,
                    overwrite: bool = False, verify: bool = True,
-                   progress: Optional[Callable[[int, int], None]] = None, source: Storage = LOCAL) -> dict:
+                   progress: Optional[Callable[[int, int], None]] = None, source: Storage = LOCAL,
+                   extra_files: Optional[Dict[str, bytes]] = None) -> dict:
     """Full model weights of checkpoint ``ckpt_dir`` (on ``source``) as safetensors files in the local
-    ``out_dir``."""
+    ``out_dir``, with ``extra_files`` (name -> bytes, e.g. the model's config.json) beside them;
+    every file is committed only once all are written, and none replaces an existing one unless
+    ``overwrite``."""
+    extra_files = dict(extra_files or {})
     r = CheckpointReader(ckpt_dir, verify=verify, cache_bytes=256 << 20, store=source)
     sources = weight_sources(r, dtype)
     sizes = {k: r.entry(src).numel * torch.empty((), dtype=dt).element_size() for k, (src, dt) in sources.items()}
@@ -186,7 +190,7 @@ def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_
         shards[-1].append(key)
     n = len(shards)
     names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    targets = names + ([INDEX_NAME] if n > 1 else [])
+    targets = names + ([INDEX_NAME] if n > 1 else []) + sorted(extra_files)
     store = LOCAL
     store.make_dirs(out_dir)
     clash = [t for t in targets if store.exists(store.join(out_dir, t))]
@@ -215,6 +219,9 @@ def export_weights(ckpt_dir: str, out_dir: str, dtype: str = "model", max_shard_
                      "weight_map": {k: fname for fname, keys in zip(names, shards) for k in keys}}
             writers.append(store.open_writer(store.join(out_dir, INDEX_NAME)))
             writers[-1].write(json.dumps(index, indent=1, sort_keys=True).encode("utf-8"))
+        for fname in sorted(extra_files):
+            writers.append(store.open_writer(store.join(out_dir, fname)))
+            writers[-1].write(extra_files[fname])
         for w in writers:
             w.commit()
     except BaseException:

@@ -38,6 +38,9 @@ def ckpt(tmp_path_factory):
     (["prune", "{ck}/latest", "--keep-last", "1"], "is a file"),
     (["inspect", "{ck}/s1/manifest.json"], "is a file"),
     (["verify", "{ck}/s1/manifest.json"], "is a file"),
+    (["convert", "{ck}", "{missing}", "--config", "{missing}/config.json"], "--config"),
+    (["convert", "{ck}", "{missing}", "--config", "{ck}"], "no such file in it: config.json"),
+    (["convert", "{ck}", "{missing}", "--to", "deepspeed", "--config", "{ck}"], "apply to --to weights only"),
 ])
 def test_a_missing_directory_or_a_file_is_a_clean_error(ckpt, tmp_path, capsys, argv, says):
     argv = [a.format(ck=ckpt, missing=str(tmp_path / "nowhere")) for a in argv]

@@ -16,6 +16,10 @@ import os
 
 import pytest
 
+import torch
+from transformers import GPT2LMHeadModel
+
+from adacheck.cli import main as cli
 from launch import check, launch
 
 pytestmark = pytest.mark.timeout(900)
@@ -60,6 +64,17 @@ def test_trainer_saves_adacheck_checkpoints_and_resumes_exactly(tmp_path, stage)
     assert sorted(resumed) == [4, 5, 6] and all(resumed[s] == full[s] for s in (4, 5, 6)), (full, resumed)
     if stage != 2:
         return
+    # the weights as Hugging Face loads them, with no file copied by hand: `adacheck convert` of the
+    # Trainer's checkpoint writes its config.json too; the oracle is the model the Trainer itself
+    # saved into checkpoint-3 (model.safetensors, gathered from the ZeRO-2 engine)
+    assert cli(["convert", ckpt, f"{d}/hf"]) == 0
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(f"{d}/hf")), os.listdir(f"{d}/hf")
+    ours, trainers = (GPT2LMHeadModel.from_pretrained(p) for p in (f"{d}/hf", ckpt))
+    assert ours.state_dict().keys() == trainers.state_dict().keys()
+    for k, v in trainers.state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v), k
+    ids = torch.arange(12).reshape(2, 6)
+    assert torch.equal(ours(ids).logits, trainers(ids).logits)
     # online deltas under the Trainer (they need adacheck.save_dir: the Trainer's checkpoint-N then
     # holds a pointer to it).  Killed after step 5, the job resumes from checkpoint-3 as the Trainer
     # asks: step 3 exactly, though deltas for steps 4 and 5 were committed (the Trainer replays those
