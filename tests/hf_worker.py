@@ -36,11 +36,26 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+class AdaCheckLogs(TrainerCallback):
+    """docs/deepspeed.md's callback: each AdaCheck save's numbers in the Trainer's logs."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        ac = getattr(self.trainer.model_wrapped, "adacheck", None)
+        if ac is not None and ac.last_save is not None:
+            self.trainer.log({f"adacheck/{k}": v for k, v in ac.last_save.items()
+                              if isinstance(v, (int, float)) and not isinstance(v, bool)})
+
+
 class Record(TrainerCallback):
     def __init__(self, spec, out):
-        self.spec, self.out, self.losses = spec, out, {}
+        self.spec, self.out, self.losses, self.saves = spec, out, {}, {}
 
     def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "adacheck/stored_bytes" in logs:
+            self.saves[state.global_step] = {k: v for k, v in logs.items() if k.startswith("adacheck/")}
         if logs and "loss" in logs:
             self.losses[state.global_step] = logs["loss"]
             if torch.distributed.get_rank() == 0:
@@ -77,12 +92,13 @@ def main():
                              dataloader_num_workers=0, disable_tqdm=True, use_cpu=True)
     record = Record(spec, out)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[record])
+    trainer.add_callback(AdaCheckLogs(trainer))
     trainer.train(resume_from_checkpoint=spec.get("resume"))
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, facts(trainer))
     if torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"losses": record.losses, "ranks": ranks}, f)
+            json.dump({"losses": record.losses, "ranks": ranks, "saves": record.saves}, f)
 
 
 def facts(trainer) -> dict:

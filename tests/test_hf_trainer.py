@@ -58,6 +58,13 @@ def test_trainer_saves_adacheck_checkpoints_and_resumes_exactly(tmp_path, stage)
     # the Trainer's checkpoint holds an AdaCheck checkpoint where DeepSpeed's would be, and no native files
     assert os.path.isfile(f"{ckpt}/global_step3/manifest.json"), os.listdir(ckpt)
     assert not [f for f in os.listdir(f"{ckpt}/global_step3") if f.endswith(".pt")]
+    # each save's numbers reach the Trainer's logs (the callback docs/deepspeed.md shows); the bytes
+    # it wrote are the sizes of the files it left
+    saves = json.load(open(f"{d}/a/result.json"))["saves"]
+    assert sorted(saves) == ["3", "6"], saves
+    on_disk = sum(os.path.getsize(f"{ckpt}/global_step3/{f}") for f in os.listdir(f"{ckpt}/global_step3")
+                  if f.endswith(".safetensors"))
+    assert saves["3"]["adacheck/stored_bytes"] == on_disk and saves["3"]["adacheck/step"] == 3, saves
     check(launch(2, dict(spec, resume=ckpt, output_dir=f"{d}/out2"), f"{d}/b", script="hf_worker.py"))
     assert_two_ranks(f"{d}/b")
     resumed = losses(f"{d}/b")
