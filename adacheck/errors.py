@@ -68,6 +68,11 @@ class DistributedError(AdaCheckError):
             lines.append(f"  rank {rank}: {failures[rank]}")
         super().__init__("\n".join(lines))
 
+    def __reduce__(self):
+        """Pickled with every rank's cause and the class it combines (a launcher passes a rank's
+        exception to its parent process): the same class, message and details come back."""
+        return _rebuild, (self.kind, self.what, self.failures, self.kinds, self.args, dict(self.__dict__))
+
     @classmethod
     def of(cls, what: str, failures: Dict[int, Tuple[str, str]]) -> "DistributedError":
         """The error for ``failures`` (rank -> (exception class name, message))."""
@@ -88,6 +93,16 @@ def _combined(base: type) -> type:
                                {"kind": base.__name__, "__module__": __name__,
                                 "__doc__": f"A {base.__name__} raised by one or more ranks, on every rank."})
     return _COMBINED[base]
+
+
+def _rebuild(kind: Optional[str], what: str, failures: Dict[int, str], kinds: Dict[int, str], args: tuple,
+             state: dict) -> DistributedError:
+    """A pickled DistributedError (see its ``__reduce__``), its message as it was when sent."""
+    klass = _combined(KINDS[kind]) if kind in KINDS and kind != "AdaCheckError" else DistributedError
+    err = klass(what, failures, kinds)
+    err.args = args
+    err.__dict__.update(state)
+    return err
 
 
 def kind_of(e: BaseException) -> str:
