@@ -5,12 +5,12 @@ the package, and ``adacheck --help``, do not import torch."""
 import importlib
 
 from .errors import (AdaCheckError, ConfigError, DistributedError, FormatError, IntegrityError,
-                     NotFoundError, StateError)
+                     NotFoundError, StateError, TagMismatchError)
 
 __version__ = "0.1.0"
 __all__ = ["AdaCheckConfig", "AdaCheckError", "Box", "CheckpointReader", "ConfigError",
            "DistributedError", "FormatError", "IntegrityError", "LocalShard", "LocalState",
-           "NotFoundError", "StateError", "load", "save"]
+           "NotFoundError", "StateError", "TagMismatchError", "load", "save"]
 
 _LAZY = {"CheckpointReader": "checkpoint", "LocalShard": "checkpoint", "LocalState": "checkpoint",
          "load": "checkpoint", "save": "checkpoint", "AdaCheckConfig": "config", "Box": "types"}

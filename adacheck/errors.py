@@ -11,8 +11,14 @@ class AdaCheckError(Exception):
     """Root of all AdaCheck errors."""
 
 
-class ConfigError(AdaCheckError):
-    """The `adacheck` config block or a flag is invalid."""
+class ConfigError(AdaCheckError, ValueError):
+    """The `adacheck` config block, a flag or an argument is invalid (also a ValueError, as
+    DeepSpeed raises for an empty ``save_dir``)."""
+
+
+class TagMismatchError(ConfigError, AssertionError):
+    """The ranks of one save named different checkpoint tags (also an AssertionError, as
+    DeepSpeed's ``checkpoint.tag_validation: "FAIL"`` raises one for this)."""
 
 
 class FormatError(AdaCheckError):
@@ -46,7 +52,7 @@ class CorruptCheckpointWarning(UserWarning):
 
 
 KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
-                                  StateError, StorageError)}
+                                  StateError, StorageError, TagMismatchError)}
 
 
 class DistributedError(AdaCheckError):

@@ -277,7 +277,8 @@ def act(engine, a, rec, out_dir, rank):
         rec["steps"] = [engine.global_steps, engine.global_samples, engine.skipped_steps]
     elif op == "save":
         cs = {"epoch": 3, "note": "hi", "vec": torch.arange(4.0)}
-        engine.save_checkpoint(a[1], tag=a[2] if len(a) > 2 else None, client_state=cs,
+        tag = a[2].format(rank=rank) if len(a) > 2 and a[2] is not None else None     # ("{rank}": per rank)
+        engine.save_checkpoint(a[1], tag=tag, client_state=cs,
                                **(a[3] if len(a) > 3 else {}))
         if getattr(engine, "adacheck", None) is not None and engine.adacheck.last_manifest is not None:
             rec.setdefault("exchanges", []).append(engine.adacheck.last_manifest.stats["exchange"])
@@ -352,6 +353,7 @@ def act(engine, a, rec, out_dir, rank):
         except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
             rec["errors"].append(f"{type(e).__name__}: {e}")
             rec.setdefault("error_lines", []).append(traceback.extract_tb(e.__traceback__)[-1].line)
+            rec.setdefault("error_classes", []).append([c.__name__ for c in type(e).__mro__])
             if a[1] not in str(e):
                 raise
         else:

@@ -188,6 +188,33 @@ def test_config_block_validation_and_disabled_block(tmp_path):
             assert rec["engine_code_ran"] is False, msg
 
 
+def test_tag_validation_and_an_empty_save_dir_as_deepspeed_does(tmp_path):
+    """DeepSpeed's ``checkpoint.tag_validation`` with ranks that name different tags: FAIL raises
+    on every rank an error that is also an AssertionError (DeepSpeed's own tests expect that
+    type) and saves nothing; WARN saves under rank 0's tag with a warning, IGNORE silently; the
+    checkpoint loads. An empty save_dir is a ValueError, as DeepSpeed raises."""
+    d = str(tmp_path)
+    runs = [{"stage": 1, "dtype": "fp32", "adacheck": {"enabled": True},
+             "ds_extra": {"checkpoint": {"tag_validation": mode}},
+             "actions": [["train", 1]] + ([["expect_error", "different checkpoint tags", "save", f"{d}/{mode}",
+                                            "tag-{rank}"]] if mode == "FAIL" else
+                                          [["save", f"{d}/{mode}", "tag-{rank}"], ["latest", f"{d}/{mode}"]])}
+            for mode in ("FAIL", "WARN", "IGNORE")]
+    runs.append({"stage": 1, "dtype": "fp32", "adacheck": {"enabled": True},
+                 "actions": [["train", 1], ["expect_error", "", "save", ""], ["load", f"{d}/IGNORE"]]})
+    out = check(launch(2, {"runs": runs}, d))
+    for r in (0, 1):
+        fail, warn, ignore, empty = results(d, r)
+        assert "rank 0: 'tag-0', rank 1: 'tag-1'" in fail["errors"][0], fail
+        assert {"AssertionError", "ConfigError"} <= set(fail["error_classes"][0]), fail
+        assert warn["latest"] == ["tag-0"] and ignore["latest"] == ["tag-0"], (warn, ignore)
+        assert "ValueError" in empty["error_classes"][0], empty
+        assert empty["loaded"][0][0].endswith("tag-0"), empty
+        said = out[r][1].count("saving under rank 0's, 'tag-0' (checkpoint.tag_validation: WARN)")
+        assert said == 1, out[r][1][-3000:]      # (WARN says it on every rank; IGNORE does not)
+    assert not os.path.exists(f"{d}/FAIL/latest") and not os.path.exists(f"{d}/WARN/tag-1")
+
+
 def test_switching_a_native_run_to_adacheck(tmp_path):
     """An existing run's last checkpoint is DeepSpeed's own: with the adacheck block enabled,
     load_checkpoint loads it natively and training goes on exactly; the next save is AdaCheck's
