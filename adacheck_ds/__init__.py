@@ -4,6 +4,7 @@
 ``"adacheck"`` block save and load through AdaCheck; ``attach(engine, config)`` does the
 same for an engine built any other way.  Without the block DeepSpeed is unchanged.
 ``save_native`` / ``load_native`` always call DeepSpeed's own implementation.
+DeepSpeed's fp32 export (``deepspeed.utils.zero_to_fp32``) reads AdaCheck checkpoints too.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ try:
     from deepspeed.runtime.engine import DeepSpeedEngine
 except ModuleNotFoundError as e:
     raise not_installed(e, "deepspeed", "deepspeed", "deepspeed") from None
+from deepspeed.utils import zero_to_fp32 as ds_zero_to_fp32
+
 from adacheck.config import AdaCheckConfig
 
+from . import zero_to_fp32
 from .engine import AdaCheckDeepSpeed, load_native, param_dict, save_native
 
 warn_if_untested("deepspeed")
@@ -76,6 +80,18 @@ def install() -> None:
                      ("load_checkpoint", routed("load_checkpoint"))):
         fn.__name__, fn.__wrapped__, fn.__doc__ = name, _ORIG[name], _ORIG[name].__doc__
         setattr(DeepSpeedEngine, name, fn)
+
+    # DeepSpeed's fp32 export: its convert_* and load_state_dict_* call this one by its module name
+    native_fp32 = ds_zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint
+
+    def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False,
+                                                 lazy_mode=False):
+        if zero_to_fp32.adacheck_dir(checkpoint_dir, tag) is None:
+            return native_fp32(checkpoint_dir, tag, exclude_frozen_parameters, lazy_mode)
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    get_fp32_state_dict_from_zero_checkpoint.__wrapped__ = native_fp32
+    get_fp32_state_dict_from_zero_checkpoint.__doc__ = native_fp32.__doc__
+    ds_zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
 
 
 install()

@@ -20,6 +20,7 @@ from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
 from adacheck.storage import is_url
 
+from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, partition_map,
@@ -66,6 +67,16 @@ def save_native(engine, *args, **kwargs):
 def load_native(engine, *args, **kwargs):
     """DeepSpeed's own load_checkpoint, whatever is attached."""
     return _native("load_checkpoint")(engine, *args, **kwargs)
+
+
+def leave_script(store, save_dir: str) -> None:
+    """``zero_to_fp32.py`` in the save directory (once), as DeepSpeed leaves its own there: it
+    writes the fp32 weights of the checkpoints beside it with only AdaCheck's core installed."""
+    path = store.join(save_dir, "zero_to_fp32.py")
+    if not store.exists(path):
+        with open(zero_to_fp32.__file__, "rb") as f:
+            store.make_dirs(save_dir)
+            store.write_atomic(path, f.read(), fsync=False)
 
 
 def param_dict(config_class) -> Optional[dict]:
@@ -174,6 +185,8 @@ class AdaCheckDeepSpeed:
                 self.checkpointer.save(
                     default_comm(), save_dir, tag, collect, update_latest=save_latest,
                     recorder=self.online.recorder if self.online is not None else None)
+        if default_comm().rank == 0:
+            leave_script(*self.checkpointer.locate(save_dir))
         return True
 
     def _agreed_tag(self, tag: str) -> str:
