@@ -4,6 +4,7 @@ The names below are imported on first use (``from adacheck import save``), so th
 the package, and ``adacheck --help``, do not import torch."""
 import importlib
 
+from .compat import warn_if_untested
 from .errors import (AdaCheckError, ConfigError, DistributedError, FormatError, IntegrityError,
                      NotFoundError, StateError, TagMismatchError)
 
@@ -14,6 +15,11 @@ __all__ = ["AdaCheckConfig", "AdaCheckError", "Box", "CheckpointReader", "Config
 
 _LAZY = {"CheckpointReader": "checkpoint", "LocalShard": "checkpoint", "LocalState": "checkpoint",
          "load": "checkpoint", "save": "checkpoint", "AdaCheckConfig": "config", "Box": "types"}
+
+# torch has no upper bound in the requirements (a user's CUDA torch stays): a minor version the
+# tests did not run with is named here, once per process, for the core, the CLI and both
+# integrations (they import this package). Reads torch's metadata; does not import torch.
+warn_if_untested("torch")
 
 
 def __getattr__(name):

@@ -1,15 +1,19 @@
-"""The framework versions AdaCheck is tested with, and a warning when another one is found.
+"""The torch and framework versions AdaCheck is tested with; a warning when another one is found.
 
 The integrations rely on internals of DeepSpeed (optimizer wrappers, engine attributes) and
 megatron-core (sharded state dicts, parallel state) that change between minor versions; they
-say so once, at import, when the installed version is not one the test suite ran with."""
+say so once, at import, when the installed version is not one the test suite ran with.  torch
+has no upper bound in the package's requirements (pip must keep a user's CUDA build); the core
+(``import adacheck``, which every integration and the CLI import) says so once instead."""
 from __future__ import annotations
 
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
-TESTED = {"deepspeed": "0.19", "megatron-core": "0.16"}     # (0.19.8 and 0.16.1 in CI)
+# the minor versions the test suite ran with (CI: torch 2.13.0, DeepSpeed 0.19.8,
+# megatron-core 0.16.1)
+TESTED = {"torch": "2.13", "deepspeed": "0.19", "megatron-core": "0.16"}
 
 
 class UntestedVersionWarning(UserWarning):
@@ -41,6 +45,9 @@ def not_installed(error: ModuleNotFoundError, module: str, dist: str, extra: str
 
 
 def warn_if_untested(dist: str) -> None:
+    """An UntestedVersionWarning (attributed to the importer's line) if the installed ``dist``
+    is not of a tested minor version; nothing if it is, or if it is not installed. It reads the
+    installed metadata only: it imports nothing of ``dist``."""
     text = untested(dist)
     if text is not None:
         warnings.warn(text, UntestedVersionWarning, stacklevel=3)

@@ -19,9 +19,17 @@ functions by name (``megatron.training.training`` imports them with ``from ... i
 * ``setup_model_and_optimizer`` (``megatron.training.training``): with ``--adacheck`` the
   optimizer it returns gets the post-step hooks (:func:`adacheck_megatron.hooks.wrap_optimizer_step`).
 
-``patches/megatron-lm-core_v0.16.1.patch`` is the other way: a few lines in Megatron-LM that
-call the same :func:`add_args`, :func:`check_args`, :func:`save_checkpoint`,
-:func:`load_checkpoint` and ``wrap_optimizer_step``, so both behave the same.
+``patches/megatron-lm-core_v*.patch`` (one per Megatron-LM tag, see ``patches/README.md``) is
+the other way: a few lines in Megatron-LM that call the same :func:`add_args`,
+:func:`check_args`, :func:`save_checkpoint`, :func:`load_checkpoint` and :func:`setup_hooks`,
+so both behave the same.
+
+Megatron-LM trees: the launcher knows the functions above as Megatron-LM's tags core_v0.16.1,
+core_v0.17.1, core_v0.18.2 and core_v0.19.0 have them (:data:`KNOWN_SIGNATURES`; from
+core_v0.18 scripts parse with ``parse_and_validate_args``, which calls ``arguments.parse_args``;
+core_v0.19 swaps the first two parameters of ``setup_model_and_optimizer`` and passes process
+groups to ``save_checkpoint`` / ``load_checkpoint``, see :func:`check_groups`).  :func:`install`
+refuses a tree whose functions have other parameters, before it replaces anything.
 
 The delegation keeps Megatron-LM's contract: ``save_checkpoint`` returns None; ``load_checkpoint``
 returns ``(iteration, num_floating_point_operations_so_far)`` and restores the sample counters
@@ -45,7 +53,7 @@ import inspect
 import os
 import runpy
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from adacheck import lifecycle
 from adacheck.errors import ConfigError
@@ -54,7 +62,8 @@ from .flags import add_adacheck_args, config_from_args
 
 __all__ = ["add_args", "check_args", "save_checkpoint", "load_checkpoint", "install", "main",
            "adacheck_parse_args", "adacheck_save_checkpoint", "adacheck_load_checkpoint",
-           "adacheck_setup_model_and_optimizer"]
+           "adacheck_setup_model_and_optimizer", "check_groups", "signature_problem",
+           "KNOWN_SIGNATURES"]
 
 # Megatron-LM's arguments restored from a checkpoint by its loader; kept in each AdaCheck
 # checkpoint's extra_state under this key.
@@ -68,6 +77,100 @@ UNSUPPORTED = (("use_torch_fsdp2", "--use-torch-fsdp2"),
 NON_PERSISTENT = ("non_persistent_save_interval", "--non-persistent-save-interval")
 
 _INSTALLED = "_adacheck_installed"
+
+# ----------------------------------------------------------------------------- Megatron-LM trees
+
+# The process groups Megatron-LM's save_checkpoint / load_checkpoint take (core_v0.19 passes the
+# model's pg_collection groups) and core_v0.19's rng_state_key_prefix: see check_groups.
+GROUP_PARAMS = ("tp_group", "pp_group", "dp_cp_group", "dp_group", "expt_dp_group")
+PREFIX_PARAM = "rng_state_key_prefix"
+
+# What the launcher and the patches rely on in megatron.training, as core_v0.16.1, core_v0.17.1,
+# core_v0.18.2 and core_v0.19.0 have it: "module.function": (the accepted lists of its leading
+# parameters, by position; the parameters it may have after them). tests/test_megatron_lm_patch.py
+# checks each tag's source against this table.
+KNOWN_SIGNATURES = {
+    "arguments.parse_args": ([("extra_args_provider", "ignore_unknown_args")], ()),
+    "checkpointing.save_checkpoint": (
+        [("iteration", "model", "optimizer", "opt_param_scheduler",
+          "num_floating_point_operations_so_far", "checkpointing_context")],
+        ("pipeline_rank", "expert_rank", "tensor_rank", "pipeline_parallel", "expert_parallel",
+         "non_persistent_ckpt", "train_data_iterator", "preprocess_common_state_dict_fn",
+         "release") + GROUP_PARAMS + (PREFIX_PARAM,)),
+    "checkpointing.load_checkpoint": (
+        [("ddp_model", "optimizer", "opt_param_scheduler", "load_arg", "strict",
+          "checkpointing_context")],
+        ("skip_load_to_model_and_opt",) + GROUP_PARAMS + (PREFIX_PARAM,)),
+    # (core_v0.19 swapped the first two; the wrapper uses only what it returns)
+    "training.setup_model_and_optimizer": (
+        [("model_provider_func", "model_type"), ("model_type", "model_provider_func")],
+        ("checkpointing_context", "cfg_container", "pg_collection")),
+    "async_utils.maybe_finalize_async_save": ([("blocking", "terminate")], ()),
+}
+
+
+def signature_problem(where: str, params: Sequence[str]) -> Optional[str]:
+    """None when ``params`` (the parameter names, in order, of Megatron-LM's
+    ``megatron.training.<where>``, a key of :data:`KNOWN_SIGNATURES`) are ones the launcher and
+    the patches know; else what differs, in words."""
+    leading, rest = KNOWN_SIGNATURES[where]
+    params = list(params)
+    for lead in leading:
+        if tuple(params[:len(lead)]) == lead:
+            unknown = [p for p in params[len(lead):] if p not in rest]
+            if not unknown:
+                return None
+            return f"{where}() has parameters AdaCheck does not know: {', '.join(unknown)}"
+    return (f"{where}({', '.join(params)}) does not begin with "
+            + " or ".join(f"({', '.join(lead)})" for lead in leading))
+
+
+def _parallel_state_group(name: str):
+    from megatron.core import parallel_state as ps
+    return {"tp_group": ps.get_tensor_model_parallel_group,
+            "pp_group": ps.get_pipeline_model_parallel_group,
+            "dp_cp_group": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+            "dp_group": ps.get_data_parallel_group,
+            "expt_dp_group": ps.get_expert_data_parallel_group}[name]()
+
+
+def _ranks(group):
+    import torch.distributed as dist
+    if isinstance(group, (list, tuple)):
+        return [_ranks(g) for g in group]
+    return list(dist.get_process_group_ranks(group))
+
+
+def _group_problem(groups: dict) -> Optional[str]:
+    prefix = groups.get(PREFIX_PARAM) or ""
+    if prefix:
+        return (f"{PREFIX_PARAM}={prefix!r} (a model of several parallel grids) is not supported "
+                "with --adacheck")
+    for name in GROUP_PARAMS:
+        given = groups.get(name)
+        if given is None:
+            continue
+        mine = _parallel_state_group(name)
+        if given is not mine and _ranks(given) != _ranks(mine):
+            return (f"{name} holds ranks {_ranks(given)}, megatron-core's parallel_state group "
+                    f"{_ranks(mine)}: AdaCheck saves and loads the parallel_state layout only "
+                    "(process groups of a model's own are not supported with --adacheck)")
+    return None
+
+
+def check_groups(groups: dict) -> None:
+    """Collectively (every rank calls it, as every rank saves and loads): raise the same
+    ConfigError on every rank when, on any rank, Megatron-LM passed ``save_checkpoint`` /
+    ``load_checkpoint`` a process group (``GROUP_PARAMS``) whose ranks differ from
+    megatron-core's parallel_state group of that name, or a non-empty ``rng_state_key_prefix``.
+    AdaCheck's layout, replica choice and exchange use the parallel_state groups; core_v0.19
+    passes the model's ``pg_collection`` groups, which hold the same ranks in a run of one
+    parallel grid. A group that is None stands for parallel_state's."""
+    from .parallel import comm
+    problems = comm().all_gather_object(_group_problem(groups))
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            raise ConfigError(f"AdaCheck (rank {rank}): {problem}")
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -143,10 +246,16 @@ def _print_rank0(message: str) -> None:
 
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far=0, checkpointing_context=None, *, args,
-                    non_persistent_ckpt=False):
+                    non_persistent_ckpt=False, tp_group=None, pp_group=None, dp_cp_group=None,
+                    dp_group=None, expt_dp_group=None, rng_state_key_prefix=""):
     """Megatron-LM's ``save_checkpoint`` with ``--adacheck``: an AdaCheck checkpoint of
     iteration ``iteration`` (with the sample counters); a non-persistent one goes to the memory
-    tier only.  Returns None like Megatron-LM's."""
+    tier only.  Returns None like Megatron-LM's.  The process groups and
+    ``rng_state_key_prefix`` are Megatron-LM's (core_v0.19 passes them): :func:`check_groups`
+    refuses them unless they are megatron-core's parallel_state groups (or None) and ''."""
+    check_groups(dict(tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group,
+                      dp_group=dp_group, expt_dp_group=expt_dp_group,
+                      rng_state_key_prefix=rng_state_key_prefix))
     from .checkpointing import save_checkpoint as adacheck_save
     adacheck_save(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                   checkpointing_context, args=args, config=saving_config(args),
@@ -181,11 +290,16 @@ def setup_hooks(model, optimizer, opt_param_scheduler, args) -> None:
 
 
 def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
-                    checkpointing_context=None, *, args):
+                    checkpointing_context=None, *, args, tp_group=None, pp_group=None,
+                    dp_cp_group=None, dp_group=None, expt_dp_group=None, rng_state_key_prefix=""):
     """Megatron-LM's ``load_checkpoint`` with ``--adacheck``: ``(iteration,
     num_floating_point_operations_so_far)``, ``(0, 0)`` when there is no checkpoint yet; None
     when the directory holds a native Megatron checkpoint and no AdaCheck one: the caller then
-    loads it with Megatron-LM's own code."""
+    loads it with Megatron-LM's own code.  The process groups and ``rng_state_key_prefix``:
+    as for :func:`save_checkpoint` (refused unless parallel_state's, or None, and '')."""
+    check_groups(dict(tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group,
+                      dp_group=dp_group, expt_dp_group=expt_dp_group,
+                      rng_state_key_prefix=rng_state_key_prefix))
     from .checkpointing import load_checkpoint as adacheck_load, native_checkpoint
     cfg = _config(args)
     load_dir = cfg.save_dir or getattr(args, load_arg, None)
@@ -323,15 +437,20 @@ def adacheck_save_checkpoint(original):
     ``--ckpt-convert-format`` run stays Megatron-LM's: AdaCheck -> native, online deltas replayed
     by the load)."""
     return _delegating(original, lambda named, first, args: _NATIVE if getattr(args, "ckpt_convert_format", None)
-                       else save_checkpoint(*first, args=args,
+                       else save_checkpoint(*first, args=args, **_groups(named),
                                             non_persistent_ckpt=bool(named.get("non_persistent_ckpt", False))))
+
+
+def _groups(named: dict) -> dict:
+    """The process groups and rng_state_key_prefix of a call (those its signature has)."""
+    return {k: named[k] for k in GROUP_PARAMS + (PREFIX_PARAM,) if k in named}
 
 
 def adacheck_load_checkpoint(original):
     """Megatron-LM's ``load_checkpoint``, delegating to :func:`load_checkpoint` with --adacheck
     (a directory without an AdaCheck checkpoint is Megatron-LM's to load)."""
     def delegate(named, first, args):
-        loaded = load_checkpoint(*first, args=args)
+        loaded = load_checkpoint(*first, args=args, **_groups(named))
         return _NATIVE if loaded is None else loaded
     return _delegating(original, delegate)
 
@@ -373,7 +492,9 @@ def adacheck_finalize_async_save(original):
 
 def install() -> dict:
     """Install AdaCheck into the imported ``megatron.training`` (idempotent). Returns
-    ``{"module.attribute": wrapper}`` for every attribute replaced."""
+    ``{"module.attribute": wrapper}`` for every attribute replaced.  Raises ConfigError, having
+    replaced nothing, when a function it replaces has parameters :data:`KNOWN_SIGNATURES` does
+    not know (a Megatron-LM tree other than core_v0.16.1 - core_v0.19.0)."""
     import megatron.training  # noqa: F401  (imports arguments, checkpointing, initialize, training)
     from megatron.training import arguments, checkpointing, training
     factories = [(arguments, "parse_args", adacheck_parse_args),
@@ -383,6 +504,14 @@ def install() -> dict:
     async_utils = sys.modules.get("megatron.training.async_utils")
     if async_utils is not None and hasattr(async_utils, "maybe_finalize_async_save"):
         factories.append((async_utils, "maybe_finalize_async_save", adacheck_finalize_async_save))
+    for module, name, _ in factories:
+        where = f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+        problem = signature_problem(where, inspect.signature(getattr(module, name)).parameters)
+        if problem is not None:
+            raise ConfigError(f"this Megatron-LM tree is not one AdaCheck knows: "
+                              f"megatron.training.{problem}. The launcher and the patches know "
+                              "Megatron-LM core_v0.16.1, core_v0.17.1, core_v0.18.2 and "
+                              "core_v0.19.0 (patches/README.md)")
     replace = {}
     for module, name, factory in factories:
         original = getattr(module, name)
@@ -442,7 +571,11 @@ def main(argv=None) -> int:
     if why is not None:
         print(f"adacheck_megatron.launch: error: {why}", file=sys.stderr)
         return 2
-    install()
+    try:
+        install()
+    except ConfigError as e:
+        print(f"adacheck_megatron.launch: error: {e}", file=sys.stderr)
+        return 2
     sys.argv = [script] + argv[1:]
     runpy.run_path(script, run_name="__main__")
     return 0

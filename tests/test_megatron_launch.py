@@ -1,5 +1,6 @@
-"""adacheck_megatron.launch without a Megatron-LM tree: its command line and the argument
-helpers that the launcher and patches/megatron-lm-core_v0.16.1.patch share.
+"""adacheck_megatron.launch without a Megatron-LM tree: its command line, the argument helpers
+that the launcher and patches/megatron-lm-core_v*.patch share, and its check of the process
+groups Megatron-LM passes to save/load (2 ranks of megatron-core).
 
 The megatron-core wheel has no ``megatron.training``; running Megatron-LM's pretrain_gpt.py
 through the launcher needs the Megatron-LM tree and CUDA (patches/README.md says what was
@@ -7,13 +8,14 @@ checked there).
 """
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from launch import ROOT
+from launch import ROOT, free_port
 
 from adacheck_megatron.launch import NON_PERSISTENT, UNSUPPORTED, add_args, check_args, saving_config
 
@@ -128,3 +130,87 @@ def test_check_args_errors_are_parser_errors(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "usage: pretrain_gpt.py" in err and message in err
+
+
+# One rank of a 2-rank gloo job with megatron-core's parallel state (TP=2, so each rank's data-
+# parallel group is itself): check_groups with Megatron-LM's process-group arguments.
+GROUPS_RANK = r"""
+import json, sys
+import torch.distributed as dist
+from adacheck_megatron.cpu import enable_cpu
+enable_cpu()
+dist.init_process_group("gloo")
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(tensor_model_parallel_size=2)
+from adacheck.errors import ConfigError
+from adacheck_megatron.launch import check_groups
+rank = dist.get_rank()
+alone = [dist.new_group([r]) for r in range(2)][rank]      # (every rank makes every group)
+mine = dict(tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+            dp_group=ps.get_data_parallel_group(),
+            expt_dp_group=ps.get_expert_data_parallel_group(), rng_state_key_prefix="")
+out = {}
+tp = ps.get_tensor_model_parallel_group()
+for case, groups in (("none", {}), ("parallel_state", mine), ("same_ranks", dict(dp_group=alone)),
+                     ("other_ranks", dict(dp_group=tp)),
+                     ("rank1_only", dict(dp_group=tp) if rank else {}),
+                     ("prefix", dict(rng_state_key_prefix="grid1"))):
+    try:
+        check_groups(groups)
+        out[case] = None
+    except ConfigError as e:
+        out[case] = str(e)
+json.dump(out, open(sys.argv[1] + f"/rank{rank}.json", "w"))
+"""
+
+
+def test_process_groups_other_than_parallel_states_are_refused(tmp_path):
+    # core_v0.19 passes the model's pg_collection groups to save/load_checkpoint: the same ranks
+    # as megatron-core's parallel_state in a run of one grid (accepted); others are refused, on
+    # every rank alike (one rank's odd group must not leave the other in a collective)
+    script = tmp_path / "rank.py"
+    script.write_text(GROUPS_RANK)
+    port = str(free_port())
+    env = [dict(os.environ, PYTHONPATH=ROOT, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1") for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT, env=env[r],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
+    for rank in range(2):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert out["none"] is None and out["parallel_state"] is None and out["same_ranks"] is None
+        assert out["other_ranks"] == (
+            "AdaCheck (rank 0): dp_group holds ranks [0, 1], megatron-core's parallel_state group "
+            "[0]: AdaCheck saves and loads the parallel_state layout only (process groups of a "
+            "model's own are not supported with --adacheck)")
+        assert out["rank1_only"].startswith(
+            "AdaCheck (rank 1): dp_group holds ranks [0, 1], megatron-core's parallel_state "
+            "group [1]")
+        assert out["prefix"] == ("AdaCheck (rank 0): rng_state_key_prefix='grid1' (a model of "
+                                 "several parallel grids) is not supported with --adacheck")
+
+
+def test_a_megatron_lm_tree_of_unknown_signatures_is_named():
+    # install() refuses such a tree with these words (tests/test_megatron_lm_patch.py checks the
+    # known tags' own source against the same table)
+    from adacheck_megatron.launch import signature_problem
+    save = ["iteration", "model", "optimizer", "opt_param_scheduler",
+            "num_floating_point_operations_so_far", "checkpointing_context"]
+    assert signature_problem("checkpointing.save_checkpoint", save + ["dp_group"]) is None
+    assert signature_problem("checkpointing.save_checkpoint", save + ["grid"]) == (
+        "checkpointing.save_checkpoint() has parameters AdaCheck does not know: grid")
+    assert signature_problem("checkpointing.save_checkpoint", save[1:]).startswith(
+        "checkpointing.save_checkpoint(model, ")
+    for lead in (["model_provider_func", "model_type"], ["model_type", "model_provider_func"]):
+        assert signature_problem("training.setup_model_and_optimizer", lead) is None
+    assert "does not begin with (model_provider_func, model_type) or (model_type, " \
+        "model_provider_func)" in signature_problem("training.setup_model_and_optimizer",
+                                                    ["model", "model_type"])
