@@ -24,7 +24,7 @@ from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, partition_map,
-                    stage_load)
+                    stage_load, tied_parameters)
 
 log = logging.getLogger("adacheck")
 
@@ -243,7 +243,8 @@ class AdaCheckDeepSpeed:
     def _model_spec(self, lay) -> SavedModel:
         """What a DeepSpeed engine of another layout is built from (adacheck_ds.native): the
         parameters in module order with their trainability, the buffers, the optimizer groups
-        as DeepSpeed was given them, the optimizer class and the DeepSpeed config."""
+        as DeepSpeed was given them, the optimizer class, the DeepSpeed config and the tied
+        weights' other names."""
         e = self.engine
         base = lay.base_optimizer
         raw = param_dict(getattr(e, "_config", None))
@@ -253,7 +254,9 @@ class AdaCheckDeepSpeed:
                           buffers=[n for n, _ in e.module.named_buffers()],
                           groups=lay.groups,
                           optimizer=class_path(base) if base is not None else None,
-                          ds_config=jsontree.saveable(cfg, "ds_config", False) if cfg is not None else None)
+                          ds_config=(jsontree.saveable(cfg, "ds_config", False)
+                                     if cfg is not None else None),
+                          shared=tied_parameters(e.module))
 
     def _scaler(self):
         """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;

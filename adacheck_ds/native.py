@@ -10,6 +10,13 @@ the run's DeepSpeed config; docs/cli.md describes how, and what was tested.
   saved by AdaCheck;
 - ``materialise``: one AdaCheck base at the newest recoverable step, in the saving layout.
 
+Tied weights (one nn.Parameter under several names, a GPT-2's ``lm_head.weight``) are one
+parameter of the shell under each name, so native files hold every name in ``module`` and
+DeepSpeed's ``shared_params``, as DeepSpeed's own save writes them; ``from-native`` reads the
+tied names from ``shared_params`` (or, without ZeRO, from the tensors torch.save stored once),
+and AdaCheck's save records them (``SavedModel.shared``).  A checkpoint saved before AdaCheck
+recorded them converts without the other names (load it in the training job and save once).
+
 Run ``adacheck convert ... --to deepspeed|adacheck`` (ranks started on this machine) or one rank
 each under torchrun: ``torchrun --nproc_per_node 8 -m adacheck_ds.native to-native SRC OUT
 --zero-stage 2``.  Guaranteed: the output is renamed into place only when every rank is done,
@@ -70,6 +77,7 @@ class ModelSpec:
     world: int = 1                   # all its ranks (data-parallel x tensor-parallel)
     tp: int = 1                      # its tensor-parallel size
     split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: split dim
+    shared: Dict[str, str] = field(default_factory=dict)  # tied weights: alias -> name in params
 
     @property
     def dp(self) -> int:
@@ -98,12 +106,18 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
         raise StateError(f"{ckpt_dir} does not hold the parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          "(saved with exclude_frozen_parameters?); a native checkpoint needs every parameter")
     params = [(n, tuple(entries[n].shape), entries[n].dtype, trainable) for n, trainable in saved.parameters]
+    shared = dict(saved.shared or {})
+    bad = {a: s for a, s in shared.items() if s not in entries or a in entries}
+    if bad:
+        raise StateError(f"{ckpt_dir}: the tied weights {dict(list(bad.items())[:3])} do not name "
+                         "other names of its parameters; the model description is damaged")
     buffers = [(n, tuple(m.tensors[f"buffer/{n}"].shape), m.tensors[f"buffer/{n}"].dtype)
                for n in saved.buffers if f"buffer/{n}" in m.tensors]
     return ModelSpec(params, buffers, saved.groups, saved.optimizer, cfg,
                      lr_scheduler=objects.lr_scheduler if "scheduler" not in cfg else None,
                      stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)),
-                     tp=int(saved.tensor_parallel.get("size", 1)), split=saved.partition_dims), m
+                     tp=int(saved.tensor_parallel.get("size", 1)), split=saved.partition_dims,
+                     shared=shared), m
 
 
 _UNSUPPORTED_SPLITS = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
@@ -150,6 +164,31 @@ def _native_dir(src: str, tag: Optional[str]) -> str:
     return d
 
 
+def native_aliases(module: dict, recorded, buffer_names) -> Dict[str, str]:
+    """Tied weights in the module state dict of a native model-states file: alias -> the name
+    the parameter is stored under.  DeepSpeed's ``shared_params`` when the file has it (it is
+    written with ZeRO); else (without ZeRO) the entries torch.save stored as one tensor as an
+    earlier entry (the same storage, offset, shape and strides)."""
+    if isinstance(recorded, dict):
+        bad = [a for a, s in recorded.items() if a not in module or s not in module]
+        if bad:
+            raise StateError(f"shared_params names {bad[:3]}, which the module state dict does "
+                             "not hold; the model-states file is damaged")
+        return dict(recorded)
+    first: Dict[tuple, str] = {}
+    out: Dict[str, str] = {}
+    for n, t in module.items():
+        if n in buffer_names or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),
+               t.dtype)
+        if key in first:
+            out[n] = first[key]
+        else:
+            first[key] = n
+    return out
+
+
 def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                      optimizer: Optional[str] = None) -> ModelSpec:
     """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
@@ -176,7 +215,9 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
         torch.float16 if (cfg.get("fp16") or {}).get("enabled") else torch.float32)
     # every parameter's whole shape (a ZeRO-3 module holds empty placeholders), frozen ones too
     full_shape = {n: tuple(s) for g in [*(shapes or []), sd.get("frozen_param_shapes") or {}] for n, s in g.items()}
-    param_names = [n for n in module if n not in buffer_names]
+    # (a tied weight is stored under each of its names; the optimizer knows it by the first)
+    shared = native_aliases(module, sd.get("shared_params"), buffer_names)
+    param_names = [n for n in module if n not in buffer_names and n not in shared]
     tp = int(sd.get("mp_world_size") or 1)
     split = split_from_patterns(param_names, sd.get("universal_checkpoint_info"), files[0]) if tp > 1 else {}
     mp_files = [f for f in files if os.path.basename(f).startswith("mp_rank_")]
@@ -212,7 +253,8 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                           "name its class with --optimizer (e.g. torch.optim.AdamW)")
     return ModelSpec(params, buffers, groups, optimizer, cfg,
                      lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
-                     stage=stage, world=int(sd.get("dp_world_size", 1)) * tp, tp=tp, split=split)
+                     stage=stage, world=int(sd.get("dp_world_size", 1)) * tp, tp=tp, split=split,
+                     shared=shared)
 
 
 # ------------------------------------------------------------------ the shell engine
@@ -239,7 +281,9 @@ class SavedScheduler:
 def shell_module(spec: ModelSpec, tp: int = 1):
     """An nn.Module with the checkpoint's parameters and buffers under their dotted names, in
     module order (so DeepSpeed groups, flattens and partitions them as in the training job);
-    with ``tp`` > 1 each split parameter is this rank's slice, marked as Megatron marks it."""
+    a tied weight is the same nn.Parameter under each of its names (so DeepSpeed's save writes
+    every name and its ``shared_params``, and its load fills every name); with ``tp`` > 1
+    each split parameter is this rank's slice, marked as Megatron marks it."""
     root = torch.nn.Module()
     if tp > 1:
         check_tp(spec, tp)
@@ -266,6 +310,13 @@ def shell_module(spec: ModelSpec, tp: int = 1):
         if dim is not None:
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
         m.register_parameter(leaf, p)
+    named = dict(root.named_parameters())
+    for alias, source in spec.shared.items():
+        m, leaf = owner(alias)
+        if source not in named or leaf in m._parameters:
+            raise StateError(f"the tied weight {alias} -> {source} does not name another name "
+                             "of a parameter; this model cannot be rebuilt offline")
+        m.register_parameter(leaf, named[source])
     for name, shape, dtype in spec.buffers:
         m, leaf = owner(name)
         m.register_buffer(leaf, torch.zeros(shape, dtype=torch_dtype(dtype)))

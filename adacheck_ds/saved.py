@@ -37,6 +37,10 @@ class SavedModel(Record):
     tensor_parallel: dict = entry(of_kind(dict), "an object {size, partition_dims}",
                                   default_factory=lambda: {"size": 1, "partition_dims": {}})
     ds_config: Optional[dict] = entry(optional(dict), "the DeepSpeed config (an object) or null", default=None)
+    # tied weights, as DeepSpeed's shared_params: alias -> the name in ``parameters`` (null: a
+    # checkpoint saved before AdaCheck recorded them)
+    shared: Optional[Dict[str, str]] = entry(optional(dict), "an object {alias: name} or null",
+                                             default=None)
 
     @property
     def partition_dims(self) -> Dict[str, int]:

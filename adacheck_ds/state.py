@@ -86,6 +86,20 @@ def _place_params(engine, lay: "Layout") -> None:
         lay.split[n] = dim
 
 
+def tied_parameters(module: torch.nn.Module) -> Dict[str, str]:
+    """Tied weights: every further name of a parameter object (the alias) -> the name
+    ``named_parameters()`` lists it under (the first in module order), as DeepSpeed's
+    ``shared_params`` records them.  Empty when no parameter has two names."""
+    first: Dict[int, str] = {}
+    out: Dict[str, str] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[n] = first[id(p)]
+        else:
+            first[id(p)] = n
+    return out
+
+
 def class_path(obj) -> str:
     """``module.Class`` of an object (the base optimizer a checkpoint was saved with)."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -2,7 +2,8 @@
 ``ADACHECK_TEST_DEVICE=cuda`` (launch.py's ``device``) on the GPU, NCCL, as DeepSpeed's default there.
 
 spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam", "hidden": 37,
-                  "frozen": [name prefixes], "zero": {extra zero_optimization keys},
+                  "frozen": [name prefixes], "tie": [[alias, source]],
+                  "zero": {extra zero_optimization keys},
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
@@ -166,6 +167,10 @@ def make_engine(run):
     torch.manual_seed(run.get("seed", 0))
     mpu = mpu_of(run["tp"]) if run.get("tp") else None
     model = TPNet(run.get("hidden", 40), mpu) if mpu else Net(run.get("hidden", 37), run.get("layers", 1))
+    params = dict(model.named_parameters())
+    for alias, source in run.get("tie", ()):   # tied weights: one nn.Parameter under two names
+        *path, leaf = alias.split(".")
+        setattr(model.get_submodule(".".join(path)), leaf, params[source])
     for n, p in model.named_parameters():
         if n.startswith(tuple(run.get("frozen", ()))):
             p.requires_grad_(False)

@@ -9,6 +9,10 @@ from adacheck.cli import main as cli
 from ds_worker import Net
 from launch import check, launch
 
+# tied weights: one nn.Parameter under two names, as a GPT-2's lm_head.weight is its
+# transformer.wte.weight (named_parameters() lists it once, state_dict() under both names)
+TIE = [["mid.1.weight", "mid.0.weight"]]
+
 
 def test_weights_export_loads_into_the_module(tmp_path):
     d = str(tmp_path)
@@ -83,7 +87,11 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
     converted files gives every logical tensor of the saved state (ZeRO-2 -> 2 and -> 3 at DP=4,
     ZeRO-0 fp32 -> ZeRO-1), training continues bit-identically, native -> AdaCheck -> native and
     AdaCheck -> native -> AdaCheck are exact, and online deltas are materialised first (also
-    into another layout).  Nothing existing is overwritten."""
+    into another layout).  Tied weights: the native files hold every name of the tied weight
+    and DeepSpeed's shared_params, as DeepSpeed's own save of the same state does, stock
+    DeepSpeed loads them (strict), and stock DeepSpeed's native save of a tied model converts
+    to AdaCheck; each continues with the uninterrupted run's losses and state.  Nothing
+    existing is overwritten."""
     d = str(tmp_path)
     on = {"enabled": True, "save_dir": f"{d}/on", "online": {"enabled": True, "base_interval": 100}}
     check(launch(2, {"runs": [
@@ -94,6 +102,10 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
         dict(stage=1, dtype="bf16", layers=3, optimizer="ds_adam",
              actions=[["train", 3], ["save_native", f"{d}/nsrc"], ["dump", "N1"], ["train", 2], ["dump", "NA1"]]),
         dict(stage=1, dtype="bf16", layers=3, adacheck=on, actions=[["train_dump", 5, "O_"]]),
+        # tied weights: AdaCheck's and DeepSpeed's own save of the same state
+        dict(stage=2, dtype="bf16", layers=3, tie=TIE, adacheck={"enabled": True},
+             actions=[["train", 3], ["save", f"{d}/ckt"], ["save_native", f"{d}/nsrct"],
+                      ["dump", "ST"], ["train", 2], ["dump", "AT"]]),
     ]}, d))
     conv = [(["ck2", "nat2", "--to", "deepspeed"]),
             (["ck2", "nat34", "--to", "deepspeed", "--zero-stage", "3", "--dp", "4"]),
@@ -101,6 +113,8 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
             (["nsrc", "back", "--from", "deepspeed"]),
             (["back", "nsrc2", "--to", "deepspeed"]),
             (["nat2", "back2", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]),   # a client optimizer
+            (["ckt", "natt", "--to", "deepspeed"]),                 # tied weights, both ways
+            (["nsrct", "backt", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]),
             (["on", "onm", "--to", "adacheck"]),                                      # deltas -> one base
             (["on", "on3", "--to", "adacheck", "--step", "3"]),                       # or a chosen step
             (["on", "onn", "--to", "deepspeed", "--zero-stage", "3", "--dp", "4"])]  # via the saving layout
@@ -117,7 +131,18 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert "(step 1) of 4 committed online steps (to step 5); the conversion holds the base's step" in err, err
     assert open(f"{d}/nat2/latest").read() == "global_step3"
-    assert sorted(os.listdir(f"{d}/onm")) == ["global_step5", "latest"]
+    # tied weights: the module state and shared_params DeepSpeed's own save of the state writes
+    ours, stock = (torch.load(f"{d}/{n}/global_step3/mp_rank_00_model_states.pt",
+                              weights_only=True) for n in ("natt", "nsrct"))
+    assert stock["shared_params"] == {"mid.1.weight": "mid.0.weight"}
+    assert ours["shared_params"] == stock["shared_params"]
+    assert ours["param_shapes"] == stock["param_shapes"]
+    assert set(ours["module"]) == set(stock["module"])
+    for k, v in stock["module"].items():
+        assert ours["module"][k].dtype == v.dtype and torch.equal(ours["module"][k], v), k
+    # (one base; the save directory also holds AdaCheck's README and zero_to_fp32.py)
+    assert [f for f in sorted(os.listdir(f"{d}/onm")) if f.startswith("global")] == ["global_step5"]
+    assert open(f"{d}/onm/latest").read().strip() == "global_step5"
     # never overwrites, and bad requests are refused before anything is written
     before = sorted(os.listdir(f"{d}/nat2/global_step3"))
     assert cli(["convert", f"{d}/ck2", f"{d}/nat2", "--to", "deepspeed"]) == 2
@@ -146,6 +171,11 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
              actions=[["load", f"{d}/onm"], ["dump", "LM"]]),
         dict(stage=1, dtype="bf16", layers=3, seed=7, adacheck={"enabled": True},
              actions=[["load", f"{d}/on3"], ["dump", "LM3"]]),
+        dict(stage=2, dtype="bf16", layers=3, tie=TIE, seed=7,   # stock load_checkpoint (strict)
+             actions=[["load_native", f"{d}/natt"], ["dump", "LT"], ["train", 2],
+                      ["dump", "LAT"]]),
+        dict(stage=2, dtype="bf16", layers=3, tie=TIE, seed=7, adacheck={"enabled": True},
+             actions=[["load", f"{d}/backt"], ["dump", "LBT"], ["train", 2], ["dump", "LBAT"]]),
     ]}, f"{d}/l2"))
     check(launch(4, {"runs": [
         dict(stage=3, dtype="bf16", layers=3, frozen=["norm"], seed=7,
@@ -153,11 +183,16 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
         dict(stage=3, dtype="bf16", layers=3, seed=7, actions=[["load_native", f"{d}/onn"], ["dump", "LO"]]),
     ]}, f"{d}/l4"))
     for ref, got in (("S2", "l2/L2"), ("A2", "l2/LA2"), ("S0", "l2/L1"), ("N1", "l2/LN1"), ("NA1", "l2/LNA1"),
-                     ("S2", "l4/L34"), ("O_5", "l2/LM"), ("O_3", "l2/LM3"), ("O_5", "l4/LO")):
+                     ("S2", "l4/L34"), ("O_5", "l2/LM"), ("O_3", "l2/LM3"), ("O_5", "l4/LO"),
+                     ("ST", "l2/LT"), ("AT", "l2/LAT"), ("ST", "l2/LBT"), ("AT", "l2/LBAT")):
         saved, loaded = load_file(f"{d}/{ref}.safetensors"), load_file(f"{d}/{got}.safetensors")
         assert set(saved) == set(loaded), (ref, got)
         for k in saved:
             assert torch.equal(saved[k], loaded[k]), (ref, got, k)
+    # the tied runs' next losses: those of the uninterrupted run
+    trained = json.load(open(f"{d}/result-rank0.json"))[4]["losses"]
+    resumed = json.load(open(f"{d}/l2/result-rank0.json"))
+    assert resumed[5]["losses"] == resumed[6]["losses"] == trained[3:], (trained, resumed[5:])
 
 
 def test_shell_module_rebuilds_parameter_order_and_refuses_impossible_orders():
@@ -176,3 +211,40 @@ def test_shell_module_rebuilds_parameter_order_and_refuses_impossible_orders():
     assert set(shell.state_dict()) == set(net.state_dict())
     with pytest.raises(StateError, match="module tree"):
         shell_module(ModelSpec([("a.w", (2,), "float32", True), ("b", (2,), "float32", True)], [], [], None, {}))
+
+
+def test_tied_weights_are_found_in_native_files_and_rebuilt_as_one_parameter(tmp_path):
+    """A tied weight (a GPT-2's lm_head.weight is its wte.weight) is one nn.Parameter under two
+    names: the shell registers that one Parameter under both (its state_dict() then holds the
+    model's names, and DeepSpeed's save writes them), and the tied names of a native module
+    state dict come from DeepSpeed's shared_params, or where DeepSpeed writes none (no ZeRO)
+    from torch.save storing the tensor once."""
+    import pytest
+    from adacheck.errors import StateError
+    from adacheck_ds.native import ModelSpec, native_aliases, shell_module
+    from adacheck_ds.state import tied_parameters
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = torch.nn.Embedding(11, 4)
+            self.ln = torch.nn.LayerNorm(4)
+            self.lm_head = torch.nn.Linear(4, 11, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    lm = LM()
+    tied = {"lm_head.weight": "wte.weight"}
+    assert tied_parameters(lm) == tied and tied_parameters(Net(37, 3)) == {}
+    torch.save(lm.state_dict(), tmp_path / "module.pt")     # what a native file's "module" holds
+    module = torch.load(tmp_path / "module.pt", weights_only=True)
+    assert list(module) == ["wte.weight", "ln.weight", "ln.bias", "lm_head.weight"]
+    assert native_aliases(module, None, set()) == tied
+    assert native_aliases(module, {}, set()) == {}          # DeepSpeed's record, where written
+    params = [(n, tuple(p.shape), "float32", True) for n, p in lm.named_parameters()]
+    shell = shell_module(ModelSpec(params, [], [[p[0] for p in params]], None, {}, shared=tied))
+    assert shell.lm_head.weight is shell.wte.weight
+    assert list(shell.state_dict()) == list(lm.state_dict()) and tied_parameters(shell) == tied
+    with pytest.raises(StateError, match="tied weight"):
+        shell_module(ModelSpec(params, [], [], None, {}, shared={"lm_head.weight": "head.weight"}))
+    with pytest.raises(StateError, match="damaged"):
+        native_aliases(module, {"lm_head.weight": "head.weight"}, set())
