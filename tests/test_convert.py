@@ -124,6 +124,7 @@ def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, c
         err = capsys.readouterr().err       # each run of DeepSpeed ranks reports its 4 phases as they end
         runs = 2 if args[1] == "onn" else 1     # (deltas into another layout: materialised first)
         assert err.count("convert:   0%") == runs and err.count(" 4/4 ") >= runs, (args, err[-2000:])
+        assert err.count("convert: starting ranks") >= runs, (args, err[-2000:])   # (a bar from the start)
         assert "committed online steps" not in err, (args, err[-2000:])   # (these replay them: no note)
     monkeypatch.delenv("ADACHECK_PROGRESS")
     # a format that does not replay the deltas holds the base's step, and says so
