@@ -2,6 +2,7 @@
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -81,6 +82,7 @@ def test_deepspeed_universal_loads_with_stock_deepspeed(tmp_path):
         assert torch.equal(after[k], resumed[k]), k
 
 
+@pytest.mark.timeout(1500)     # (11 conversions, each starting DeepSpeed ranks: 100-340 s on 2 idle cores)
 def test_native_deepspeed_files_for_any_layout_and_back(tmp_path, monkeypatch, capsys):
     """adacheck convert --to deepspeed / --from deepspeed / --to adacheck: DeepSpeed itself writes
     and reads the native files in the target layout.  Stock engine.load_checkpoint of the

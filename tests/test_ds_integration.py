@@ -254,7 +254,8 @@ def test_retention_keeps_last_k(tmp_path):
     # what is left of older saves is exactly what the kept ones still read (unchanged buffers, RNG)
     needed = {b["file"] for t in committed for e in json.load(open(os.path.join(ck, t, "manifest.json")))[
         "tensors"].values() for b in e.get("boxes", []) if "/" in b["file"]}
-    left = {f"{t}/{f}" for t in os.listdir(ck) if t not in committed + ["latest"] for f in os.listdir(os.path.join(ck, t))}
+    left = {f"{t}/{f}" for t in os.listdir(ck) if t not in committed and os.path.isdir(os.path.join(ck, t))
+            for f in os.listdir(os.path.join(ck, t))}
     assert left == needed
 
 

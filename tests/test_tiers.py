@@ -810,7 +810,7 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT, ADACHECK_JOB="job-let-go", ADACHECK_MEMORY_DIR=f"{d}/shm"))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.strip().splitlines()[-1] == "['latest', 's2']", p.stdout     # (before the exit)
+    assert p.stdout.strip().splitlines()[-1] == "['README', 'latest', 's2']", p.stdout     # (before the exit)
     assert open(f"{ck}/latest").read().strip() == "s3"
     got = Checkpointer().load(SoloComm(), ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
     assert got[0].endswith("s3") and got[2] == [3.0] * 4
