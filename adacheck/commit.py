@@ -199,12 +199,18 @@ files of earlier ones.
 """
 
 
+def leave_file(save_dir: str, name: str, data: bytes, store: Storage = LOCAL) -> None:
+    """A file ``name`` beside the checkpoints of ``save_dir``, written once (an existing one stays)."""
+    path = store.join(save_dir, name)
+    if not store.exists(path):
+        store.make_dirs(save_dir)
+        store.write_atomic(path, data, fsync=False)
+
+
 def leave_readme(save_dir: str, store: Storage = LOCAL) -> None:
     """A README in ``save_dir`` (once) that tells a person or a stock loader's user what the
     directory holds and how to load or convert it."""
-    path = store.join(save_dir, README)
-    if not store.exists(path):
-        store.write_atomic(path, README_TEXT.encode("utf-8"), fsync=False)
+    leave_file(save_dir, README, README_TEXT.encode("utf-8"), store)
 
 
 def _is_shard_or_manifest(name: str) -> bool:

@@ -14,7 +14,7 @@ from deepspeed.utils import logger as ds_logger
 import adacheck
 from adacheck import checkpoint as core
 from adacheck import jsontree, lifecycle, pointer, recovery
-from adacheck.commit import latest_or_none
+from adacheck.commit import latest_or_none, leave_file
 from adacheck.config import AdaCheckConfig
 from adacheck.exchange import default_comm
 from adacheck.rng import rng_state, set_rng_state
@@ -72,11 +72,8 @@ def load_native(engine, *args, **kwargs):
 def leave_script(store, save_dir: str) -> None:
     """``zero_to_fp32.py`` in the save directory (once), as DeepSpeed leaves its own there: it
     writes the fp32 weights of the checkpoints beside it with only AdaCheck's core installed."""
-    path = store.join(save_dir, "zero_to_fp32.py")
-    if not store.exists(path):
-        with open(zero_to_fp32.__file__, "rb") as f:
-            store.make_dirs(save_dir)
-            store.write_atomic(path, f.read(), fsync=False)
+    with open(zero_to_fp32.__file__, "rb") as f:
+        leave_file(save_dir, "zero_to_fp32.py", f.read(), store)
 
 
 def param_dict(config_class) -> Optional[dict]:
