@@ -13,10 +13,11 @@ engine lacks it, engines get it as an empty set (what the removed feature held f
 sparse embeddings; 0.19.8 reduces every gradient dense). And DeepSpeed's ``DistributedFixture``
 (a class that a test names as a fixture, run on its own world size) makes itself a fixture through
 ``_pytestfixturefunction``, which pytest 8.4+ no longer reads ("fixture 'baseline_ws2' not found");
-where pytest does not see such a class as a fixture, the module's name is rebound to a fixture
-function with the ``is_dist_fixture`` flag DeepSpeed's conftest dispatches on, which runs the class
-as DeepSpeed's conftest does. ``ADACHECK_DS_SUITE_SHIMS=0`` turns both off. ``ADACHECK_DS_SUITE_PRELOAD=1`` makes the multiprocessing forkserver import torch and deepspeed
-once, so DistributedTest's ranks are forked with them imported instead of importing them each.
+where pytest does not see such a class as a fixture, a fixture of its name, visible in its module,
+runs the class as DeepSpeed's conftest does (``cls()(request)``).
+``ADACHECK_DS_SUITE_SHIMS=0`` turns both off. ``ADACHECK_DS_SUITE_PRELOAD=1`` makes the
+multiprocessing forkserver import torch and deepspeed once, so DistributedTest's ranks are forked
+with them imported instead of importing them each.
 
 With ``ADACHECK_DS_SUITE=1`` it also injects AdaCheck: ``import adacheck_ds`` and a wrapper around
 ``deepspeed.initialize`` that adds ``"adacheck": {"enabled": true}`` to the config it is given (a
@@ -300,25 +301,36 @@ def pytest_collectstart(collector):
         module = collector.obj       # (imported here rather than a moment later; an error shows there)
     except Exception:
         return
-    _distributed_fixtures(module)
+    holder = _distributed_fixtures(module)
+    if holder is not None:
+        collector.session._fixturemanager.parsefactories(holder=holder, node=collector)
 
 
-def _distributed_fixtures(module) -> None:
-    """Rebind each DistributedFixture subclass pytest does not see as a fixture (see the docstring)."""
+def _distributed_fixtures(module):
+    """A module of fixtures for the DistributedFixture subclasses of ``module`` that pytest does not
+    see as fixtures (see the docstring), or None.  The classes stay where they are: DistributedTest
+    pickles the fixture object to its ranks, which find the class by its name."""
+    import types
     import pytest
     from _pytest.fixtures import getfixturemarker
     base = getattr(sys.modules.get("unit.common"), "DistributedFixture", None)
     if base is None:
-        return
+        return None
+    holder = None
     for name, obj in list(vars(module).items()):
         if (inspect.isclass(obj) and issubclass(obj, base) and obj is not base and obj.__name__ == name
                 and isinstance(getattr(obj, "world_size", None), int) and getfixturemarker(obj) is None):
-            def fixture(cls=obj):
-                return cls()
+            def fixture(request, cls=obj):
+                # what DeepSpeed's conftest does for an is_dist_fixture in pytest_fixture_setup, in
+                # the fixture's body instead: a skip there (a fixture of more ranks than devices)
+                # left pytest >= 8.4's fixture state unfinished, failing the next parameter's setup
+                cls()(request)
             fixture.__name__ = name
-            fixture.is_dist_fixture = True
-            setattr(module, name, pytest.fixture(name=name)(fixture))
+            if holder is None:
+                holder = types.ModuleType(f"adacheck_ds_suite_fixtures_{module.__name__}")
+            setattr(holder, name, pytest.fixture(name=name)(fixture))
             log("shim", what=f"DistributedFixture {module.__name__}.{name} as a fixture")
+    return holder
 
 
 def pytest_collection_finish(session):

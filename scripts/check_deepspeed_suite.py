@@ -15,7 +15,7 @@ injected run built with AdaCheck attached and how many of its saves left a ``man
 AdaCheck, with the last line of each failure. Nothing is fetched: the tree is an argument.
 
     python scripts/check_deepspeed_suite.py DEEPSPEED_SRC [--files test_latest_checkpoint.py ...]
-        [--modes native adacheck] [--timeout 600] [--json OUT.json] [--logs DIR]
+        [--modes native adacheck] [--timeout 300] [--json OUT.json] [--logs DIR]
 
 The tests are copied into a scratch directory and run there (DeepSpeed's tests/conftest.py puts
 the directory above tests/ first on sys.path, which would import a source tree's own deepspeed/).
@@ -24,7 +24,14 @@ DS_UNITTEST_TIMEOUT and pytest-timeout are set from it, and a watchdog kills the
 group past it) is recorded as ``timeout`` and the file's remaining tests run in a new pytest.
 DS_ACCELERATOR defaults to ``cpu`` (gloo, DeepSpeed's own world sizes); its CPU accelerator then
 reports ``--devices`` devices (LOCAL_SIZE, default 2), so tests of up to 2 ranks run and larger ones
-skip, as do tests that need CUDA, in both modes alike. Exit status: 0 when no test passes natively
+skip, as do tests that need CUDA, in both modes alike.
+
+Both modes run with the same harness adaptations, none of which touches what a test asserts
+(``--no-shims`` turns the first two off): an empty ``sparse_tensor_module_names`` on engines of a
+DeepSpeed that removed it (0.19.8), DeepSpeed's ``DistributedFixture`` made a fixture again under
+pytest >= 8.4, the ranks forked from a forkserver that has imported torch and deepspeed
+(``--no-preload``), and DeepSpeed's JIT-built CPU ops (built once, before the first test) in a
+directory of this Python's own (TORCH_EXTENSIONS_DIR, unless set). Exit status: 0 when no test passes natively
 and fails with AdaCheck, 1 otherwise, 2 for a usage error or a run that found nothing to run.
 """
 from __future__ import annotations
@@ -84,13 +91,38 @@ def outcome_of(reports: list[dict]) -> str:
 
 
 def last_line(longrepr: str) -> str:
-    """The error line of a failure (E   ...), else its last non-empty line."""
+    """The error line of a failure (E   ...), else its last non-empty line; for an error of
+    AdaCheck's that names each rank's cause, the first cause too."""
     lines = [ln for ln in (longrepr or "").splitlines() if ln.strip()]
     errs = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
-    for ln in errs:
+    for i, ln in enumerate(errs):
         if re.match(r"^[\w.]+(Error|Exception|Exit|Failed|Interrupt)\b", ln) or ln.startswith("assert"):
-            return ln[:300]
+            cause = next((c for c in errs[i + 1:] if re.match(r"^rank \d+: ", c)), None)
+            return (ln[:200] + (f" ... {cause}" if cause else ""))[:500]
     return (errs[0] if errs else (lines[-1] if lines else ""))[:300]
+
+
+WARMUP = """
+from deepspeed.accelerator import get_accelerator
+for name in ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"):
+    try:
+        b = get_accelerator().create_op_builder(name)
+        if b is not None and b.is_compatible(verbose=False):
+            b.load(verbose=False)
+            print("built", name)
+    except Exception as e:
+        print("not built", name, type(e).__name__, e)
+"""
+
+
+def warm_up(env: dict, logs: str) -> None:
+    """Build DeepSpeed's JIT ops before the first test, so that no test's time includes a build."""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", WARMUP], env=env, capture_output=True, text=True, timeout=1800)
+    with open(os.path.join(logs, "warmup.log"), "w") as f:
+        f.write(p.stdout + "\n----- stderr\n" + p.stderr)
+    print(f"[suite] DeepSpeed ops ready in {time.time() - t0:.0f} s: "
+          + "; ".join(ln for ln in p.stdout.splitlines() if "built" in ln), flush=True)
 
 
 def collect(tests_dir: str, rel: str, env: dict, log_path: str, keyword: str | None = None) -> list[str]:
@@ -222,7 +254,10 @@ def main(argv=None) -> int:
     ap.add_argument("--files", nargs="+", help="test files of tests/unit/checkpoint/ (default: all test_*.py)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("-k", dest="keyword", help="pytest -k expression, to run a subset of each file")
-    ap.add_argument("--timeout", type=int, default=600, help="seconds per test (default 600)")
+    ap.add_argument("--timeout", type=int, default=300,
+                    help="seconds per test (default 300; DeepSpeed's own is 600). With AdaCheck, each "
+                         "test_universal_checkpoint test that converts runs into it (rank 0 fails, rank 1 "
+                         "waits in a barrier): --timeout 100 there")
     ap.add_argument("--source-label", help="what the tree is (e.g. its commit), when it is not a git checkout")
     ap.add_argument("--json", help="write every result (with failure text) to this file")
     ap.add_argument("--logs", help="directory for the pytest logs and event files (default: a temporary one)")
@@ -274,6 +309,14 @@ def main(argv=None) -> int:
         base_env["LOCAL_SIZE"] = str(a.devices)
     user_pp = [p for p in [os.environ.get("PYTHONPATH")] if p]
     base_env["PYTHONPATH"] = os.pathsep.join([site, HERE] + user_pp)
+    if "TORCH_EXTENSIONS_DIR" not in base_env:
+        # DeepSpeed's JIT-built ops (cpu_adam, fused_adam, shm_comm) in a directory of this Python's
+        # own: torch's default one is shared by every environment of the user, and two DeepSpeed
+        # installations rebuild each other's ops there (minutes per test)
+        import hashlib
+        tag = hashlib.sha1(sys.prefix.encode()).hexdigest()[:10]
+        base_env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.expanduser("~"), ".cache", "adacheck",
+                                                        f"torch_extensions-{tag}")
     base_env["ADACHECK_DS_SUITE_SHIMS"] = "0" if a.no_shims else "1"
     base_env["ADACHECK_DS_SUITE_PRELOAD"] = "0" if a.no_preload else "1"
     envs = {"native": dict(base_env), "adacheck": dict(base_env, ADACHECK_DS_SUITE="1")}
@@ -281,6 +324,8 @@ def main(argv=None) -> int:
     print(f"[suite] DeepSpeed tests from {a.deepspeed_src} (version.txt {version}, commit {commit}); "
           f"scratch {work}; logs {logs}", flush=True)
 
+    if base_env["DS_ACCELERATOR"] == "cpu":
+        warm_up(envs["native"], logs)
     report = {"deepspeed_src": os.path.abspath(a.deepspeed_src), "deepspeed_src_version": version,
               "deepspeed_src_commit": commit, "timeout_s": a.timeout,
               "shims": not a.no_shims, "preload": not a.no_preload, "files": {}}
