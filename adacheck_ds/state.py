@@ -152,11 +152,18 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
                                              replicated=lay.wrapper.optim_replicated(f.name, tp_copy)))
             else:
                 t = _state_tensor(v)
-                if t is None or t.dim() != 0:
+                if t is None:
                     raise StateError(f"optimizer state {key!r} of {f.name} is a {type(v).__name__} "
                                      f"that AdaCheck cannot map to parameters; supported: tensors "
-                                     "shaped like the parameter, and scalars")
-                shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", (), Box.full(()), t))
+                                     "(shaped like the parameter, or stored whole), and numbers")
+                if t.dim() and tuple(t.shape) == tuple(shape):
+                    # (a load takes a tensor of the parameter's shape for its elements)
+                    raise StateError(f"optimizer state {key!r} of {f.name} has the parameter's shape "
+                                     f"{list(shape)} but not the {f.base_param.numel()} elements of the "
+                                     "tensor the optimizer steps; AdaCheck cannot tell whether it is "
+                                     "per element or one value for the whole tensor")
+                # a scalar or a small tensor of its own (a step count): whole, with each parameter
+                shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", tuple(t.shape), Box.full(t.shape), t))
     for n, (start, view) in lay.lp_views.items():
         shape, origin = lay.origin[n]
         derive = f"master/{n}" if (has_master and n in lay.trained) else None
@@ -326,6 +333,13 @@ def state_entry(r: CheckpointReader, lay: Layout, keys, frags, numel: int, shape
             t = r.read(f"optim/{key}/{frs[0].name}")
             # a Python int (DeepSpeed's Adam counts steps that way) was saved as int64
             entry[key] = t.item() if t.dtype == torch.int64 else t
+        elif tuple(e0.shape) != tuple(lay.origin[frs[0].name][0]):
+            # a tensor of its own shape, stored whole with each parameter (collect_shards)
+            ts = [r.read(f"optim/{key}/{f.name}") for f in frs]
+            if any(not torch.equal(t, ts[0]) for t in ts[1:]):
+                raise StateError(f"optimizer state {key!r} differs between parameters that now "
+                                 "share one partition; cannot merge them")
+            entry[key] = ts[0]
         else:
             entry[key] = _flat_of(r, lay, f"optim/{key}/", frs, numel, torch_dtype(e0.dtype)).view(shape)
     return entry

@@ -23,11 +23,12 @@ class Plain(Wrapper):
         base = getattr(opt, "optimizer", opt) if opt is not None else None
         if base is not None and not isinstance(base, torch.optim.Optimizer):
             raise StateError(f"AdaCheck does not know the optimizer wrapper {type(opt).__name__} "
-                             "(supported: ZeRO 1/2/3, DeepSpeed's BF16 optimizer, a plain torch optimizer)")
+                             "(supported: ZeRO 1/2/3, DeepSpeed's BF16_Optimizer, FP16_Optimizer, "
+                             "FP16_UnfusedOptimizer, a plain torch optimizer)")
         if opt is not None and opt is not base and any(p.dtype != torch.float32 for p in names):
             raise StateError(f"{type(opt).__name__} keeps fp32 master weights in a layout AdaCheck does "
-                             "not know; supported without ZeRO: a plain torch optimizer and "
-                             "FP16_UnfusedOptimizer (use ZeRO stage 1-3 otherwise)")
+                             "not know; supported without ZeRO: a plain torch optimizer, "
+                             "FP16_Optimizer and FP16_UnfusedOptimizer (use ZeRO stage 1-3 otherwise)")
         lay = Layout(stage, self, base, groups=[[names[p] for p in g["params"] if p in names]
                                                 for g in base.param_groups] if base else [])
         lp_views_whole(lay, names)
