@@ -42,7 +42,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -90,10 +90,9 @@ def _streaming_strategy(load: Callable[[str], torch.Tensor]):
                                  f"{want.dtype}{list(want.shape)}")
             return t
 
-    class Streaming(SaveShardedStrategy):
-        def can_handle_sharded_objects(self):
-            return True
-
+    # a TorchDistSaveShardedStrategy, not a SaveShardedStrategy: megatron-core 0.19 removed the
+    # base class, and its dist_checkpointing.save replaces any strategy of another class
+    class Streaming(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
             flat = {}
             for v in nested_values(sharded_state_dict):
@@ -187,11 +186,12 @@ def _fully_reshardable(src: str, opt) -> Optional[list]:
 
 def _plain_sharded_objects(src: str) -> dict:
     """A torch_dist checkpoint's ShardedObjects that are plain values, by unique key (RNG states are
-    per rank and layout: not converted; any other is left out with a warning)."""
+    per rank and layout: not converted; any other is left out with a warning). The common state,
+    a ShardedObject 'common_state' from megatron-core 0.19 on, is load_common_state_dict's."""
     sharded_objects, skipped = {}, []
     want = {v.unique_key: ShardedObject.empty_from_unique_key(v.unique_key)
             for v in load_sharded_metadata(src).values()
-            if isinstance(v, ShardedObject) and v.key != "rng_state"}
+            if isinstance(v, ShardedObject) and v.key not in ("rng_state", "common_state")}
     for uk, got in sorted((dist_checkpointing.load(want, src) if want else {}).items()):
         try:
             jsontree.encode(got, uk)
