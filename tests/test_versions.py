@@ -44,3 +44,21 @@ def test_an_untested_torch_is_named_once(tmp_path):
     p = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONPATH=ROOT), cwd=str(tmp_path))
     assert p.returncode == 0 and p.stdout == "", p.stdout + p.stderr[-2000:]
+
+
+def test_a_megatron_core_source_tree_is_named_by_its_package_info(tmp_path):
+    # a Megatron-LM tree on PYTHONPATH (no pip metadata; the installed megatron-core's says
+    # 0.16.1): its megatron/core/package_info.py gives the version, read without importing it
+    core = tmp_path / "tree" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("raise RuntimeError('megatron.core must not be imported')\n")
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 0\nPRE_RELEASE = ''\n"
+                                          "VERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "tree"), ROOT]))
+    p = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-2000:]
+    said = p.stdout.strip().splitlines()
+    assert len(said) == 1, p.stdout
+    assert "AdaCheck is tested with megatron-core 0.16.x and found 0.19.0" in said[0]
+    assert said[0].startswith("<string>:")
