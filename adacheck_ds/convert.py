@@ -18,7 +18,7 @@ from adacheck.convert import output_dir, weight_sources
 from adacheck.errors import StateError
 
 from .saved import Objects
-from .state import state_keys
+from .state import refuse_topology, state_keys
 
 
 def _params(r: CheckpointReader):
@@ -37,6 +37,7 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     m = r.manifest
     r.framework("deepspeed", "DeepSpeed", "universal conversion needs a DeepSpeed checkpoint")
     objects = Objects.of(r.objects(), f"the objects of {ckpt}")
+    refuse_topology(ckpt, m, "the conversion to DeepSpeed's universal format")
     model = objects.model(ckpt)
     final = os.path.join(out_dir, m.tag)
     names = _params(r)

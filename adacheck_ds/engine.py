@@ -9,6 +9,7 @@ from typing import Optional
 import deepspeed
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
 import adacheck
@@ -23,8 +24,8 @@ from adacheck.storage import is_url
 from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
-from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, partition_map,
-                    stage_load, tied_parameters)
+from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, module_names, named,
+                    partition_map, pipeline, stage_load, tied_parameters)
 
 log = logging.getLogger("adacheck")
 
@@ -54,7 +55,12 @@ def checkpoint_event(optimizer):
 
 
 def _native(method: str):
-    """DeepSpeed's own DeepSpeedEngine method (the one adacheck_ds replaced keeps it as __wrapped__)."""
+    """DeepSpeed's own DeepSpeedEngine method: the one adacheck_ds.install() replaced (another
+    wrapper put over the engine's method later, e.g. with functools.wraps, is skipped: through
+    it the native load would call AdaCheck's again, without end)."""
+    import adacheck_ds
+    if method in adacheck_ds.DEEPSPEED_METHODS:
+        return adacheck_ds.DEEPSPEED_METHODS[method]
     found = getattr(DeepSpeedEngine, method)
     return getattr(found, "__wrapped__", found)
 
@@ -114,9 +120,11 @@ class AdaCheckDeepSpeed:
             # one hook on the engine's step and destroy: the online mode records each step, a
             # finished background save is reported at the next step (cheap when none is), and
             # destroy waits for it while the process groups still exist (with the memory tier:
-            # and persists the newest memory checkpoint, then frees the memory)
-            self._step, self._destroy = engine.step, getattr(engine, "destroy", None)
-            engine.step = self._on_step
+            # and persists the newest memory checkpoint, then frees the memory).  A PipelineEngine
+            # steps inside train_batch (its own step() refuses to be called)
+            self._stepper = "train_batch" if isinstance(engine, PipelineEngine) else "step"
+            self._step, self._destroy = getattr(engine, self._stepper), getattr(engine, "destroy", None)
+            setattr(engine, self._stepper, self._on_step)
             if self._destroy is not None:
                 engine.destroy = self._finish_and_destroy
 
@@ -138,7 +146,8 @@ class AdaCheckDeepSpeed:
             self.checkpointer.tiered.close()
         if self.online is not None:
             self.online.close()
-        self.engine.step, self.engine.destroy = self._step, self._destroy
+        setattr(self.engine, self._stepper, self._step)
+        self.engine.destroy = self._destroy
         return self._destroy(*args, **kwargs)
 
     def _said(self, report: dict) -> None:
@@ -211,7 +220,7 @@ class AdaCheckDeepSpeed:
         lay = describe(e)
         shards = collect_shards(e, lay)
         if exclude_frozen:
-            frozen = {f"model/{n}" for n, p in e.module.named_parameters() if not p.requires_grad}
+            frozen = {f"model/{n}" for n, p in named(e) if not p.requires_grad}
             shards = [s for s in shards if s.name not in frozen]
         strict = self.config.strict_objects
         now = self.scalars()
@@ -225,8 +234,8 @@ class AdaCheckDeepSpeed:
             model_spec=self._model_spec(lay).tree())
         dp_rank, dp_size = data_parallel(e)
         sizes = {"zero_stage": lay.stage, "optimizer": lay.wrapper.name, "dp_world_size": dp_size,
-                 "tp_world_size": lay.tp[1]}
-        layout = dict(sizes, dp_rank=dp_rank, tp_rank=lay.tp[0])
+                 "tp_world_size": lay.tp[1], "pp_world_size": pp_size}
+        layout = dict(sizes, dp_rank=dp_rank, tp_rank=lay.tp[0], pp_rank=pp_rank)
         framework = dict(sizes, name="deepspeed", deepspeed=deepspeed.__version__, torch=torch.__version__,
                          adacheck=adacheck.__version__,
                          dtype="bf16" if e.bfloat16_enabled() else "fp16" if e.fp16_enabled() else "fp32")
@@ -234,6 +243,7 @@ class AdaCheckDeepSpeed:
         if self.online is not None and lay.wrapper.flat_partitions:
             # what this rank's partitions are made of: its deltas replay on another DP size too
             rank_objects.partitions = partition_map(lay, self.online.tap.key_of)
+        pp_rank, pp_size = pipeline(e)
         return core.LocalState(shards=shards, objects=objects.tree(), rank_objects=rank_objects.tree(),
                                layout=layout, framework=framework, step=int(e.global_steps))
 
@@ -246,9 +256,9 @@ class AdaCheckDeepSpeed:
         base = lay.base_optimizer
         raw = param_dict(getattr(e, "_config", None))
         cfg = {k: v for k, v in raw.items() if k != "adacheck"} if raw is not None else None
-        return SavedModel(parameters=[[n, bool(p.requires_grad)] for n, p in e.module.named_parameters()],
+        spec = SavedModel(parameters=[[n, bool(p.requires_grad)] for n, p in named(e)],
                           tensor_parallel={"size": lay.tp[1], "partition_dims": dict(sorted(lay.split.items()))},
-                          buffers=[n for n, _ in e.module.named_buffers()],
+                          buffers=[n for n, _ in named(e, buffers=True)],
                           groups=lay.groups,
                           optimizer=class_path(base) if base is not None else None,
                           ds_config=(jsontree.saveable(cfg, "ds_config", False)
@@ -264,6 +274,30 @@ class AdaCheckDeepSpeed:
 
     def scalars(self) -> Scalars:
         """The engine's counters, LR scheduler state and loss scaler state now."""
+        return self._whole_model(spec) if pipeline(e)[1] > 1 or getattr(e, "has_moe_layers", False) else spec
+
+    @staticmethod
+    def _whole_model(spec: SavedModel) -> SavedModel:
+        """Every rank's part of the model description as one (collective): parameters, buffers
+        and each optimizer group's names in rank order (pipeline stages in order, a tied weight
+        once, where its first stage lists it; MoE experts held by other ranks after them)."""
+        every = default_comm().all_gather_object(spec.tree())
+        params, buffers, groups, shared, seen = [], [], [[] for _ in spec.groups], {}, set()
+        for tree in every:      # (global rank order: the stages in order, each stage's ranks alike)
+            part = SavedModel.of(tree, "a stage's model description")
+            for n, trainable in part.parameters:
+                if n not in seen:
+                    seen.add(n)
+                    params.append([n, trainable])
+            buffers += [n for n in part.buffers if n not in buffers]
+            if len(part.groups) != len(groups):
+                raise adacheck.StateError(f"the pipeline stages have different numbers of optimizer param groups "
+                                          f"({len(part.groups)} and {len(groups)}); AdaCheck needs the same on every stage")
+            for mine, theirs in zip(groups, part.groups):
+                mine += [n for n in theirs if n not in mine]
+            shared.update(part.shared or {})
+        return SavedModel(parameters=params, buffers=buffers, groups=groups, shared=shared,
+                          tensor_parallel=spec.tensor_parallel, optimizer=spec.optimizer, ds_config=spec.ds_config)
         e, sc = self.engine, self._scaler()
         sched = e.lr_scheduler
         return Scalars(
@@ -310,7 +344,8 @@ class AdaCheckDeepSpeed:
             return st.objects
 
         ckpt_dir, manifest, objects = self.checkpointer.load(
-            comm, load_dir, tag, lambda r: stage_load(e, r, want_optim, load_module_strict, comm.rank), apply,
+            comm, load_dir, tag, lambda r: stage_load(e, r, want_optim, load_module_strict, comm.rank, everywhere),
+            apply,
             how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
         replay = None
         if want_optim and load_lr_scheduler_states:
@@ -321,6 +356,12 @@ class AdaCheckDeepSpeed:
                                    recorder=self.online.recorder if self.online is not None else None)
         if done.steps:
             self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
+        # a checkpoint holds every pipeline stage's and every expert's tensors: those other ranks hold
+        # are expected
+        everywhere = None
+        if comm.world_size > 1:
+            every = comm.all_gather_object(module_names(e))
+            everywhere = (set().union(*(p for p, _ in every)), set().union(*(b for _, b in every)))
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, done.step)
         return ckpt_dir, objects.client_state
 

@@ -54,6 +54,7 @@ from adacheck.convert import publish, refuse_existing
 from adacheck.errors import ConfigError, StateError
 from adacheck.types import torch_dtype
 from .saved import Objects
+from .state import refuse_topology
 
 DIRECTIONS = ("to-native", "from-native", "materialise")
 # keys DeepSpeed writes into its model-states dict; some versions hand some of them back as
@@ -91,6 +92,7 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
     m = r.manifest
     r.framework("deepspeed", "DeepSpeed", "this conversion rebuilds DeepSpeed engines (Megatron: --to "
                 "torch-dist, or load in the training job and save to materialise online deltas)")
+    refuse_topology(ckpt_dir, m, "the conversion to native DeepSpeed files")
     objects = Objects.of(r.objects(), f"the objects of {ckpt_dir}")
     saved = objects.model(ckpt_dir)
     if saved is None:

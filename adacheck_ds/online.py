@@ -26,7 +26,7 @@ from adacheck.optimtap import OptimizerTap, Shadow
 from adacheck.rng import set_rng_state
 
 from .saved import RankObjects, StepScalars
-from .state import class_path, data_parallel, data_parallel_ranks, describe, read_partition
+from .state import class_path, data_parallel, data_parallel_ranks, describe, pipeline, read_partition
 from .wrappers import Frag
 
 log = logging.getLogger("adacheck")
@@ -38,7 +38,9 @@ def _tap(engine) -> tuple:
         raise ConfigError("adacheck.online needs an optimizer (the engine has none)")
     # tensor-parallel ranks hold other slices under the same optimizer positions: keys carry the
     # TP rank, so equal keys mean the same tensor
-    prefix = f"tp{lay.tp[0]}." if lay.tp[1] > 1 else ""
+    # (and pipeline stages other tensors altogether)
+    stage, stages = pipeline(engine)
+    prefix = (f"tp{lay.tp[0]}." if lay.tp[1] > 1 else "") + (f"pp{stage}." if stages > 1 else "")
     return lay, OptimizerTap([lay.base_optimizer], prefix=prefix, extra=[lay.wrapper.tap_tensors()])
 
 
@@ -53,6 +55,11 @@ class OnlineDS:
                               "step, before any save_checkpoint call names a directory")
         self.save_dir = ac.config.save_dir
         self.lay, self.tap = _tap(e)
+        if self.lay.wrapper.replicated and getattr(e, "has_moe_layers", False):
+            raise ConfigError("adacheck.online with DeepSpeed-MoE experts needs ZeRO stage 1-3: without ZeRO, "
+                              "AdaCheck stores each gradient once per data-parallel group, but each rank's "
+                              "experts are other experts; set zero_optimization.stage to 1 or 2, or disable "
+                              "adacheck.online")
         mine, rec = None, ac.checkpointer.recording(default_comm(), self.save_dir)
         if self.lay.wrapper.replicated:   # stored once per data-parallel group (per node), by a balanced choice
             me, group = data_parallel(e)[0], data_parallel_ranks(e)
@@ -101,18 +108,24 @@ class Replay:
         same = world == comm.world_size
         # the same optimizer code makes the same arithmetic: a ZeRO-Offload run (DeepSpeedCPUAdam)
         # resumed without offload (torch's or DeepSpeed's fused Adam) would not replay bit-exactly
-        if (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1))) != \
-                (lay.stage, lay.wrapper.name, lay.tp[1]) or self.saved_optimizer not in (None, mine):
+        pp = pipeline(self.engine)[1]
+        if (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1)),
+                int(fw.get("pp_world_size", 1))) != (lay.stage, lay.wrapper.name, lay.tp[1], pp) \
+                or self.saved_optimizer not in (None, mine):
             return recovery.ReplayPlan(same, refused=(
                 f"they were recorded by ZeRO-{fw.get('zero_stage')}/{fw.get('optimizer')} with "
-                f"{self.saved_optimizer or 'its optimizer'} (TP={fw.get('tp_world_size', 1)}), which this "
-                f"ZeRO-{lay.stage}/{lay.wrapper.name} engine with {mine} (TP={lay.tp[1]}) is not"))
+                f"{self.saved_optimizer or 'its optimizer'} (TP={fw.get('tp_world_size', 1)}, "
+                f"PP={fw.get('pp_world_size', 1)}), which this ZeRO-{lay.stage}/{lay.wrapper.name} engine "
+                f"with {mine} (TP={lay.tp[1]}, PP={pp}) is not"))
         if same:
             return recovery.ReplayPlan(True)
+        if getattr(self.engine, "has_moe_layers", False):
+            return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks with DeepSpeed-MoE "
+                                                      "experts, which replay only on as many ranks")
         saved = manifest.layout.get("ranks", [])
         # the saving rank at this tensor-parallel rank whose record of the last step this rank restores
-        follow = recovery.follow_rank(saved, {"tp_rank": lay.tp[0], "dp_rank": data_parallel(self.engine)[0]},
-                                      ("tp_rank",))
+        follow = recovery.follow_rank(saved, {"tp_rank": lay.tp[0], "pp_rank": pipeline(self.engine)[0],
+                                              "dp_rank": data_parallel(self.engine)[0]}, ("tp_rank", "pp_rank"))
         if lay.wrapper.replicated:
             # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients: its
             # deltas replay on any data-parallel size

@@ -36,10 +36,65 @@ def tensor_parallel(engine) -> Tuple[int, int]:
     mpu = getattr(engine, "mpu", None)
     if mpu is None:
         return 0, 1
-    if bwc_pipeline_parallel_world_size(mpu) > 1:
-        raise StateError("AdaCheck's DeepSpeed integration does not support pipeline parallelism (the mpu "
-                         "reports a pipeline size > 1); use Megatron with --adacheck for pipelines")
     return int(bwc_tensor_model_parallel_rank(mpu)), int(bwc_tensor_model_parallel_world_size(mpu))
+
+
+def pipeline(engine) -> Tuple[int, int]:
+    """(stage, number of stages) of the engine's pipeline (a PipelineEngine's grid, or a
+    Megatron-DeepSpeed ``mpu``); (0, 1) without one."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None or bwc_pipeline_parallel_world_size(mpu) <= 1:
+        return 0, 1
+    return int(mpu.get_pipeline_model_parallel_rank()), int(bwc_pipeline_parallel_world_size(mpu))
+
+
+def _expert_names(engine) -> Dict[str, str]:
+    """DeepSpeed-MoE experts: each name of a rank's local expert i of a MoE layer -> the name of
+    global expert ``ep_rank * num_local_experts + i`` (as DeepSpeed's native expert files name
+    them), so that the same expert has the same name on every rank that holds it, whatever the
+    expert-parallel size."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+    out: Dict[str, str] = {}
+    for mname, m in engine.module.named_modules():
+        if not isinstance(m, MoE):
+            continue
+        local, ep_rank = m.num_local_experts, groups._get_expert_parallel_rank(m.expert_group_name)
+        experts = m.deepspeed_moe.experts.deepspeed_experts
+        at = f"{mname}.deepspeed_moe.experts.deepspeed_experts." if mname else "deepspeed_moe.experts.deepspeed_experts."
+        for i, expert in enumerate(experts):
+            mine, theirs = f"{at}{i}.", f"{at}{ep_rank * local + i}."
+            for n, _ in [*expert.named_parameters(), *expert.named_buffers()]:
+                out[mine + n] = theirs + n
+    return out
+
+
+def named(engine, buffers: bool = False) -> List[Tuple[str, torch.Tensor]]:
+    """The engine's parameters (or non-None buffers) in module order, by their logical names:
+    the module's, a MoE expert's under its global id (:func:`_expert_names`)."""
+    rename = _expert_names(engine) if getattr(engine, "has_moe_layers", False) else {}
+    items = engine.module.named_buffers() if buffers else engine.module.named_parameters()
+    return [(rename.get(n, n), t) for n, t in items if t is not None]
+
+
+def pipe_copy(p) -> bool:
+    """A tied parameter's copy on a later pipeline stage (DeepSpeed marks those
+    ``ds_pipe_replicated``: the first stage that holds it owns it)."""
+    return bool(getattr(p, "ds_pipe_replicated", False))
+
+
+def refuse_topology(ckpt_dir: str, m, what: str) -> None:
+    """A checkpoint of a PipelineEngine or of a model with DeepSpeed-MoE experts: ``what`` does
+    not write those layouts (their native files are per layer / per expert), so it is refused
+    with what to do instead."""
+    pp = int(m.framework.get("pp_world_size", 1))
+    experts = any(".deepspeed_experts." in n for n in m.tensors)
+    if pp > 1 or experts:
+        kind = f"a {pp}-stage PipelineEngine" if pp > 1 else "a model with DeepSpeed-MoE experts"
+        raise StateError(f"{ckpt_dir} was saved by {kind}; {what} does not write that layout yet. Load it "
+                         "with AdaCheck enabled into the training job's engine (any number of pipeline stages "
+                         "or expert-parallel size), or export its fp32 weights with the zero_to_fp32.py "
+                         "beside it")
 
 
 def data_parallel(engine) -> Tuple[int, int]:
@@ -63,7 +118,7 @@ def data_parallel_ranks(engine) -> List[int]:
 def _place_params(engine, lay: "Layout") -> None:
     """Each parameter's logical shape and the box of it this rank holds (``lay.origin``)."""
     lay.tp = tp_rank, tp = tensor_parallel(engine)
-    for n, p in engine.module.named_parameters():
+    for n, p in named(engine):
         local = tuple(getattr(p, "ds_shape", p.shape))
         dim, stride = getattr(p, "partition_dim", None), getattr(p, "partition_stride", 1)
         if tp == 1 or not is_model_parallel_parameter(p):
@@ -108,7 +163,7 @@ def class_path(obj) -> str:
 def describe(engine) -> Layout:
     """Where this rank's part of every parameter lives in the engine, for any ZeRO stage (its
     optimizer wrapper's kind says: see adacheck_ds.wrappers)."""
-    names = {p: n for n, p in engine.module.named_parameters()}
+    names = {p: n for n, p in named(engine)}
     lay = wrapper_of(engine).describe(engine.zero_optimization_stage(), names)
     _place_params(engine, lay)
     return lay
@@ -136,13 +191,20 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
     for f in lay.frags:
         shape, origin = lay.origin[f.name]
         if has_master:
-            for b, t in flat_views(origin, f.start, f.master):
-                shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t,
-                                         replicated=f.name in tp_copy))
             lstart, lview = lay.lp_views[f.name]
             lo = f.start - lstart
             lp = lview.narrow(0, lo, f.numel)
             proven[f.name] = proven[f.name] and same_bytes(lp, f.master.to(lp.dtype))
+        if lay.wrapper.flat_partitions and pipe_copy(f.param):
+            # a tied weight's master and optimizer state on a later stage: the same values as on
+            # the owning stage (DeepSpeed sums the tied gradients across the stages before each
+            # step), in partitions cut elsewhere, so its boxes would overlap the owner's; stored
+            # from the owner only (its module weights, whole on every stage, are compared by hash)
+            continue
+        if has_master:
+            for b, t in flat_views(origin, f.start, f.master):
+                shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t,
+                                         replicated=f.name in tp_copy))
         state = lay.base_optimizer.state.get(f.base_param, {}) if lay.base_optimizer else {}
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel() == f.base_param.numel() and v.dim() >= 1:
@@ -173,7 +235,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
         for b, t in flat_views(origin, start, view):
             shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
                                      replicated=lay.wrapper.model_replicated(n, tp_copy)))
-    for n, buf in engine.module.named_buffers():
+    for n, buf in named(engine, buffers=True):
         if buf is not None:
             shards.append(LocalShard(f"buffer/{n}", "buffer", tuple(buf.shape), Box.full(buf.shape),
                                      buf.detach()))
@@ -230,15 +292,23 @@ def _names_in(r: CheckpointReader, prefix: str) -> set:
     return {n[len(prefix):] for n in r.names() if n.startswith(prefix)}
 
 
-def _check_names(engine, r: CheckpointReader, strict: bool) -> set:
-    """Parameters to restore; like nn.Module.load_state_dict(strict=...) for missing/unexpected."""
-    params = dict(engine.module.named_parameters())
+def module_names(engine) -> Tuple[set, set]:
+    """The names of the engine's parameters and (non-None) buffers."""
+    return {n for n, _ in named(engine)}, {n for n, _ in named(engine, buffers=True)}
+
+
+def _check_names(engine, r: CheckpointReader, strict: bool, everywhere: Optional[Tuple[set, set]] = None) -> set:
+    """Parameters to restore; like nn.Module.load_state_dict(strict=...) for missing/unexpected
+    (``everywhere``: the parameter and buffer names of every pipeline stage, which a checkpoint
+    may hold besides this stage's own)."""
+    params = dict(named(engine))
+    every_param, every_buffer = everywhere if everywhere is not None else module_names(engine)
     saved = _names_in(r, "model/") | _names_in(r, "master/")
     missing = [n for n in params if n not in saved]
-    unexpected = sorted(saved - set(params))
-    buffers = {n for n, b in engine.module.named_buffers() if b is not None}
+    unexpected = sorted(saved - every_param)
+    buffers = {n for n, _ in named(engine, buffers=True)}
     missing += sorted(buffers - _names_in(r, "buffer/"))
-    unexpected += sorted(_names_in(r, "buffer/") - buffers)
+    unexpected += sorted(_names_in(r, "buffer/") - every_buffer)
     if strict and (missing or unexpected):
         frozen = [n for n in missing if n in params and not params[n].requires_grad]
         hint = (" (frozen parameters are missing when the checkpoint was saved with "
@@ -250,15 +320,17 @@ def _check_names(engine, r: CheckpointReader, strict: bool) -> set:
     return set(params) - set(missing)   # buffers: stage_load takes those the checkpoint has
 
 
-def stage_load(engine, r: CheckpointReader, load_optimizer_states: bool, strict: bool, rank: int) -> Staged:
+def stage_load(engine, r: CheckpointReader, load_optimizer_states: bool, strict: bool, rank: int,
+               everywhere: Optional[Tuple[set, set]] = None) -> Staged:
     """This rank's part of checkpoint ``r`` for ``engine`` (``strict``: as
-    ``load_module_strict``), read; nothing of the engine is changed."""
+    ``load_module_strict``; ``everywhere``: as :func:`_check_names`), read; nothing of the
+    engine is changed."""
     lay = describe(engine)
     objects = Objects.of(r.objects(), f"the objects of {r.dir}")
     saved_rank = rank < r.manifest.topology.get("world_size", 1)
     st = Staged(lay, objects, RankObjects.of(r.objects(rank), f"rank {rank}'s objects of {r.dir}")
                 if saved_rank else None)
-    keep = _check_names(engine, r, strict)
+    keep = _check_names(engine, r, strict, everywhere)
     for n in keep:
         src = r.entry(_master_source(r, n))
         shape = lay.origin[n][0]
@@ -275,7 +347,7 @@ def stage_load(engine, r: CheckpointReader, load_optimizer_states: bool, strict:
         if n in keep and n not in st.refresh:
             st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype,
                                    within=lay.origin[n][1])
-    for n, buf in engine.module.named_buffers():
+    for n, buf in named(engine, buffers=True):
         if buf is not None and r.has(f"buffer/{n}"):
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
     if lay.base_optimizer is not None and load_optimizer_states:
@@ -389,7 +461,7 @@ def apply_load(engine, st: Staged) -> None:
         for n, (start, view) in lay.lp_views.items():
             if n in st.lp:
                 view.copy_(st.lp[n])
-        named_buffers = dict(engine.module.named_buffers())
+        named_buffers = dict(named(engine, buffers=True))
         for n, t in st.buffers.items():
             named_buffers[n].copy_(t)
     if st.refresh:          # (collective: every rank decided the same from the manifest)

@@ -403,6 +403,8 @@ def main():
                     raise
             else:
                 raise AssertionError(f"expected building the engine to fail with {run['init_error']!r}")
+            with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
+                json.dump(results, f)
             continue
         engine = make_engine(run)
         for a in run["actions"]:
@@ -413,7 +415,8 @@ def main():
     torch.distributed.barrier()
 
 
-if __name__ == "__main__":
+def run_main():
+    """The rank's whole life (also of pipe_worker.py, which replaces the model parts)."""
     try:
         main()
         # Tear gloo down explicitly: left to interpreter shutdown, its threads can abort the
@@ -425,3 +428,7 @@ if __name__ == "__main__":
         os._exit(1)
     sys.stdout.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    run_main()

@@ -30,6 +30,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELOAD = {
     "ds_worker.py": ["torch", "torch._dynamo", "deepspeed", "safetensors.torch", "adacheck_ds"],
+    "pipe_worker.py": ["torch", "torch._dynamo", "deepspeed", "deepspeed.pipe", "safetensors.torch", "adacheck_ds"],
+    "moe_worker.py": ["torch", "torch._dynamo", "deepspeed", "deepspeed.moe.layer", "safetensors.torch", "adacheck_ds"],
     "megatron_worker.py": ["torch", "torch._dynamo", "pretrain_gpt"],      # (scripts/pretrain_gpt.py)
     "hf_worker.py": ["torch", "torch._dynamo", "deepspeed", "transformers.trainer",
                      "transformers.models.gpt2.modeling_gpt2", "adacheck_ds"],
