@@ -29,9 +29,10 @@ def _params(r: CheckpointReader):
 
 
 def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool = True,
-                 progress: Optional[Callable[[int, int], None]] = None) -> str:
+                 progress: Optional[Callable[[int, int], None]] = None, out_name: Optional[str] = None) -> str:
     """Convert the AdaCheck checkpoint ``src`` (save dir or checkpoint dir) to a DeepSpeed
-    universal checkpoint in ``out_dir``; returns the written checkpoint directory."""
+    universal checkpoint in ``out_dir``, in a folder named ``out_name`` (default: the checkpoint's
+    tag), which ``out_dir``'s ``latest_universal`` then names; returns that folder."""
     ckpt = resolve(src, tag)
     r = CheckpointReader(ckpt, verify=verify, cache_bytes=32 << 20)
     m = r.manifest
@@ -39,13 +40,14 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     objects = Objects.of(r.objects(), f"the objects of {ckpt}")
     refuse_topology(ckpt, m, "the conversion to DeepSpeed's universal format")
     model = objects.model(ckpt)
-    final = os.path.join(out_dir, m.tag)
+    out_name = m.tag if out_name is None else out_name
+    final = os.path.join(out_dir, out_name)
     names = _params(r)
     keys = state_keys(r)
     # tensor-parallel parameters: a TP engine's load_universal cuts its slice along cat_dim
     split = model.partition_dims if model is not None else {}
     done, total = 0, len(names)
-    with output_dir(final, os.path.join(out_dir, "latest_universal"), m.tag) as tmp:
+    with output_dir(final, os.path.join(out_dir, "latest_universal"), out_name) as tmp:
         os.makedirs(os.path.join(tmp, "zero"))
         steps = set()
         for name in names:
@@ -66,6 +68,10 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
                 if key == "step":   # DeepSpeed's Adam counts in Python ints, torch's in tensors
                     steps.add(float(v))
                     torch.save(v.item() if v.dtype == torch.int64 else v, os.path.join(folder, "step.pt"))
+                elif v.dim() and tuple(v.shape) != tuple(m.tensors[f"model/{name}"].shape):
+                    raise StateError(f"optimizer state {key!r} of {name} is one {list(v.shape)} tensor for the "
+                                     "whole tensor the optimizer stepped, not a value per element; DeepSpeed's "
+                                     "universal format holds per-element state and 'step' only")
                 else:
                     torch.save({"param": v, **tp}, os.path.join(folder, f"{key}.pt"))
             done += 1

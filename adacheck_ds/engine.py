@@ -102,6 +102,16 @@ def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
     return d if any(f.endswith("model_states.pt") for f in os.listdir(d)) else None
 
 
+def _latest_universal(load_dir: str) -> Optional[str]:
+    """The tag DeepSpeed's load takes with ``checkpoint.load_universal`` and no tag: what
+    ``load_dir/latest_universal`` names (DeepSpeed's universal conversion writes it), or None."""
+    path = os.path.join(load_dir, "latest_universal")
+    if is_url(load_dir) or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
 class AdaCheckDeepSpeed:
     """The AdaCheck checkpointer attached to one engine (``engine.adacheck``)."""
 
@@ -319,6 +329,8 @@ class AdaCheckDeepSpeed:
             load_dir, until = self.config.save_dir or load_dir, self.replay_until
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
+        if tag is None and e.load_universal_checkpoint():
+            tag = _latest_universal(load_dir)    # (None: AdaCheck's own 'latest')
         self.finish()     # an asynchronous save in flight commits first
         if tag is None and not self.checkpointer.has_checkpoint(load_dir, comm):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)

@@ -10,11 +10,16 @@ and actions, plus
                                  each tensor the base optimizer steps and its state by position,
                                  the loss scale) and records the state's Python types
   ["kind"]                       records the class of engine.optimizer
+  ["load_native_kw", DIR, KWARGS] DeepSpeed's own load_checkpoint with those arguments
+  ["load_custom_fn", DIR]        load_checkpoint with a custom_load_fn
+  ["wrap_methods"]               DeepSpeedEngine's save/load_checkpoint wrapped (functools.wraps)
+                                 by a decorator that counts calls, as a user's may be
 
 and a dump (ds_worker's full_state) of DeepSpeed's FP16_Optimizer (ZeRO-0 fp16 / bf16 with
 DeepSpeed's fused Adam), which DeepSpeed's safe_get_full_* API does not cover: each parameter's
 master and moments cut from the group's flat tensors in DeepSpeed's own flattening order.
 """
+import functools
 import os
 
 import ds_worker
@@ -112,7 +117,16 @@ def raw(engine):
     if engine.fp16_enabled() and sc is not None:
         out["meta/loss_scale"] = torch.tensor([float(sc.cur_scale), float(sc.cur_iter)], dtype=torch.float64)
     out["meta/global_steps"] = torch.tensor([engine.global_steps, engine.global_samples, engine.skipped_steps])
+    out["meta/lr"] = torch.tensor([g["lr"] for g in base.param_groups], dtype=torch.float64)
     return {k: v.contiguous() for k, v in out.items()}, types
+
+
+def _counted(method, rec):
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        rec["calls"] = rec.get("calls", 0) + 1
+        return method(*args, **kwargs)
+    return wrapper
 
 
 def act(engine, a, rec, out_dir, rank):
@@ -120,6 +134,15 @@ def act(engine, a, rec, out_dir, rank):
         tensors, types = raw(engine)
         save_file(tensors, os.path.join(out_dir, f"{a[1]}-rank{rank}.safetensors"))
         rec.setdefault("types", {})[a[1]] = types
+    elif a[0] == "load_native_kw":   # load_native_kw DIR KWARGS: DeepSpeed's own load with those arguments
+        path, cs = ds_worker.adacheck_ds.load_native(engine, a[1], **a[2])
+        rec["loaded"].append([path, sorted(cs or {})])
+    elif a[0] == "load_custom_fn":   # load_custom_fn DIR: load_checkpoint with a custom_load_fn
+        engine.load_checkpoint(a[1], custom_load_fn=lambda src, dst: dst.copy_(src))
+    elif a[0] == "wrap_methods":   # wrap the engine's save/load_checkpoint as a user's decorator would
+        cls = ds_worker.deepspeed.runtime.engine.DeepSpeedEngine
+        for name in ("save_checkpoint", "load_checkpoint"):
+            setattr(cls, name, _counted(getattr(cls, name), rec))
     elif a[0] == "kind":
         rec.setdefault("kind", []).append(type(engine.optimizer).__name__)
     else:

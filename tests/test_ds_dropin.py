@@ -6,9 +6,12 @@ native save and load of the same step, and the uninterrupted run.
   one flat fp32 master per param group.
 - An optimizer whose state holds tensors that are neither shaped like what it steps nor scalars
   (DeepSpeed's HybridStateOptimizer: a 1-element ``tensor_step`` and a Python int).
+- DeepSpeed's "checkpoint" config section, its universal conversion, and the arguments of
+  save_checkpoint / load_checkpoint, each judged by DeepSpeed's own behaviour.
 """
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -145,3 +148,85 @@ def test_optimizer_state_neither_parameter_shaped_nor_scalar(tmp_path):
         assert results(d)[3 * i + 1]["types"][f"{name}-B3"]["0/integer_step"] == "int"
         man = json.load(open(f"{d}/{name}/global_step3/manifest.json"))["tensors"]
         assert man["optim/tensor_step/inp.weight"]["shape"] == [1], name
+    # DeepSpeed's universal format has no place for them: the conversion says so
+    from adacheck.errors import StateError
+    from adacheck_ds.convert import to_universal
+    with pytest.raises(StateError, match="'tensor_step' of .* is one \\[1\\] tensor for the whole tensor"):
+        to_universal(f"{d}/hybrid1bf16", f"{d}/universal")
+
+
+def universal(src_dir, tag):
+    """DeepSpeed's universal conversion as its tests call it (ds_to_universal.main), with
+    adacheck_ds imported (inject_missing_state: the native save has no universal_checkpoint_info)."""
+    import adacheck_ds  # noqa: F401
+    from deepspeed.checkpoint import ds_to_universal
+    ds_to_universal.main(SimpleNamespace(input_folder=f"{src_dir}/{tag}", output_folder=f"{src_dir}/{tag}_universal",
+                                         num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                         strict=True, inject_missing_state=True))
+
+
+def test_checkpoint_section_and_deepspeed_universal_conversion(tmp_path):
+    """DeepSpeed's "checkpoint" section with AdaCheck: use_node_local_storage is refused at
+    deepspeed.initialize, before DeepSpeed builds anything; parallel_write.pipeline_stage saves
+    as always; DeepSpeed's ds_to_universal.main converts an AdaCheck checkpoint (through
+    AdaCheck's converter), and an engine with load_universal and no tag loads what
+    latest_universal names, as DeepSpeed does (through DeepSpeed's own load, also when another
+    decorator wraps the engine's load_checkpoint): the same state as DeepSpeed's own conversion
+    and load of a native save of the same step, and the same next losses."""
+    d = str(tmp_path)
+    ck, nat = f"{d}/ck", f"{d}/native"
+    base = dict(stage=2, dtype="fp32")
+    check(launch(2, {"runs": [
+        dict(base, adacheck={"enabled": True}, ds_extra={"checkpoint": {"use_node_local_storage": True}},
+             init_error="checkpoint.use_node_local_storage is true"),
+        dict(base, adacheck={"enabled": True}, ds_extra={"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
+             actions=[["train", 3], ["save", ck], ["save_native", nat], ["train", 2]])]}, d,
+        script="dropin_worker.py"))
+    res = results(d)
+    assert not res[0]["engine_code_ran"] and "use_node_local_storage" in res[0]["errors"][0]
+    assert os.path.isfile(f"{ck}/global_step3/manifest.json")
+    universal(ck, "global_step3")
+    universal(nat, "global_step3")
+    assert open(f"{ck}/latest_universal").read().strip() == "global_step3_universal"
+    load_universal = dict(base, seed=7, ds_extra={"checkpoint": {"load_universal": True}})
+    check(launch(2, {"runs": [
+        dict(load_universal, adacheck={"enabled": True},
+             actions=[["wrap_methods"], ["load", ck], ["raw", "B"], ["train", 2]]),
+        dict(load_universal, actions=[["load_native", nat], ["raw", "C"], ["train", 2]])]}, d,
+        script="dropin_worker.py"))
+    b, c = results(d)
+    assert "global_step3_universal" in b["loaded"][0][0] and b["calls"] == 1
+    assert b["losses"] == c["losses"] == res[1]["losses"][3:]
+    for rank in (0, 1):
+        assert_same(raw(d, "B", rank), raw(d, "C", rank))
+
+
+LOAD_ARGUMENTS = [{"load_optimizer_states": False}, {"load_lr_scheduler_states": False},
+                  {"load_module_only": True}, {"load_module_strict": False}]
+
+
+def test_save_and_load_arguments_as_deepspeed(tmp_path):
+    """save_checkpoint's save_latest=False leaves 'latest'; load_checkpoint's
+    load_optimizer_states, load_lr_scheduler_states, load_module_only and load_module_strict put
+    in a trained engine what DeepSpeed's own load with the same argument puts there (ZeRO-2
+    fp32: DeepSpeed's module-only load makes the masters from the module weights, which in fp32
+    are the masters); custom_load_fn is refused with a clear error."""
+    d = str(tmp_path)
+    ck, nat = f"{d}/ck", f"{d}/native"
+    base = dict(stage=2, dtype="fp32")
+    runs = [dict(base, adacheck={"enabled": True},
+                 actions=[["train", 3], ["save", ck], ["save_native", nat], ["train", 1],
+                          ["save", ck, "later", {"save_latest": False}], ["latest", ck],
+                          ["expect_error", "custom_load_fn is not supported", "load_custom_fn", ck]])]
+    for i, kw in enumerate(LOAD_ARGUMENTS):
+        runs += [dict(base, seed=7, adacheck={"enabled": True},
+                      actions=[["train", 1], ["load", ck, kw], ["raw", f"B{i}"], ["train", 1]]),
+                 dict(base, seed=7, actions=[["train", 1], ["load_native_kw", nat, kw], ["raw", f"C{i}"], ["train", 1]])]
+    check(launch(2, {"runs": runs}, d, script="dropin_worker.py"))
+    res = results(d)
+    assert res[0]["latest"] == ["global_step3"] and os.path.isfile(f"{ck}/later/manifest.json")
+    for i, kw in enumerate(LOAD_ARGUMENTS):
+        b, c = res[1 + 2 * i: 3 + 2 * i]
+        assert b["losses"] == c["losses"], kw
+        for rank in (0, 1):
+            assert_same(raw(d, f"B{i}", rank), raw(d, f"C{i}", rank))
