@@ -45,6 +45,10 @@ def int_map(v) -> bool:
     return isinstance(v, dict) and all(is_int(x) for x in v.values())
 
 
+def number_map(v) -> bool:
+    return isinstance(v, dict) and all(is_number(x) for x in v.values())
+
+
 def entry(check: Callable[[object], bool], says: str, **kwargs):
     """A record field: ``check`` says whether a saved value is valid, ``says`` what it must be
     (for the error); ``default`` / ``default_factory`` as for a dataclass field."""

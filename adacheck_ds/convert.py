@@ -37,8 +37,8 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     r = CheckpointReader(ckpt, verify=verify, cache_bytes=32 << 20)
     m = r.manifest
     r.framework("deepspeed", "DeepSpeed", "universal conversion needs a DeepSpeed checkpoint")
-    objects = Objects.of(r.objects(), f"the objects of {ckpt}")
     refuse_topology(ckpt, m, "the conversion to DeepSpeed's universal format")
+    objects = Objects.of(r.objects(), f"the objects of {ckpt}")
     model = objects.model(ckpt)
     out_name = m.tag if out_name is None else out_name
     final = os.path.join(out_dir, out_name)

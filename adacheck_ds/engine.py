@@ -36,6 +36,12 @@ _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
+def _counter(v):
+    """An engine counter as it keeps it: an int, or a float (DeepSpeed's sample count under
+    sequence parallelism, whose batch size it divides by the sequence-parallel size)."""
+    return float(v) if isinstance(v, float) else int(v)
+
+
 def _plain(v):
     """A one-element tensor of a loss scaler as the number it holds."""
     return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
@@ -243,6 +249,7 @@ class AdaCheckDeepSpeed:
             client_state=jsontree.saveable(dict(client_state or {}), "client_state", strict),
             model_spec=self._model_spec(lay).tree())
         dp_rank, dp_size = data_parallel(e)
+        pp_rank, pp_size = pipeline(e)
         sizes = {"zero_stage": lay.stage, "optimizer": lay.wrapper.name, "dp_world_size": dp_size,
                  "tp_world_size": lay.tp[1], "pp_world_size": pp_size}
         layout = dict(sizes, dp_rank=dp_rank, tp_rank=lay.tp[0], pp_rank=pp_rank)
@@ -253,7 +260,6 @@ class AdaCheckDeepSpeed:
         if self.online is not None and lay.wrapper.flat_partitions:
             # what this rank's partitions are made of: its deltas replay on another DP size too
             rank_objects.partitions = partition_map(lay, self.online.tap.key_of)
-        pp_rank, pp_size = pipeline(e)
         return core.LocalState(shards=shards, objects=objects.tree(), rank_objects=rank_objects.tree(),
                                layout=layout, framework=framework, step=int(e.global_steps))
 
@@ -274,16 +280,6 @@ class AdaCheckDeepSpeed:
                           ds_config=(jsontree.saveable(cfg, "ds_config", False)
                                      if cfg is not None else None),
                           shared=tied_parameters(e.module))
-
-    def _scaler(self):
-        """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;
-        the ZeRO-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) a ``loss_scale_config``."""
-        opt = self.engine.optimizer
-        sc = getattr(opt, "loss_scaler", None)
-        return sc if sc is not None else getattr(opt, "loss_scale_config", None)
-
-    def scalars(self) -> Scalars:
-        """The engine's counters, LR scheduler state and loss scaler state now."""
         return self._whole_model(spec) if pipeline(e)[1] > 1 or getattr(e, "has_moe_layers", False) else spec
 
     @staticmethod
@@ -308,10 +304,20 @@ class AdaCheckDeepSpeed:
             shared.update(part.shared or {})
         return SavedModel(parameters=params, buffers=buffers, groups=groups, shared=shared,
                           tensor_parallel=spec.tensor_parallel, optimizer=spec.optimizer, ds_config=spec.ds_config)
+
+    def _scaler(self):
+        """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;
+        the ZeRO-0 fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) a ``loss_scale_config``."""
+        opt = self.engine.optimizer
+        sc = getattr(opt, "loss_scaler", None)
+        return sc if sc is not None else getattr(opt, "loss_scale_config", None)
+
+    def scalars(self) -> Scalars:
+        """The engine's counters, LR scheduler state and loss scaler state now."""
         e, sc = self.engine, self._scaler()
         sched = e.lr_scheduler
         return Scalars(
-            counters={k: int(getattr(e, k)) for k in _COUNTERS if hasattr(e, k)},
+            counters={k: _counter(getattr(e, k)) for k in _COUNTERS if hasattr(e, k)},
             lr_scheduler=sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
             loss_scaler=None if sc is None else {k: _plain(getattr(sc, k)) for k in _SCALER_FIELDS if hasattr(sc, k)})
 
@@ -355,6 +361,12 @@ class AdaCheckDeepSpeed:
                     set_rng_state(st.rank_objects.rng)
             return st.objects
 
+        # a checkpoint holds every pipeline stage's and every expert's tensors: those other ranks hold
+        # are expected
+        everywhere = None
+        if comm.world_size > 1:
+            every = comm.all_gather_object(module_names(e))
+            everywhere = (set().union(*(p for p, _ in every)), set().union(*(b for _, b in every)))
         ckpt_dir, manifest, objects = self.checkpointer.load(
             comm, load_dir, tag, lambda r: stage_load(e, r, want_optim, load_module_strict, comm.rank, everywhere),
             apply,
@@ -368,12 +380,6 @@ class AdaCheckDeepSpeed:
                                    recorder=self.online.recorder if self.online is not None else None)
         if done.steps:
             self.last_replay = {"steps": done.steps, "seconds": done.seconds, "bytes": done.bytes}
-        # a checkpoint holds every pipeline stage's and every expert's tensors: those other ranks hold
-        # are expected
-        everywhere = None
-        if comm.world_size > 1:
-            every = comm.all_gather_object(module_names(e))
-            everywhere = (set().union(*(p for p, _ in every)), set().union(*(b for _, b in every)))
         log.info("AdaCheck: loaded %s (step %s)", ckpt_dir, done.step)
         return ckpt_dir, objects.client_state
 

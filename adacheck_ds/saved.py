@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from adacheck.records import Record, entry, int_map, of_kind, optional
+from adacheck.records import Record, entry, number_map, of_kind, optional
 
 
 @dataclass
 class Scalars(Record):
     """What a step changes besides tensors: in every checkpoint and every online delta record."""
-    counters: Dict[str, int] = entry(int_map, "an object of integer counters (global_steps, ...)")
+    # (numbers as the engine keeps them: with sequence parallelism DeepSpeed counts samples in floats)
+    counters: Dict[str, float] = entry(number_map, "an object of counters (global_steps, ...), numbers")
     lr_scheduler: Optional[dict] = entry(optional(dict), "the LR scheduler's state (an object) or null",
                                          default=None)
     loss_scaler: Optional[dict] = entry(optional(dict), "the loss scaler's state (an object) or null",
