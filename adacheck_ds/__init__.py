@@ -25,6 +25,7 @@ from adacheck.errors import ConfigError
 
 from . import zero_to_fp32
 from .engine import AdaCheckDeepSpeed, load_native, param_dict, save_native
+from .state import refuse_config
 
 warn_if_untested("deepspeed")
 
@@ -88,6 +89,7 @@ def install() -> None:
         config = AdaCheckConfig.in_config(raw, "DeepSpeed")
         if config is not None and config.enabled:
             check_checkpoint_section(raw)
+            refuse_config(raw)
         _ORIG["__init__"](self, *args, **kwargs)
         block = _block_of(self)
         if config is None and block is not None:    # (a config DeepSpeed found some other way)

@@ -25,7 +25,7 @@ from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, module_names, named,
-                    partition_map, pipeline, stage_load, tied_parameters)
+                    partition_map, pipeline, refuse_engine, stage_load, tied_parameters)
 
 log = logging.getLogger("adacheck")
 
@@ -122,6 +122,7 @@ class AdaCheckDeepSpeed:
     """The AdaCheck checkpointer attached to one engine (``engine.adacheck``)."""
 
     def __init__(self, engine, config: AdaCheckConfig):
+        refuse_engine(engine)   # (at deepspeed.initialize, not at the first save)
         self.engine = engine
         self.config = config
         self.checkpointer = core.Checkpointer(options=core.Options.from_config(config))   # this engine's job

@@ -21,7 +21,7 @@ from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_mo
 
 from adacheck.boxes import flat_views
 from adacheck.checkpoint import CheckpointReader, LocalShard
-from adacheck.errors import StateError
+from adacheck.errors import ConfigError, StateError
 from adacheck.hashing import same_bytes
 from adacheck.recovery import Span
 from adacheck.types import Box, torch_dtype
@@ -95,6 +95,41 @@ def refuse_topology(ckpt_dir: str, m, what: str) -> None:
                          "with AdaCheck enabled into the training job's engine (any number of pipeline stages "
                          "or expert-parallel size), or export its fp32 weights with the zero_to_fp32.py "
                          "beside it")
+
+
+def refuse_config(raw: Optional[dict]) -> None:
+    """Refuse, before DeepSpeed builds the engine, what AdaCheck cannot checkpoint that the
+    DeepSpeed config (``raw``, as given) already says: NVMe offload (the optimizer state or the
+    parameters live in swap files AdaCheck does not read) and DeepSpeed's AutoTP (its sliced
+    layers do not say how their parameters are split)."""
+    raw = raw or {}
+    zero = raw.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) if isinstance(zero, dict) else None
+        if isinstance(section, dict) and str(section.get("device", "")).lower() == "nvme":
+            raise ConfigError(f"zero_optimization.{key}.device is \"nvme\": AdaCheck does not read DeepSpeed's NVMe "
+                              "swap files, so it cannot checkpoint this engine; offload to \"cpu\" (supported at "
+                              "ZeRO 1-3), or disable adacheck to use DeepSpeed's own checkpoints")
+    autotp = (raw.get("tensor_parallel") or {}).get("autotp_size", 1) if isinstance(raw.get("tensor_parallel"), dict) else 1
+    if isinstance(autotp, int) and autotp > 1:
+        raise ConfigError(f"tensor_parallel.autotp_size is {autotp}: AdaCheck does not support DeepSpeed's AutoTP "
+                          "yet (its sliced layers do not record how each parameter is split); use a model whose "
+                          "tensor-parallel layers are marked as Megatron marks them (with an mpu), or disable adacheck")
+
+
+def refuse_engine(engine) -> None:
+    """Refuse, at ``deepspeed.initialize``, a built engine whose layout AdaCheck cannot
+    checkpoint, rather than at its first save: an optimizer wrapper or parameter layout it does
+    not know (:func:`describe` raises), and combinations not tested yet."""
+    stages, moe = pipeline(engine)[1], getattr(engine, "has_moe_layers", False)
+    if stages > 1 and tensor_parallel(engine)[1] > 1:
+        raise ConfigError(f"a PipelineEngine of {stages} stages with tensor parallelism: AdaCheck supports "
+                          "pipelines with data parallelism (ZeRO 0-1) and tensor parallelism without pipelines, "
+                          "not both together yet; disable adacheck for this job")
+    if stages > 1 and moe:
+        raise ConfigError("a PipelineEngine with DeepSpeed-MoE layers: AdaCheck supports each alone, not both "
+                          "together yet; disable adacheck for this job")
+    describe(engine)
 
 
 def data_parallel(engine) -> Tuple[int, int]:

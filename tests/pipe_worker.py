@@ -1,7 +1,7 @@
 """One rank of a real DeepSpeed PipelineEngine (CPU, gloo) training run: ds_worker.py's spec and
 actions, with a ``PipelineModule`` in ``run["pp"]`` stages trained by ``train_batch``.
 
-run = {"pp": 2, "stage": 0 | 1, "dtype": "fp32" | "bf16", "tie": true, "layers": 4, "hidden": 16,
+run = {"pp": 2, "tp": 1, "stage": 0 | 1, "dtype": "fp32" | "bf16", "tie": true, "layers": 4, "hidden": 16,
        "adacheck": {...} | null, "actions": [...]}   (actions: ds_worker.py's)
 
 The model: an input projection (12 -> hidden), ``layers`` residual blocks, an output projection
@@ -18,6 +18,7 @@ import ds_worker
 from ds_worker import deepspeed, torch
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -52,7 +53,9 @@ def layers(run):
 
 def make_engine(run):
     torch.manual_seed(run.get("seed", 0))
-    model = PipelineModule(layers(run), num_stages=run["pp"], loss_fn=_loss, partition_method="uniform",
+    world, tp = torch.distributed.get_world_size(), run.get("tp", 1)
+    topo = PipeModelDataParallelTopology(num_pp=run["pp"], num_mp=tp, num_dp=world // (run["pp"] * tp))
+    model = PipelineModule(layers(run), topology=topo, loss_fn=_loss, partition_method="uniform",
                            seed_layers=True, base_seed=1234 + run.get("seed", 0))
     cfg = ds_worker.ds_config(run)
     cfg.pop("train_micro_batch_size_per_gpu")

@@ -59,6 +59,8 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
             ["load", a], ["dump", "L2"], ["train", 2], ["load_native", nat], ["dump", "N2"]]),
         dict(pp=4, dtype="fp32", stage=0, tie=True, adacheck=ac, actions=[
             ["train", 2], ["save", fp], ["dump", "F2"], ["train", 1], ["load", fp], ["dump", "G2"], ["train", 1]]),
+        # not supported yet, refused by deepspeed.initialize (not at the first save)
+        dict(PP, pp=2, tp=2, adacheck=ac, init_error="with tensor parallelism"),
     ]}, d, timeout=900))
     res = results(d)
     assert_same(dump(d, "S2"), dump(d, "L2"))

@@ -43,8 +43,15 @@ def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
                  dict(SP, stage=stage, dtype=dtype, adacheck=online, actions=[["train_dump", 6, f"A{stage}_"]]),
                  dict(SP, stage=stage, dtype=dtype, seed=4, adacheck=online,
                       actions=[["load", f"{d}/on{stage}"], ["steps"], ["dump", f"B{stage}"], ["train", 2]])]
+    # refused by deepspeed.initialize, from the config alone (before DeepSpeed builds anything)
+    runs += [dict(stage=3, dtype="bf16", adacheck=ac, init_error='offload_optimizer.device is "nvme"',
+                  zero={"offload_optimizer": {"device": "nvme", "nvme_path": d}}),
+             dict(stage=1, dtype="bf16", adacheck=ac, init_error="tensor_parallel.autotp_size is 2",
+                  ds_extra={"tensor_parallel": {"autotp_size": 2}})]
     check(launch(2, {"runs": runs}, d, timeout=1000))
     res = results(d)
+    for r in res[-2:]:
+        assert not r["engine_code_ran"], r["errors"]
     text = "".join(open(os.path.join(d, f"rank{r}.log")).read() for r in range(2))
     assert "declared replicas diverged" not in text
     for i, stage in enumerate((2, 3)):
