@@ -25,7 +25,7 @@ from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, module_names, named,
-                    partition_map, pipeline, refuse_engine, stage_load, tied_parameters)
+                    partition_map, pipeline, pipeline_layers, refuse_engine, stage_load, tied_parameters)
 
 log = logging.getLogger("adacheck")
 
@@ -280,7 +280,7 @@ class AdaCheckDeepSpeed:
                           optimizer=class_path(base) if base is not None else None,
                           ds_config=(jsontree.saveable(cfg, "ds_config", False)
                                      if cfg is not None else None),
-                          shared=tied_parameters(e.module))
+                          shared=tied_parameters(e.module), pipeline=pipeline_layers(e.module))
         return self._whole_model(spec) if pipeline(e)[1] > 1 or getattr(e, "has_moe_layers", False) else spec
 
     @staticmethod
@@ -304,7 +304,8 @@ class AdaCheckDeepSpeed:
                 mine += [n for n in theirs if n not in mine]
             shared.update(part.shared or {})
         return SavedModel(parameters=params, buffers=buffers, groups=groups, shared=shared,
-                          tensor_parallel=spec.tensor_parallel, optimizer=spec.optimizer, ds_config=spec.ds_config)
+                          tensor_parallel=spec.tensor_parallel, optimizer=spec.optimizer, ds_config=spec.ds_config,
+                          pipeline=spec.pipeline)
 
     def _scaler(self):
         """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import glob
 import importlib
 import json
@@ -79,10 +80,15 @@ class ModelSpec:
     tp: int = 1                      # its tensor-parallel size
     split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: split dim
     shared: Dict[str, str] = field(default_factory=dict)  # tied weights: alias -> name in params
+    pipeline: Optional[dict] = None  # a PipelineEngine's layers and stages (state.pipeline_layers)
+
+    @property
+    def pp(self) -> int:
+        return len(self.pipeline["parts"]) - 1 if self.pipeline else 1
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
 
 # ------------------------------------------------------------------ the model description
@@ -92,13 +98,13 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
     m = r.manifest
     r.framework("deepspeed", "DeepSpeed", "this conversion rebuilds DeepSpeed engines (Megatron: --to "
                 "torch-dist, or load in the training job and save to materialise online deltas)")
-    refuse_topology(ckpt_dir, m, "the conversion to native DeepSpeed files")
     objects = Objects.of(r.objects(), f"the objects of {ckpt_dir}")
     saved = objects.model(ckpt_dir)
     if saved is None:
         raise StateError(f"{ckpt_dir} was saved by an AdaCheck version that did not record the model "
                          "description (model_spec); convert it with --to deepspeed-universal, or load it "
                          "in the training job and save once")
+    refuse_topology(ckpt_dir, m, "the conversion to native DeepSpeed files", pipeline_ok=saved.pipeline is not None)
     cfg = ds_config if ds_config is not None else saved.ds_config
     if not isinstance(cfg, dict):
         raise ConfigError(f"{ckpt_dir} does not hold the run's DeepSpeed config; pass it with --ds-config FILE")
@@ -119,7 +125,7 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
                      lr_scheduler=objects.lr_scheduler if "scheduler" not in cfg else None,
                      stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)),
                      tp=int(saved.tensor_parallel.get("size", 1)), split=saved.partition_dims,
-                     shared=shared), m
+                     shared=shared, pipeline=saved.pipeline), m
 
 
 _UNSUPPORTED_SPLITS = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
@@ -209,7 +215,11 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
     if not isinstance(cfg, dict):
         raise ConfigError(f"{files[0]} does not hold the run's DeepSpeed config as a dict; pass it with --ds-config FILE")
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
-    module = sd["module"]
+    module = sd.get("module")
+    if module is None and glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")):
+        raise StateError(f"{ckpt_dir} is a native PipelineEngine checkpoint (per-layer files), which this "
+                         "conversion does not read yet; load it with AdaCheck enabled in the training job's "
+                         "PipelineEngine (AdaCheck has DeepSpeed load its own checkpoint) and save once")
     buffer_names = set(sd.get("buffer_names") or [])
     shapes = sd.get("param_shapes")
     frozen = set(sd.get("frozen_param_shapes") or {})
@@ -280,13 +290,13 @@ class SavedScheduler:
         return list((self.state or {}).get("_last_lr", []))
 
 
-def shell_module(spec: ModelSpec, tp: int = 1):
+def shell_module(spec: ModelSpec, tp: int = 1, root: Optional[torch.nn.Module] = None):
     """An nn.Module with the checkpoint's parameters and buffers under their dotted names, in
     module order (so DeepSpeed groups, flattens and partitions them as in the training job);
     a tied weight is the same nn.Parameter under each of its names (so DeepSpeed's save writes
     every name and its ``shared_params``, and its load fills every name); with ``tp`` > 1
     each split parameter is this rank's slice, marked as Megatron marks it."""
-    root = torch.nn.Module()
+    root = torch.nn.Module() if root is None else root
     if tp > 1:
         check_tp(spec, tp)
         # DeepSpeed's universal-checkpoint patterns, so the native files say how they are split
@@ -329,6 +339,65 @@ def shell_module(spec: ModelSpec, tp: int = 1):
     return root
 
 
+class _ShellLayer(torch.nn.Module):
+    """One layer of a shell PipelineModule: its recorded parameters and buffers (``part``: a
+    ModelSpec of them, named within the layer); it passes its input through."""
+
+    def __init__(self, part: ModelSpec):
+        super().__init__()
+        shell_module(part, root=self)
+
+    def forward(self, x):
+        return x
+
+
+def _through(*args):
+    """A layer with no state (a function in the PipelineModule's layer list), or a tied layer
+    used as a function of the tied module: passes its input through."""
+    return args[-1]
+
+
+def _layer_part(spec: ModelSpec, prefix: str) -> ModelSpec:
+    """The parameters and buffers under ``prefix`` (a pipeline layer's), named within it."""
+    n = len(prefix)
+    return dataclasses.replace(spec, params=[(p[0][n:], *p[1:]) for p in spec.params if p[0].startswith(prefix)],
+                               buffers=[(b[0][n:], *b[1:]) for b in spec.buffers if b[0].startswith(prefix)],
+                               shared={}, split={}, pipeline=None)
+
+
+def pipeline_shell(spec: ModelSpec, topology):
+    """A PipelineModule with the recorded layers (each a :class:`_ShellLayer` of the recorded
+    parameters, a TiedLayerSpec where the training job had one) cut into the recorded stages, so
+    DeepSpeed's own native save writes the training job's per-layer files."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    class ShellPipe(PipelineModule):
+        def _partition_layers(self, method="uniform"):
+            self.parts = list(spec.pipeline["parts"])
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    layers = []
+    for i, rec in enumerate(spec.pipeline["layers"]):
+        if rec[0] == "module":
+            layers.append(LayerSpec(_ShellLayer, _layer_part(spec, f"{i}.")))
+        elif rec[0] == "tied":
+            _, key, holds, attrs = rec
+            layers.append(TiedLayerSpec(key, _ShellLayer, _layer_part(spec, f"tied_modules.{key}."),
+                                        forward_fn=None if holds else _through, tied_weight_attr=attrs))
+        else:
+            layers.append(_through)
+    if len(spec.pipeline["parts"]) != topology.get_dim("pipe") + 1 or spec.pipeline["parts"][-1] != len(layers):
+        raise StateError("the recorded pipeline stages do not match its layers; the model description is damaged")
+    module = ShellPipe(layers=layers, topology=topology)
+    named = {n for n, _ in module.named_parameters()}
+    wanted = {p[0] for p in spec.params}
+    if not named <= wanted:
+        raise StateError(f"the rebuilt pipeline stage holds parameters the checkpoint does not record "
+                         f"({sorted(named - wanted)[:3]}); the model description is damaged")
+    return module
+
+
 def check_tp(spec: ModelSpec, tp: int) -> None:
     bad = [f"{n} {list(shape)}" for n, shape, _, _ in spec.params if n in spec.split and shape[spec.split[n]] % tp]
     if bad:
@@ -347,10 +416,14 @@ def _import(path: str):
 
 def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     mpu = None
-    if tp > 1:   # DeepSpeed's own mpu: TP ranks consecutive, data-parallel groups strided by TP (Megatron's order)
-        world = deepspeed.comm.get_world_size()
-        mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
-    module = shell_module(spec, tp)
+    world = deepspeed.comm.get_world_size()
+    if spec.pipeline:   # a PipelineEngine in the recorded stages (its own grid)
+        module = pipeline_shell(spec, PipeModelDataParallelTopology(num_pp=spec.pp, num_mp=1,
+                                                                    num_dp=world // spec.pp))
+    else:
+        if tp > 1:   # DeepSpeed's own mpu: TP ranks consecutive, data-parallel groups strided by TP (Megatron's order)
+            mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
+        module = shell_module(spec, tp)
     named = dict(module.named_parameters())
     cfg = copy.deepcopy(spec.ds_config)
     cfg.pop("adacheck", None)
@@ -362,7 +435,8 @@ def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_accumulation_steps"] = cfg.get("gradient_accumulation_steps") or 1
-    groups = [{"params": [named[n] for n in g]} for g in spec.groups if g]
+    # (a pipeline stage steps its own layers' parameters)
+    groups = [{"params": [named[n] for n in g if n in named]} for g in spec.groups if any(n in named for n in g)]
     kw = {}
     if "optimizer" not in cfg:
         if not spec.optimizer:
@@ -497,6 +571,8 @@ def convert(direction: str, src: str, out: str, options, progress=None) -> str:
     spec, m = spec_from_adacheck(src_dir, _read_json(ds_config) if ds_config else None)
     tp = tp or spec.tp
     dp = dp or spec.dp
+    if spec.pipeline and tp != 1:
+        raise ConfigError("--tp: a pipeline checkpoint converts to pipeline stages without tensor parallelism")
     check_tp(spec, tp)
     stage = spec.stage if options.zero_stage is None else options.zero_stage
     pending, _, out_tag = reach(src_dir, m, spec.world, step)
@@ -515,7 +591,7 @@ def convert(direction: str, src: str, out: str, options, progress=None) -> str:
             spawn(spec.world, ["materialise", src_dir, os.path.join(work, "base"), *base], progress)
             src_dir = os.path.join(work, "base", out_tag)
             base = list(opts)
-        spawn(dp * tp, ["to-native", src_dir, out, "--zero-stage", str(stage), "--tp", str(tp),
+        spawn(dp * tp * spec.pp, ["to-native", src_dir, out, "--zero-stage", str(stage), "--tp", str(tp),
                         "--tmp", os.path.join(work, "native"), "--out-tag", out_tag, *base], progress)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -42,6 +42,8 @@ class SavedModel(Record):
     # checkpoint saved before AdaCheck recorded them)
     shared: Optional[Dict[str, str]] = entry(optional(dict), "an object {alias: name} or null",
                                              default=None)
+    # a PipelineEngine's layers and stages (adacheck_ds.state.pipeline_layers); null otherwise
+    pipeline: Optional[dict] = entry(optional(dict), "an object {parts, layers} or null", default=None)
 
     @property
     def partition_dims(self) -> Dict[str, int]:

@@ -77,19 +77,40 @@ def named(engine, buffers: bool = False) -> List[Tuple[str, torch.Tensor]]:
     return [(rename.get(n, n), t) for n, t in items if t is not None]
 
 
+def pipeline_layers(module) -> Optional[dict]:
+    """A PipelineModule's structure, what a conversion rebuilds it from (None for other
+    modules): ``parts`` (the first layer index of each stage, and the number of layers) and per
+    layer index ``["module"]`` (its parameters and buffers are ``<index>.*``), ``["function"]``
+    (no state), or ``["tied", key, holds, attrs]`` (a TiedLayerSpec: its state is
+    ``tied_modules.<key>.*``; ``holds``: the layer is the tied module itself, not a function of it,
+    so DeepSpeed's native save writes it at this index; ``attrs``: its tied weight attributes)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    if not isinstance(module, PipelineModule):
+        return None
+    layers: List[list] = []
+    for spec in module._layer_specs:
+        if isinstance(spec, TiedLayerSpec):
+            layers.append(["tied", spec.key, spec.forward_fn is None, list(spec.tied_weight_attr)])
+        elif isinstance(spec, (LayerSpec, torch.nn.Module)):
+            layers.append(["module"])
+        else:
+            layers.append(["function"])
+    return {"parts": [int(x) for x in module.parts], "layers": layers}
+
+
 def pipe_copy(p) -> bool:
     """A tied parameter's copy on a later pipeline stage (DeepSpeed marks those
     ``ds_pipe_replicated``: the first stage that holds it owns it)."""
     return bool(getattr(p, "ds_pipe_replicated", False))
 
 
-def refuse_topology(ckpt_dir: str, m, what: str) -> None:
+def refuse_topology(ckpt_dir: str, m, what: str, pipeline_ok: bool = False) -> None:
     """A checkpoint of a PipelineEngine or of a model with DeepSpeed-MoE experts: ``what`` does
     not write those layouts (their native files are per layer / per expert), so it is refused
     with what to do instead."""
     pp = int(m.framework.get("pp_world_size", 1))
     experts = any(".deepspeed_experts." in n for n in m.tensors)
-    if pp > 1 or experts:
+    if (pp > 1 and not pipeline_ok) or experts:
         kind = f"a {pp}-stage PipelineEngine" if pp > 1 else "a model with DeepSpeed-MoE experts"
         raise StateError(f"{ckpt_dir} was saved by {kind}; {what} does not write that layout yet. Load it "
                          "with AdaCheck enabled into the training job's engine (any number of pipeline stages "

@@ -10,6 +10,7 @@ import os
 import signal
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from launch import check, kill_at_marker
@@ -49,7 +50,9 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     its native checkpoint of the same step gives, and the uninterrupted run's next losses; the
     tied weight is stored once, with no replica taken for diverged.  Then 2 ranks load that
     checkpoint into 1 stage x 2 and 2 stages x 1 (every tensor as gathered in the saving run;
-    1 x 2 continues with the uninterrupted run's loss), and a 1-stage save loads into 2 stages."""
+    1 x 2 continues with the uninterrupted run's loss), and a 1-stage save loads into 2 stages.
+    ``adacheck convert --to deepspeed --dp 1`` writes the layer files DeepSpeed's own save wrote,
+    and stock load_checkpoint of them gives the saved state."""
     d = str(tmp_path)
     a, nat, fp, b = f"{d}/a", f"{d}/native", f"{d}/fp32", f"{d}/b"
     ac = {"enabled": True}
@@ -85,12 +88,21 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
         # stored once: no more than the state itself (a few scalars and objects besides)
         assert stats["stored_bytes"] <= stats["logical_bytes"] * 1.1, (ck, stats)
 
+    # DeepSpeed's own files of that checkpoint, in 2 stages x 1 data-parallel rank
+    conv = f"{d}/conv"
+    assert cli(["convert", a, conv, "--to", "deepspeed", "--dp", "1"]) == 0
     check(launch(2, {"runs": [
+        dict(PP, pp=2, adacheck=None, actions=[["load", conv], ["dump", "C2"]]),
         dict(PP, pp=1, adacheck=ac, actions=[["load", a], ["dump", "P1"], ["train", 1], ["save", b], ["dump", "B3"]]),
         dict(PP, pp=2, adacheck=ac, actions=[["load", a], ["dump", "P2"]]),
         dict(PP, pp=2, adacheck=ac, actions=[["load", b], ["dump", "Q2"]]),
     ]}, f"{d}/r", timeout=900))
-    r = results(f"{d}/r")
+    r = results(f"{d}/r")[1:]
+    assert_same(saved, dump(f"{d}/r", "C2"))     # stock load_checkpoint of the converted files
+    for f in sorted(os.listdir(f"{nat}/global_step2")):   # the same layer files as DeepSpeed's own save
+        if f.startswith("layer_"):
+            x, y = (torch.load(f"{c}/global_step2/{f}", weights_only=True) for c in (nat, conv))
+            assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x), f
     assert_same(saved, dump(f"{d}/r", "P1"))
     assert_same(saved, dump(f"{d}/r", "P2"))
     assert r[0]["losses"] == res[0]["losses"][2:3]     # (the same data-parallel replicas: the same step)
@@ -100,10 +112,9 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     two, one = (CheckpointReader(f"{ck}/global_step{s}").objects()["model_spec"] for ck, s in ((a, 2), (b, 3)))
     assert two["parameters"] == one["parameters"] and two["groups"] == one["groups"]
     assert two["buffers"] == one["buffers"] and len(one["parameters"]) == 1 + 4 * PP["layers"]
-    # the conversions to native layouts do not write this one yet: refused, nothing written
-    for to in ("deepspeed", "deepspeed-universal"):
-        assert cli(["convert", a, f"{d}/conv-{to}", "--to", to]) == 2
-        assert not os.path.exists(f"{d}/conv-{to}")
+    # the universal format does not take pipeline layer files yet: refused, nothing written
+    assert cli(["convert", a, f"{d}/conv-universal", "--to", "deepspeed-universal"]) == 2
+    assert not os.path.exists(f"{d}/conv-universal")
 
 
 def test_pipeline_online_recovers_after_sigkill_exactly(tmp_path):
