@@ -7,7 +7,8 @@ spec = {"runs": [{"stage": 2, "dtype": "bf16", "optimizer": "adamw" | "ds_adam",
                   "adacheck": {...} | null, "actions": [["train", 3], ["save", DIR], ...]}]}
 Actions: train N | train_dump N PREFIX [MARKER] | train_to N | steps | save DIR [TAG [KWARGS]] | save_native DIR | load DIR [KWARGS] | load_native DIR |
 dump NAME | marker NAME | latest DIR | exchange_check | perturb RANK PARAM | fsize_limit RANK BYTES |
-stop_writer RANK | kill_writer RANK | slow_persist SECONDS | die | ls DIR | expect_error SUBSTRING ACTION...
+stop_writer RANK | kill_writer RANK | cont_writer RANK | wait_file PATH | slow_persist SECONDS | die | ls DIR |
+expect_error SUBSTRING ACTION...
 A run with "init_error": SUBSTRING expects building its engine to fail with that error.
 Each rank writes result-rank<r>.json (losses and errors per run); dumps write the full
 logical state (gathered through DeepSpeed's own safe_get_full_* API) from rank 0.
@@ -266,6 +267,24 @@ def full_state(engine):
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def merged_state(mine):
+    """Every rank's part of the logical state (``mine``: this rank's, as full_state gathers it) as
+    one, on every rank: a tensor that several ranks hold (a tied weight on two pipeline stages,
+    an expert on its expert-data-parallel group) must be the same on each."""
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, {k: v.cpu() for k, v in mine.items()})
+    out = {}
+    for st in every:
+        for k, v in st.items():
+            if k.startswith("meta/"):
+                out.setdefault(k, v)
+            elif k in out and not torch.equal(out[k], v):
+                raise AssertionError(f"{k} differs between the ranks that hold it")
+            else:
+                out[k] = v
+    return out
+
+
 def act(engine, a, rec, out_dir, rank):
     op = a[0]
     if op == "train":
@@ -319,10 +338,17 @@ def act(engine, a, rec, out_dir, rank):
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             limit = resource.RLIM_INFINITY if a[2] < 0 else a[2]
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-    elif op in ("stop_writer", "kill_writer"):   # that rank's writer process: SIGSTOP / SIGKILL
+    elif op in ("stop_writer", "kill_writer", "cont_writer"):   # that rank's writer process: SIGSTOP / SIGKILL / SIGCONT
         if rank == a[1]:
             proc = engine.adacheck.checkpointer.writer.proc
-            os.kill(proc.pid, signal.SIGSTOP if op == "stop_writer" else signal.SIGKILL)
+            os.kill(proc.pid, {"stop_writer": signal.SIGSTOP, "kill_writer": signal.SIGKILL,
+                               "cont_writer": signal.SIGCONT}[op])
+    elif op == "wait_file":     # wait_file PATH: until another job has made it (up to 300 s)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(a[1]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{a[1]} did not appear")
+            time.sleep(0.05)
     elif op == "ls":        # ls DIR: the complete checkpoints in DIR now
         from adacheck import commit
         rec.setdefault("ls", []).append(sorted(t for t, m, _ in commit.list_checkpoints(a[1]) if m is not None)

@@ -86,19 +86,7 @@ def full_state(engine):
     def global_name(k):
         m = _LOCAL.match(k)
         return f"{m.group(1)}{ep_rank * local + int(m.group(2))}{m.group(3)}" if m else k
-    mine = {global_name(k): v.cpu() for k, v in _stage_state(engine).items()}
-    every = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(every, mine)
-    out = {}
-    for st in every:
-        for k, v in st.items():
-            if k.startswith("meta/"):
-                out.setdefault(k, v)
-            elif k in out and not torch.equal(out[k], v):
-                raise AssertionError(f"{k} differs between the ranks that hold it")
-            else:
-                out[k] = v
-    return out
+    return ds_worker.merged_state({global_name(k): v for k, v in _stage_state(engine).items()})
 
 
 _stage_state = ds_worker.full_state
