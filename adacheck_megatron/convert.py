@@ -192,7 +192,9 @@ def _plain_sharded_objects(src: str) -> dict:
     want = {v.unique_key: ShardedObject.empty_from_unique_key(v.unique_key)
             for v in load_sharded_metadata(src).values()
             if isinstance(v, ShardedObject) and v.key not in ("rng_state", "common_state")}
-    for uk, got in sorted((dist_checkpointing.load(want, src) if want else {}).items()):
+    loaded = dist_checkpointing.load(want, src) if want else {}
+    for uk in sorted(want):   # (load also returns the common state, merged in)
+        got = loaded[uk]
         try:
             jsontree.encode(got, uk)
         except StateError:

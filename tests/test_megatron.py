@@ -390,3 +390,44 @@ def test_torch_dist_conversion_both_ways(tmp_path):
     assert_same_state(d["dada"], d["ada_T2"])
     assert_same_state(d["ada"], d["ada_A1"])
     assert_same_state(d["dada"], d["ada_A2"])
+
+
+SHARDED_OBJECTS = """
+import argparse, json, sys, warnings
+import torch
+from adacheck_megatron import convert
+
+
+def main():
+    done = convert._solo_group()
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=0),
+                             "iteration": 3, "args": argparse.Namespace(lr=0.1),
+                             "extra": ShardedObject("extra", {"a": 1}, (1,), (0,), replica_id=0)},
+                            sys.argv[1])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = convert._plain_sharded_objects(sys.argv[1])
+    done()
+    print(json.dumps({"objects": got, "warnings": [str(x.message) for x in w
+                                                   if "AdaCheck" in str(x.message)]}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_torch_dist_sharded_objects_are_converted_without_the_common_state(tmp_path):
+    # megatron-core's dist_checkpointing.load returns the common state merged into what was
+    # asked for, and from 0.19 the common state is itself a ShardedObject ('common_state'):
+    # neither may come back as a sharded object of the rank (nor warn that args is not plain)
+    script = tmp_path / "objects.py"
+    script.write_text(SHARDED_OBJECTS)
+    (tmp_path / "ckpt").mkdir()
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert p.returncode == 0, failure(p)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"objects": {"extra/shard_0_1": {"a": 1}}, "warnings": []}
