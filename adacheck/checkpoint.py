@@ -33,8 +33,10 @@ import torch
 from . import commit, jsontree, lifecycle, partition, writer_process
 from .boxes import copy_intersection, flat_range_to_boxes, row_chunks
 from .errors import (AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, IntegrityError,
-                     NotFoundError, SaveWarning, StateError)
+                     LeaseError, NotFoundError, SaveWarning, StateError)
 from .exchange import Comm, agree, background_comm, exchange_for
+from .lease import DEFAULT_TTL_S, Holding, Leases
+from .lease import check as check_lease
 from .tiers import DeltaSpread, MemoryTier, newest_committed, own_files, spares_of
 from .hashing import bound_digest, box_identity, hash_tensor
 from .compression import ENCODING_KEY, Encoder, decode
@@ -338,6 +340,8 @@ class Options:
     tiers: Optional[object] = None      # adacheck.config.TiersConfig with memory on (adacheck.tiers), or None
     derive: bool = True                 # store a tensor that is a cast of another as that derivation
     spread: Optional[object] = None     # a memory-tier save across nodes (adacheck.tiers.NodeSpread), or None
+    lease_ttl_s: float = DEFAULT_TTL_S  # the save directory's lease expires this long after its last renewal
+    takeover: bool = False              # take the save directory's lease from the job that holds it
 
     @classmethod
     def from_config(cls, config) -> "Options":
@@ -346,7 +350,8 @@ class Options:
                    exchange=config.exchange, chunk_bytes=config.hash_chunk_bytes, verify=config.verify_on_load,
                    on_corrupt=config.on_corrupt, storage_options=dict(config.storage_options) or None,
                    on_error=config.on_error, compression=config.compression, writer=config.async_writer,
-                   tiers=config.tiers if config.tiers.memory else None)
+                   tiers=config.tiers if config.tiers.memory else None, lease_ttl_s=float(config.lease_ttl_s),
+                   takeover=config.takeover)
 
 
 @dataclass
@@ -369,6 +374,7 @@ class Snapshot:
     given_dir: str = ""     # save_dir as the caller named it (a URL for remote storage)
     min_generation: int = 0     # the save's file generation is at least this (the memory tier: past the
     # generations of the same tag in the checkpoint directory, where its files are copied)
+    lease: Optional[Holding] = None     # the save directory's lease this job holds (rank 0; adacheck.lease)
 
 
 UNKNOWN = object()
@@ -433,6 +439,7 @@ class Prepared:
     payload: dict
     started: float
     store: Storage = LOCAL     # where save_dir lives (Checkpointer.locate)
+    lease: Optional[Holding] = None     # (Snapshot.lease): checked before the manifest and 'latest'
 
 
 @dataclass
@@ -522,6 +529,8 @@ class Checkpointer:
         self.last_save: Optional[dict] = None    # save_report of the last save that committed (reported)
         self.on_saved: Optional[Callable[[dict], None]] = None   # called with it on every rank
         self.explains = True     # a README in the directories it saves to (not in the memory tier's)
+        self.leases = Leases()   # the save directories' leases this job holds (rank 0)
+        self.takes_leases = True     # (not the memory tier's own: its directories are the job's)
 
     def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
@@ -578,9 +587,10 @@ class Checkpointer:
             memory = Checkpointer(LOCAL, Options(keep_last=None, fsync=False, reference_previous=False, copies=1,
                                                  exchange=o.exchange, chunk_bytes=o.chunk_bytes, verify=o.verify,
                                                  on_corrupt=o.on_corrupt, on_error=o.on_error, writer=o.writer))
-            memory.on_saved, memory.explains = self._saved_to_memory, False
+            memory.on_saved, memory.explains, memory.takes_leases = self._saved_to_memory, False, False
             self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
                                      on_error=o.on_error)
+            self.tiered.fence = self.fence_durable
         return self.tiered
 
     def _saved_to_memory(self, report: dict) -> None:
@@ -640,6 +650,40 @@ class Checkpointer:
         self.caches.trusted[store.canonical(store.parent(ckpt_dir))] = store.basename(ckpt_dir)
 
     # ------------------------------------------------------------------ save
+    def hold(self, comm: Comm, save_dir: str) -> Optional[Holding]:
+        """Collectively, at every save: rank 0 takes or renews this job's lease of ``save_dir``
+        (:mod:`adacheck.lease`; returned there, None on the other ranks).  Another job's live lease
+        (without ``takeover``), or this job's lease taken over by another job, is a LeaseError on
+        every rank, before anything is written."""
+        if not self.takes_leases:
+            return None
+        store, path = self.locate(save_dir)
+        lifecycle.keep(self.leases)     # (removed at exit; a job dropped before: its leases expire)
+
+        def run():
+            if comm.rank == 0:
+                return self.leases.take(store, path, self.options.lease_ttl_s, self.options.takeover)
+            return None
+        return agree(comm, f"AdaCheck save into {save_dir} (its lease)", run)
+
+    def fence_durable(self, store: Storage, save_dir: str, doing: str) -> None:
+        """The memory tier's copy into ``save_dir`` (rank 0): the lease this job holds there is still
+        its own (:meth:`fence`)."""
+        key = store.canonical(save_dir)
+        if key in self.leases.lost:
+            raise LeaseError(self.leases.lost[key])
+        held = self.leases.held.get(key)
+        self.fence(held[1] if held is not None else None, store, doing)
+
+    def fence(self, holding: Optional[Holding], store: Storage, doing: str) -> None:
+        """Before a manifest or ``latest`` is written (rank 0): the lease is still ``holding``'s."""
+        if holding is not None:
+            try:
+                check_lease(store, holding, doing)
+            except LeaseError as e:
+                self.leases.lose(store.canonical(holding.save_dir), str(e))
+                raise
+
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
              update_latest: bool = True, recorder=None, persist: Optional[bool] = None,
              min_generation: int = 0) -> Manifest:
@@ -653,6 +697,7 @@ class Checkpointer:
         generation its files may have (rank 0's counts)."""
         lifecycle.register()
         started = time.perf_counter()
+        holding = self.hold(comm, save_dir)
         if self.options.tiers is not None:      # (the memory tier's checkpointer reports it)
             manifest = self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False,
                                          persist=persist, recorder=recorder)
@@ -661,7 +706,7 @@ class Checkpointer:
             self.finish()
             if recorder is not None:
                 recorder.flush()
-            snap = replace(self.snapshot(comm, save_dir, tag, collect), min_generation=min_generation)
+            snap = replace(self.snapshot(comm, save_dir, tag, collect), min_generation=min_generation, lease=holding)
             manifest = self.persist(comm, snap, update_latest)
             if recorder is not None:
                 _start_chain(recorder, snap.store, snap.save_dir, manifest)
@@ -680,6 +725,7 @@ class Checkpointer:
         writer process (``options.writer``).  At most one save is in flight: this waits for the
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
         waits for it; both raise or warn about a failure (``options.on_error``)."""
+        holding = self.hold(comm, save_dir)
         if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
             return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True, persist=persist)
         _refuse_non_persistent(persist)
@@ -696,7 +742,8 @@ class Checkpointer:
             self.staging = Staging(shared=True)
         if not in_process and self._background is None:
             self._background = background_comm(comm)
-        snap = replace(self.snapshot(comm, save_dir, tag, collect, staging=self.staging), min_generation=min_generation)
+        snap = replace(self.snapshot(comm, save_dir, tag, collect, staging=self.staging), min_generation=min_generation,
+                       lease=holding)
         pending = PendingSave(snap, update_latest)
         pending.rank, pending.shown_dir = comm.rank, shown_dir(snap)
         background, writer, staging, options = self._background, self.writer, self.staging, self.options
@@ -920,7 +967,7 @@ class Checkpointer:
                     "previous": previous, "step": snap.step, "node": node_id(), "framework": snap.framework}
 
         payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", run)
-        return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store)
+        return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store, snap.lease)
 
     def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
         """Step 2: every rank's payload on every rank (partitioned: see :class:`Exchanged`)."""
@@ -1103,6 +1150,7 @@ class Checkpointer:
 
         def run():
             if leads:
+                self.fence(prepared.lease, prepared.store, f"writing the manifest of {prepared.tag!r}")
                 if not exchanged.partitioned:       # (partitioned: confirmed by the ranks, above)
                     confirm_files(prepared.store, prepared.ckpt_dir,
                                   here if spread is not None else    # (other nodes' copies: their sizes)
@@ -1130,6 +1178,7 @@ class Checkpointer:
 
         def run():
             if leads:
+                self.fence(prepared.lease, store, f"publishing {prepared.tag!r} ('latest')")
                 if update_latest:
                     commit.write_latest(save_dir, prepared.tag, store)
                 if self.explains:
@@ -1138,7 +1187,9 @@ class Checkpointer:
                     latest = commit.read_latest(save_dir, store)
                     commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
                                            store=store)
-                commit.collect_garbage(save_dir, store=store)
+                # (a file written since this manifest may be another save's in flight: kept)
+                commit.collect_garbage(save_dir, store=store,
+                                       keep_after=store.mtime(store.join(prepared.ckpt_dir, MANIFEST_NAME)))
 
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (publish)", run)
         self.trust(prepared.ckpt_dir, store)

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from . import commit, deltas
+from . import commit, deltas, lease
 from .checkpoint import CheckpointReader, human, resolve, verify_part
 from .errors import AdaCheckError, ConfigError, NothingToDo, NotFoundError
 from .manifest import referenced_files
@@ -392,7 +392,10 @@ def cmd_prune(args) -> int:
     latest = commit.read_latest(path, store)
     doomed = commit.choose_retired(path, keep_last=args.keep_last, older_than_s=args.older_than,
                                    protect=(latest,) if latest else (), store=store)
-    files = commit.collect_garbage(path, dry_run=True, retired=tuple(doomed), store=store)
+    # a live job's save in flight is never taken for leftovers: files newer than its last commit stay
+    owner = lease.live(store, path)
+    keep_after = None if owner is None else commit.newest_commit_time(path, store) or float("-inf")
+    files = commit.collect_garbage(path, dry_run=True, retired=tuple(doomed), store=store, keep_after=keep_after)
     freed = sum(n for _, n in files)
     going = {f for f, _ in files}
 
@@ -415,6 +418,8 @@ def cmd_prune(args) -> int:
         if stays:
             print(f"  (files in {', '.join(stays)} that kept checkpoints still read stay: "
                   f"{human(sum(stays.values()))})")
+        if owner is not None:
+            print(f"  ({owner.owner()} owns this directory: files written since its last commit stay)")
         if earlier:
             print("  (retired earlier, files still read by kept checkpoints: "
                   f"{', '.join(f'{t} {human(n)}' for t, n in sorted(earlier.items()))})")
@@ -423,7 +428,7 @@ def cmd_prune(args) -> int:
             print("dry run: nothing deleted; run again with --yes to do it")
         return 0
     commit.retire(path, doomed, store)
-    done = commit.collect_garbage(path, store=store)
+    done = commit.collect_garbage(path, store=store, keep_after=keep_after)
     if not args.json:
         print(f"done: {human(sum(n for _, n in done))} freed")
     return 0

@@ -264,7 +264,8 @@ def _tree_size(store: Storage, path: str) -> int:
 
 
 def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = (),
-                    store: Storage = LOCAL, only: Optional[Tuple[str, ...]] = None) -> List[Tuple[str, int]]:
+                    store: Storage = LOCAL, only: Optional[Tuple[str, ...]] = None,
+                    keep_after: Optional[float] = None) -> List[Tuple[str, int]]:
     """Delete shard files (and temporaries) that no committed checkpoint reads.
 
     That covers earlier generations of a re-saved tag, saves a killed job never committed,
@@ -274,6 +275,10 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     emptied is removed too.  Call it only when no save into ``save_dir`` is in flight.
     ``dry_run``: delete nothing, as if the checkpoints in ``retired`` had no manifest.
     ``only``: look into these tags' directories alone (others may hold a save in flight).
+    ``keep_after``: a file no committed checkpoint reads is removed only if it was last modified
+    before this time (the storage's clock: pass the newest manifest's ``mtime``), so that the files of
+    a save in flight (another job's, whose lease has not yet been seen; a save that has not
+    committed yet) are never taken for leftovers; None: every such file (no save can be in flight).
     The online-delta log of a checkpoint goes with its manifest (``<tag>/deltas/``).
     Returns the files removed (or that would be), as (``<tag>/<file>``, bytes).
     """
@@ -307,6 +312,8 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
             if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
                 path = store.join(d, f)
                 try:
+                    if keep_after is not None and store.mtime(path) >= keep_after:
+                        continue        # (newer than the newest commit: a save in flight, perhaps another job's)
                     size = store.size(path)
                     if not dry_run:
                         store.remove(path)
@@ -316,6 +323,14 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
         if not dry_run and len(removed) > before and not has_manifest(d, store):
             store.remove_dir(d)      # (referenced files or something else may live there: then kept)
     return removed
+
+
+def newest_commit_time(save_dir: str, store: Storage = LOCAL) -> Optional[float]:
+    """The modification time of the newest committed manifest in ``save_dir`` (the storage's clock;
+    None: none is committed): garbage collection's ``keep_after`` beside a live job."""
+    times = [store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
+             for tag, m, _ in list_checkpoints(save_dir, store) if m is not None]
+    return max(times) if times else None
 
 
 def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s: Optional[float] = None,

@@ -65,6 +65,14 @@ on_corrupt          "raise"   the checkpoint a load would take is damaged (a has
                               one instead, with a warning on every rank (all ranks agree on
                               it); damaged online deltas then end the replay at the last
                               intact step instead of failing the load
+takeover            false     take the save directory over from the job that holds its lease (a
+                              live job saving there: its next save then fails, and 'latest'
+                              stays this job's); false: a save into a directory another live
+                              job owns is refused with an error naming that job
+lease_ttl_s         120       a job's lease of its save directory expires this many seconds
+                              after its last renewal (rank 0 renews it at every save and every
+                              lease_ttl_s / 3 seconds); a job that finds another's lease expired
+                              (that job died) takes the directory over without "takeover"
 online              {}        online gradient deltas (below)
 ==================  ========  ==============================================================
 
@@ -226,6 +234,8 @@ class AdaCheckConfig:
     exchange: str = "auto"
     hash_chunk_bytes: int = 64 << 20
     on_corrupt: str = "raise"
+    takeover: bool = False
+    lease_ttl_s: float = 120.0
     online: OnlineConfig = OnlineConfig()
     tiers: TiersConfig = TiersConfig()
 
@@ -246,6 +256,11 @@ class AdaCheckConfig:
                 continue
             if f.name == "compression":
                 check_compression(v)
+                continue
+            if f.name == "lease_ttl_s":
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+                    raise ConfigError(f"adacheck.lease_ttl_s must be a number of seconds > 0 (how long the save "
+                                      f"directory's lease outlives its owner's last renewal), got {v!r}")
                 continue
             if f.name == "save_dir":
                 if v is not None and (not isinstance(v, str) or not v):
@@ -317,5 +332,6 @@ class AdaCheckConfig:
 
 _TYPES = {"enabled": bool, "save_dir": str, "storage_options": dict, "async_save": bool, "async_writer": str, "on_error": str, "compression": str, "keep_last": int, "verify_on_load": bool,
           "fsync": bool, "strict_objects": bool, "reference_previous": bool,
-          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "online": dict,
+          "redundancy_factor": int, "exchange": str, "hash_chunk_bytes": int, "on_corrupt": str, "takeover": bool,
+          "lease_ttl_s": float, "online": dict,
           "tiers": dict}

@@ -42,6 +42,11 @@ class StorageError(AdaCheckError, OSError):
     operation; the message names the operation, the path and the backend's own error."""
 
 
+class LeaseError(AdaCheckError):
+    """Another job holds the save directory's lease (:mod:`adacheck.lease`), or took it over from
+    this job: this job's save is refused, and nothing of the other job's is touched."""
+
+
 class NothingToDo(AdaCheckError):
     """What was asked is already so (the CLI says it on stdout and exits 0)."""
 
@@ -52,7 +57,7 @@ class CorruptCheckpointWarning(UserWarning):
 
 
 KINDS = {c.__name__: c for c in (AdaCheckError, ConfigError, FormatError, IntegrityError, NotFoundError,
-                                  StateError, StorageError, TagMismatchError)}
+                                  StateError, StorageError, TagMismatchError, LeaseError)}
 
 
 class DistributedError(AdaCheckError):

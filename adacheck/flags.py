@@ -18,6 +18,8 @@ keys under the names a launcher's flags have):
   --adacheck-compression zstd     compression
   --[no-]adacheck-async-save      async_save (unless the script has a flag of its own for it)
   --adacheck-async-writer {thread,process}  async_writer
+  --[no-]adacheck-takeover        takeover (the save directory's lease from the job holding it)
+  --adacheck-lease-ttl-s SECONDS  lease_ttl_s
   --adacheck-online               online.enabled (gradient deltas after every step)
   --adacheck-online-base-interval N|auto
   --[no-]adacheck-online-compact
@@ -119,6 +121,9 @@ def add_config_flags(parser: argparse.ArgumentParser, own: Optional[Dict[str, st
         elif key in _CHOICES:
             g.add_argument(flag, dest=dest, choices=_CHOICES[key], default=None,
                            help=f"adacheck.{key} (default {default})")
+        elif key == "lease_ttl_s":
+            g.add_argument(flag, dest=dest, type=float, default=None, metavar="SECONDS",
+                           help=f"adacheck.{key} (default {default:g})")
         elif key == "online.base_interval":
             g.add_argument(flag, dest=dest, type=_interval, default=None, metavar="N|auto",
                            help=f"adacheck.{key} (default {default})")

@@ -881,13 +881,16 @@ def _copiers(manifest) -> List[int]:
 
 def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str, tag: str, fsync: bool,
                        update_latest: bool, keep_last: Optional[int], confirm: Callable,
-                       timeout_s: float = PERSIST_TIMEOUT_S) -> bool:
+                       timeout_s: float = PERSIST_TIMEOUT_S, fence: Optional[Callable] = None) -> bool:
     """Copy this rank's files of the committed memory checkpoint ``src_dir`` to ``dst_dir/tag``
     on ``dst_store`` (:func:`_copied_by`); rank 0 then commits it there (manifest, ``latest``,
     retention).  No collective: each rank's marker says which files it copied, their sizes and
     content tags; rank 0 waits for every marker (up to ``timeout_s``) and confirms those files
     (all of them: a checkpoint in parts needs its parts and rank files too) before the manifest.
-    Returns whether this rank's part is done (rank 0: whether the checkpoint was committed)."""
+    Returns whether this rank's part is done (rank 0: whether the checkpoint was committed).
+    ``fence(store, dir, doing)``: raises when this job no longer holds ``dst_dir``'s lease (checked by
+    rank 0 before the manifest and before ``latest``)."""
+    fence = fence if fence is not None else (lambda *_: None)
     manifest_bytes = LOCAL.read_bytes(LOCAL.join(src_dir, commit.MANIFEST_NAME))
     nonce = hashlib.sha256(manifest_bytes).hexdigest()
     manifest = parse(manifest_bytes.decode("utf-8"), where=LOCAL.join(src_dir, commit.MANIFEST_NAME),
@@ -921,10 +924,12 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
             return False
         time.sleep(0.05)
     confirm(dst_store, dst, files)
+    fence(dst_store, dst_dir, f"copying the manifest of {tag!r} from the memory tier")
     commit.write_manifest_bytes(dst, manifest_bytes, dst_store)
     for r in copiers:
         dst_store.remove(dst_store.join(dst, _marker(r)))
     if update_latest:
+        fence(dst_store, dst_dir, f"publishing {tag!r} ('latest') from the memory tier")
         commit.write_latest(dst_dir, tag, dst_store)
     commit.leave_readme(dst_dir, dst_store)
     retired = []
@@ -934,7 +939,8 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
                                          store=dst_store)
     # (only this tag's earlier generations and what retention retired: another rank may already be
     # copying the next checkpoint into a directory that has no manifest yet)
-    commit.collect_garbage(dst_dir, store=dst_store, only=(tag, *retired))
+    commit.collect_garbage(dst_dir, store=dst_store, only=(tag, *retired),
+                           keep_after=dst_store.mtime(dst_store.join(dst, commit.MANIFEST_NAME)))
     return True
 
 
@@ -1079,6 +1085,7 @@ class MemoryTier:
         self.across = False            # the last load ran on several nodes
         self.online = False            # the job records online deltas into the memory copies
         self.chain: Optional[ChainCopy] = None     # the persisted base's deltas going to durable storage
+        self.fence: Optional[Callable] = None      # (persist_checkpoint's): this job still owns the directory
 
     # ------------------------------------------------------------------ where
     def location(self, store: Storage, save_dir: str) -> str:
@@ -1217,7 +1224,7 @@ class MemoryTier:
                                     tag, save_dir)
                         return
                 if persist_checkpoint(rank, os.path.join(mem, tag), store, save_dir, tag, self.fsync, update_latest,
-                                      self.keep_last, self.confirm):
+                                      self.keep_last, self.confirm, fence=self.fence):
                     self.persisted.add((durable, tag))
                     log.info("AdaCheck: %s persisted to %s in %.2fs (background)", tag, save_dir, time.perf_counter() - t)
             except BaseException as e:  # noqa: BLE001 - reported by finish on the training thread
@@ -1390,7 +1397,8 @@ class MemoryTier:
             if not done:
                 try:
                     done = persist_checkpoint(self.rank, os.path.join(mem, tag), store, save_dir, tag, self.fsync,
-                                              update_latest, self.keep_last, self.confirm, timeout_s=120.0)
+                                              update_latest, self.keep_last, self.confirm, timeout_s=120.0,
+                                              fence=self.fence)
                     if done and self.rank == 0:
                         log.info("AdaCheck: %s persisted to %s at exit", tag, save_dir)
                 except Exception as e:  # noqa: BLE001 - the interpreter is exiting: keep the memory copy

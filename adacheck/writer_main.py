@@ -67,7 +67,7 @@ def _serve(conn: Connection, sock: socket.socket) -> None:
                 snap = checkpoint.Snapshot(save_dir, job.tag, store.join(save_dir, job.tag), store, shards,
                                            job.objects, job.rank_objects, job.layout, job.framework, job.step,
                                            time.perf_counter() - job.seconds_before,
-                                           min_generation=job.min_generation)
+                                           min_generation=job.min_generation, lease=job.lease)
                 reply["manifest"] = ckp.persist(comm, snap, job.update_latest)
                 reply["trusted"] = dict(ckp.caches.trusted)
             except Exception as e:  # noqa: BLE001 - sent to the rank, which reports it

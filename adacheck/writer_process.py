@@ -70,6 +70,7 @@ class Job:
     arena_bytes: int
     new_arena: bool                 # its file descriptor follows the message
     min_generation: int = 0         # (Snapshot.min_generation)
+    lease: Optional[object] = None  # (Snapshot.lease: rank 0's, checked before the manifest and 'latest')
 
 
 class WriterProcess:
@@ -108,7 +109,7 @@ class WriterProcess:
         shards = [dataclasses.replace(s, tensor=None) for s in snap.shards.values()]
         job = Job(snap.given_dir, snap.tag, shards, list(staging.slots), snap.objects, snap.rank_objects,
                   snap.layout, snap.framework, snap.step, update_latest, options, dict(trusted),
-                  time.perf_counter() - snap.started, staging.nbytes, new_arena, snap.min_generation)
+                  time.perf_counter() - snap.started, staging.nbytes, new_arena, snap.min_generation, snap.lease)
         try:
             self.conn.send(job)
             if new_arena:

@@ -343,8 +343,8 @@ def act(engine, a, rec, out_dir, rank):
             proc = engine.adacheck.checkpointer.writer.proc
             os.kill(proc.pid, {"stop_writer": signal.SIGSTOP, "kill_writer": signal.SIGKILL,
                                "cont_writer": signal.SIGCONT}[op])
-    elif op == "wait_file":     # wait_file PATH: until another job has made it (up to 300 s)
-        deadline = time.monotonic() + 300
+    elif op == "wait_file":     # wait_file PATH: until another job has made it (up to 1200 s)
+        deadline = time.monotonic() + 1200
         while not os.path.exists(a[1]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{a[1]} did not appear")

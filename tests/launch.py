@@ -145,6 +145,9 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DS_ACCELERATOR=device, ADACHECK_TEST_DEVICE=device, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep +
                    os.environ.get("PYTHONPATH", ""))
+        # every job of a test is one job restarted (the lease of a save directory passes to it, as to a
+        # restarted job's), unless the test names the job (tests/test_lease.py: jobs that compete)
+        env.setdefault("ADACHECK_JOB", "adacheck-tests")
         env.update(rank_env(rank) if rank_env is not None else {})
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w+")
         argv = [os.path.join(HERE, script), spec_path, out_dir]

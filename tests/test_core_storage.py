@@ -40,7 +40,7 @@ def save_three(store, root):
 
 
 def files_of(store, root):
-    """Every file under ``root`` (relative path -> bytes)."""
+    """Every file under ``root`` (relative path -> bytes), but the job's lease (its times differ)."""
     out = {}
 
     def walk(path, rel):
@@ -48,7 +48,7 @@ def files_of(store, root):
             p, r = store.join(path, name), f"{rel}/{name}" if rel else name
             if store.is_dir(p):
                 walk(p, r)
-            else:
+            elif name != ".adacheck-lease.json":
                 out[r] = store.read_bytes(p)
     walk(root, "")
     return out
