@@ -25,7 +25,8 @@ from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, module_names, named,
-                    partition_map, pipeline, pipeline_layers, refuse_engine, stage_load, tied_parameters)
+                    moe_layers, partition_map, pipeline, pipeline_layers, refuse_engine, stage_load,
+                    tied_parameters)
 
 log = logging.getLogger("adacheck")
 
@@ -280,7 +281,8 @@ class AdaCheckDeepSpeed:
                           optimizer=class_path(base) if base is not None else None,
                           ds_config=(jsontree.saveable(cfg, "ds_config", False)
                                      if cfg is not None else None),
-                          shared=tied_parameters(e.module), pipeline=pipeline_layers(e.module))
+                          shared=tied_parameters(e.module), pipeline=pipeline_layers(e.module),
+                          moe=moe_layers(e.module))
         return self._whole_model(spec) if pipeline(e)[1] > 1 or getattr(e, "has_moe_layers", False) else spec
 
     @staticmethod
@@ -305,7 +307,7 @@ class AdaCheckDeepSpeed:
             shared.update(part.shared or {})
         return SavedModel(parameters=params, buffers=buffers, groups=groups, shared=shared,
                           tensor_parallel=spec.tensor_parallel, optimizer=spec.optimizer, ds_config=spec.ds_config,
-                          pipeline=spec.pipeline)
+                          pipeline=spec.pipeline, moe=spec.moe)
 
     def _scaler(self):
         """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;

@@ -41,7 +41,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import deepspeed
 import torch
@@ -81,6 +81,7 @@ class ModelSpec:
     split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: split dim
     shared: Dict[str, str] = field(default_factory=dict)  # tied weights: alias -> name in params
     pipeline: Optional[dict] = None  # a PipelineEngine's layers and stages (state.pipeline_layers)
+    moe: Optional[list] = None       # DeepSpeed-MoE layers (state.moe_layers)
 
     @property
     def pp(self) -> int:
@@ -104,7 +105,8 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
         raise StateError(f"{ckpt_dir} was saved by an AdaCheck version that did not record the model "
                          "description (model_spec); convert it with --to deepspeed-universal, or load it "
                          "in the training job and save once")
-    refuse_topology(ckpt_dir, m, "the conversion to native DeepSpeed files", pipeline_ok=saved.pipeline is not None)
+    refuse_topology(ckpt_dir, m, "the conversion to native DeepSpeed files", pipeline_ok=saved.pipeline is not None,
+                    experts_ok=bool(saved.moe) and not any(layer["residual"] for layer in saved.moe))
     cfg = ds_config if ds_config is not None else saved.ds_config
     if not isinstance(cfg, dict):
         raise ConfigError(f"{ckpt_dir} does not hold the run's DeepSpeed config; pass it with --ds-config FILE")
@@ -125,7 +127,7 @@ def spec_from_adacheck(ckpt_dir: str, ds_config: Optional[dict] = None):
                      lr_scheduler=objects.lr_scheduler if "scheduler" not in cfg else None,
                      stage=int(m.framework.get("zero_stage", 0)), world=int(m.topology.get("world_size", 1)),
                      tp=int(saved.tensor_parallel.get("size", 1)), split=saved.partition_dims,
-                     shared=shared, pipeline=saved.pipeline), m
+                     shared=shared, pipeline=saved.pipeline, moe=saved.moe), m
 
 
 _UNSUPPORTED_SPLITS = ("parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
@@ -216,6 +218,11 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
         raise ConfigError(f"{files[0]} does not hold the run's DeepSpeed config as a dict; pass it with --ds-config FILE")
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     module = sd.get("module")
+    if glob.glob(os.path.join(ckpt_dir, "layer_*_expert_*_model_states.pt")):
+        raise StateError(f"{ckpt_dir} is a native checkpoint of a model with DeepSpeed-MoE experts (per-expert "
+                         "files, which its model states leave out); this conversion does not read it yet: load it "
+                         "with AdaCheck enabled in the training job (AdaCheck has DeepSpeed load its own checkpoint) "
+                         "and save once")
     if module is None and glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")):
         raise StateError(f"{ckpt_dir} is a native PipelineEngine checkpoint (per-layer files), which this "
                          "conversion does not read yet; load it with AdaCheck enabled in the training job's "
@@ -290,13 +297,18 @@ class SavedScheduler:
         return list((self.state or {}).get("_last_lr", []))
 
 
-def shell_module(spec: ModelSpec, tp: int = 1, root: Optional[torch.nn.Module] = None):
+def shell_module(spec: ModelSpec, tp: int = 1, root: Optional[torch.nn.Module] = None,
+                 inserts: Optional[Dict[str, Callable[[], torch.nn.Module]]] = None):
     """An nn.Module with the checkpoint's parameters and buffers under their dotted names, in
     module order (so DeepSpeed groups, flattens and partitions them as in the training job);
     a tied weight is the same nn.Parameter under each of its names (so DeepSpeed's save writes
     every name and its ``shared_params``, and its load fills every name); with ``tp`` > 1
-    each split parameter is this rank's slice, marked as Megatron marks it."""
+    each split parameter is this rank's slice, marked as Megatron marks it.  ``inserts``: module
+    path -> a function making the module that holds every parameter and buffer under that path
+    (a MoE layer), put there in the recorded order where its first parameter is."""
     root = torch.nn.Module() if root is None else root
+    inserts = dict(inserts or {})
+    inside = lambda name: next((p for p in inserts if name.startswith(p + ".")), None)   # noqa: E731
     if tp > 1:
         check_tp(spec, tp)
         # DeepSpeed's universal-checkpoint patterns, so the native files say how they are split
@@ -314,6 +326,12 @@ def shell_module(spec: ModelSpec, tp: int = 1, root: Optional[torch.nn.Module] =
         return m, leaf
 
     for name, shape, dtype, trainable in spec.params:
+        at = inside(name)
+        if at is not None:
+            if at not in [n for n, _ in root.named_modules()]:
+                m, leaf = owner(at)
+                m.add_module(leaf, inserts[at]())
+            continue
         m, leaf = owner(name)
         dim = spec.split.get(name) if tp > 1 else None
         if dim is not None:
@@ -330,10 +348,11 @@ def shell_module(spec: ModelSpec, tp: int = 1, root: Optional[torch.nn.Module] =
                              "of a parameter; this model cannot be rebuilt offline")
         m.register_parameter(leaf, named[source])
     for name, shape, dtype in spec.buffers:
-        m, leaf = owner(name)
-        m.register_buffer(leaf, torch.zeros(shape, dtype=torch_dtype(dtype)))
-    order = [n for n, _ in root.named_parameters()]
-    if order != [p[0] for p in spec.params]:
+        if inside(name) is None:
+            m, leaf = owner(name)
+            m.register_buffer(leaf, torch.zeros(shape, dtype=torch_dtype(dtype)))
+    order = [n for n, _ in root.named_parameters() if inside(n) is None]
+    if order != [p[0] for p in spec.params if inside(p[0]) is None]:
         raise StateError("the parameter names do not form a module tree in their recorded order; "
                          "this model cannot be rebuilt offline")
     return root
@@ -363,6 +382,23 @@ def _layer_part(spec: ModelSpec, prefix: str) -> ModelSpec:
     return dataclasses.replace(spec, params=[(p[0][n:], *p[1:]) for p in spec.params if p[0].startswith(prefix)],
                                buffers=[(b[0][n:], *b[1:]) for b in spec.buffers if b[0].startswith(prefix)],
                                shared={}, split={}, pipeline=None)
+
+
+def moe_shell(spec: ModelSpec):
+    """The shell of a model with DeepSpeed-MoE layers: each is a real ``MoE`` of the recorded size
+    whose experts are :class:`_ShellLayer` s of the recorded expert parameters, this rank's local
+    experts (DeepSpeed's expert-parallel groups are consecutive ranks), so DeepSpeed's own save
+    writes its per-expert files."""
+    from deepspeed.moe.layer import MoE
+    rank = torch.distributed.get_rank()
+
+    def make(layer):
+        first = (rank % layer["ep_size"]) * (layer["experts"] // layer["ep_size"])
+        expert = _ShellLayer(_layer_part(spec, f"{layer['path']}.deepspeed_moe.experts.deepspeed_experts.{first}."))
+        return lambda: MoE(layer["hidden"], expert, num_experts=layer["experts"], ep_size=layer["ep_size"])
+    if any(not layer["path"] for layer in spec.moe):
+        raise StateError("the model itself is a MoE layer; this conversion rebuilds MoE layers inside a model only")
+    return shell_module(spec, inserts={layer["path"]: make(layer) for layer in spec.moe})
 
 
 def pipeline_shell(spec: ModelSpec, topology):
@@ -398,6 +434,24 @@ def pipeline_shell(spec: ModelSpec, topology):
     return module
 
 
+def _logical_names(module, spec: ModelSpec):
+    """The shell's parameters by the names the checkpoint records (a rank's local expert i of a
+    MoE layer: the global expert it is, as adacheck_ds.state names it)."""
+    if not spec.moe:
+        return list(module.named_parameters())
+    rank, out = torch.distributed.get_rank(), []
+    at = {f"{layer['path']}.deepspeed_moe.experts.deepspeed_experts.": layer for layer in spec.moe}
+    for n, p in module.named_parameters():
+        prefix = next((a for a in at if n.startswith(a)), None)
+        if prefix is not None:
+            layer = at[prefix]
+            local, _, rest = n[len(prefix):].partition(".")
+            first = (rank % layer["ep_size"]) * (layer["experts"] // layer["ep_size"])
+            n = f"{prefix}{first + int(local)}.{rest}"
+        out.append((n, p))
+    return out
+
+
 def check_tp(spec: ModelSpec, tp: int) -> None:
     bad = [f"{n} {list(shape)}" for n, shape, _, _ in spec.params if n in spec.split and shape[spec.split[n]] % tp]
     if bad:
@@ -420,11 +474,15 @@ def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     if spec.pipeline:   # a PipelineEngine in the recorded stages (its own grid)
         module = pipeline_shell(spec, PipeModelDataParallelTopology(num_pp=spec.pp, num_mp=1,
                                                                     num_dp=world // spec.pp))
+    elif spec.moe:
+        if tp > 1:
+            raise ConfigError("--tp: a checkpoint with MoE layers converts without tensor parallelism")
+        module = moe_shell(spec)
     else:
         if tp > 1:   # DeepSpeed's own mpu: TP ranks consecutive, data-parallel groups strided by TP (Megatron's order)
             mpu = PipelineParallelGrid(PipeModelDataParallelTopology(num_pp=1, num_mp=tp, num_dp=world // tp))
         module = shell_module(spec, tp)
-    named = dict(module.named_parameters())
+    named = dict(_logical_names(module, spec))
     cfg = copy.deepcopy(spec.ds_config)
     cfg.pop("adacheck", None)
     zero = dict(cfg.get("zero_optimization") or {})
@@ -435,8 +493,16 @@ def build_engine(spec: ModelSpec, stage: int, tp: int = 1):
     cfg.pop("train_batch_size", None)
     cfg["train_micro_batch_size_per_gpu"] = micro
     cfg["gradient_accumulation_steps"] = cfg.get("gradient_accumulation_steps") or 1
-    # (a pipeline stage steps its own layers' parameters)
-    groups = [{"params": [named[n] for n in g if n in named]} for g in spec.groups if any(n in named for n in g)]
+    # (a pipeline stage steps its own layers' parameters, a rank its own experts: DeepSpeed's MoE
+    # param groups, as split_params_into_different_moe_groups_for_optimizer makes them)
+    groups = []
+    for i, g in enumerate(spec.groups):
+        params = [named[n] for n in g if n in named]
+        if params:
+            moe = {getattr(p, "group_name", None) for p in params if getattr(p, "allreduce", True) is False}
+            groups.append({"params": params, "name": moe.pop(), "moe": True} if moe and len(moe) == 1 and
+                          all(getattr(p, "allreduce", True) is False for p in params) else
+                          {"params": params, "name": f"group{i}"} if spec.moe else {"params": params})
     kw = {}
     if "optimizer" not in cfg:
         if not spec.optimizer:

@@ -44,6 +44,8 @@ class SavedModel(Record):
                                              default=None)
     # a PipelineEngine's layers and stages (adacheck_ds.state.pipeline_layers); null otherwise
     pipeline: Optional[dict] = entry(optional(dict), "an object {parts, layers} or null", default=None)
+    # DeepSpeed-MoE layers (adacheck_ds.state.moe_layers); null without any
+    moe: Optional[list] = entry(optional(list), "a list of MoE layers or null", default=None)
 
     @property
     def partition_dims(self) -> Dict[str, int]:

@@ -98,19 +98,30 @@ def pipeline_layers(module) -> Optional[dict]:
     return {"parts": [int(x) for x in module.parts], "layers": layers}
 
 
+def moe_layers(module) -> Optional[List[dict]]:
+    """The DeepSpeed-MoE layers of a module, what a conversion rebuilds them from (None without
+    any): each one's ``path``, ``hidden`` size, number of ``experts``, ``ep_size`` and whether it
+    has a ``residual`` MLP."""
+    from deepspeed.moe.layer import MoE
+    out = [{"path": n, "hidden": int(m.deepspeed_moe.gate.wg.weight.shape[1]), "experts": int(m.num_experts),
+            "ep_size": int(m.ep_size), "residual": bool(m.use_residual)}
+           for n, m in module.named_modules() if isinstance(m, MoE)]
+    return out or None
+
+
 def pipe_copy(p) -> bool:
     """A tied parameter's copy on a later pipeline stage (DeepSpeed marks those
     ``ds_pipe_replicated``: the first stage that holds it owns it)."""
     return bool(getattr(p, "ds_pipe_replicated", False))
 
 
-def refuse_topology(ckpt_dir: str, m, what: str, pipeline_ok: bool = False) -> None:
+def refuse_topology(ckpt_dir: str, m, what: str, pipeline_ok: bool = False, experts_ok: bool = False) -> None:
     """A checkpoint of a PipelineEngine or of a model with DeepSpeed-MoE experts: ``what`` does
     not write those layouts (their native files are per layer / per expert), so it is refused
     with what to do instead."""
     pp = int(m.framework.get("pp_world_size", 1))
     experts = any(".deepspeed_experts." in n for n in m.tensors)
-    if (pp > 1 and not pipeline_ok) or experts:
+    if (pp > 1 and not pipeline_ok) or (experts and not experts_ok):
         kind = f"a {pp}-stage PipelineEngine" if pp > 1 else "a model with DeepSpeed-MoE experts"
         raise StateError(f"{ckpt_dir} was saved by {kind}; {what} does not write that layout yet. Load it "
                          "with AdaCheck enabled into the training job's engine (any number of pipeline stages "
