@@ -26,7 +26,9 @@ from launch import ROOT
 
 from adacheck_megatron import launch
 
-SHARED = os.path.join(ROOT, "..", "shared", "megatron-lm")
+# scripts/check_versions.py points this at a folder of the snapshots it was given
+SHARED = (os.environ.get("ADACHECK_MEGATRON_LM_SNAPSHOTS")
+          or os.path.join(ROOT, "..", "shared", "megatron-lm"))
 PATCHES = os.path.join(ROOT, "patches")
 # the patch of each Megatron-LM tag (patches/README.md)
 PATCH_FOR = {
