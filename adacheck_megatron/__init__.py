@@ -29,8 +29,9 @@ def package_info_version(megatron_dir: str) -> Optional[str]:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
         return None
-    parts = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-             and isinstance(node.value, ast.Constant) for t in node.targets if isinstance(t, ast.Name)}
+    parts = {t.id: node.value.value for node in tree.body
+             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+             for t in node.targets if isinstance(t, ast.Name)}
     if not all(isinstance(parts.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
         return None
     return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}{parts.get('PRE_RELEASE') or ''}"
