@@ -819,8 +819,11 @@ class Checkpointer:
     def _failed(self, pending: PendingSave) -> Optional[Manifest]:
         """An asynchronous save that failed: said as it is on storage.  Failed before its commit:
         the previous checkpoint is the newest.  After it (its manifest is there): it counts as
-        committed when ``latest`` names it too, else it loads by its tag only."""
-        error, manifest = pending.error, pending.committed_all_the_same()
+        committed when ``latest`` names it too, else it loads by its tag only.  A save refused because
+        another job took the directory over committed nothing (a manifest there now is the other
+        job's, perhaps of the same tag)."""
+        error = pending.error
+        manifest = None if isinstance(error, LeaseError) else pending.committed_all_the_same()
         if manifest is None:
             if self.options.on_error == "raise":
                 raise error

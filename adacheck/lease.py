@@ -272,21 +272,21 @@ def acquire(store: Storage, save_dir: str, ttl_s: float, takeover: bool,
     return holding, current
 
 
-def check(store: Storage, holding: Holding, doing: str) -> None:
+def check(store: Storage, holding: Holding, doing: str) -> Lease:
     """The fencing check, before a manifest or ``latest`` is written: the lease on storage is
-    still ``holding``'s (the same incarnation and generation); else a LeaseError."""
+    still ``holding``'s (the same incarnation and generation), returned; else a LeaseError."""
     try:
         lease = read(store, holding.save_dir)
     except FormatError:
         lease = None
     if lease is None or (lease.incarnation, lease.generation) != (holding.incarnation, holding.generation):
         raise LeaseError(taken_over(holding, lease, doing))
+    return lease
 
 
 def renew(store: Storage, holding: Holding) -> None:
     """Write ``holding``'s lease again with the time now (after :func:`check`)."""
-    check(store, holding, "a save")
-    lease = read(store, holding.save_dir)
+    lease = check(store, holding, "a save")
     store.write_atomic(holding.path, Lease(lease.job, lease.incarnation, lease.host, lease.pid, lease.acquired,
                                            time.time(), holding.ttl_s, lease.generation, lease.job_from).to_bytes(),
                        fsync=False)

@@ -157,7 +157,7 @@ def wait_expired(store, d):
     """Until the lease of ``d`` has expired (its owner was killed: nobody renews it)."""
     while True:
         held = lease.read(store, d)
-        if held is None or held.expired(time.time()):
+        if held is None or time.time() > held.renewed + held.ttl_s:
             return held
         time.sleep(0.2)
 
@@ -344,4 +344,48 @@ def test_prune_beside_a_live_job_keeps_its_save_in_flight(tmp_path, monkeypatch)
     assert lease.read(LOCAL, d) is None
     code, text = cli("prune", d, "--keep-last", "1", "--yes")
     assert code == 0 and not os.path.exists(flight), text
+    verified(d)
+
+
+# ---------------------------------------------------------------------- the memory tier
+def test_the_memory_tiers_copies_hold_and_are_fenced_by_the_directorys_lease(tmp_path, monkeypatch):
+    """With the memory tier, the lease is the checkpoint directory's: another job is refused before
+    its memory save, and the owner's copy of a memory checkpoint to the directory is refused at its
+    commit when a job took the directory over while it was copied ('latest' stays that job's)."""
+    import torch
+    from adacheck.checkpoint import Checkpointer, Options
+    from adacheck.config import TiersConfig
+    from adacheck.exchange import SoloComm
+    from test_core_storage import state
+    monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
+    d, frozen, comm = str(tmp_path / "ck"), torch.arange(9.0).view(3, 3), SoloComm()
+
+    def tiered(**kw):
+        return Checkpointer(options=Options(fsync=False, on_error="raise", tiers=TiersConfig(memory=True), **kw))
+
+    def save(c, step):
+        st = state(step, frozen)[1]
+        c.save(comm, d, f"s{step}", lambda: st)
+        c.finish()
+
+    monkeypatch.setenv("ADACHECK_JOB", "old")
+    old = tiered()
+    save(old, 1)
+    assert commit.read_latest(d) == "s1"
+    monkeypatch.setenv("ADACHECK_JOB", "new")
+    with pytest.raises(LeaseError, match="job 'old'"):
+        save(tiered(), 2)
+    new = tiered(takeover=True)
+    confirm = old.memory_tier().confirm
+
+    def taken_over_meanwhile(*args):        # (the old owner's copy: its files are in the directory)
+        save(new, 3)
+        return confirm(*args)
+    old.tiered.confirm = taken_over_meanwhile
+    with pytest.raises(LeaseError, match=TAKEN):
+        save(old, 2)
+    assert commit.read_latest(d) == "s3" and not commit.has_manifest(os.path.join(d, "s2"))
+    with pytest.raises(LeaseError, match=TAKEN):
+        save(old, 4)
+    assert lease.read(LOCAL, d).generation == 1
     verified(d)
