@@ -56,12 +56,12 @@ def test_an_s3_checkpoint_is_the_local_bytes_published_in_order(s3, tmp_path):
     first = list(s3.relay.requests)
     weights = save_steps(checkpointer, root, (2, 3), frozen)
     assert sorted(u["Key"] for u in s3.fs.list_multipart_uploads(s3.bucket)) == others
-    # the first save: its shard object, then its manifest, then 'latest' (and the directory's README,
-    # once)
+    # the first save: the directory's lease (before anything else), its shard object, then its manifest,
+    # then 'latest' (and the directory's README, once)
     puts = [r.split(b" ")[1].split(b"?")[0].decode() for r in first if r.startswith((b"PUT", b"POST"))]
     puts = [p for p in puts if p.startswith("/ckpt/order/")]
-    assert puts == ["/ckpt/order/s1/rank00000-g0.safetensors", "/ckpt/order/s1/manifest.json",
-                    "/ckpt/order/latest", "/ckpt/order/README"], puts
+    assert puts == ["/ckpt/order/.adacheck-lease.json", "/ckpt/order/s1/rank00000-g0.safetensors",
+                    "/ckpt/order/s1/manifest.json", "/ckpt/order/latest", "/ckpt/order/README"], puts
     local = str(tmp_path / "local")
     local_job = Checkpointer(options=Options(chunk_bytes=32, keep_last=2))
     save_steps(local_job, local, (1, 2, 3), frozen)
