@@ -18,6 +18,7 @@ try:
 except ModuleNotFoundError as e:
     raise not_installed(e, "deepspeed", "deepspeed", "deepspeed") from None
 from deepspeed.checkpoint import ds_to_universal
+from deepspeed.runtime import engine as ds_runtime_engine
 from deepspeed.utils import zero_to_fp32 as ds_zero_to_fp32
 
 from adacheck.config import AdaCheckConfig
@@ -121,6 +122,9 @@ def install() -> None:
     get_fp32_state_dict_from_zero_checkpoint.__wrapped__ = native_fp32
     get_fp32_state_dict_from_zero_checkpoint.__doc__ = native_fp32.__doc__
     ds_zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
+    # DeepSpeed's engine imported it by name: its ZeRO-3 load without optimizer states calls it on
+    # the load directory's 'latest', which may be an AdaCheck checkpoint beside the native one loaded
+    ds_runtime_engine.get_fp32_state_dict_from_zero_checkpoint = get_fp32_state_dict_from_zero_checkpoint
 
     # DeepSpeed's universal conversion (ds_to_universal.main(args), as its tests and scripts call
     # it): an AdaCheck checkpoint goes through adacheck convert --to deepspeed-universal

@@ -171,8 +171,9 @@ def test_checkpoint_section_and_deepspeed_universal_conversion(tmp_path):
     as always; DeepSpeed's ds_to_universal.main converts an AdaCheck checkpoint (through
     AdaCheck's converter), and an engine with load_universal and no tag loads what
     latest_universal names, as DeepSpeed does (through DeepSpeed's own load, also when another
-    decorator wraps the engine's load_checkpoint): the same state as DeepSpeed's own conversion
-    and load of a native save of the same step, and the same next losses."""
+    decorator wraps the engine's load_checkpoint, and at ZeRO-3 without optimizer states): the
+    same state as DeepSpeed's own conversion and load of a native save of the same step, and the
+    same next losses."""
     d = str(tmp_path)
     ck, nat = f"{d}/ck", f"{d}/native"
     base = dict(stage=2, dtype="fp32")
@@ -180,25 +181,36 @@ def test_checkpoint_section_and_deepspeed_universal_conversion(tmp_path):
         dict(base, adacheck={"enabled": True}, ds_extra={"checkpoint": {"use_node_local_storage": True}},
              init_error="checkpoint.use_node_local_storage is true"),
         dict(base, adacheck={"enabled": True}, ds_extra={"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
-             actions=[["train", 3], ["save", ck], ["save_native", nat], ["train", 2]])]}, d,
+             actions=[["train", 3], ["save", ck], ["save_native", nat], ["train", 2]]),
+        dict(stage=3, dtype="fp32", adacheck={"enabled": True},
+             actions=[["train", 3], ["save", f"{ck}3"], ["save_native", f"{nat}3"], ["train", 2]])]}, d,
         script="dropin_worker.py"))
     res = results(d)
     assert not res[0]["engine_code_ran"] and "use_node_local_storage" in res[0]["errors"][0]
     assert os.path.isfile(f"{ck}/global_step3/manifest.json")
-    universal(ck, "global_step3")
-    universal(nat, "global_step3")
+    for src in (ck, nat, f"{ck}3", f"{nat}3"):
+        universal(src, "global_step3")
     assert open(f"{ck}/latest_universal").read().strip() == "global_step3_universal"
     load_universal = dict(base, seed=7, ds_extra={"checkpoint": {"load_universal": True}})
+    # ZeRO-3 without optimizer states: DeepSpeed's load also reads the fp32 weights of what the
+    # directory's 'latest' names (get_fp32_state_dict_from_zero_checkpoint), here AdaCheck's save
+    no_optim = {"load_optimizer_states": False}
     check(launch(2, {"runs": [
+        dict(load_universal, stage=3, adacheck={"enabled": True},
+             actions=[["load", f"{ck}3", no_optim], ["raw", "B3"], ["train", 2]]),
+        dict(load_universal, stage=3, actions=[["load_native_kw", f"{nat}3", no_optim], ["raw", "C3"], ["train", 2]]),
+        # (last: the decorator stays on the class, counting into this run's record)
         dict(load_universal, adacheck={"enabled": True},
              actions=[["wrap_methods"], ["load", ck], ["raw", "B"], ["train", 2]]),
-        dict(load_universal, actions=[["load_native", nat], ["raw", "C"], ["train", 2]])]}, d,
-        script="dropin_worker.py"))
-    b, c = results(d)
+        dict(load_universal, actions=[["load_native", nat], ["raw", "C"], ["train", 2]])]},
+        d, script="dropin_worker.py"))
+    b3, c3, b, c = results(d)
     assert "global_step3_universal" in b["loaded"][0][0] and b["calls"] == 1
     assert b["losses"] == c["losses"] == res[1]["losses"][3:]
+    assert "global_step3_universal" in b3["loaded"][0][0] and b3["losses"] == c3["losses"]
     for rank in (0, 1):
         assert_same(raw(d, "B", rank), raw(d, "C", rank))
+        assert_same(raw(d, "B3", rank), raw(d, "C3", rank))
 
 
 LOAD_ARGUMENTS = [{"load_optimizer_states": False}, {"load_lr_scheduler_states": False},
