@@ -208,6 +208,10 @@ def main():
         json.dump(results, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # what a script's normal exit runs (os._exit skips atexit): AdaCheck's writers closed and its
+    # lease of each save directory removed
+    from adacheck.lifecycle import at_exit
+    at_exit()
     _exit(0)
 
 
