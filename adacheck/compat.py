@@ -11,9 +11,11 @@ import warnings
 from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
-# the minor versions the test suite ran with (CI: torch 2.13.0, DeepSpeed 0.19.8,
-# megatron-core 0.16.1)
-TESTED = {"torch": "2.13", "deepspeed": "0.19", "megatron-core": "0.16"}
+# the minor versions the test suite ran with, oldest first (CI: torch 2.13.0, DeepSpeed 0.19.8,
+# megatron-core 0.16.1; also run: the core, DeepSpeed and Megatron tests with torch 2.14.1, and
+# the Megatron tests with megatron-core 0.17.1, 0.18.2 and 0.19.0 from source,
+# scripts/check_versions.sh)
+TESTED = {"torch": ("2.13", "2.14"), "deepspeed": ("0.19",), "megatron-core": ("0.16", "0.17", "0.18", "0.19")}
 
 
 class UntestedVersionWarning(UserWarning):
@@ -27,11 +29,11 @@ def untested(dist: str, found: Optional[str] = None) -> Optional[str]:
             found = version(dist)
         except PackageNotFoundError:
             return None
-    if found.split(".")[:2] == TESTED[dist].split("."):
+    if ".".join(found.split(".")[:2]) in TESTED[dist]:
         return None
-    return (f"AdaCheck is tested with {dist} {TESTED[dist]}.x and found {found}: the internals it relies on "
-            f"may differ; run its test suite (bash scripts/test.sh) against this version, or install "
-            f"{dist}=={TESTED[dist]}.*")
+    return (f"AdaCheck is tested with {dist} {' / '.join(v + '.x' for v in TESTED[dist])} and found {found}: the "
+            f"internals it relies on may differ; run its test suite (bash scripts/test.sh) against this version, "
+            f"or install {dist}=={TESTED[dist][-1]}.*")
 
 
 def not_installed(error: ModuleNotFoundError, module: str, dist: str, extra: str) -> ImportError:

@@ -219,6 +219,7 @@ def test_the_core_and_its_cli_need_neither_deepspeed_nor_megatron(ckpt):
 def test_an_untested_framework_version_is_named():
     from adacheck.compat import untested
     assert untested("deepspeed", "0.19.8") is None and untested("megatron-core", "0.16.1") is None
+    assert untested("megatron-core", "0.19.0") is None and untested("megatron-core", "0.20.0") is not None
     text = untested("deepspeed", "0.18.2")
     assert "0.19.x" in text and "0.18.2" in text
 

@@ -20,10 +20,10 @@ IMPORTS = ("import warnings\n"
 
 
 def test_torch_versions():
-    assert TESTED["torch"] == "2.13"
-    assert untested("torch", "2.13.0+cpu") is None and untested("torch", "2.13.1+cu130") is None
+    assert TESTED["torch"] == ("2.13", "2.14")
+    assert untested("torch", "2.13.0+cpu") is None and untested("torch", "2.14.1+cu130") is None
     text = untested("torch", "2.15.0+cu130")
-    assert "torch 2.13.x" in text and "2.15.0+cu130" in text
+    assert "torch 2.13.x / 2.14.x" in text and "2.15.0+cu130" in text and "torch==2.14.*" in text
 
 
 def test_an_untested_torch_is_named_once(tmp_path):
@@ -38,7 +38,7 @@ def test_an_untested_torch_is_named_once(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     said = p.stdout.strip().splitlines()
     assert len(said) == 1, p.stdout
-    assert "AdaCheck is tested with torch 2.13.x and found 2.15.0" in said[0]
+    assert "AdaCheck is tested with torch 2.13.x / 2.14.x and found 2.15.0" in said[0]
     assert said[0].startswith("<string>:")          # attributed to the importing line
     # the installed torch: no warning when it is of the tested version (the suite also runs
     # against others, which get theirs)
@@ -55,7 +55,7 @@ def test_a_megatron_core_source_tree_is_named_by_its_package_info(tmp_path):
     core = tmp_path / "tree" / "megatron" / "core"
     core.mkdir(parents=True)
     (core / "__init__.py").write_text("raise RuntimeError('megatron.core must not be imported')\n")
-    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 0\nPRE_RELEASE = ''\n"
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = ''\n"
                                           "VERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "tree"), ROOT]))
     p = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True,
@@ -63,5 +63,5 @@ def test_a_megatron_core_source_tree_is_named_by_its_package_info(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     said = [line for line in p.stdout.splitlines() if "megatron-core" in line]   # (not torch's)
     assert len(said) == 1, p.stdout
-    assert "AdaCheck is tested with megatron-core 0.16.x and found 0.19.0" in said[0]
+    assert "AdaCheck is tested with megatron-core 0.16.x / 0.17.x / 0.18.x / 0.19.x and found 0.20.0" in said[0]
     assert said[0].startswith("<string>:")
