@@ -29,9 +29,11 @@ REFUSED = "belongs to another job"
 TAKEN = "took the directory over"
 
 
-def job(name):
-    """launch()'s rank_env for a job named ``name`` ($ADACHECK_JOB)."""
-    return lambda rank: {"ADACHECK_JOB": name}
+def job(name, node=None):
+    """launch()'s rank_env for a job named ``name`` ($ADACHECK_JOB), on the machine ``node``
+    ($ADACHECK_NODE; None: this one).  A lease of a job on another machine is judged by its time to
+    live alone; on this one, a rank 0 that is gone ends it at once."""
+    return lambda rank: dict({"ADACHECK_JOB": name}, **({"ADACHECK_NODE": node} if node else {}))
 
 
 def results(d, rank=0):
@@ -162,15 +164,17 @@ def wait_expired(store, d):
         time.sleep(0.2)
 
 
-def test_a_killed_owners_lease_expires_and_the_next_job_takes_over_without_a_flag(tmp_path):
-    """Job A (a 3 s lease) saves twice and is SIGKILLed (nothing at exit runs: its lease stays);
-    once the lease has expired, job B, another job without "takeover", saves into the directory:
-    'latest' is B's, the lease B's at the next generation, and A's checkpoints still verify."""
+@pytest.mark.parametrize("node, ttl", [("node-a", 3), (None, 3600)], ids=["expired", "rank0-gone"])
+def test_a_killed_owners_lease_expires_and_the_next_job_takes_over_without_a_flag(tmp_path, node, ttl):
+    """Job A saves twice and is SIGKILLed (nothing at exit runs: its lease stays); job B, another
+    job without "takeover", then saves into the directory: 'latest' is B's, the lease B's at the
+    next generation, and A's checkpoints still verify.  A on another machine with a 3 s lease: B
+    saves once it has expired; A on this machine with an hour's lease: at once (its rank 0 is gone)."""
     ck = str(tmp_path / "ck")
-    out = launch(2, ds_run({"lease_ttl_s": 3}, [["train", 1], ["save", ck], ["train", 1], ["save", ck], ["die"]]),
-                 str(tmp_path / "a"), rank_env=job("job-a"), grace=30)
+    out = launch(2, ds_run({"lease_ttl_s": ttl}, [["train", 1], ["save", ck], ["train", 1], ["save", ck], ["die"]]),
+                 str(tmp_path / "a"), rank_env=job("job-a", node), grace=30)
     assert all(rc != 0 for rc, _ in out)
-    dead = wait_expired(LOCAL, ck)
+    dead = wait_expired(LOCAL, ck) if node else lease.read(LOCAL, ck)
     assert dead is not None and dead.job == "job-a" and dead.generation == 0
     check(launch(2, ds_run({}, [["load", ck], ["train", 1], ["save", ck], ["latest", ck]], seed=7),
                  str(tmp_path / "b"), rank_env=job("job-b")))
@@ -220,15 +224,19 @@ def s3():
 
 
 def test_on_s3_a_second_deepspeed_job_is_refused_and_the_owners_checkpoints_verify(s3, tmp_path):
-    """On an S3 server: job A (a lease of an hour) saves twice and is SIGKILLed; job B loads its
-    checkpoint (allowed) and is refused at its first save on both ranks; nothing of A's is
+    """On an S3 server: job A (on another machine, a lease of an hour) saves twice and is
+    SIGKILLed; job B loads its checkpoint (allowed) and is refused at its first save on both ranks; nothing of A's is
     touched (its objects are the same) and 'adacheck ls --verify' passes."""
     url = s3.url("refused")
     opts = {"storage_options": s3.options}
     out = launch(2, ds_run(dict(opts, lease_ttl_s=3600), [["train", 1], ["save", url], ["train", 1], ["save", url],
                                                            ["die"]]),
-                 str(tmp_path / "a"), rank_env=job("job-a"), grace=30)
+                 str(tmp_path / "a"), rank_env=job("job-a", "node-a"), grace=30)
     assert all(rc != 0 for rc, _ in out)
+    from adacheck.checkpoint import Checkpointer, Options
+    store, where = Checkpointer(options=Options(storage_options=s3.options)).locate(url)
+    held = lease.read(store, where)       # (the killed job's lease, through the storage layer: live for an hour)
+    assert (held.job, held.ttl_s, held.generation) == ("job-a", 3600.0, 0), held
     before = {k: s3.fs.info(f"{s3.bucket}/{k}")["ETag"] for k in s3.keys("refused")}
     check(launch(2, ds_run(opts, [["load", url], ["train", 1], ["expect_error", REFUSED, "save", url]], seed=7),
                  str(tmp_path / "b"), rank_env=job("job-b")))
@@ -290,14 +298,15 @@ def test_on_s3_a_takeover_fences_the_old_owner(s3, monkeypatch):
 
 # ---------------------------------------------------------------------- megatron-core
 def test_a_second_megatron_job_is_refused_and_the_owners_checkpoints_verify(tmp_path):
-    """megatron-core (TP=2, scripts/pretrain_gpt.py's functions): job A (--adacheck-lease-ttl-s 3600)
-    saves and is SIGKILLed; job B loads its checkpoint, then is refused at its first save on both
-    ranks, naming A; with --adacheck-takeover a third job saves there, and everything verifies."""
+    """megatron-core (TP=2, scripts/pretrain_gpt.py's functions): job A (on another machine,
+    --adacheck-lease-ttl-s 3600) saves and is SIGKILLed; job B loads its checkpoint, then is refused
+    at its first save on both ranks, naming A; with --adacheck-takeover a third job saves there, and
+    everything verifies."""
     ck = str(tmp_path / "ck")
     argv = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--adacheck"]
     out = launch(2, {"runs": [{"argv": argv + ["--adacheck-lease-ttl-s", "3600"],
                                "actions": [["train", 2], ["save", ck], ["die"]]}]},
-                 str(tmp_path / "a"), script="megatron_worker.py", rank_env=job("job-a"), grace=30)
+                 str(tmp_path / "a"), script="megatron_worker.py", rank_env=job("job-a", "node-a"), grace=30)
     assert all(rc != 0 for rc, _ in out)
     check(launch(2, {"runs": [{"argv": argv, "actions": [["load", ck], ["train", 1],
                                                          ["expect_error", REFUSED, ["save", ck]]]}]},
