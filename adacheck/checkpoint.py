@@ -654,16 +654,28 @@ class Checkpointer:
         """Collectively, at every save: rank 0 takes or renews this job's lease of ``save_dir``
         (:mod:`adacheck.lease`; returned there, None on the other ranks).  Another job's live lease
         (without ``takeover``), or this job's lease taken over by another job, is a LeaseError on
-        every rank, before anything is written."""
+        every rank, before anything is written.  With the memory tier, a directory that cannot be
+        reached does not stop the save (a warning; the lease is taken at a later save)."""
         if not self.takes_leases:
             return None
         store, path = self.locate(save_dir)
         lifecycle.keep(self.leases)     # (removed at exit; a job dropped before: its leases expire)
 
         def run():
-            if comm.rank == 0:
+            if comm.rank != 0:
+                return None
+            try:
                 return self.leases.take(store, path, self.options.lease_ttl_s, self.options.takeover)
-            return None
+            except LeaseError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the storage's own error says why
+                if self.options.tiers is None:
+                    raise
+                # (the memory tier saves whatever the checkpoint directory does; its copies there say so)
+                log.warning("AdaCheck: the lease of %s could not be taken (%s: %s); the save goes to the memory "
+                            "tier, and its copy to %s is not fenced until a later save takes the lease",
+                            save_dir, type(e).__name__, e, save_dir)
+                return None
         return agree(comm, f"AdaCheck save into {save_dir} (its lease)", run)
 
     def fence_durable(self, store: Storage, save_dir: str, doing: str) -> None:

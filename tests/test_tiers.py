@@ -810,8 +810,10 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT, ADACHECK_JOB="job-let-go", ADACHECK_MEMORY_DIR=f"{d}/shm"))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.strip().splitlines()[-1] == "['README', 'latest', 's2']", p.stdout     # (before the exit)
+    # (before the exit; the job still owns the directory: its lease)
+    assert p.stdout.strip().splitlines()[-1] == "['.adacheck-lease.json', 'README', 'latest', 's2']", p.stdout
     assert open(f"{ck}/latest").read().strip() == "s3"
+    assert not os.path.exists(f"{ck}/.adacheck-lease.json")       # (removed at its exit)
     got = Checkpointer().load(SoloComm(), ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
     assert got[0].endswith("s3") and got[2] == [3.0] * 4
 
@@ -842,13 +844,13 @@ def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_
             job.save_async(SoloComm(), {ck!r}, f"s{{step}}", lambda: LocalState(shards=[LocalShard(
                 "master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
             job.finish()
-        print(os.path.isdir({ck!r}))
+        print([x for x in (os.listdir({ck!r}) if os.path.isdir({ck!r}) else []) if x != ".adacheck-lease.json"])
         """))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT, ADACHECK_JOB="job-failed-last",
                                 ADACHECK_MEMORY_DIR=f"{d}/shm"))
     assert p.returncode == 0, p.stdout + p.stderr
-    assert p.stdout.strip().splitlines()[-1] == "False", p.stdout     # (nothing copied before the exit)
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout     # (nothing copied before the exit; its lease)
     assert "asynchronous save of" in p.stderr and "s2 failed" in p.stderr, p.stderr
     assert "persisting s1, the newest checkpoint there, instead" in p.stderr, p.stderr
     assert open(f"{ck}/latest").read().strip() == "s1"
