@@ -143,6 +143,11 @@ def s3_server(bucket: str = "ckpt"):
     import logging
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server.start()
+    # moto keeps its buckets in this process's memory, shared by every server it starts here:
+    # a server starts empty only once that state is reset
+    import urllib.request
+    urllib.request.urlopen(urllib.request.Request(
+        f"http://127.0.0.1:{port}/moto-api/reset", method="POST"), timeout=30).close()
     relay = Relay(port)
     try:
         s3 = S3(server, relay, bucket)
