@@ -120,6 +120,14 @@ def run_one(run, out):
             from megatron.core import tensor_parallel
             torch.manual_seed(4321 + torch.distributed.get_rank())
             tensor_parallel.model_parallel_cuda_manual_seed(4321)
+        elif kind == "copy_memory":   # copy_memory DIR NAME: this node's memory tier of DIR, as it is
+            # now, copied to NAME-rank<r> in the output directory (a clean exit empties the tier)
+            import shutil
+            from adacheck.storage import LOCAL
+            from adacheck.tiers import memory_location
+            mem = memory_location(LOCAL, rest[0])
+            if os.path.isdir(mem):
+                shutil.copytree(mem, os.path.join(out, f"{rest[1]}-rank{torch.distributed.get_rank()}"))
         elif kind == "die":        # SIGKILL this process (a crash: nothing at exit runs)
             sys.stdout.flush()
             os.kill(os.getpid(), 9)

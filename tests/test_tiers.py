@@ -430,17 +430,22 @@ def test_megatron_online_deltas_in_the_memory_tier_recover_after_a_sigkill(tmp_p
     shutil.rmtree(f"{d}/shm-b")
     out = launch(2, {"runs": [{"argv": argv, "actions": [["train", 8]]},
                               {"argv": on_argv, "actions": [["online"], ["scramble"], ["load", ck], ["dump", "b"],
-                                                            ["train", 2], ["online", False]]}]},
+                                                            ["train", 2], ["online", False],
+                                                            ["copy_memory", ck, "mem"]]}]},
                  d, script="megatron_worker.py", rank_env=on("ac"))
     check(out)
     said = out[0][1]
     assert "loaded AdaCheck checkpoint iteration 6 from the memory tier" in said, said[-3000:]
     assert "replayed 2 gradient deltas (steps 5-6) on base step 4" in said, said[-3000:]
-    # node c received node b's part of base 4 and rank 1's deltas from node a's peer copies
-    mem_c = memory_of(monkeypatch, d, ck, "c")
+    # node c (rank 1's, copied before the exit) received node b's part of base 4 and rank 1's
+    # deltas from node a's peer copies
+    mem_c = f"{d}/mem-rank1"
     assert "iter_0000004" in tags(mem_c)
     # (5, 6 received; 7, the next base's iteration, recorded by the resumed chain on node c)
     assert [s.step for s in deltas.committed_steps(f"{mem_c}/iter_0000004", 4, 2, ranks=[1])[0]] == [5, 6, 7]
+    # the clean exit persisted the newest checkpoint (base 7) and then emptied both nodes' memory
+    assert tags(ck) == ["iter_0000007"]
+    assert tags(memory_of(monkeypatch, d, ck, "a")) == [] and tags(memory_of(monkeypatch, d, ck, "c")) == []
     ref, b = results(d)
     assert b["loaded"] == [6] and b["losses"] == ref["losses"][6:8], (b, ref)
     assert_same_dumps(d, "a", "b", 2)
