@@ -7,6 +7,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def pytest_sessionstart(session):
+    """DeepSpeed's CPU ops built (torch's JIT) and loadable before the first test starts ranks
+    (tests/jit_ops.py): once here, not by ranks racing for the build that a test may kill."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from jit_ops import warm
+    problem = warm()
+    if problem:
+        sys.stderr.write(f"conftest: {problem}\n")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: runs on a CUDA device (skipped without one); the other tests' "
                                        "processes see no GPU")

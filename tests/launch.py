@@ -23,6 +23,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from jit_ops import remove_stale_locks  # noqa: E402
 
 
 def free_port() -> int:
@@ -134,6 +136,7 @@ def launch(world: int, spec: dict, out_dir: str, timeout: float = 420, grace: fl
     "cuda": DeepSpeed's CUDA accelerator, NCCL, one GPU per rank (ds_worker.py).  ``rank_env(r)``:
     more environment for rank r (e.g. a simulated node: $ADACHECK_NODE, $ADACHECK_MEMORY_DIR)."""
     os.makedirs(out_dir, exist_ok=True)
+    remove_stale_locks()       # (a rank killed while loading a DeepSpeed op would hang every later one)
     spec_path = os.path.join(out_dir, f"spec-{time.monotonic_ns()}.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
