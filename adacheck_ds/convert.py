@@ -37,7 +37,14 @@ def to_universal(src: str, out_dir: str, tag: Optional[str] = None, verify: bool
     r = CheckpointReader(ckpt, verify=verify, cache_bytes=32 << 20)
     m = r.manifest
     r.framework("deepspeed", "DeepSpeed", "universal conversion needs a DeepSpeed checkpoint")
-    refuse_topology(ckpt, m, "the conversion to DeepSpeed's universal format")
+    if any(".deepspeed_experts." in n for n in m.tensors):
+        raise StateError(f"{ckpt} holds DeepSpeed-MoE experts, which DeepSpeed's universal format cannot hold: "
+                         "its loader looks each expert up under its rank-local name (deepspeed_experts.0 on every "
+                         "expert-parallel rank), and DeepSpeed converts only AutoEP experts; use --to deepspeed "
+                         "for native per-expert files, or load the AdaCheck checkpoint into any ep_size directly")
+    # (a pipeline's universal checkpoint is the same: DeepSpeed's universal load takes every
+    # weight from zero/, by the PipelineModule's names, global layer indices, on any stage count)
+    refuse_topology(ckpt, m, "the conversion to DeepSpeed's universal format", pipeline_ok=True)
     objects = Objects.of(r.objects(), f"the objects of {ckpt}")
     model = objects.model(ckpt)
     out_name = m.tag if out_name is None else out_name

@@ -112,9 +112,31 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     two, one = (CheckpointReader(f"{ck}/global_step{s}").objects()["model_spec"] for ck, s in ((a, 2), (b, 3)))
     assert two["parameters"] == one["parameters"] and two["groups"] == one["groups"]
     assert two["buffers"] == one["buffers"] and len(one["parameters"]) == 1 + 4 * PP["layers"]
-    # the universal format does not take pipeline layer files yet: refused, nothing written
-    assert cli(["convert", a, f"{d}/conv-universal", "--to", "deepspeed-universal"]) == 2
-    assert not os.path.exists(f"{d}/conv-universal")
+    # DeepSpeed's universal format: AdaCheck's conversion, and DeepSpeed's own (ds_to_universal) of
+    # its native save of the same step, loaded by stock load_universal into 2 stages and into 1
+    assert cli(["convert", a, f"{d}/uc", "--to", "deepspeed-universal"]) == 0
+    ds_universal(f"{nat}/global_step2", f"{d}/ucn")
+    uc = {"checkpoint": {"load_universal": True}}
+    check(launch(2, {"runs": [dict(PP, pp=p, ds_extra=uc, seed=5, actions=[["load_native", src], ["dump", f"U{p}{k}"]])
+                              for p in (2, 1) for k, src in (("a", f"{d}/uc"), ("n", f"{d}/ucn"))]},
+                 f"{d}/u", timeout=900))
+    for p in (2, 1):
+        ours, theirs = dump(f"{d}/u", f"U{p}a"), dump(f"{d}/u", f"U{p}n")
+        assert_same(theirs, ours)
+        assert_same(saved, ours)
+
+
+def ds_universal(src, out):
+    """DeepSpeed's own universal conversion of its native checkpoint folder ``src`` (as its tests call
+    it; inject_missing_state: the save has no universal_checkpoint_info)."""
+    from types import SimpleNamespace
+    from deepspeed.checkpoint import ds_to_universal
+    os.makedirs(out)
+    ds_to_universal.main(SimpleNamespace(input_folder=src, output_folder=f"{out}/global_step2",
+                                         num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                         strict=True, inject_missing_state=True))
+    with open(f"{out}/latest_universal", "w") as f:
+        f.write("global_step2")
 
 
 def test_pipeline_online_recovers_after_sigkill_exactly(tmp_path):
