@@ -1,7 +1,9 @@
 """AdaCheck <-> native DeepSpeed checkpoints of any ZeRO stage, data-parallel and
-(Megatron-DeepSpeed) tensor-parallel size, written and read by DeepSpeed itself in engines
-built around a shell module (the checkpoint's parameters and buffers, no forward code) with
-the run's DeepSpeed config; docs/cli.md describes how, and what was tested.
+(Megatron-DeepSpeed) tensor-parallel size, of PipelineEngines (per-layer files, both ways) and
+of DeepSpeed-MoE models (per-expert files, to native), written and read by DeepSpeed itself in
+engines built around a shell module (the checkpoint's parameters and buffers, no forward code)
+with the run's DeepSpeed config; docs/cli.md and docs/deepspeed.md describe how, and what was
+tested.
 
 - ``to-native``: the newest committed state (online deltas replayed, in the saving layout,
   first into a temporary base when the target layout differs), saved by DeepSpeed's own
@@ -199,18 +201,142 @@ def native_aliases(module: dict, recorded, buffer_names) -> Dict[str, str]:
     return out
 
 
+def _load_plain(path: str) -> dict:
+    """A DeepSpeed torch.save file, read without running code (tensors, sizes, dicts, lists and
+    plain values: what DeepSpeed writes)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise StateError(f"{path} holds objects other than tensors and plain values, which AdaCheck does not "
+                         f"unpickle ({str(e).splitlines()[0]}); load it in the training job with AdaCheck enabled "
+                         "and save once instead") from None
+
+
+_LAYER_FILE = re.compile(r"layer_(\d+)-.*model_states\.pt$")
+
+
+def native_pipeline(ckpt_dir: str, stage_files: List[str], pp: int):
+    """A native PipelineEngine checkpoint's model, rebuilt from DeepSpeed's own files: each stage's
+    ``mp_rank_XX_model_states.pt`` (its parameter names per optimizer group and its buffer names)
+    and the per-layer files (each layer's state dict, in module order, under its global index).
+    Returns (params, buffers, groups, pipeline) as :class:`ModelSpec` and
+    :func:`adacheck_ds.state.pipeline_layers` describe them.
+
+    A layer whose parameters are named ``<index>.*`` is a module; a layer file without such names
+    holds a tied module (``tied_modules.<key>.*``, the key whose names its state dict has); an index
+    with neither is a function, or the tied module used as a function on a stage that lists the
+    tied weight but holds no file of it (one is placed in the first free index of that stage, or
+    after the last layer).  A stage that holds no layer of its own, or a layout that leaves the
+    stage boundaries ambiguous in a way that matters, is refused."""
+    states = [_load_plain(f) for f in stage_files]
+    files: Dict[int, dict] = {}
+    for f in glob.glob(os.path.join(ckpt_dir, "layer_*model_states.pt")):
+        m = _LAYER_FILE.search(os.path.basename(f))
+        if m is None or "_expert_" in os.path.basename(f):
+            continue
+        if int(m.group(1)) in files:
+            raise StateError(f"{ckpt_dir} holds more than one file of layer {int(m.group(1))} (a tensor-parallel "
+                             "pipeline?); this conversion reads pipelines without tensor parallelism")
+        files[int(m.group(1))] = _load_plain(f)
+    groups: List[List[str]] = []
+    stage_names: List[set] = []
+    buffer_names: List[str] = []
+    frozen: Dict[str, tuple] = {}
+    for sd in states:
+        names = set()
+        for i, g in enumerate(sd.get("param_shapes") or []):
+            while len(groups) <= i:
+                groups.append([])
+            groups[i] += [n for n in g if n not in groups[i]]
+            names |= set(g)
+        for n, shape in (sd.get("frozen_param_shapes") or {}).items():
+            frozen[n] = tuple(shape)
+            names.add(n)
+        buffer_names += [b for b in sd.get("buffer_names") or [] if b not in buffer_names]
+        stage_names.append(names | set(sd.get("buffer_names") or []))
+    index = lambda n: int(n.split(".", 1)[0]) if n.split(".", 1)[0].isdigit() else None   # noqa: E731
+    tied_key = lambda n: n.split(".")[1] if n.startswith("tied_modules.") else None     # noqa: E731
+    known = [sorted({index(n) for n in names if index(n) is not None}) for names in stage_names]
+    if any(not k for k in known):
+        raise StateError(f"{ckpt_dir}: a pipeline stage holds no layer with parameters of its own, so its "
+                         "boundaries cannot be told from the files; load the checkpoint in the training job "
+                         "with AdaCheck enabled and save once")
+    everything = set().union(*stage_names)
+    tied_state = {}     # key -> its names within the tied module
+    for n in everything:
+        if tied_key(n) is not None:
+            tied_state.setdefault(tied_key(n), set()).add(n.split(".", 2)[2])
+
+    def tied_weights(key):   # (the tied module's parameters: what DeepSpeed keeps equal across stages)
+        return sorted(tied_state[key] - {b.split(".", 2)[2] for b in buffer_names if tied_key(b) == key})
+    layers: Dict[int, list] = {}
+    for i, sd in files.items():
+        own = {n.split(".", 1)[1] for n in everything if index(n) == i}
+        if own:
+            if set(sd) != own:
+                raise StateError(f"{ckpt_dir}: layer {i}'s file holds {sorted(sd)[:4]}, its stage lists "
+                                 f"{sorted(own)[:4]}; the checkpoint is damaged")
+            layers[i] = ["module"]
+            continue
+        keys = [k for k, names in tied_state.items() if names == set(sd)]
+        if len(keys) != 1:
+            raise StateError(f"{ckpt_dir}: layer {i}'s file holds {sorted(sd)[:4]}, which is "
+                             f"{'no' if not keys else 'more than one'} tied module's state; it cannot be rebuilt")
+        layers[i] = ["tied", keys[0], True, tied_weights(keys[0])]
+    for k in known:
+        for i in k:
+            layers.setdefault(i, ["module"])
+    parts = [0] + [k[0] for k in known[1:]]
+    end = max([*layers, *[k[-1] for k in known]]) + 1
+    for s in range(pp):      # every stage holds an occurrence of each tied module it lists
+        stop = parts[s + 1] if s + 1 < pp else end
+        for key in sorted({tied_key(n) for n in stage_names[s] if tied_key(n) is not None}):
+            if any(layers.get(i, [None, None])[:2] == ["tied", key] for i in range(parts[s], stop)):
+                continue
+            free = [i for i in range(parts[s], stop) if i not in layers]
+            if not free and s + 1 < pp:
+                raise StateError(f"{ckpt_dir}: stage {s} lists the tied module {key!r} but no layer of it, and "
+                                 "no free layer index is left for it; it cannot be rebuilt")
+            at = free[0] if free else end
+            end = max(end, at + 1)
+            stop = end if s + 1 == pp else stop
+            layers[at] = ["tied", key, False, tied_weights(key)]
+    pipeline = {"parts": parts + [end], "layers": [layers.get(i, ["function"]) for i in range(end)]}
+    # the parameters in module order: the tied modules (PipelineModule registers them first), then
+    # the layers by index, each in its state dict's order
+    def entry(name, t):
+        return (name, tuple(frozen.get(name, t.shape)), str(t.dtype).replace("torch.", ""),
+                name not in frozen and any(name in g for g in groups))
+    params, buffers, seen = [], [], set()
+    for i in sorted(files):
+        rec = layers[i]
+        prefix = f"tied_modules.{rec[1]}." if rec[0] == "tied" else f"{i}."
+        if rec[0] == "tied" and prefix in seen:
+            continue
+        seen.add(prefix)
+        for k, t in files[i].items():
+            (buffers.append((prefix + k, tuple(t.shape), str(t.dtype).replace("torch.", "")))
+             if prefix + k in buffer_names else params.append(entry(prefix + k, t)))
+    missing = sorted(everything - {p[0] for p in params} - {b[0] for b in buffers})
+    if missing:
+        raise StateError(f"{ckpt_dir}: {missing[:4]} are listed by a stage but held by no layer file; the "
+                         "checkpoint is incomplete")
+    params.sort(key=lambda p: (index(p[0]) is not None, index(p[0]) or 0))    # (stable: tied first)
+    buffers.sort(key=lambda b: (index(b[0]) is not None, index(b[0]) or 0))
+    return params, buffers, groups, pipeline
+
+
 def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                      optimizer: Optional[str] = None) -> ModelSpec:
     """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
-    files = sorted(glob.glob(os.path.join(ckpt_dir, "*model_states.pt")))
-    # DeepSpeed's own torch.save file, read without running code (weights_only: tensors, sizes,
-    # dicts, lists and plain values; what DeepSpeed writes there)
-    try:
-        sd = torch.load(files[0], map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise StateError(f"{files[0]} holds objects other than tensors and plain values, which AdaCheck does not "
-                         f"unpickle ({str(e).splitlines()[0]}); load it in the training job with AdaCheck enabled "
-                         "and save once instead") from None
+    # the engine's model-states files (mp_rank_XX_..., or ZeRO-3's zero_pp_rank_N_mp_rank_XX_...), not
+    # a pipeline's per-layer or a MoE layer's per-expert ones
+    files = sorted(f for f in glob.glob(os.path.join(ckpt_dir, "*model_states.pt"))
+                   if not os.path.basename(f).startswith("layer_"))
+    files.sort(key=lambda f: not os.path.basename(f).startswith("mp_rank_"))
+    if not files:
+        raise StateError(f"{ckpt_dir} holds no mp_rank_XX_model_states.pt; the native checkpoint is incomplete")
+    sd = _load_plain(files[0])
     cfg = ds_config if ds_config is not None else sd.get("ds_config")
     if isinstance(cfg, str) and os.path.isfile(cfg):
         cfg = _read_json(cfg)
@@ -224,9 +350,21 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                          "with AdaCheck enabled in the training job (AdaCheck has DeepSpeed load its own checkpoint) "
                          "and save once")
     if module is None and glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")):
-        raise StateError(f"{ckpt_dir} is a native PipelineEngine checkpoint (per-layer files), which this "
-                         "conversion does not read yet; load it with AdaCheck enabled in the training job's "
-                         "PipelineEngine (AdaCheck has DeepSpeed load its own checkpoint) and save once")
+        dims = sd.get("checkpoint_parallel_dimensions") or {}
+        pp, tp = int(dims.get("pp_degree", 0)), int(dims.get("tp_degree", 1))
+        stage_files = sorted(f for f in files if os.path.basename(f).startswith("mp_rank_"))
+        if pp < 1 or tp != 1 or len(stage_files) != pp:
+            raise StateError(f"{ckpt_dir} is a native PipelineEngine checkpoint of {pp or '?'} stages x {tp} "
+                             f"tensor-parallel ranks with {len(stage_files)} mp_rank files; this conversion reads "
+                             "pipelines without tensor parallelism (load it with AdaCheck enabled in the training "
+                             "job's PipelineEngine and save once)")
+        if "optimizer" not in cfg and optimizer is None:
+            raise ConfigError(f"{ckpt_dir} was trained with an optimizer built outside the DeepSpeed config; "
+                              "name its class with --optimizer (e.g. torch.optim.AdamW)")
+        params, buffers, groups, pipeline = native_pipeline(ckpt_dir, stage_files, pp)
+        return ModelSpec(params, buffers, groups, optimizer, cfg,
+                         lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
+                         stage=stage, world=int(sd.get("dp_world_size", 1)) * pp, pipeline=pipeline)
     buffer_names = set(sd.get("buffer_names") or [])
     shapes = sd.get("param_shapes")
     frozen = set(sd.get("frozen_param_shapes") or {})

@@ -52,7 +52,10 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     checkpoint into 1 stage x 2 and 2 stages x 1 (every tensor as gathered in the saving run;
     1 x 2 continues with the uninterrupted run's loss), and a 1-stage save loads into 2 stages.
     ``adacheck convert --to deepspeed --dp 1`` writes the layer files DeepSpeed's own save wrote,
-    and stock load_checkpoint of them gives the saved state."""
+    and stock load_checkpoint of them gives the saved state; --to deepspeed-universal equals
+    DeepSpeed's own ds_to_universal of its native save (both loaded by stock load_universal into 2
+    stages and 1); --from deepspeed of that native save rebuilds the training job's pipeline and
+    loads into it with the saved state."""
     d = str(tmp_path)
     a, nat, fp, b = f"{d}/a", f"{d}/native", f"{d}/fp32", f"{d}/b"
     ac = {"enabled": True}
@@ -116,14 +119,21 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     # its native save of the same step, loaded by stock load_universal into 2 stages and into 1
     assert cli(["convert", a, f"{d}/uc", "--to", "deepspeed-universal"]) == 0
     ds_universal(f"{nat}/global_step2", f"{d}/ucn")
+    # and DeepSpeed's native pipeline files (2 stages x 2) to AdaCheck: the model rebuilt from them
+    # (tied layer held by the first stage, used as a function by the last) is the training job's
+    assert cli(["convert", nat, f"{d}/fromnat", "--from", "deepspeed", "--optimizer", "torch.optim.AdamW"]) == 0
+    spec = (CheckpointReader(f"{ck}/global_step2").objects()["model_spec"] for ck in (a, f"{d}/fromnat"))
+    assert next(spec)["pipeline"] == next(spec)["pipeline"]
     uc = {"checkpoint": {"load_universal": True}}
     check(launch(2, {"runs": [dict(PP, pp=p, ds_extra=uc, seed=5, actions=[["load_native", src], ["dump", f"U{p}{k}"]])
-                              for p in (2, 1) for k, src in (("a", f"{d}/uc"), ("n", f"{d}/ucn"))]},
+                              for p in (2, 1) for k, src in (("a", f"{d}/uc"), ("n", f"{d}/ucn"))] +
+                     [dict(PP, pp=2, adacheck=ac, seed=5, actions=[["load", f"{d}/fromnat"], ["dump", "FN"]])]},
                  f"{d}/u", timeout=900))
     for p in (2, 1):
         ours, theirs = dump(f"{d}/u", f"U{p}a"), dump(f"{d}/u", f"U{p}n")
         assert_same(theirs, ours)
         assert_same(saved, ours)
+    assert_same(saved, dump(f"{d}/u", "FN"))      # (DeepSpeed's accessors, in the run that saved both)
 
 
 def ds_universal(src, out):
