@@ -326,6 +326,83 @@ def native_pipeline(ckpt_dir: str, stage_files: List[str], pp: int):
     return params, buffers, groups, pipeline
 
 
+_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
+
+
+def native_experts(ckpt_dir: str, module: dict, sd: dict):
+    """A native DeepSpeed-MoE checkpoint's model: ``module`` (the model-states file's, which
+    leaves the experts out) with every expert's weights from its per-expert file, under its
+    global id, put after its layer's gate (where MOELayer holds them); the MoE layers as
+    :func:`adacheck_ds.state.moe_layers` describes them (``ep_size``: the number of experts over
+    the number a rank holds, which its optimizer groups list); and ``sd`` with its optimizer
+    groups naming every rank's experts by global id.  Returns (module, moe layers, sd)."""
+    gate = ".deepspeed_moe.gate.wg.weight"
+    paths = [n[:-len(gate)] for n in module if n.endswith(gate)]
+    counts = sd.get("num_experts")
+    counts = counts if isinstance(counts, list) else [counts]
+    if len(counts) != len(paths) or not paths:
+        raise StateError(f"{ckpt_dir}: the model states list {len(counts)} MoE layers' expert counts and "
+                         f"{len(paths)} gates; the checkpoint is damaged")
+    residual = [p for p in paths if any(n.startswith((f"{p}.mlp.", f"{p}.coefficient.")) for n in module)]
+    if residual:
+        raise StateError(f"{ckpt_dir}: the MoE layers {residual[:3]} have a residual MLP, which this conversion "
+                         "does not rebuild; load it with AdaCheck enabled in the training job and save once")
+    if not sd.get("param_shapes"):
+        raise StateError(f"{ckpt_dir} is a native DeepSpeed-MoE checkpoint without ZeRO, whose optimizer state does "
+                         "not name the experts it steps; this conversion reads MoE checkpoints of ZeRO 1-2. Load it "
+                         "with AdaCheck enabled in the training job (DeepSpeed loads its own files) and save once")
+    experts: Dict[int, Dict[int, dict]] = {}
+    for f in glob.glob(os.path.join(ckpt_dir, "layer_*_expert_*_model_states.pt")):
+        m = _EXPERT_FILE.search(os.path.basename(f))
+        if m is None or int(m.group(3)) != 0:
+            raise StateError(f"{f}: not a per-expert file of a model without tensor parallelism; this conversion "
+                             "reads those only")
+        layer, gid = int(m.group(1)), int(m.group(2))
+        if layer >= len(paths):
+            raise StateError(f"{f} names MoE layer {layer}, the model has {len(paths)}; the checkpoint is damaged")
+        state = _load_plain(f)
+        want = f"{paths[layer]}{_EXPERTS}{gid}."
+        if not state or any(not k.startswith(want) for k in state):
+            raise StateError(f"{f} holds {sorted(state)[:3]}, not expert {gid} of {paths[layer]}; the checkpoint is "
+                             "damaged")
+        experts.setdefault(layer, {})[gid] = state
+    moe, local = [], {}
+    groups = [list(g) for g in sd.get("param_shapes") or []]
+    for layer, (path, count) in enumerate(zip(paths, counts)):
+        have = sorted(experts.get(layer, {}))
+        if have != list(range(count)):
+            raise StateError(f"{ckpt_dir} holds the files of experts {have} of MoE layer {layer} ({path}), of "
+                             f"{count}; the checkpoint is incomplete")
+        ids = {int(n[len(path) + len(_EXPERTS):].split(".", 1)[0]) for g in groups for n in g
+               if n.startswith(path + _EXPERTS)}
+        if not ids or count % len(ids):
+            raise StateError(f"{ckpt_dir}: the optimizer groups list {len(ids)} local experts of {path}, which does "
+                             f"not divide its {count} experts; the checkpoint is damaged")
+        local[path] = len(ids)
+        moe.append({"path": path, "hidden": int(module[path + gate].shape[1]), "experts": int(count),
+                    "ep_size": count // len(ids), "residual": False})
+    out = {}
+    for n, t in module.items():
+        out[n] = t
+        for layer, path in enumerate(paths):
+            if n == path + gate:    # (MOELayer holds its gate, then its experts)
+                for gid in range(counts[layer]):
+                    out.update(experts[layer][gid])
+
+    def global_names(name):     # a rank-local expert's name -> that expert index's name on every rank
+        path = next((p for p in paths if name.startswith(p + _EXPERTS)), None)
+        if path is None:
+            return [name]
+        i, rest = name[len(path) + len(_EXPERTS):].split(".", 1)
+        return [f"{path}{_EXPERTS}{g}.{rest}" for g in range(int(i), counts[paths.index(path)], local[path])]
+    shapes = []
+    for g in groups:
+        names = [m for n in g for m in global_names(n)]
+        shapes.append({n: tuple(out[n].shape) for n in names})
+    return out, moe, dict(sd, param_shapes=shapes)
+
+
 def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                      optimizer: Optional[str] = None) -> ModelSpec:
     """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
@@ -344,11 +421,13 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
         raise ConfigError(f"{files[0]} does not hold the run's DeepSpeed config as a dict; pass it with --ds-config FILE")
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     module = sd.get("module")
+    moe = None
     if glob.glob(os.path.join(ckpt_dir, "layer_*_expert_*_model_states.pt")):
-        raise StateError(f"{ckpt_dir} is a native checkpoint of a model with DeepSpeed-MoE experts (per-expert "
-                         "files, which its model states leave out); this conversion does not read it yet: load it "
-                         "with AdaCheck enabled in the training job (AdaCheck has DeepSpeed load its own checkpoint) "
-                         "and save once")
+        if module is None or int((sd.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", 1)) != 1:
+            raise StateError(f"{ckpt_dir} is a native checkpoint of DeepSpeed-MoE experts in a pipeline or with "
+                             "tensor parallelism, which this conversion does not read; load it with AdaCheck enabled "
+                             "in the training job (AdaCheck has DeepSpeed load its own checkpoint) and save once")
+        module, moe, sd = native_experts(ckpt_dir, module, sd)
     if module is None and glob.glob(os.path.join(ckpt_dir, "layer_*-model_states.pt")):
         dims = sd.get("checkpoint_parallel_dimensions") or {}
         pp, tp = int(dims.get("pp_degree", 0)), int(dims.get("tp_degree", 1))
@@ -411,7 +490,7 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
     return ModelSpec(params, buffers, groups, optimizer, cfg,
                      lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
                      stage=stage, world=int(sd.get("dp_world_size", 1)) * tp, tp=tp, split=split,
-                     shared=shared)
+                     shared=shared, moe=moe)
 
 
 # ------------------------------------------------------------------ the shell engine

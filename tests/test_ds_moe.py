@@ -17,6 +17,7 @@ from launch import check
 from launch import launch as _launch
 from test_ds_integration import assert_same, results
 
+from adacheck.checkpoint import CheckpointReader
 from adacheck.cli import main as cli
 
 pytestmark = pytest.mark.timeout(1200)
@@ -37,7 +38,8 @@ def test_experts_are_named_by_global_id_resume_exactly_and_load_into_other_ep_si
     stored under its global id, AdaCheck's load gives the state of DeepSpeed's own native load
     of the same step and the uninterrupted run's next losses.  The same checkpoints load into
     ep_size 1 (every tensor as gathered in the saving run), and an ep_size 1 ZeRO-1 save loads
-    into ep_size 2.  ``adacheck convert --to deepspeed`` writes DeepSpeed's own per-expert files."""
+    into ep_size 2.  ``adacheck convert --to deepspeed`` writes DeepSpeed's own per-expert files,
+    and ``--from deepspeed`` reads them."""
     d = str(tmp_path)
     ac = {"enabled": True}
     runs = []
@@ -71,20 +73,34 @@ def test_experts_are_named_by_global_id_resume_exactly_and_load_into_other_ep_si
     # save of that step, and stock load_checkpoint of them gives the saved state
     conv = f"{d}/conv"
     assert cli(["convert", f"{d}/a2bf16", conv, "--to", "deepspeed"]) == 0
-    check(launch(2, {"runs": [dict(ep=2, stage=2, dtype="bf16", adacheck=None, actions=[["load", conv], ["dump", "C"]])]},
+    # and DeepSpeed's own save of that step to AdaCheck: the MoE layers, parameters and optimizer
+    # groups rebuilt from its files are those AdaCheck recorded in the training job, and the
+    # result loads into the training engine (ep_size 2, and 1) with the state gathered there
+    assert cli(["convert", f"{d}/native2bf16", f"{d}/fromnat", "--from", "deepspeed",
+                "--optimizer", "torch.optim.AdamW"]) == 0
+    assert (CheckpointReader(f"{d}/fromnat/global_step2").objects()["model_spec"] ==
+            CheckpointReader(f"{d}/a2bf16/global_step2").objects()["model_spec"])
+    check(launch(2, {"runs": [dict(ep=2, stage=2, dtype="bf16", adacheck=None, actions=[["load", conv], ["dump", "C"]])] +
+                     [dict(ep=ep, stage=2, dtype="bf16", adacheck=ac, actions=[["load", f"{d}/fromnat"], ["dump", f"F{ep}"]])
+                      for ep in (2, 1)]},
                  f"{d}/c", timeout=600))
     assert_same(dump(d, "S2bf16"), dump(f"{d}/c", "C"))
+    assert_same(dump(d, "S2bf16"), dump(f"{d}/c", "F2"))
+    assert_same(dump(d, "R2bf16"), dump(f"{d}/c", "F1"))
     for f in sorted(os.listdir(f"{d}/native2bf16/global_step2")):
         if f.endswith("model_states.pt"):
             x, y = (torch.load(f"{c}/global_step2/{f}", weights_only=False) for c in (f"{d}/native2bf16", conv))
             x, y = x.get("module", x), y.get("module", y)
             assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x), f
     # DeepSpeed's universal format cannot hold native MoE experts (its loader finds each by its
-    # rank-local name), and DeepSpeed's native MoE files as input are not read yet: refused
+    # rank-local name), and a native MoE checkpoint without ZeRO does not name the experts its
+    # optimizer steps: refused
     capsys.readouterr()
     assert cli(["convert", f"{d}/a0fp32", f"{d}/conv-universal", "--to", "deepspeed-universal"]) == 2
     assert "rank-local name" in capsys.readouterr().err
-    assert cli(["convert", f"{d}/native2bf16", f"{d}/from-native", "--from", "deepspeed"]) == 2
+    assert cli(["convert", f"{d}/native0fp32", f"{d}/from-native", "--from", "deepspeed",
+                "--optimizer", "torch.optim.AdamW"]) == 2
+    assert "ZeRO 1-2" in capsys.readouterr().err
     assert not os.path.exists(f"{d}/conv-universal") and not os.path.exists(f"{d}/from-native")
 
 
