@@ -8,12 +8,13 @@ global ids by the test, gathered over the expert-parallel group), and the uninte
 losses."""
 import json
 import os
+import signal
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from launch import check
+from launch import check, kill_at_marker
 from launch import launch as _launch
 from test_ds_integration import assert_same, results
 
@@ -104,25 +105,30 @@ def test_experts_are_named_by_global_id_resume_exactly_and_load_into_other_ep_si
     assert not os.path.exists(f"{d}/conv-universal") and not os.path.exists(f"{d}/from-native")
 
 
-def test_online_deltas_of_experts_recover_exactly_and_zero0_is_refused_at_initialize(tmp_path):
-    """ZeRO-2 bf16, ep_size 2, online deltas with bases every 3 steps: a new job's load replays
-    base 4 + deltas 5, 6 to the uninterrupted run's state at step 6 and trains on with its
-    losses.  Without ZeRO (each rank's optimizer steps other experts, so gradients are not
-    replicated over the data-parallel group) deepspeed.initialize refuses adacheck.online."""
+def test_online_deltas_of_experts_recover_after_sigkill_and_zero0_is_refused_at_initialize(tmp_path):
+    """ZeRO-2 bf16, ep_size 2, online deltas with bases every 3 steps; rank 1 is SIGKILLed at a
+    step after the first base: a new job's load replays base + deltas to the last committed step,
+    where every tensor equals the uninterrupted run's, and trains on with its losses.  Without
+    ZeRO (each rank's optimizer steps other experts, so gradients are not replicated over the
+    data-parallel group) deepspeed.initialize refuses adacheck.online."""
     d = str(tmp_path)
     ck = f"{d}/ck"
     ac = {"enabled": True, "save_dir": ck, "online": {"enabled": True, "base_interval": 3}}
     moe = {"ep": 2, "stage": 2, "dtype": "bf16"}
     check(launch(2, {"runs": [
-        dict(moe, actions=[["train", 8]]),
-        dict(moe, adacheck=ac, actions=[["train_dump", 6, "A"]]),
-        dict(moe, seed=5, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "B"], ["train", 2]]),
+        dict(moe, actions=[["train_dump", 8, "U"]]),
         dict(moe, stage=0, dtype="fp32", adacheck=dict(ac, save_dir=f"{d}/z0"),
              init_error="adacheck.online with DeepSpeed-MoE experts needs ZeRO stage 1-3"),
     ]}, d, timeout=1000))
-    ref, a, b, z0 = results(d)
+    ref, z0 = results(d)
     assert "set zero_optimization.stage to 1 or 2" in z0["errors"][0], z0["errors"]
-    assert a["losses"] == ref["losses"][:6]
-    assert b["steps"][0] == 6
-    assert_same(dump(d, "A6"), dump(d, "B"))
-    assert b["losses"] == ref["losses"][6:8]
+    res = launch(2, {"runs": [dict(moe, adacheck=ac, actions=[["train_dump", 8, "K", "m"]])]}, f"{d}/k",
+                 on_started=kill_at_marker(f"{d}/k/m5-rank1", victim=1), grace=30, timeout=1000)
+    assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
+    check(launch(2, {"runs": [dict(moe, seed=5, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "B"],
+                                                                       ["train_to", 8]])]}, f"{d}/r", timeout=1000))
+    b = results(f"{d}/r")[0]
+    t = b["steps"][0]
+    assert t >= 4, t
+    assert_same(dump(d, f"U{t}"), dump(f"{d}/r", "B"))
+    assert b["losses"] == ref["losses"][t:8]
