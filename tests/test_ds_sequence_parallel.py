@@ -7,12 +7,15 @@ each partition once, and loads into another sequence-parallel size.
 Oracles: DeepSpeed's native save and load of the same step, DeepSpeed's safe_get_full_*
 accessors in the saving run, the uninterrupted run's state and losses."""
 import os
+import signal
 
 import pytest
 from safetensors.torch import load_file
 
-from launch import check, launch
+from launch import check, kill_at_marker, launch
 from test_ds_integration import assert_same, results
+
+from adacheck.cli import main as cli
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -26,8 +29,10 @@ def dump(d, name):
 def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
     """sequence_parallel_size 2 on 2 ranks: ZeRO-2 bf16 and ZeRO-3 bf16 resume to DeepSpeed's
     native load of the same step and the uninterrupted losses; the ZeRO-2 checkpoint loads into
-    sequence_parallel_size 1 (every tensor as gathered in the saving run); online deltas (ZeRO-0
-    fp32, ZeRO-1 bf16) replay base 4 + deltas 5-6 to the uninterrupted run's step 6."""
+    sequence_parallel_size 1 (every tensor as gathered in the saving run); online deltas replay,
+    at ZeRO-0 fp32 base 4 + deltas 5-6 to the uninterrupted run's step 6, at ZeRO-1 bf16 after
+    rank 1 is SIGKILLed to the last committed step; adacheck convert --to deepspeed / --from
+    deepspeed of the ZeRO-2 state give DeepSpeed's own loader and AdaCheck's the saved state."""
     d = str(tmp_path)
     ac = {"enabled": True}
     runs = []
@@ -37,12 +42,12 @@ def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
             ["train", 2], ["load", f"{d}/a{stage}"], ["dump", f"L{stage}"], ["train", 2],
             ["load_native", f"{d}/native{stage}"], ["dump", f"N{stage}"]]))
     runs.append(dict(stage=2, dtype="bf16", adacheck=ac, actions=[["load", f"{d}/a2"], ["dump", "R2"]]))
-    for stage, dtype in ((0, "fp32"), (1, "bf16")):
-        online = {"enabled": True, "save_dir": f"{d}/on{stage}", "online": {"enabled": True, "base_interval": 3}}
-        runs += [dict(SP, stage=stage, dtype=dtype, actions=[["train", 8]]),
-                 dict(SP, stage=stage, dtype=dtype, adacheck=online, actions=[["train_dump", 6, f"A{stage}_"]]),
-                 dict(SP, stage=stage, dtype=dtype, seed=4, adacheck=online,
-                      actions=[["load", f"{d}/on{stage}"], ["steps"], ["dump", f"B{stage}"], ["train", 2]])]
+    online = {"enabled": True, "save_dir": f"{d}/on0", "online": {"enabled": True, "base_interval": 3}}
+    runs += [dict(SP, stage=0, dtype="fp32", actions=[["train", 8]]),
+             dict(SP, stage=0, dtype="fp32", adacheck=online, actions=[["train_dump", 6, "A0_"]]),
+             dict(SP, stage=0, dtype="fp32", seed=4, adacheck=online,
+                  actions=[["load", f"{d}/on0"], ["steps"], ["dump", "B0"], ["train", 2]]),
+             dict(SP, stage=1, dtype="bf16", actions=[["train_dump", 8, "U1_"]])]
     # refused by deepspeed.initialize, from the config alone (before DeepSpeed builds anything)
     runs += [dict(stage=3, dtype="bf16", adacheck=ac, init_error='offload_optimizer.device is "nvme"',
                   zero={"offload_optimizer": {"device": "nvme", "nvme_path": d}}),
@@ -59,8 +64,32 @@ def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
         assert_same(dump(d, f"N{stage}"), dump(d, f"L{stage}"))
         assert res[i]["losses"][2:4] == res[i]["losses"][4:6], stage
     assert_same(dump(d, "S2"), dump(d, "R2"))
-    for j, stage in enumerate((0, 1)):
-        ref, a, b = res[3 + 3 * j: 6 + 3 * j]
-        assert a["losses"] == ref["losses"][:6] and b["steps"][0] == 6, stage
-        assert_same(dump(d, f"A{stage}_6"), dump(d, f"B{stage}"))
-        assert b["losses"] == ref["losses"][6:8], stage
+    ref, a, b = res[3:6]
+    assert a["losses"] == ref["losses"][:6] and b["steps"][0] == 6
+    assert_same(dump(d, "A0_6"), dump(d, "B0"))
+    assert b["losses"] == ref["losses"][6:8]
+
+    # ZeRO-1 bf16 online, rank 1 SIGKILLed at a step: a new job's load equals the uninterrupted
+    # run at the last committed step and trains on with its losses
+    on1 = {"enabled": True, "save_dir": f"{d}/on1", "online": {"enabled": True, "base_interval": 3}}
+    killed = launch(2, {"runs": [dict(SP, stage=1, dtype="bf16", adacheck=on1, actions=[["train_dump", 8, "K", "m"]])]},
+                    f"{d}/k", on_started=kill_at_marker(f"{d}/k/m5-rank1", victim=1), grace=30, timeout=1000)
+    assert killed[1][0] == -signal.SIGKILL, killed[1][1][-3000:]
+    # native files both ways: adacheck convert --to deepspeed of the ZeRO-2 checkpoint (stock
+    # load_checkpoint of them), --from deepspeed of DeepSpeed's own save of that step (AdaCheck's load)
+    assert cli(["convert", f"{d}/a2", f"{d}/conv", "--to", "deepspeed"]) == 0
+    assert cli(["convert", f"{d}/native2", f"{d}/fromnat", "--from", "deepspeed", "--optimizer",
+                "torch.optim.AdamW"]) == 0
+    check(launch(2, {"runs": [
+        dict(SP, stage=1, dtype="bf16", seed=4, adacheck=on1, actions=[["load", f"{d}/on1"], ["steps"], ["dump", "B1"],
+                                                                       ["train_to", 8]]),
+        dict(SP, stage=2, dtype="bf16", seed=4, actions=[["load", f"{d}/conv"], ["dump", "C2"]]),
+        dict(SP, stage=2, dtype="bf16", seed=4, adacheck=ac, actions=[["load", f"{d}/fromnat"], ["dump", "F2"]]),
+    ]}, f"{d}/r", timeout=1000))
+    b1 = results(f"{d}/r")[0]
+    t = b1["steps"][0]
+    assert t >= 4, t
+    assert_same(dump(d, f"U1_{t}"), dump(f"{d}/r", "B1"))
+    assert b1["losses"] == res[6]["losses"][t:8]
+    assert_same(dump(d, "S2"), dump(f"{d}/r", "C2"))
+    assert_same(dump(d, "S2"), dump(f"{d}/r", "F2"))
