@@ -38,9 +38,9 @@ def test_experts_are_named_by_global_id_resume_exactly_and_load_into_other_ep_si
     """ep_size 2 (ZeRO-0 fp32 and ZeRO-2 bf16): no replica taken for diverged, each expert
     stored under its global id, AdaCheck's load gives the state of DeepSpeed's own native load
     of the same step and the uninterrupted run's next losses.  The same checkpoints load into
-    ep_size 1 (every tensor as gathered in the saving run), and an ep_size 1 ZeRO-1 save loads
-    into ep_size 2.  ``adacheck convert --to deepspeed`` writes DeepSpeed's own per-expert files,
-    and ``--from deepspeed`` reads them."""
+    ep_size 1 at another ZeRO stage (every tensor as gathered in the saving run), and an ep_size
+    1 ZeRO-1 save loads into ep_size 2.  ``adacheck convert --to deepspeed`` writes DeepSpeed's
+    own per-expert files, and ``--from deepspeed`` reads them."""
     d = str(tmp_path)
     ac = {"enabled": True}
     runs = []
@@ -50,8 +50,8 @@ def test_experts_are_named_by_global_id_resume_exactly_and_load_into_other_ep_si
             ["train", 2], ["save_native", f"{d}/native{k}"], ["save", f"{d}/a{k}"], ["dump", f"S{k}"], ["train", 2],
             ["load", f"{d}/a{k}"], ["dump", f"L{k}"], ["train", 2], ["load_native", f"{d}/native{k}"],
             ["dump", f"N{k}"]]))
-    for stage, dtype in ((0, "fp32"), (2, "bf16")):
-        runs.append(dict(ep=1, stage=stage, dtype=dtype, adacheck=ac, actions=[
+    for stage, dtype, into in ((0, "fp32", 2), (2, "bf16", 1)):     # (another ZeRO stage too)
+        runs.append(dict(ep=1, stage=into, dtype=dtype, adacheck=ac, actions=[
             ["load", f"{d}/a{stage}{dtype}"], ["dump", f"R{stage}{dtype}"], ["train", 1]]))
     runs += [dict(ep=1, stage=1, dtype="fp32", adacheck=ac, actions=[["train", 2], ["save", f"{d}/b"], ["dump", "SB"]]),
              dict(ep=2, stage=1, dtype="fp32", adacheck=ac, actions=[["load", f"{d}/b"], ["dump", "RB"], ["train", 1]])]

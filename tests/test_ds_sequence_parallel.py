@@ -29,10 +29,11 @@ def dump(d, name):
 def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
     """sequence_parallel_size 2 on 2 ranks: ZeRO-2 bf16 and ZeRO-3 bf16 resume to DeepSpeed's
     native load of the same step and the uninterrupted losses; the ZeRO-2 checkpoint loads into
-    sequence_parallel_size 1 (every tensor as gathered in the saving run); online deltas replay,
-    at ZeRO-0 fp32 base 4 + deltas 5-6 to the uninterrupted run's step 6, at ZeRO-1 bf16 after
-    rank 1 is SIGKILLed to the last committed step; adacheck convert --to deepspeed / --from
-    deepspeed of the ZeRO-2 state give DeepSpeed's own loader and AdaCheck's the saved state."""
+    sequence_parallel_size 1 at ZeRO-3 (every tensor as gathered in the saving run); online
+    deltas replay, at ZeRO-0 fp32 base 4 + deltas 5-6 to the uninterrupted run's step 6, at
+    ZeRO-1 bf16 after rank 1 is SIGKILLed to the last committed step; adacheck convert --to
+    deepspeed / --from deepspeed of the ZeRO-2 state give DeepSpeed's own loader and AdaCheck's
+    the saved state."""
     d = str(tmp_path)
     ac = {"enabled": True}
     runs = []
@@ -41,7 +42,7 @@ def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
             ["train", 2], ["save_native", f"{d}/native{stage}"], ["save", f"{d}/a{stage}"], ["dump", f"S{stage}"],
             ["train", 2], ["load", f"{d}/a{stage}"], ["dump", f"L{stage}"], ["train", 2],
             ["load_native", f"{d}/native{stage}"], ["dump", f"N{stage}"]]))
-    runs.append(dict(stage=2, dtype="bf16", adacheck=ac, actions=[["load", f"{d}/a2"], ["dump", "R2"]]))
+    runs.append(dict(stage=3, dtype="bf16", adacheck=ac, actions=[["load", f"{d}/a2"], ["dump", "R2"]]))
     online = {"enabled": True, "save_dir": f"{d}/on0", "online": {"enabled": True, "base_interval": 3}}
     runs += [dict(SP, stage=0, dtype="fp32", actions=[["train", 8]]),
              dict(SP, stage=0, dtype="fp32", adacheck=online, actions=[["train_dump", 6, "A0_"]]),
