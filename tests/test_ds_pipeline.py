@@ -50,7 +50,8 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     its native checkpoint of the same step gives, and the uninterrupted run's next losses; the
     tied weight is stored once, with no replica taken for diverged.  Then 2 ranks load that
     checkpoint into 1 stage x 2 and 2 stages x 1 (every tensor as gathered in the saving run;
-    1 x 2 continues with the uninterrupted run's loss), and a 1-stage save loads into 2 stages.
+    1 x 2 continues with the uninterrupted run's loss) and into 2 stages x 1 at ZeRO-0, and a
+    1-stage save loads into 2 stages.
     ``adacheck convert --to deepspeed --dp 1`` writes the layer files DeepSpeed's own save wrote,
     and stock load_checkpoint of them gives the saved state; --to deepspeed-universal equals
     DeepSpeed's own ds_to_universal of its native save (both loaded by stock load_universal into 2
@@ -127,13 +128,16 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
     uc = {"checkpoint": {"load_universal": True}}
     check(launch(2, {"runs": [dict(PP, pp=p, ds_extra=uc, seed=5, actions=[["load_native", src], ["dump", f"U{p}{k}"]])
                               for p in (2, 1) for k, src in (("a", f"{d}/uc"), ("n", f"{d}/ucn"))] +
-                     [dict(PP, pp=2, adacheck=ac, seed=5, actions=[["load", f"{d}/fromnat"], ["dump", "FN"]])]},
+                     [dict(PP, pp=2, adacheck=ac, seed=5, actions=[["load", f"{d}/fromnat"], ["dump", "FN"]]),
+                      # (and into ZeRO-0, 2 stages x 1)
+                      dict(PP, pp=2, stage=0, adacheck=ac, seed=5, actions=[["load", a], ["dump", "Z2"]])]},
                  f"{d}/u", timeout=900))
     for p in (2, 1):
         ours, theirs = dump(f"{d}/u", f"U{p}a"), dump(f"{d}/u", f"U{p}n")
         assert_same(theirs, ours)
         assert_same(saved, ours)
     assert_same(saved, dump(f"{d}/u", "FN"))      # (DeepSpeed's accessors, in the run that saved both)
+    assert_same(saved, dump(f"{d}/u", "Z2"))
 
 
 def ds_universal(src, out):
