@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Optional
+from typing import Dict, Optional
 
 import deepspeed
 import torch
@@ -292,8 +292,10 @@ class AdaCheckDeepSpeed:
         once, where its first stage lists it; MoE experts held by other ranks after them)."""
         every = default_comm().all_gather_object(spec.tree())
         params, buffers, groups, shared, seen = [], [], [[] for _ in spec.groups], {}, set()
+        split: Dict[str, int] = {}
         for tree in every:      # (global rank order: the stages in order, each stage's ranks alike)
             part = SavedModel.of(tree, "a stage's model description")
+            split.update(part.partition_dims)   # (a stage's tensor-parallel parameters: its own)
             for n, trainable in part.parameters:
                 if n not in seen:
                     seen.add(n)
@@ -306,8 +308,8 @@ class AdaCheckDeepSpeed:
                 mine += [n for n in theirs if n not in mine]
             shared.update(part.shared or {})
         return SavedModel(parameters=params, buffers=buffers, groups=groups, shared=shared,
-                          tensor_parallel=spec.tensor_parallel, optimizer=spec.optimizer, ds_config=spec.ds_config,
-                          pipeline=spec.pipeline, moe=spec.moe)
+                          tensor_parallel=dict(spec.tensor_parallel, partition_dims=dict(sorted(split.items()))),
+                          optimizer=spec.optimizer, ds_config=spec.ds_config, pipeline=spec.pipeline, moe=spec.moe)
 
     def _scaler(self):
         """The object holding the loss scale and its trackers: ZeRO 1-3 keep a ``loss_scaler``;

@@ -855,7 +855,10 @@ def convert(direction: str, src: str, out: str, options, progress=None) -> str:
     tp = tp or spec.tp
     dp = dp or spec.dp
     if spec.pipeline and tp != 1:
-        raise ConfigError("--tp: a pipeline checkpoint converts to pipeline stages without tensor parallelism")
+        raise ConfigError(f"{src_dir} is a pipeline checkpoint" + (" with tensor parallelism" if spec.tp > 1 else "") +
+                          ", which converts to native pipeline files without tensor parallelism only; use "
+                          "--to deepspeed-universal (stock load_universal reads it into any stages and TP size), "
+                          "or load it in the training job with AdaCheck")
     check_tp(spec, tp)
     stage = spec.stage if options.zero_stage is None else options.zero_stage
     pending, _, out_tag = reach(src_dir, m, spec.world, step)

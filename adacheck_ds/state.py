@@ -154,10 +154,6 @@ def refuse_engine(engine) -> None:
     checkpoint, rather than at its first save: an optimizer wrapper or parameter layout it does
     not know (:func:`describe` raises), and combinations not tested yet."""
     stages, moe = pipeline(engine)[1], getattr(engine, "has_moe_layers", False)
-    if stages > 1 and tensor_parallel(engine)[1] > 1:
-        raise ConfigError(f"a PipelineEngine of {stages} stages with tensor parallelism: AdaCheck supports "
-                          "pipelines with data parallelism (ZeRO 0-1) and tensor parallelism without pipelines, "
-                          "not both together yet; disable adacheck for this job")
     if stages > 1 and moe:
         raise ConfigError("a PipelineEngine with DeepSpeed-MoE layers: AdaCheck supports each alone, not both "
                           "together yet; disable adacheck for this job")

@@ -32,6 +32,63 @@ class Block(torch.nn.Module):
         return h + torch.nn.functional.gelu(self.norm(self.fc(h))) * self.gain.to(h.dtype)
 
 
+TP_GROUP = None     # the pipeline grid's tensor-parallel (slice) group, once the PipelineModule is built
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, the tensor-parallel ranks' gradients summed backward."""
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        torch.distributed.all_reduce(g, group=TP_GROUP)
+        return g
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: the tensor-parallel ranks' partial outputs summed forward, identity backward."""
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=TP_GROUP)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _mark(p, dim):
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+
+class TPBlock(torch.nn.Module):
+    """A residual MLP split as Megatron splits one over ``tp`` ranks: fc1 column-parallel (its
+    weight and bias cut along dimension 0), fc2 row-parallel (its weight cut along dimension 1,
+    its bias and the norm replicated); each rank's slices are cut from the same full weights."""
+
+    def __init__(self, hidden, tp, tp_rank):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        full1, full2 = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+        part = 2 * hidden // tp
+        self.fc1_weight = torch.nn.Parameter(full1.weight.detach()[tp_rank * part:(tp_rank + 1) * part].clone())
+        self.fc1_bias = torch.nn.Parameter(full1.bias.detach()[tp_rank * part:(tp_rank + 1) * part].clone())
+        self.fc2_weight = torch.nn.Parameter(full2.weight.detach()[:, tp_rank * part:(tp_rank + 1) * part].clone())
+        self.fc2_bias = torch.nn.Parameter(full2.bias.detach().clone())
+        _mark(self.fc1_weight, 0)
+        _mark(self.fc1_bias, 0)
+        _mark(self.fc2_weight, 1)
+
+    def forward(self, h):
+        x = _CopyToTP.apply(self.norm(h))
+        a = torch.nn.functional.gelu(torch.nn.functional.linear(x, self.fc1_weight, self.fc1_bias))
+        return h + _ReduceFromTP.apply(torch.nn.functional.linear(a, self.fc2_weight)) + self.fc2_bias
+
+
 def _untied_output(module, h):
     """The tied projection used backwards: hidden -> 12 with the input projection's weight."""
     return torch.nn.functional.linear(h, module.weight.t())
@@ -45,7 +102,12 @@ def layers(run):
     hidden = run.get("hidden", 16)
     specs = [TiedLayerSpec("embed", torch.nn.Linear, 12, hidden, bias=False) if run.get("tie")
              else LayerSpec(torch.nn.Linear, 12, hidden)]
-    specs += [LayerSpec(Block, hidden) for _ in range(run.get("layers", 4))]
+    if run.get("split"):      # tensor-parallel blocks (run["tp"] ranks)
+        tp = run["tp"]
+        tp_rank = torch.distributed.get_rank() % tp     # (the model axis is the innermost of the grid)
+        specs += [LayerSpec(TPBlock, hidden, tp, tp_rank) for _ in range(run.get("layers", 4))]
+    else:
+        specs += [LayerSpec(Block, hidden) for _ in range(run.get("layers", 4))]
     specs.append(TiedLayerSpec("embed", torch.nn.Linear, 12, hidden, bias=False, forward_fn=_untied_output)
                  if run.get("tie") else LayerSpec(torch.nn.Linear, hidden, 12))
     return specs
@@ -57,6 +119,8 @@ def make_engine(run):
     topo = PipeModelDataParallelTopology(num_pp=run["pp"], num_mp=tp, num_dp=world // (run["pp"] * tp))
     model = PipelineModule(layers(run), topology=topo, loss_fn=_loss, partition_method="uniform",
                            seed_layers=True, base_seed=1234 + run.get("seed", 0))
+    global TP_GROUP
+    TP_GROUP = model._grid.get_slice_parallel_group()
     cfg = ds_worker.ds_config(run)
     cfg.pop("train_micro_batch_size_per_gpu")
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=run.get("accum", 2))
@@ -83,8 +147,9 @@ def train(engine, n, losses):
 
 
 def full_state(engine):
-    """Every stage's logical tensors, gathered with DeepSpeed's own API (each rank its stage's),
-    then merged on every rank (the tied weights, held by two stages, must agree)."""
+    """Every stage's logical tensors, gathered with DeepSpeed's own API (each rank its stage's,
+    tensor-parallel slices side by side), then merged on every rank (the tied weights, held by two
+    stages, must agree)."""
     return ds_worker.merged_state(_stage_state(engine))
 
 

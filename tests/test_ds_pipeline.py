@@ -66,8 +66,6 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
             ["load", a], ["dump", "L2"], ["train", 2], ["load_native", nat], ["dump", "N2"]]),
         dict(pp=4, dtype="fp32", stage=0, tie=True, adacheck=ac, actions=[
             ["train", 2], ["save", fp], ["dump", "F2"], ["train", 1], ["load", fp], ["dump", "G2"], ["train", 1]]),
-        # not supported yet, refused by deepspeed.initialize (not at the first save)
-        dict(PP, pp=2, tp=2, adacheck=ac, init_error="with tensor parallelism"),
     ]}, d, timeout=900))
     res = results(d)
     assert_same(dump(d, "S2"), dump(d, "L2"))
@@ -138,6 +136,41 @@ def test_pipeline_saves_once_resumes_exactly_and_loads_into_other_stage_counts(t
         assert_same(saved, ours)
     assert_same(saved, dump(f"{d}/u", "FN"))      # (DeepSpeed's accessors, in the run that saved both)
     assert_same(saved, dump(f"{d}/u", "Z2"))
+
+
+def test_pipeline_with_tensor_parallelism_saves_once_resumes_and_reshapes(tmp_path):
+    """Megatron-DeepSpeed's 3D layout on 4 ranks: 2 stages x 2 tensor-parallel ranks (blocks split
+    as Megatron splits an MLP, the norm and the tied projections replicated), ZeRO-1 bf16: AdaCheck's
+    load gives the state of DeepSpeed's own native load of the same step and the uninterrupted
+    run's next losses, each logical tensor stored once; the checkpoint loads into 1 stage x 2
+    tensor-parallel ranks and into 2 stages x 1 (every tensor as DeepSpeed's accessors gathered it
+    in the saving run), and --to deepspeed-universal loads with stock load_universal into 2 x 2."""
+    d = str(tmp_path)
+    a, nat = f"{d}/a", f"{d}/native"
+    ac = {"enabled": True}
+    tp = dict(PP, split=True, tp=2, hidden=8)
+    check(launch(4, {"runs": [dict(tp, pp=2, adacheck=ac, actions=[
+        ["train", 2], ["save_native", nat], ["save", a], ["dump", "S"], ["train", 2],
+        ["load", a], ["dump", "L"], ["train", 2], ["load_native", nat], ["dump", "N"]])]}, d, timeout=900))
+    res = results(d)
+    saved = dump(d, "S")
+    assert_same(saved, dump(d, "L"))
+    assert_same(dump(d, "N"), dump(d, "L"))
+    assert res[0]["losses"][2:4] == res[0]["losses"][4:6]
+    assert "declared replicas diverged" not in logs(d, 4)
+    m = manifest(a, "global_step2")
+    assert m["tensors"]["master/1.fc1_weight"]["shape"] == [16, 8]     # (the logical tensor, not a slice)
+    assert m["stats"]["stored_bytes"] <= m["stats"]["logical_bytes"] * 1.1, m["stats"]
+    assert cli(["convert", a, f"{d}/uc", "--to", "deepspeed-universal"]) == 0
+    assert cli(["convert", a, f"{d}/conv", "--to", "deepspeed"]) == 2     # (not yet: refused, nothing written)
+    assert not os.path.exists(f"{d}/conv")
+    check(launch(2, {"runs": [dict(tp, pp=1, adacheck=ac, seed=5, actions=[["load", a], ["dump", "P1"]]),
+                              dict(tp, pp=2, tp=1, adacheck=ac, seed=5, actions=[["load", a], ["dump", "T1"]])]},
+                 f"{d}/r", timeout=900))
+    check(launch(4, {"runs": [dict(tp, pp=2, seed=5, ds_extra={"checkpoint": {"load_universal": True}},
+                                   actions=[["load_native", f"{d}/uc"], ["dump", "U"]])]}, f"{d}/u", timeout=900))
+    for name in ("r/P1", "r/T1", "u/U"):
+        assert_same(saved, dump(d, name))
 
 
 def ds_universal(src, out):
