@@ -122,8 +122,9 @@ def test_online_deltas_of_experts_recover_after_sigkill_and_zero0_is_refused_at_
     ]}, d, timeout=1000))
     ref, z0 = results(d)
     assert "set zero_optimization.stage to 1 or 2" in z0["errors"][0], z0["errors"]
-    res = launch(2, {"runs": [dict(moe, adacheck=ac, actions=[["train_dump", 8, "K", "m"]])]}, f"{d}/k",
-                 on_started=kill_at_marker(f"{d}/k/m5-rank1", victim=1), grace=30, timeout=1000)
+    # (the job waits at its end, so that the kill lands however fast the steps are)
+    res = launch(2, {"runs": [dict(moe, adacheck=ac, actions=[["train_dump", 8, "K", "m"], ["wait_file", f"{d}/never"]])]},
+                 f"{d}/k", on_started=kill_at_marker(f"{d}/k/m5-rank1", victim=1, jitter=0), grace=10, timeout=1000)
     assert res[1][0] == -signal.SIGKILL, res[1][1][-3000:]
     check(launch(2, {"runs": [dict(moe, seed=5, adacheck=ac, actions=[["load", ck], ["steps"], ["dump", "B"],
                                                                        ["train_to", 8]])]}, f"{d}/r", timeout=1000))

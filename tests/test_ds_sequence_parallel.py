@@ -73,8 +73,10 @@ def test_sequence_parallel_resumes_reshapes_and_recovers_online(tmp_path):
     # ZeRO-1 bf16 online, rank 1 SIGKILLed at a step: a new job's load equals the uninterrupted
     # run at the last committed step and trains on with its losses
     on1 = {"enabled": True, "save_dir": f"{d}/on1", "online": {"enabled": True, "base_interval": 3}}
-    killed = launch(2, {"runs": [dict(SP, stage=1, dtype="bf16", adacheck=on1, actions=[["train_dump", 8, "K", "m"]])]},
-                    f"{d}/k", on_started=kill_at_marker(f"{d}/k/m5-rank1", victim=1), grace=30, timeout=1000)
+    # (the job waits at its end, so that the kill lands however fast the steps are)
+    killed = launch(2, {"runs": [dict(SP, stage=1, dtype="bf16", adacheck=on1, actions=[
+        ["train_dump", 8, "K", "m"], ["wait_file", f"{d}/never"]])]},
+        f"{d}/k", on_started=kill_at_marker(f"{d}/k/m5-rank1", victim=1, jitter=0), grace=10, timeout=1000)
     assert killed[1][0] == -signal.SIGKILL, killed[1][1][-3000:]
     # native files both ways: adacheck convert --to deepspeed of the ZeRO-2 checkpoint (stock
     # load_checkpoint of them), --from deepspeed of DeepSpeed's own save of that step (AdaCheck's load)
