@@ -102,23 +102,12 @@ def last_line(longrepr: str) -> str:
     return (errs[0] if errs else (lines[-1] if lines else ""))[:300]
 
 
-WARMUP = """
-from deepspeed.accelerator import get_accelerator
-for name in ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"):
-    try:
-        b = get_accelerator().create_op_builder(name)
-        if b is not None and b.is_compatible(verbose=False):
-            b.load(verbose=False)
-            print("built", name)
-    except Exception as e:
-        print("not built", name, type(e).__name__, e)
-"""
-
-
 def warm_up(env: dict, logs: str) -> None:
     """Build DeepSpeed's JIT ops before the first test, so that no test's time includes a build."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from jit_ops import load_ops    # (the suite's own: the same ops, loaded the same way)
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", WARMUP], env=env, capture_output=True, text=True, timeout=1800)
+    p = load_ops(env, timeout_s=1800)
     with open(os.path.join(logs, "warmup.log"), "w") as f:
         f.write(p.stdout + "\n----- stderr\n" + p.stderr)
     print(f"[suite] DeepSpeed ops ready in {time.time() - t0:.0f} s: "

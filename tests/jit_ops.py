@@ -42,23 +42,35 @@ def remove_stale_locks(older_than_s: float = STALE_S) -> list:
     return gone
 
 
-_LOAD = ("from deepspeed.accelerator import get_accelerator\n"
-         "for name in %r:\n"
-         "    b = get_accelerator().create_op_builder(name)\n"
-         "    if b is not None:\n"
-         "        b.load(verbose=False)\n" % (OPS,))
+# the ops, loaded (built first where they are not) in a process of its own, one line per op
+LOAD_OPS = """
+from deepspeed.accelerator import get_accelerator
+for name in %r:
+    try:
+        b = get_accelerator().create_op_builder(name)
+        if b is not None and b.is_compatible(verbose=False):
+            b.load(verbose=False)
+            print("built", name)
+    except Exception as e:
+        print("not built", name, type(e).__name__, e)
+""" % (OPS,)
+
+
+def load_ops(env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run :data:`LOAD_OPS` with ``env`` (raises subprocess.TimeoutExpired past ``timeout_s``)."""
+    return subprocess.run([sys.executable, "-c", LOAD_OPS], env=env, capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
 def warm(timeout_s: float = 900.0) -> str:
     """Stale locks removed, then DeepSpeed's CPU ops loaded (built if they were not) in a process
     of its own; returns what went wrong, or '' when they load."""
     gone = remove_stale_locks()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     try:
-        p = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True,
-                           timeout=timeout_s)
+        p = load_ops(dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""), timeout_s)
     except subprocess.TimeoutExpired:
         return f"DeepSpeed's CPU ops did not load within {timeout_s:.0f}s (stale locks removed: {gone})"
-    if p.returncode != 0:
-        return f"DeepSpeed's CPU ops did not load (exit {p.returncode}): {p.stderr[-2000:]}"
+    failed = [ln for ln in p.stdout.splitlines() if ln.startswith("not built")]
+    if p.returncode != 0 or failed:
+        return f"DeepSpeed's CPU ops did not load (exit {p.returncode}): {failed} {p.stderr[-2000:]}"
     return ""
