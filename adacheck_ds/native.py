@@ -232,7 +232,7 @@ def native_pipeline(ckpt_dir: str, stage_files: List[str], pp: int):
     files: Dict[int, dict] = {}
     for f in glob.glob(os.path.join(ckpt_dir, "layer_*model_states.pt")):
         m = _LAYER_FILE.search(os.path.basename(f))
-        if m is None or "_expert_" in os.path.basename(f):
+        if m is None:       # (a MoE layer's per-expert file: layer_<l>_expert_...)
             continue
         if int(m.group(1)) in files:
             raise StateError(f"{ckpt_dir} holds more than one file of layer {int(m.group(1))} (a tensor-parallel "
@@ -403,14 +403,20 @@ def native_experts(ckpt_dir: str, module: dict, sd: dict):
     return out, moe, dict(sd, param_shapes=shapes)
 
 
+def _need_optimizer(ckpt_dir: str, cfg: dict, optimizer: Optional[str]) -> None:
+    if "optimizer" not in cfg and optimizer is None:
+        raise ConfigError(f"{ckpt_dir} was trained with an optimizer built outside the DeepSpeed config; "
+                          "name its class with --optimizer (e.g. torch.optim.AdamW)")
+
+
 def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                      optimizer: Optional[str] = None) -> ModelSpec:
     """The shell of a native DeepSpeed checkpoint, from DeepSpeed's own model-states file."""
     # the engine's model-states files (mp_rank_XX_..., or ZeRO-3's zero_pp_rank_N_mp_rank_XX_...), not
     # a pipeline's per-layer or a MoE layer's per-expert ones
-    files = sorted(f for f in glob.glob(os.path.join(ckpt_dir, "*model_states.pt"))
-                   if not os.path.basename(f).startswith("layer_"))
-    files.sort(key=lambda f: not os.path.basename(f).startswith("mp_rank_"))
+    files = sorted((f for f in glob.glob(os.path.join(ckpt_dir, "*model_states.pt"))
+                    if not os.path.basename(f).startswith("layer_")),
+                   key=lambda f: (not os.path.basename(f).startswith("mp_rank_"), f))
     if not files:
         raise StateError(f"{ckpt_dir} holds no mp_rank_XX_model_states.pt; the native checkpoint is incomplete")
     sd = _load_plain(files[0])
@@ -437,9 +443,7 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
                              f"tensor-parallel ranks with {len(stage_files)} mp_rank files; this conversion reads "
                              "pipelines without tensor parallelism (load it with AdaCheck enabled in the training "
                              "job's PipelineEngine and save once)")
-        if "optimizer" not in cfg and optimizer is None:
-            raise ConfigError(f"{ckpt_dir} was trained with an optimizer built outside the DeepSpeed config; "
-                              "name its class with --optimizer (e.g. torch.optim.AdamW)")
+        _need_optimizer(ckpt_dir, cfg, optimizer)
         params, buffers, groups, pipeline = native_pipeline(ckpt_dir, stage_files, pp)
         return ModelSpec(params, buffers, groups, optimizer, cfg,
                          lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
@@ -484,9 +488,7 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
         params.append((n, shape, str(dtype).replace("torch.", ""), n in trained and n not in frozen))
     buffers = [(n, tuple(module[n].shape), str(module[n].dtype).replace("torch.", ""))
                for n in module if n in buffer_names]
-    if "optimizer" not in cfg and optimizer is None:
-        raise ConfigError(f"{ckpt_dir} was trained with an optimizer built outside the DeepSpeed config; "
-                          "name its class with --optimizer (e.g. torch.optim.AdamW)")
+    _need_optimizer(ckpt_dir, cfg, optimizer)
     return ModelSpec(params, buffers, groups, optimizer, cfg,
                      lr_scheduler=sd.get("lr_scheduler") if "scheduler" not in cfg else None,
                      stage=stage, world=int(sd.get("dp_world_size", 1)) * tp, tp=tp, split=split,
