@@ -83,7 +83,7 @@ enabled             false     after every optimizer step, store what the optimiz
                               (gradients + scalars) as a delta of the last base checkpoint
 base_interval       50        steps between base (full) checkpoints, or "auto": a new base
                               when the deltas since the last one cost more bytes, or more
-                              estimated replay time, than a base (adacheck.deltas.auto_interval)
+                              estimated replay time, than a base (adacheck.online.deltas.auto_interval)
 compact             false     store gradients in bf16 even when that is lossy (recovery is
                               then approximate, and says by how much: a shadow copy of the
                               optimizer state, stepped with the stored gradients, measures it)
@@ -106,9 +106,9 @@ import difflib
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from .compression import check as check_compression
+from .format.compression import check as check_compression
 from .errors import ConfigError
-from .exchange import EXCHANGES
+from .plan.exchange import EXCHANGES
 
 
 ON_ERROR = ("disable", "raise")

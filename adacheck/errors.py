@@ -43,7 +43,7 @@ class StorageError(AdaCheckError, OSError):
 
 
 class LeaseError(AdaCheckError):
-    """Another job holds the save directory's lease (:mod:`adacheck.lease`), or took it over from
+    """Another job holds the save directory's lease (:mod:`adacheck.storage.lease`), or took it over from
     this job: this job's save is refused, and nothing of the other job's is touched."""
 
 

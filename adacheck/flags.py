@@ -49,7 +49,7 @@ from typing import Dict, Optional
 from .config import (ASYNC_WRITERS, ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, TiersConfig,
                      json_object_arg)
 from .errors import ConfigError
-from .exchange import EXCHANGES
+from .plan.exchange import EXCHANGES
 
 _SPECIAL = {"enabled": "--adacheck", "save_dir": "--adacheck-dir", "online.enabled": "--adacheck-online"}
 # sections of the config with keys of their own, the key that switches each on, and what it does

@@ -14,7 +14,7 @@ import deepspeed
 import torch
 
 from adacheck.checkpoint import CheckpointReader, resolve
-from adacheck.convert import output_dir, weight_sources
+from adacheck.cli.convert import output_dir, weight_sources
 from adacheck.errors import StateError
 
 from .saved import Objects

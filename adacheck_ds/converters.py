@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from adacheck.convert import Converter
+from adacheck.cli.convert import Converter
 
 from . import native
 

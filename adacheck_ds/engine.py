@@ -14,12 +14,15 @@ from deepspeed.utils import logger as ds_logger
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck import jsontree, lifecycle, pointer, recovery
-from adacheck.commit import latest_or_none, leave_file
+from adacheck.format import jsontree
+from adacheck.checkpoint import lifecycle
+from adacheck.storage import pointer
+from adacheck.online import recovery
+from adacheck.storage.commit import latest_or_none, leave_file
 from adacheck.config import AdaCheckConfig
-from adacheck.exchange import default_comm
-from adacheck.rng import rng_state, set_rng_state
-from adacheck.storage import is_url
+from adacheck.plan.exchange import default_comm
+from adacheck.checkpoint.rng import rng_state, set_rng_state
+from adacheck.storage.backends import is_url
 
 from . import zero_to_fp32
 from .online import OnlineDS, Replay

@@ -51,9 +51,11 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
 import adacheck_ds
-from adacheck import commit, deltas, local_ranks
+from adacheck.storage import commit
+from adacheck.online import deltas
+from adacheck.cli import local_ranks
 from adacheck.checkpoint import CheckpointReader, resolve
-from adacheck.convert import publish, refuse_existing
+from adacheck.cli.convert import publish, refuse_existing
 from adacheck.errors import ConfigError, StateError
 from adacheck.types import torch_dtype
 from .saved import Objects

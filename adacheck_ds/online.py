@@ -2,8 +2,8 @@
 
 Recorded at each ``engine.step`` that advances ``global_steps``: every call of the base optimizer
 (the torch optimizer inside DeepSpeed's wrapper) with the gradients it consumed, as an
-:class:`~adacheck.optimtap.OptimizerTap` sees them; a step the loss scaler skipped stores only
-its scalars.  Replayed (:class:`Replay`, for :func:`adacheck.recovery.recover`): the same calls
+:class:`~adacheck.online.optimtap.OptimizerTap` sees them; a step the loss scaler skipped stores only
+its scalars.  Replayed (:class:`Replay`, for :func:`adacheck.online.recovery.recover`): the same calls
 without a forward or backward pass, then DeepSpeed's own code makes the module's weights again
 (:meth:`Wrapper.refresh`) and the counters, scheduler, loss scaler and RNG of the last step are
 set.  On another data-parallel size, ZeRO-0 follows one saving rank's record and flat partitions
@@ -19,11 +19,11 @@ from typing import Optional
 
 import torch
 
-from adacheck import online, recovery
+from adacheck.online import recorder as online, recovery
 from adacheck.errors import ConfigError
-from adacheck.exchange import default_comm
-from adacheck.optimtap import OptimizerTap, Shadow
-from adacheck.rng import set_rng_state
+from adacheck.plan.exchange import default_comm
+from adacheck.online.optimtap import OptimizerTap, Shadow
+from adacheck.checkpoint.rng import set_rng_state
 
 from .saved import RankObjects, StepScalars
 from .state import class_path, data_parallel, data_parallel_ranks, describe, pipeline, read_partition
@@ -91,7 +91,7 @@ class OnlineDS:
 
 
 class Replay:
-    """How this engine replays the deltas of a base it loaded (adacheck.recovery.Replaying)."""
+    """How this engine replays the deltas of a base it loaded (adacheck.online.recovery.Replaying)."""
     expect = StepScalars.expect()     # the fields of a delta record restore() uses
 
     def __init__(self, ac, saved_optimizer: Optional[str] = None):

@@ -1,4 +1,4 @@
-"""What a DeepSpeed checkpoint keeps besides its tensors, as typed records (adacheck.records):
+"""What a DeepSpeed checkpoint keeps besides its tensors, as typed records (adacheck.format.records):
 the engine's objects (saved once per checkpoint), each saving rank's objects, and the scalars of
 one online step.  engine.py and online.py write them; engine.py, online.py, native.py and
 convert.py read them, all through these classes."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from adacheck.records import Record, entry, number_map, of_kind, optional
+from adacheck.format.records import Record, entry, number_map, of_kind, optional
 
 
 @dataclass

@@ -19,11 +19,11 @@ from deepspeed.runtime.utils import is_model_parallel_parameter
 from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_model_parallel_rank,
                                  bwc_tensor_model_parallel_world_size)
 
-from adacheck.boxes import flat_views
+from adacheck.format.boxes import flat_views
 from adacheck.checkpoint import CheckpointReader, LocalShard
 from adacheck.errors import ConfigError, StateError
-from adacheck.hashing import same_bytes
-from adacheck.recovery import Span
+from adacheck.format.hashing import same_bytes
+from adacheck.online.recovery import Span
 from adacheck.types import Box, torch_dtype
 
 from .saved import Objects, RankObjects

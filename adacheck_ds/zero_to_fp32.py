@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 
 from adacheck.checkpoint import CheckpointReader
-from adacheck.commit import MANIFEST_NAME, read_latest
+from adacheck.storage.commit import MANIFEST_NAME, read_latest
 from adacheck.errors import NotFoundError
 
 MODEL, MASTER, BUFFER = "model/", "master/", "buffer/"

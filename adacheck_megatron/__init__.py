@@ -16,7 +16,7 @@ import warnings
 from typing import Optional
 
 from adacheck.compat import UntestedVersionWarning, untested
-from adacheck.lifecycle import finish_saves as finalize_async_saves
+from adacheck.checkpoint.lifecycle import finish_saves as finalize_async_saves
 
 from .flags import add_adacheck_args, config_from_args
 

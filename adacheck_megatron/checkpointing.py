@@ -40,12 +40,13 @@ except ModuleNotFoundError as e:
 
 import adacheck
 from adacheck import checkpoint as core
-from adacheck import recovery
-from adacheck.convert import refuse_existing
-from adacheck.storage import is_url
+from adacheck.online import recovery
+from adacheck.cli.convert import refuse_existing
+from adacheck.storage.backends import is_url
 from adacheck.config import AdaCheckConfig
-from adacheck.deltas import base_for_step
+from adacheck.online.deltas import base_for_step
 from adacheck.errors import ConfigError
+from adacheck.types import Manifest
 
 from . import parallel
 from .saved import Objects, RankObjects, tracked_checkpoint
@@ -103,7 +104,7 @@ def _config(args, config: Optional[AdaCheckConfig]) -> AdaCheckConfig:
 def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
                     *, args: Optional[argparse.Namespace] = None, config: Optional[AdaCheckConfig] = None,
-                    extra_state: Optional[dict] = None, non_persistent_ckpt: bool = False) -> Optional[core.Manifest]:
+                    extra_state: Optional[dict] = None, non_persistent_ckpt: bool = False) -> Optional[Manifest]:
     """Collectively save an AdaCheck checkpoint of iteration ``iteration``; returns its manifest
     (None for an asynchronous save, ``--async-save``: it commits in the background; the
     optimizer's steps report it, the next save or load and the exit wait for it).
@@ -192,7 +193,7 @@ def refuse_existing_output(target: str) -> None:
 
 def save_converted(iteration: int, model, optimizer, opt_param_scheduler, out_dir: str, *,
                    args: argparse.Namespace, config: AdaCheckConfig, flops: float = 0,
-                   extra_state: Optional[dict] = None) -> core.Manifest:
+                   extra_state: Optional[dict] = None) -> Manifest:
     """``--adacheck-convert-save DIR``: the state just loaded (online deltas replayed) as one
     AdaCheck checkpoint in ``out_dir``, without online recording; refused when ``out_dir``
     already holds that iteration."""

@@ -47,12 +47,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from adacheck import checkpoint as core
-from adacheck import jsontree
-from adacheck.convert import output_dir
+from adacheck.format import jsontree
+from adacheck.cli.convert import output_dir
 from adacheck.errors import ConfigError, StateError
-from adacheck.exchange import SoloComm, one_process_group
+from adacheck.plan.exchange import SoloComm, one_process_group
 
-from adacheck.types import Box, torch_dtype
+from adacheck.types import Box, Manifest, torch_dtype
 
 from .saved import Objects, RankObjects, tracked_checkpoint
 from .parallel import json_args
@@ -249,7 +249,7 @@ def _deferred_shards(src: str, meta: dict, progress: Optional[Callable[[int, int
 
 
 def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, int], None]] = None,
-                    fsync: bool = True) -> core.Manifest:
+                    fsync: bool = True) -> Manifest:
     """Convert the torch_dist checkpoint directory ``src`` (``iter_NNNNNNN``, or a save dir
     with Megatron-LM's latest_checkpointed_iteration.txt) into an AdaCheck checkpoint under
     ``save_dir``; returns its manifest."""

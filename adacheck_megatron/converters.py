@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from adacheck.convert import Converter
+from adacheck.cli.convert import Converter
 
 
 class TorchDist(Converter):

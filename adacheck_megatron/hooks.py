@@ -1,4 +1,4 @@
-"""The one post-step point of Megatron training (:mod:`adacheck.hooks`): callables run after
+"""The one post-step point of Megatron training (:mod:`adacheck.checkpoint.hooks`): callables run after
 every ``optimizer.step()`` of a megatron-core optimizer.
 
     from adacheck_megatron.hooks import add_post_step_hook, wrap_optimizer_step
@@ -15,7 +15,7 @@ Wired in by ``scripts/pretrain_gpt.py`` (``build_optimizer``), and in Megatron-L
 """
 from __future__ import annotations
 
-from adacheck.hooks import add_post_step_hook, is_wrapped, post_step_hooks, remove_post_step_hook, wrap_step
+from adacheck.checkpoint.hooks import add_post_step_hook, is_wrapped, post_step_hooks, remove_post_step_hook, wrap_step
 
 __all__ = ["add_post_step_hook", "remove_post_step_hook", "post_step_hooks", "wrap_optimizer_step",
            "is_wrapped"]

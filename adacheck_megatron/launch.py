@@ -55,7 +55,7 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-from adacheck import lifecycle
+from adacheck.checkpoint import lifecycle
 from adacheck.errors import ConfigError
 
 from .flags import add_adacheck_args, config_from_args

@@ -36,9 +36,9 @@ from collections import defaultdict
 
 import torch
 
-from adacheck import online, recovery
+from adacheck.online import recorder as online, recovery
 from adacheck.errors import ConfigError
-from adacheck.optimtap import OptimizerTap
+from adacheck.online.optimtap import OptimizerTap
 
 from . import hooks, parallel
 from .saved import StepScalars

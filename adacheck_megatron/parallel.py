@@ -11,9 +11,9 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 
-from adacheck import jsontree
-from adacheck.exchange import default_comm
-from adacheck.rng import rng_state, set_rng_state
+from adacheck.format import jsontree
+from adacheck.plan.exchange import default_comm
+from adacheck.checkpoint.rng import rng_state, set_rng_state
 
 from .state import distributed_optimizers
 

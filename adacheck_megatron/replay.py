@@ -1,6 +1,6 @@
 """Recovery of Megatron online deltas: the optimizer tap that names every tensor the same way in
 the recording and the recovering job (``make_tap``), megatron-core's clipping applied again
-(``preclip``), and :class:`Replay`, which tells :func:`adacheck.recovery.recover` how a base's
+(``preclip``), and :class:`Replay`, which tells :func:`adacheck.online.recovery.recover` how a base's
 committed deltas replay in this job: in the saving layout, on another number of data-parallel
 ranks following a saving rank's record, or with the distributed optimizer rebuilding the
 saving ranks' shards (``Replay._shards``)."""
@@ -16,9 +16,9 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 
-from adacheck import recovery
+from adacheck.online import recovery
 from adacheck.errors import StateError
-from adacheck.optimtap import OptimizerTap, Shadow
+from adacheck.online.optimtap import OptimizerTap, Shadow
 
 from .saved import Objects, RankObjects, StepScalars
 from .state import (distopt_read_shard, distributed_optimizers, init_empty_state, local_ranges, model_meta,
@@ -93,7 +93,7 @@ def _refresh_model_params(optimizer) -> None:
 
 
 class Replay:
-    """How this job replays the deltas of a base it loaded (adacheck.recovery.Replaying): in the
+    """How this job replays the deltas of a base it loaded (adacheck.online.recovery.Replaying): in the
     saving layout; on another number of data-parallel ranks following a saving rank's record
     (every data-parallel rank ran the same, not distributed, optimizer); or with the
     distributed optimizer, rebuilding the saving ranks' shards (:meth:`_shards`)."""

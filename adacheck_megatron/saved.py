@@ -1,4 +1,4 @@
-"""What a Megatron checkpoint keeps besides its tensors, as typed records (adacheck.records):
+"""What a Megatron checkpoint keeps besides its tensors, as typed records (adacheck.format.records):
 the job's objects (saved once per checkpoint), each saving rank's objects, and the scalars of
 one online step.  checkpointing.py, online.py and convert.py write them; checkpointing.py,
 replay.py and convert.py read them, all through these classes."""
@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-from adacheck.records import Record, entry, is_int, is_number, of_kind, optional
+from adacheck.format.records import Record, entry, is_int, is_number, of_kind, optional
 
 
 @dataclass

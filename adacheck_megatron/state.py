@@ -23,11 +23,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from adacheck import jsontree
-from adacheck.boxes import flat_pieces
+from adacheck.format import jsontree
+from adacheck.format.boxes import flat_pieces
 from adacheck.checkpoint import CheckpointReader, LocalShard, RankObjectLookup
 from adacheck.errors import StateError
-from adacheck.hashing import same_bytes
+from adacheck.format.hashing import same_bytes
 from adacheck.types import Box
 from megatron.core.dist_checkpointing.dict_utils import (dict_list_map_inplace, merge,
                                                         nested_values)

@@ -57,7 +57,7 @@ def compression_of(ckpt_dir: str) -> dict:
     ratio (raw / compressed) and one thread's encode and decode throughput."""
     import torch
     from adacheck.checkpoint import CheckpointReader
-    from adacheck.compression import ZSTD_PLANES, Encoder, decode
+    from adacheck.format.compression import ZSTD_PLANES, Encoder, decode
     r = CheckpointReader(ckpt_dir)
     names = sorted(r.manifest.tensors)
     kinds = {"fp32 master weights": [n for n in names if n.startswith("master/")],

@@ -1,4 +1,4 @@
-"""Benchmark: AdaCheck's box hash (xxh3-128, adacheck.hashing) against a plain memory copy.
+"""Benchmark: AdaCheck's box hash (xxh3-128, adacheck.format.hashing) against a plain memory copy.
 
 For each size, the fastest of ``--repeat`` runs of: hash_tensor(t); t2.copy_(t) into an
 existing buffer (memcpy); t.clone() (allocation + copy, what a naive snapshot costs).
@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from adacheck.hashing import hash_tensor  # noqa: E402
+from adacheck.format.hashing import hash_tensor  # noqa: E402
 
 
 def best(fn, repeat):

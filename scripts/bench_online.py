@@ -130,7 +130,7 @@ def profile(a, engines, train, rank: int, path: str) -> None:
     or the host threads it competes with)."""
     import torch
     from torch.profiler import ProfilerActivity
-    from adacheck.deltas import DeltaLog
+    from adacheck.online.deltas import DeltaLog
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device() == "cuda" else [])
     out, add = [], DeltaLog.add
 
@@ -160,7 +160,7 @@ def worker(a) -> None:
     import torch
 
     import adacheck_ds
-    from adacheck import deltas
+    from adacheck.online import deltas
 
     init_distributed(deepspeed)
     dist = torch.distributed

@@ -15,7 +15,7 @@ import hashlib
 import json
 import time
 
-from adacheck import planner
+from adacheck.plan import planner
 from adacheck.types import Box, ShardMeta
 
 

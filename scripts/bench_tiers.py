@@ -53,8 +53,8 @@ def worker(a) -> None:
 
     import adacheck_ds
     from adacheck.config import AdaCheckConfig
-    from adacheck import commit
-    from adacheck.storage import LOCAL
+    from adacheck.storage import commit
+    from adacheck.storage.backends import LOCAL
     from adacheck.tiers import NodeSpread, memory_location, own_files
 
     init_distributed(deepspeed)

@@ -8,6 +8,7 @@ redesign of the core checkpointer is judged by.  Prints a table and (``--json``)
   core imports of integrations  imports of adacheck_ds / adacheck_megatron from adacheck/
   function-level imports        ``import`` statements inside functions, per package
   longest functions             the ten longest functions and methods (lines)
+  largest modules, classes      the fifteen largest of each (lines, blank ones included)
   lines per package             non-blank lines of each package
 
     .venv/bin/python scripts/code_metrics.py [--json OUT]
@@ -163,6 +164,18 @@ def functions(mods):
     return sorted(out, reverse=True)
 
 
+def largest(mods, n=15):
+    """The n largest modules and the n largest classes, in lines as the file holds them."""
+    files, classes = [], []
+    for mod, (path, tree) in mods.items():
+        with open(path, encoding="utf-8") as f:
+            files.append((sum(1 for _ in f), mod))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.append((node.end_lineno - node.lineno + 1, f"{mod}.{node.name}"))
+    return sorted(files, reverse=True)[:n], sorted(classes, reverse=True)[:n]
+
+
 def function_imports(mods):
     per = defaultdict(int)
     for mod, (_, tree) in mods.items():
@@ -193,6 +206,9 @@ def main():
               "core_imports_of_integrations": core_to_integration,
               "function_level_imports": function_imports(mods),
               "longest_functions": [[n, f] for n, f in functions(mods)[:10]], "lines": lines(mods)}
+    big_modules, big_classes = largest(mods)
+    result["largest_modules"] = [[n, m] for n, m in big_modules]
+    result["largest_classes"] = [[n, c] for n, c in big_classes]
     print(f"import cycles: {len(result['import_cycles'])}")
     for c in result["import_cycles"]:
         print("  " + " <-> ".join(c))
@@ -206,6 +222,10 @@ def main():
     print("longest functions (lines):")
     for n, f in result["longest_functions"]:
         print(f"  {n:4d}  {f}")
+    for title, rows in (("largest modules (lines)", big_modules), ("largest classes (lines)", big_classes)):
+        print(title + ":")
+        for n, name in rows:
+            print(f"  {n:4d}  {name}")
     print("non-blank lines: " + ", ".join(f"{k} {v}" for k, v in sorted(result["lines"].items())))
     if a.json:
         with open(a.json, "w") as f:

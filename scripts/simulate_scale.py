@@ -4,7 +4,7 @@ no training.
 For a synthetic Megatron layout of a real model (the distributed optimizer, ZeRO-1 style: bf16
 weights replicated over data parallelism, fp32 main weights and Adam moments split over it in
 Megatron's buckets), every rank's shard list is built the way adacheck_megatron describes it
-(``adacheck.boxes.flat_pieces`` cuts each rank's flat range into boxes).  Then, per (model, ranks):
+(``adacheck.format.boxes.flat_pieces`` cuts each rank's flat range into boxes).  Then, per (model, ranks):
 
 The top-level fields are what AdaCheck's default exchange (``"auto"``: partitioned from 32 ranks
 on) costs a rank at these sizes; ``ring`` holds the same for the ring, with its whole-job plan on
@@ -80,12 +80,12 @@ from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from adacheck import manifest as mf  # noqa: E402
-from adacheck import planner  # noqa: E402
-from adacheck.boxes import flat_pieces, row_chunks  # noqa: E402
-from adacheck.hashing import owner_of as hash_owner  # noqa: E402
+from adacheck.format import manifest as mf  # noqa: E402
+from adacheck.plan import planner  # noqa: E402
+from adacheck.format.boxes import flat_pieces, row_chunks  # noqa: E402
+from adacheck.format.hashing import owner_of as hash_owner  # noqa: E402
 from adacheck.checkpoint import exchange_blob, structure_of  # noqa: E402
-from adacheck.partition import cut_to  # noqa: E402
+from adacheck.plan.partition import cut_to  # noqa: E402
 from adacheck.types import Box, Manifest, ShardMeta  # noqa: E402
 
 

@@ -24,7 +24,7 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo")
     from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options
-    from adacheck.exchange import default_comm
+    from adacheck.plan.exchange import default_comm
     from adacheck.types import Box
     comm, rec = default_comm(), {}
 

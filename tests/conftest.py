@@ -12,6 +12,8 @@ def pytest_sessionstart(session):
     (tests/jit_ops.py): once here, not by ranks racing for the build that a test may kill."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    if session.config.getoption("markexpr", "").strip() == "unit":     # the fast layer starts no ranks
+        return
     from jit_ops import warm
     problem = warm()
     if problem:

@@ -20,7 +20,7 @@ def main():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group(spec.get("backend", "gloo"), init_method=f"file://{spec['store']}", rank=rank, world_size=world)
     from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState
-    from adacheck.exchange import default_comm
+    from adacheck.plan.exchange import default_comm
     from adacheck.types import Box
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
     at_call = w.clone()

@@ -350,7 +350,7 @@ def act(engine, a, rec, out_dir, rank):
                 raise TimeoutError(f"{a[1]} did not appear")
             time.sleep(0.05)
     elif op == "ls":        # ls DIR: the complete checkpoints in DIR now
-        from adacheck import commit
+        from adacheck.storage import commit
         rec.setdefault("ls", []).append(sorted(t for t, m, _ in commit.list_checkpoints(a[1]) if m is not None)
                                         if os.path.isdir(a[1]) else [])
         rec.setdefault("ls_dirs", []).append(sorted(x for x in os.listdir(a[1]) if os.path.isdir(os.path.join(a[1], x)))
@@ -371,7 +371,7 @@ def act(engine, a, rec, out_dir, rank):
             with torch.no_grad():
                 dict(engine.module.named_parameters())[a[2]].add_(1e-3)
     elif op == "exchange_check":   # uneven blocks (one empty) through both exchanges
-        from adacheck.exchange import TorchComm
+        from adacheck.plan.exchange import TorchComm
         comm = TorchComm()
         mine = bytes(range(256))[: (rank * 37) % 256] * (rank + 1)
         rec["exchange"] = {how: [b.hex() for b in comm.all_gather_bytes(mine, how)]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import adacheck_ds  # noqa: F401  (the "adacheck" block of the config)
-from adacheck import lifecycle
+from adacheck.checkpoint import lifecycle
 
 
 def threads() -> int:

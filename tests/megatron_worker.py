@@ -74,7 +74,7 @@ def run_one(run, out):
             # names did (not distributed optimizer): every key tp<t>.pp<p>.ep<e>., every rank
             # writing all of its own gradients
             from megatron.core import parallel_state as ps
-            from adacheck.optimtap import OptimizerTap
+            from adacheck.online.optimtap import OptimizerTap
             from adacheck_megatron import online, state
             prefix = (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}."
                       f"ep{ps.get_expert_model_parallel_rank()}.")
@@ -123,7 +123,7 @@ def run_one(run, out):
         elif kind == "copy_memory":   # copy_memory DIR NAME: this node's memory tier of DIR, as it is
             # now, copied to NAME-rank<r> in the output directory (a clean exit empties the tier)
             import shutil
-            from adacheck.storage import LOCAL
+            from adacheck.storage.backends import LOCAL
             from adacheck.tiers import memory_location
             mem = memory_location(LOCAL, rest[0])
             if os.path.isdir(mem):
@@ -218,7 +218,7 @@ def main():
     torch.distributed.destroy_process_group()
     # what a script's normal exit runs (os._exit skips atexit): AdaCheck's writers closed and its
     # lease of each save directory removed
-    from adacheck.lifecycle import at_exit
+    from adacheck.checkpoint.lifecycle import at_exit
     at_exit()
     _exit(0)
 

@@ -69,7 +69,7 @@ def main():
     torch.distributed.init_process_group("gloo")
     from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options
     from adacheck.errors import AdaCheckError
-    from adacheck.exchange import default_comm
+    from adacheck.plan.exchange import default_comm
     from adacheck.types import Box
     comm, rec = default_comm(), {"saves": {}}
     for how in ("ring", "partitioned"):
@@ -133,7 +133,7 @@ def main():
     # partitioned exchange keeps them in each rank's rank file, and no rank, rank 0 included,
     # receives the others'
     import pickle
-    from adacheck.exchange import TorchComm
+    from adacheck.plan.exchange import TorchComm
 
     class Counting(TorchComm):
         received, all_gathers = 0, 0

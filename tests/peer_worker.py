@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from adacheck.exchange import TorchComm
+from adacheck.plan.exchange import TorchComm
 from adacheck.tiers import NodeSpread, own_files
 
 

@@ -9,7 +9,7 @@ import threading
 from contextlib import contextmanager
 from typing import Optional
 
-from adacheck.local_ranks import free_port
+from adacheck.cli.local_ranks import free_port
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 

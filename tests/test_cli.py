@@ -12,8 +12,10 @@ import torch
 from adacheck import __version__
 from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
 from adacheck.cli import _size, main
-from adacheck.exchange import SoloComm
+from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {f"master/w{i:04d}": (3, 1 + i % 5) for i in range(1500)}

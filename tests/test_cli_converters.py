@@ -9,7 +9,7 @@ import pytest
 
 from launch import ROOT
 
-from adacheck.convert import Converter, converter, registered
+from adacheck.cli.convert import Converter, converter, registered
 from adacheck.errors import ConfigError
 
 
@@ -40,7 +40,7 @@ print(buf.getvalue())
         assert name in help_text
     out = run(f"""
 import sys
-from adacheck.convert import converter
+from adacheck.cli.convert import converter
 c = converter("torch-dist")
 print(c.name, sorted({{m.split(".")[0] for m in sys.modules}} & set({FRAMEWORKS})))
 """)
@@ -64,7 +64,7 @@ def test_a_source_tree_on_pythonpath_finds_its_own_formats(tmp_path):
     the one pyproject.toml registers."""
     import sysconfig
     import tomllib
-    from adacheck.convert import OWN
+    from adacheck.cli.convert import OWN
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         assert tomllib.load(f)["project"]["entry-points"]["adacheck.converters"] == OWN
     site = sysconfig.get_paths()["purelib"]
@@ -77,7 +77,7 @@ def test_a_source_tree_on_pythonpath_finds_its_own_formats(tmp_path):
     tree.mkdir()
     for name in ("adacheck", "adacheck_ds", "adacheck_megatron"):
         os.symlink(os.path.join(ROOT, name), tree / name)
-    code = ("import importlib.metadata as m, adacheck.convert as c\n"
+    code = ("import importlib.metadata as m, adacheck.cli.convert as c\n"
             "assert not m.entry_points(group='adacheck.converters')\n"
             "print(sorted(c.registered()), c.converter('torch-dist').name)")
     p = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=300,

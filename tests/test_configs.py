@@ -7,6 +7,8 @@ import pytest
 
 from adacheck.config import AdaCheckConfig
 
+pytestmark = pytest.mark.unit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

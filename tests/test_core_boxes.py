@@ -4,9 +4,11 @@ import math
 import pytest
 import torch
 
-from adacheck.boxes import check_tiling, copy_intersection, flat_range_to_boxes
+from adacheck.format.boxes import check_tiling, copy_intersection, flat_range_to_boxes
 from adacheck.errors import FormatError
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("shape", [(), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 2), (4, 0)])

@@ -7,12 +7,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from adacheck import commit
+from adacheck.storage import commit
 from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options, verify_part
-from adacheck.compression import ENCODING_KEY, ZSTD_PLANES, planes, unplanes
+from adacheck.format.compression import ENCODING_KEY, ZSTD_PLANES, planes, unplanes
 from adacheck.errors import ConfigError, IntegrityError
-from adacheck.exchange import SoloComm
+from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 zstandard = pytest.importorskip("zstandard")
 

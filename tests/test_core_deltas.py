@@ -7,8 +7,10 @@ import threading
 import pytest
 import torch
 
-from adacheck import deltas
+from adacheck.online import deltas
 from adacheck.errors import FormatError, IntegrityError, StateError
+
+pytestmark = pytest.mark.unit
 
 
 def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
@@ -282,7 +284,7 @@ def test_auto_base_rule(base_bytes, base_s, delta_bytes, replay_s, want):
 def test_bf16_exactness_is_proved_bit_for_bit():
     """A gradient is stored as bf16 only when widening it back gives every fp32 bit: exact
     values (also -0, inf and NaN payloads) are, a single inexact element anywhere is not."""
-    from adacheck.deltas import bf16_exact
+    from adacheck.online.deltas import bf16_exact
 
     def bits(t):
         return t.contiguous().view(torch.int32)
@@ -313,7 +315,7 @@ def test_the_shadow_of_a_compact_chain_is_the_state_replay_reaches():
     is bit for bit what a recovery replaying them from the base reaches, and stepping it leaves
     the live tensors, moments and hyper-parameters alone; its distance to the live state is
     then exactly the recovery's."""
-    from adacheck.optimtap import OptimizerTap, Shadow
+    from adacheck.online.optimtap import OptimizerTap, Shadow
     torch.manual_seed(0)
 
     def make():
@@ -375,7 +377,7 @@ def test_records_of_an_earlier_naming_replay_through_aliases():
     the prefixes an earlier version used (``aliases``): the calls and pre-clip entries get
     today's keys, each renamed gradient is read under its stored name, and replaying them is
     the same step as replaying a record made today."""
-    from adacheck.optimtap import OptimizerTap
+    from adacheck.online.optimtap import OptimizerTap
     torch.manual_seed(0)
 
     def make():
@@ -457,7 +459,7 @@ def test_spare_delta_files_are_written_over_unless_a_reader_holds_them(tmp_path)
     (a copy to durable storage that fell behind) still holds; a file given away as a spare can no
     longer be read as the old one.  The oracle is safetensors' own loader."""
     from safetensors.torch import load_file
-    from adacheck.writer import DirectFileWriter, SpareFiles, write_safetensors
+    from adacheck.format.writer import DirectFileWriter, SpareFiles, write_safetensors
     old, new = str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors")
     a = torch.arange(600_000, dtype=torch.float32)
     write_safetensors(old, {"g": a}, fsync=False)

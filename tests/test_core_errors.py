@@ -8,6 +8,8 @@ import pytest
 
 from adacheck.errors import ConfigError, DistributedError, IntegrityError
 
+pytestmark = pytest.mark.unit
+
 
 def _raise(kind):
     err = DistributedError.of("AdaCheck save of ck/step3 (write)",

@@ -9,15 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adacheck import deltas
-from adacheck.boxes import flat_range_to_boxes
+from adacheck.online import deltas
+from adacheck.format.boxes import flat_range_to_boxes
 from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
                                  Options, resolve, save)
-from adacheck.manifest import checksum, shard_file_of, writer_of
-from adacheck.planner import file_name
+from adacheck.format.manifest import checksum, shard_file_of, writer_of
+from adacheck.plan.planner import file_name
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
-from adacheck.exchange import SoloComm
+from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
 GOLDEN_V1 = os.path.join(os.path.dirname(__file__), "golden", "v1")   # written by format 1
@@ -89,8 +91,8 @@ def test_a_memory_checkpoint_of_each_format_is_copied_whole_to_durable_storage(t
     golden's bytes (a format 4 one too, which has a part but no rank files), ``latest`` names it,
     and it loads the golden state."""
     from adacheck.checkpoint import confirm_files
-    from adacheck.commit import read_latest
-    from adacheck.storage import LOCAL
+    from adacheck.storage.commit import read_latest
+    from adacheck.storage.backends import LOCAL
     from adacheck.tiers import persist_checkpoint
     w, _ = golden_state()
     ck = str(tmp_path / "ck")
@@ -479,7 +481,7 @@ def test_direct_writer_writes_the_bytes_of_the_buffered_writer(tmp_path, where):
     direct writer aligns it: on a 4 KiB block from 1 MiB of tensors on), on a disk filesystem and
     on /dev/shm (tmpfs: O_DIRECT is refused or taken, depending on the kernel; the writer keeps
     working either way), with fsync on and off, and the buffer is reused."""
-    from adacheck.writer import DirectFileWriter, data_alignment, write_safetensors
+    from adacheck.format.writer import DirectFileWriter, data_alignment, write_safetensors
     d = tmp_path if where == "tmp" else "/dev/shm"
     if not os.path.isdir(d):
         pytest.skip("no /dev/shm")
@@ -521,7 +523,7 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
     extra tensor pass through the writer's buffer; the file is the buffered writer's bytes, with
     the data on a 4 KiB block, and reads back.  A change of shape lays the slot out again; element
     sizes that would misalign a view keep separate buffers."""
-    from adacheck.writer import data_alignment, write_safetensors
+    from adacheck.format.writer import data_alignment, write_safetensors
     g = torch.Generator().manual_seed(1)
     lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=1)
     shapes = {"w1": (300, 1000), "b1": (1000,), "w0": (1000, 300), "s": ()}
@@ -573,13 +575,13 @@ def _fs_type(path) -> str:
 
 
 def test_typed_records_name_the_field_that_is_wrong():
-    """An integration's objects (adacheck.records) as JSON trees written by hand: a field of the
+    """An integration's objects (adacheck.format.records) as JSON trees written by hand: a field of the
     wrong kind is a FormatError naming it, a field with a default may be absent (an older
     writer), a key the record does not declare is ignored (a newer one)."""
     from dataclasses import dataclass
     from typing import Optional
 
-    from adacheck.records import Record, entry, is_int, optional
+    from adacheck.format.records import Record, entry, is_int, optional
 
     @dataclass
     class Saved(Record):
@@ -602,7 +604,7 @@ def test_typed_records_name_the_field_that_is_wrong():
 def test_same_bytes_on_views_of_any_alignment():
     """The cast proof compares bytes as wide integers where it can: views that start at an odd
     element (ZeRO-3 partitions of a flat buffer) compare the same as whole tensors."""
-    from adacheck.hashing import same_bytes
+    from adacheck.format.hashing import same_bytes
     a = torch.randn(1001).bfloat16()
     flat = torch.empty(2003, dtype=torch.bfloat16)
     for start in (0, 1, 2, 3, 4):

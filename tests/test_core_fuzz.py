@@ -10,6 +10,7 @@ Such a re-signed manifest may say other things (a scalar of the saved objects, f
 that is what its writer signed.  What it can never do is hand out bytes under another identity:
 every tensor a reader returns from it is exactly the one saved under that name.
 """
+import pytest
 import copy
 import json
 import os
@@ -19,12 +20,14 @@ import warnings
 
 import torch
 
-from adacheck.boxes import flat_range_to_boxes
+from adacheck.format.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, save
 from adacheck.errors import AdaCheckError
-from adacheck.exchange import SoloComm
-from adacheck.manifest import checksum
+from adacheck.plan.exchange import SoloComm
+from adacheck.format.manifest import checksum
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 CASES = 2500
 

@@ -1,8 +1,8 @@
 import pytest
 
 from adacheck.errors import StateError
-from adacheck.hashing import hash_tensor
-from adacheck.planner import PlanCache, plan_save
+from adacheck.format.hashing import hash_tensor
+from adacheck.plan.planner import PlanCache, plan_save
 from adacheck.types import Box, ShardMeta
 import torch
 
@@ -73,7 +73,9 @@ def test_derivation_needs_every_holder_to_prove_it():
 
 
 # ---------------------------------------------------------------- placement over nodes
-from adacheck.planner import place  # noqa: E402
+from adacheck.plan.planner import place  # noqa: E402
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("nodes", [["n0"] * 4, ["n0", "n0", "n1", "n1"], ["n0", "n1", "n2", "n3"],
@@ -183,7 +185,7 @@ def outcome(fn):
 @pytest.mark.parametrize("seed", range(300))
 def test_decisions_partitioned_by_tensor_equal_the_whole_plans(seed):
     import random
-    from adacheck.planner import decide, group_by_tensor, route
+    from adacheck.plan.planner import decide, group_by_tensor, route
     rng = random.Random(seed)
     n = rng.randint(1, 8)
     per_rank = random_world(rng, n)
@@ -204,7 +206,7 @@ def test_decisions_partitioned_by_tensor_equal_the_whole_plans(seed):
 
 def test_placement_by_holder_set_places_every_item_on_its_holders():
     import random
-    from adacheck.planner import place, place_by_group
+    from adacheck.plan.planner import place, place_by_group
     rng = random.Random(5)
     groups = [tuple(range(0, 4)), tuple(range(4, 8)), tuple(range(0, 8))]
     items = [(rng.randint(1, 100), f"k{i}", rng.choice(groups)) for i in range(200)]
@@ -238,7 +240,7 @@ def test_auto_exchange_is_the_ring_below_32_ranks_and_partitioned_from_there(tmp
     every rank compute grows with the job); an exchange that is named is the one run."""
     from adacheck.checkpoint import LocalShard, LocalState, save
     from adacheck.config import AdaCheckConfig
-    from adacheck.exchange import SoloComm, exchange_for
+    from adacheck.plan.exchange import SoloComm, exchange_for
     assert [exchange_for("auto", n) for n in (1, 2, 31, 32, 64, 16384)] == ["ring"] * 3 + ["partitioned"] * 3
     assert exchange_for("ring", 16384) == "ring" and exchange_for("partitioned", 2) == "partitioned"
     assert exchange_for("allgather", 64) == "allgather"

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, save
-from adacheck.commit import read_manifest
-from adacheck.exchange import SoloComm
+from adacheck.storage.commit import read_manifest
+from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 
 def state(frozen, trained, step):

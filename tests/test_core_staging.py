@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from adacheck.checkpoint import LocalShard
-from adacheck.staging import ALIGN, Staging, map_shared, view
+from adacheck.checkpoint.staging import ALIGN, Staging, map_shared, view
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 
 def shards(n=5, extra=()):

@@ -8,14 +8,16 @@ import fsspec
 import pytest
 import torch
 
-from adacheck import commit
-from adacheck import deltas
-from adacheck.boxes import flat_range_to_boxes
+from adacheck.storage import commit
+from adacheck.online import deltas
+from adacheck.format.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, find_intact, save, verify_part
 from adacheck.errors import FormatError, IntegrityError
-from adacheck.exchange import SoloComm
-from adacheck.storage import LOCAL, FsspecStorage, PosixStorage, open_storage
+from adacheck.plan.exchange import SoloComm
+from adacheck.storage.backends import LOCAL, FsspecStorage, PosixStorage, open_storage
 from adacheck.types import Box
+
+pytestmark = pytest.mark.unit
 
 
 def state(step, frozen):

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from launch import check, launch
 from test_ds_integration import assert_same, results
 
-from adacheck import deltas
+from adacheck.online import deltas
 
 pytestmark = pytest.mark.timeout(900)
 

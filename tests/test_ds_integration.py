@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from adacheck.checkpoint import human
 from launch import check, kill_when_written, launch
 
-from adacheck.commit import read_manifest
-from adacheck.manifest import tensors_json
+from adacheck.storage.commit import read_manifest
+from adacheck.format.manifest import tensors_json
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -485,7 +485,7 @@ def test_diverged_replica_is_reported_and_both_copies_kept(tmp_path):
     boxes = man["tensors"]["model/out.weight"]["boxes"]
     assert sorted(b["holders"] for b in boxes) == [[0, 1, 3], [2]]
     assert len({b["hash"] for b in boxes}) == 2
-    from adacheck.cli import redundancy
-    from adacheck.commit import read_manifest
+    from adacheck.cli.commands import redundancy
+    from adacheck.storage.commit import read_manifest
     div = redundancy(read_manifest(f"{d}/ck/t"))["diverged"]
     assert any(x.startswith("model/out.weight") and "rank 2" in x for x in div)

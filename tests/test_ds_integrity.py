@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from launch import check, launch
 
-from adacheck.manifest import checksum
+from adacheck.format.manifest import checksum
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from launch import check, kill_at_marker, launch
 from test_ds_integration import LAYOUTS, assert_same, results
 
-from adacheck import deltas
+from adacheck.online import deltas
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -92,7 +92,7 @@ def test_tensor_parallel_online_deltas_recover_exactly(tmp_path):
     deltas 5, 6 to exactly the uninterrupted run's state; ZeRO-0's replicated gradients are
     written once per data-parallel group; both replay on TP=2 x DP=1 (ZeRO-1: each rank rebuilds
     the partitions its TP rank had on the two DP ranks and steps them with their records)."""
-    from adacheck import deltas
+    from adacheck.online import deltas
     d = str(tmp_path)
     layouts = [(1, "bf16"), (0, "fp32")]
     runs = []

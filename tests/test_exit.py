@@ -29,7 +29,7 @@ def torchrun(mode, ckpt, until, losses):
 def _is_writer(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"adacheck.writer_main" in f.read()
+            return b"adacheck.checkpoint.writer_main" in f.read()
     except OSError:
         return False
 

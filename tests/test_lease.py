@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from adacheck import commit, lease
+from adacheck.storage import commit, lease
 from adacheck.cli import main
 from adacheck.config import AdaCheckConfig
 from adacheck.errors import ConfigError, FormatError, LeaseError
-from adacheck.storage import LOCAL
+from adacheck.storage.backends import LOCAL
 from launch import check, launch
 
 pytestmark = pytest.mark.timeout(1800)
@@ -253,7 +253,7 @@ def test_on_s3_a_takeover_fences_the_old_owner(s3, monkeypatch):
     owner's next save and its save already past its lease check (its commit) are refused, 'latest'
     is the new owner's, and every checkpoint loads."""
     from adacheck.checkpoint import Checkpointer, Options
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from test_core_storage import state
     import torch
     url, frozen = s3.url("takeover"), torch.arange(9.0).view(3, 3)
@@ -330,7 +330,7 @@ def test_prune_beside_a_live_job_keeps_its_save_in_flight(tmp_path, monkeypatch)
     commit) stay; once the job has ended (its lease removed), they are leftovers and go too."""
     import torch
     from adacheck.checkpoint import Checkpointer
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from test_core_storage import state
     monkeypatch.setenv("ADACHECK_JOB", "owner")
     d, frozen = str(tmp_path / "ck"), torch.arange(9.0).view(3, 3)
@@ -364,7 +364,7 @@ def test_the_memory_tiers_copies_hold_and_are_fenced_by_the_directorys_lease(tmp
     import torch
     from adacheck.checkpoint import Checkpointer, Options
     from adacheck.config import TiersConfig
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from test_core_storage import state
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
     d, frozen, comm = str(tmp_path / "ck"), torch.arange(9.0).view(3, 3), SoloComm()

@@ -1,4 +1,4 @@
-"""At exit, AdaCheck pauses for gloo's worker threads (adacheck.lifecycle) also when the script
+"""At exit, AdaCheck pauses for gloo's worker threads (adacheck.checkpoint.lifecycle) also when the script
 called ``destroy_process_group()``: the groups DeepSpeed's engine holds keep their threads, whose
 race with interpreter finalization aborts the exit (SIGABRT) now and then.
 

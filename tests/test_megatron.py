@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from launch import ROOT, check, free_port, launch
 
 from adacheck.checkpoint import CheckpointReader, resolve
-from adacheck.commit import read_manifest
+from adacheck.storage.commit import read_manifest
 
 pytestmark = pytest.mark.timeout(900)
 

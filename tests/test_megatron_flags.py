@@ -8,6 +8,8 @@ from adacheck.config import AdaCheckConfig, OnlineConfig
 from adacheck.errors import ConfigError
 from adacheck_megatron.flags import add_adacheck_args, config_from_args, flag_of
 
+pytestmark = pytest.mark.unit
+
 
 def parse(*argv):
     p = argparse.ArgumentParser()

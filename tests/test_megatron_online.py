@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adacheck.lease import LEASE_NAME
+from adacheck.storage.lease import LEASE_NAME
 from adacheck.types import torch_dtype
 from launch import ROOT, check, free_port, kill_at_marker, launch
 from megatron_worker import BASE, pretrain_gpt
@@ -95,7 +95,7 @@ def test_bf16_reduced_gradients_are_stored_in_bf16_before_clipping(tmp_path):
     training goes on with its losses, and the distributed optimizer's deltas also replay on one
     rank (the shards rebuilt and clipped) to the state of an uninterrupted run's checkpoint
     (iteration 6 of the chain that the resumed job extended to 8)."""
-    from adacheck import deltas
+    from adacheck.online import deltas
     d = str(tmp_path)
     layouts = {"distopt": ["--use-distributed-optimizer", "--bf16", "--grad-reduce-in-bf16", "--global-batch-size", "4"],
                "pp2": ["--pipeline-model-parallel-size", "2", "--bf16", "--grad-reduce-in-bf16",
@@ -327,7 +327,7 @@ def _record_and_recover(d, argv, what, half=True):
     from d/ck and saves (d/same/out); then (``half``) a 2-rank job that recovers from d/ck and
     saves (d/half/out). Both must equal d/ref. Returns the committed delta steps of base 4
     (5 and 6)."""
-    from adacheck import deltas
+    from adacheck.online import deltas
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "3"]
     check(launch(4, {"runs": [
         {"argv": argv + on, "actions": [["online"], ["train", 6], ["online", False]]},
@@ -408,7 +408,7 @@ def test_replicated_moe_deltas_recorded_under_the_old_names_still_replay(tmp_pat
     names' aliases) and trains on, appending deltas 7 and 8 under today's names to the same
     chain, with the uninterrupted run's losses. That mixed chain recovers on 4 and on 2 ranks
     to the uninterrupted run's checkpoint at iteration 8."""
-    from adacheck import deltas
+    from adacheck.online import deltas
     d = str(tmp_path)
     on = ["--adacheck-dir", f"{d}/ck", "--adacheck-online", "--adacheck-online-base-interval", "4"]
     check(launch(4, {"runs": [

@@ -1,4 +1,4 @@
-"""The partitioned exchange (``exchange: "partitioned"``, adacheck.partition) against the ring, in
+"""The partitioned exchange (``exchange: "partitioned"``, adacheck.plan.partition) against the ring, in
 one launch of 8 real gloo ranks on two simulated nodes (tests/partition_worker.py): the same
 boxes stored, derived and referenced, the same divergence warnings, the writers that the
 per-holder-set placement gives from a global view, copies on distinct nodes, loads equal to
@@ -11,8 +11,8 @@ import pytest
 
 from launch import check, launch
 
-from adacheck import planner
-from adacheck.commit import read_manifest
+from adacheck.plan import planner
+from adacheck.storage.commit import read_manifest
 from adacheck.types import itemsize
 
 
@@ -141,13 +141,13 @@ def parted_checks(d):
     garbage collection keep the parts of what is kept, and remove those of retired or never
     committed saves."""
     import shutil
-    from adacheck import commit
+    from adacheck.storage import commit
     from adacheck.cli import main as cli
     from adacheck.errors import FormatError, IntegrityError
-    from adacheck.hashing import owner_of
+    from adacheck.format.hashing import owner_of
     from adacheck.checkpoint import CheckpointReader
-    from adacheck.hashing import hash_buffer
-    from adacheck.manifest import checksum, meta_name, part_name, rank_file_name
+    from adacheck.format.hashing import hash_buffer
+    from adacheck.format.manifest import checksum, meta_name, part_name, rank_file_name
     ck = f"{d}/partitioned/s3"
     m = read_manifest(ck)
     assert m.format_version == 6 and m.index["parts"] == 8 and read_manifest(f"{d}/ring/s3").format_version == 2

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adacheck import commit
+from adacheck.storage import commit
 from adacheck.checkpoint import CheckpointReader, Checkpointer, Options
 from adacheck.cli import main
 from adacheck.errors import AdaCheckError, IntegrityError
-from adacheck.exchange import SoloComm
-from adacheck.storage import LOCAL
+from adacheck.plan.exchange import SoloComm
+from adacheck.storage.backends import LOCAL
 from launch import check, launch
 from s3server import s3_server
 from test_core_storage import files_of, state
@@ -105,7 +105,7 @@ def check_cli_on(s3, root, local, tmp_path):
         assert code == 0, text
     assert (tmp_path / "w_s3" / "model.safetensors").read_bytes() == \
         (tmp_path / "w_local" / "model.safetensors").read_bytes()
-    from adacheck.local_ranks import free_port
+    from adacheck.cli.local_ranks import free_port
     nowhere = json.dumps(dict(s3.options, endpoint_url=f"http://127.0.0.1:{free_port()}"))
     code, text = run("verify", root, "--storage-options", nowhere)    # no server there
     assert code == 2 and "StorageError" not in text and "127.0.0.1" in text and "Traceback" not in text, text
@@ -207,7 +207,7 @@ def test_a_pointer_to_a_checkpoint_on_s3_is_written_and_followed_there(s3):
     """A save called with another directory than the job's (a Hugging Face Trainer's checkpoint-N)
     leaves a pointer there, also on S3; a load finds it and hears of newer state in the job's
     directory."""
-    from adacheck import pointer
+    from adacheck.storage import pointer
     store, given = job(s3).locate(s3.url("trainer/checkpoint-3"))
     _, save_dir = job(s3).locate(s3.url("run"))
     save_steps(job(s3), s3.url("run"), (3, 4), torch.zeros(3, 3))

@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 from launch import ROOT, check, launch
 from test_ds_integration import assert_same, results
 
-from adacheck import commit, deltas
-from adacheck.storage import LOCAL
+from adacheck.storage import commit
+
+from adacheck.online import deltas
+from adacheck.storage.backends import LOCAL
 from adacheck.tiers import memory_location
 
 pytestmark = pytest.mark.timeout(900)
@@ -689,7 +691,7 @@ def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of
     import torch
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
     from adacheck.config import TiersConfig
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", "job-resave")
@@ -731,7 +733,7 @@ def test_a_copy_to_the_directory_that_fails_on_storage_is_said_as_on_error_asks(
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
     from adacheck.config import TiersConfig
     from adacheck.errors import SaveWarning
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
     d = str(tmp_path)
     monkeypatch.setenv("ADACHECK_JOB", f"job-{on_error}")
@@ -761,7 +763,7 @@ def test_committing_a_copy_leaves_the_files_of_the_next_copy_in_flight(tmp_path)
     import shutil
     import torch
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options, confirm_files
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.tiers import persist_checkpoint
     from adacheck.types import Box
     mem, ck, comm = str(tmp_path / "mem"), str(tmp_path / "ck"), SoloComm()
@@ -790,7 +792,7 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     and it loads.  (The exit hook held the job weakly: s3 stayed in memory, no warning, exit 0.)"""
     import textwrap
     from adacheck.checkpoint import Checkpointer
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     d, ck = str(tmp_path), str(tmp_path / "ck")
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(f"""
@@ -798,7 +800,7 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
         import torch
         from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
         from adacheck.config import TiersConfig
-        from adacheck.exchange import SoloComm
+        from adacheck.plan.exchange import SoloComm
         from adacheck.types import Box
 
         def main():
@@ -837,8 +839,8 @@ def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_
         import torch
         from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
         from adacheck.config import TiersConfig
-        from adacheck.exchange import SoloComm
-        from adacheck.storage import LOCAL
+        from adacheck.plan.exchange import SoloComm
+        from adacheck.storage.backends import LOCAL
         from adacheck.tiers import memory_location
         from adacheck.types import Box
 
@@ -872,7 +874,7 @@ def test_a_memory_save_that_fails_when_its_copy_is_due_makes_the_next_copy_due(t
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
     from adacheck.config import TiersConfig
     from adacheck.errors import SaveWarning
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
     monkeypatch.setenv("ADACHECK_JOB", "job-due")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
@@ -905,7 +907,7 @@ def test_at_exit_a_failed_memory_save_with_none_committed_before_leaves_nothing_
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
     from adacheck.config import TiersConfig
     from adacheck.errors import SaveWarning
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
     monkeypatch.setenv("ADACHECK_JOB", "job-none-committed")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
@@ -929,10 +931,10 @@ def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, mon
     job: two saves with persist_interval 2 copy the second to the checkpoint directory.  (A new
     job per call counted each save as its first: nothing was copied until exit.)"""
     import torch
-    from adacheck import lifecycle
+    from adacheck.checkpoint import lifecycle
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
     from adacheck.config import TiersConfig
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
     monkeypatch.setenv("ADACHECK_JOB", "job-no-owner")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
@@ -953,7 +955,7 @@ def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     what the manifest says is refused, and nothing is left under the file's name."""
     import hashlib as _h
     import torch
-    from adacheck.exchange import SoloComm
+    from adacheck.plan.exchange import SoloComm
     from adacheck.checkpoint import Checkpointer, LocalShard, LocalState
     from adacheck.errors import FormatError
     from adacheck.tiers import fetch, receive_file, shard_check

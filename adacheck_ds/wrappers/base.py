@@ -130,7 +130,7 @@ class Wrapper:
 
     def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
         """Replay of a recorded pre-clip gradient (of the tensor ``key``, as
-        :meth:`adacheck.recovery.Replaying.preclip`): :meth:`clip_as_recorded` with the recorded
+        :meth:`adacheck.online.recovery.Replaying.preclip`): :meth:`clip_as_recorded` with the recorded
         ``gradient_clipping`` (a job resumed with another value replays the recorded steps)."""
         current = self.opt.clip_grad
         self.opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)

@@ -8,7 +8,7 @@ import contextlib
 import torch
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-from adacheck.recovery import holder
+from adacheck.online.recovery import holder
 
 from .base import Frag, Layout, Wrapper, kept, relink
 

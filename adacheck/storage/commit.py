@@ -1,0 +1,371 @@
+"""Write-then-commit, on any :class:`~adacheck.storage.backends.Storage` shared by all ranks.
+
+- shard files are written through the storage's writer (POSIX: ``<name>.tmp``, fsynced,
+  renamed, the directory fsynced; an object store: the object appears whole when uploaded);
+- ``manifest.json`` is written whole (atomically) after every rank's files are durable, so a
+  checkpoint directory is either its old committed state or the new one;
+- ``latest`` is written whole only after the manifest is durable;
+- a loader only ever opens a directory through its manifest, so torn saves are invisible.
+
+Every function takes ``store`` (default: the local filesystem).
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import Dict, List, Optional, Tuple
+
+from ..errors import AdaCheckError, FormatError, IntegrityError, NotFoundError
+from ..format.manifest import (MANIFEST_NAME, PART_PATTERN, SHARD_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name,
+                       part_names, meta_bytes, meta_name, rank_file_bytes, rank_file_name, referenced_files,
+                       tensor_meta)
+from ..format.hashing import hash_buffer
+from .backends import LOCAL, Storage
+from ..types import Manifest
+
+LATEST = "latest"
+TMP_SUFFIX = Storage.TMP_SUFFIX
+
+
+def check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not TAG_RE.match(tag) or tag in (LATEST,):
+        raise FormatError(f"checkpoint tag {tag!r} must be 1-200 characters of letters, digits, "
+                          "'.', '_', '+', '-', start with a letter or digit, and not be 'latest'")
+    return tag
+
+
+def atomic_write_text(path: str, text: str, fsync: bool = True, store: Storage = LOCAL) -> None:
+    store.write_atomic(path, text.encode("utf-8"), fsync=fsync)
+
+
+def read_manifest(ckpt_dir: str, store: Storage = LOCAL) -> Manifest:
+    path = store.join(ckpt_dir, MANIFEST_NAME)
+    try:
+        text = store.read_bytes(path).decode("utf-8")
+    except FileNotFoundError:
+        raise NotFoundError(f"{ckpt_dir} has no {MANIFEST_NAME}: it is not a complete AdaCheck "
+                            "checkpoint (an interrupted save, or another format)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: cannot read manifest: {e}") from e
+    return parse(text, where=path, open_part=PartFiles(store, ckpt_dir))
+
+
+class PartFiles:
+    """Reads the parts of a manifest in parts from its checkpoint directory (picklable: a
+    manifest goes from an asynchronous save's writer process to the rank)."""
+
+    def __init__(self, store: Storage, ckpt_dir: str):
+        self.store, self.ckpt_dir = store, ckpt_dir
+
+    def __call__(self, name: str) -> bytes:
+        return self.store.read_bytes(self.store.join(self.ckpt_dir, name))
+
+    def read_range(self, name: str, start: int, size: int) -> bytes:
+        """Bytes ``[start, start + size)`` of file ``name`` (fewer at its end): a page of a part."""
+        return self.store.read_range(self.store.join(self.ckpt_dir, name), start, size)
+
+
+def write_part(ckpt_dir: str, generation: int, part: int, tag: str, tensors, fsync: bool = True,
+               store: Storage = LOCAL) -> None:
+    """Part ``part`` of a manifest in parts (format 6: paged), written whole before the manifest: until
+    that is committed, nothing reads it (an interrupted save's parts are garbage, removed like
+    its shard files)."""
+    store.write_atomic(store.join(ckpt_dir, part_name(generation, part)),
+                       part_bytes(tag, part, tensors, generation, paged=True), fsync=fsync)
+
+
+def write_meta(ckpt_dir: str, generation: int, tag: str, meta: dict, fsync: bool = True,
+               store: Storage = LOCAL) -> str:
+    """A format 5 manifest's meta file, written before the manifest; returns its hash (for the index)."""
+    data = meta_bytes(tag, generation, meta)
+    store.write_atomic(store.join(ckpt_dir, meta_name(generation)), data, fsync=fsync)
+    return hash_buffer(data)
+
+
+def write_rank_file(ckpt_dir: str, generation: int, rank: int, tag: str, held: dict, tables: dict,
+                    fsync: bool = True, store: Storage = LOCAL) -> None:
+    """Rank ``rank``'s file of a manifest in parts (format 5: ``held``, the entries of the boxes it
+    held, as JSON; ``tables``, its layout, objects, files and node), written before the manifest
+    like a part."""
+    store.write_atomic(store.join(ckpt_dir, rank_file_name(generation, rank)),
+                       rank_file_bytes(tag, generation, rank, held, tables), fsync=fsync)
+
+
+def check_rank_files(m: Manifest) -> int:
+    """Every rank file of ``m`` says what its tensor table says (each held entry's kind, dtype,
+    shape and derivation, and each of its boxes with its file, key and hash, is the table's, and
+    the rank among its holders), and so does its index's ``meta``; an IntegrityError names the
+    first that does not.  Returns the rank files checked."""
+    if m.ranks is None:
+        return 0
+    if tensor_meta({n: m.tensors[n] for n in m.tensors}) != m.tensors.meta():
+        raise IntegrityError(f"{m.ranks.where}: what its index says of the tensors (meta) is not what its tensor "
+                             "table says: the manifest was edited. Restore it from a copy, or load an older checkpoint")
+    for rank in range(m.ranks.count):
+        for name, e in m.ranks.get(rank).tensors.items():
+            whole = m.tensors.get(name)
+            same = (whole is not None and (e.kind, e.dtype, e.shape) == (whole.kind, whole.dtype, whole.shape)
+                    and (e.derived is None) == (whole.derived is None))
+            if same and e.derived is not None:
+                same = ((e.derived.source, e.derived.op) == (whole.derived.source, whole.derived.op)
+                        and set(e.derived.boxes) <= set(whole.derived.boxes))
+            elif same:
+                table = {(sb.box, sb.file, sb.key, sb.hash): set(sb.holders) for sb in whole.boxes}
+                same = all((sb.box, sb.file, sb.key, sb.hash) in table
+                           and set(sb.holders) <= table[(sb.box, sb.file, sb.key, sb.hash)] for sb in e.boxes)
+            if not same:
+                raise IntegrityError(f"{m.ranks.where}: rank {rank}'s file says of {name} what the tensor table "
+                                     "does not: the file was edited or damaged. Restore it from a copy, or load an "
+                                     "older checkpoint")
+    return m.ranks.count
+
+
+def has_manifest(ckpt_dir: str, store: Storage = LOCAL) -> bool:
+    return store.is_file(store.join(ckpt_dir, MANIFEST_NAME))
+
+
+def write_manifest(ckpt_dir: str, manifest: Manifest, store: Storage = LOCAL) -> None:
+    write_manifest_bytes(ckpt_dir, dumps(manifest).encode("utf-8"), store)
+
+
+def write_manifest_bytes(ckpt_dir: str, raw: bytes, store: Storage = LOCAL) -> None:
+    """A manifest already serialized (by rank 0, written by another rank: each node's leader in a
+    memory-tier save in parts across nodes; a memory checkpoint's copy in durable storage)."""
+    store.write_atomic(store.join(ckpt_dir, MANIFEST_NAME), raw)
+
+
+def read_latest(save_dir: str, store: Storage = LOCAL) -> Optional[str]:
+    """The tag ``<save_dir>/latest`` names; None when there is no such file; a FormatError when
+    it names no possible checkpoint (empty, garbage, a path leading out of ``save_dir``)."""
+    path = store.join(save_dir, LATEST)
+    try:
+        raw = store.read_bytes(path, 1024)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read it: {e}") from e
+    try:
+        tag = raw.decode("utf-8").strip()
+        return check_tag(tag)
+    except (UnicodeDecodeError, FormatError):
+        raise FormatError(f"{path} is damaged: it holds {raw[:60]!r}, which names no checkpoint (a tag of letters, "
+                          "digits, '.', '_', '+', '-'). Write the tag of the checkpoint to load into it, or load "
+                          "one by its tag") from None
+
+
+def latest_or_none(save_dir: str, store: Storage = LOCAL) -> Optional[str]:
+    """:func:`read_latest`, with None for a damaged ``latest`` too (for decisions, not for loads)."""
+    try:
+        return read_latest(save_dir, store)
+    except FormatError:
+        return None
+
+
+def has_latest(save_dir: str, store: Storage = LOCAL) -> bool:
+    """Whether ``<save_dir>/latest`` exists (intact or not)."""
+    return store.exists(store.join(save_dir, LATEST))
+
+
+def has_checkpoint(load_dir: str, store: Storage = LOCAL) -> bool:
+    """Whether ``load_dir`` holds anything a load could mean: a ``latest`` file (intact or not),
+    a checkpoint directory with a manifest, or is one."""
+    if has_latest(load_dir, store) or has_manifest(load_dir, store):
+        return True
+    return any(m is not None for _, m, _ in list_checkpoints(load_dir, store))
+
+
+def write_latest(save_dir: str, tag: str, store: Storage = LOCAL) -> None:
+    atomic_write_text(store.join(save_dir, LATEST), check_tag(tag) + "\n", store=store)
+
+
+README = "README"
+README_TEXT = """This directory holds AdaCheck checkpoints: each <tag>/ holds one, as manifest.json
+(written last) and safetensors files; 'latest' names the newest that was committed.
+
+DeepSpeed and Megatron do not read this format on their own. DeepSpeed's load_checkpoint
+fails here with a bare AssertionError (in state_dict_factory: assert len(self.ckpt_list) > 0)
+when the script does not import adacheck_ds. To load it:
+  DeepSpeed: import adacheck_ds before deepspeed.initialize, with
+             "adacheck": {"enabled": true} in the DeepSpeed config; then
+             engine.load_checkpoint(<this directory>) as before.
+  Megatron:  --adacheck --load <this directory> (or --adacheck-dir).
+To get native files instead:
+  adacheck convert <this directory> OUT --to deepspeed            (or --to deepspeed-universal)
+  adacheck convert <this directory> OUT --to torch-dist           (megatron-core)
+  adacheck convert <this directory> OUT                           (model.safetensors weights)
+See what is here: adacheck ls <this directory>; adacheck inspect <this directory>.
+Delete checkpoints with keep_last or adacheck prune, not by hand: later ones may read
+files of earlier ones.
+"""
+
+
+def leave_file(save_dir: str, name: str, data: bytes, store: Storage = LOCAL) -> None:
+    """A file ``name`` beside the checkpoints of ``save_dir``, written once (an existing one stays)."""
+    path = store.join(save_dir, name)
+    if not store.exists(path):
+        store.make_dirs(save_dir)
+        store.write_atomic(path, data, fsync=False)
+
+
+def leave_readme(save_dir: str, store: Storage = LOCAL) -> None:
+    """A README in ``save_dir`` (once) that tells a person or a stock loader's user what the
+    directory holds and how to load or convert it."""
+    leave_file(save_dir, README, README_TEXT.encode("utf-8"), store)
+
+
+def _is_shard_or_manifest(name: str) -> bool:
+    return name.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
+
+
+def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, Optional[Manifest], Optional[AdaCheckError]]]:
+    """(tag, manifest or None, problem or None) for every sub-directory with AdaCheck files; the
+    problem is a NotFoundError (no manifest: an interrupted save) or a FormatError (a manifest
+    that cannot be read)."""
+    out = []
+    for name in store.list(save_dir):
+        d = store.join(save_dir, name)
+        if not store.is_dir(d) or not any(_is_shard_or_manifest(f) for f in store.list(d)):
+            continue
+        try:
+            out.append((name, read_manifest(d, store), None))
+        except (NotFoundError, FormatError) as e:
+            out.append((name, None, e))
+    return out
+
+
+def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
+    """Generation for a new save into ``ckpt_dir``: past every generation whose files are
+    there (committed, torn, or kept because a later checkpoint references them), so a new
+    save never writes over an existing shard file.  0 for a fresh directory."""
+    names = store.list(ckpt_dir)
+    gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(names))]
+    if MANIFEST_NAME in names:      # (a new tag's directory: one listing, no more requests)
+        try:
+            gens.append(int(read_manifest(ckpt_dir, store).framework.get("generation", 0)))
+        except (NotFoundError, FormatError):
+            pass
+    return 1 + max(gens) if gens else 0
+
+
+# what a save uploads into a save directory, relative to it: a tag's shard files, manifest and
+# manifest parts, and its online delta files (the uploads a killed save may leave unfinished)
+SAVED_FILE = re.compile(r"^" + TAG_RE.pattern.strip("^$") + r"/(?:" + SHARD_PATTERN + "|" + PART_PATTERN + "|"
+                        + re.escape(MANIFEST_NAME) + r"|deltas/\d+/rank\d+\.(?:safetensors|json))$")
+_SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
+                         + re.escape(TMP_SUFFIX) + ")?$")     # (a shard file, a manifest's part)
+
+
+def _tree_size(store: Storage, path: str) -> int:
+    total = 0
+    for name in store.list(path):
+        p = store.join(path, name)
+        total += _tree_size(store, p) if store.is_dir(p) else store.size(p)
+    return total
+
+
+def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = (),
+                    store: Storage = LOCAL, only: Optional[Tuple[str, ...]] = None,
+                    keep_after: Optional[float] = None) -> List[Tuple[str, int]]:
+    """Delete shard files (and temporaries) that no committed checkpoint reads.
+
+    That covers earlier generations of a re-saved tag, saves a killed job never committed,
+    and files of retired checkpoints once nothing references them.  A directory whose
+    manifest cannot be parsed is left alone (for a person to look at); only files named
+    like AdaCheck shards are removed, and a directory without manifest that this call
+    emptied is removed too.  Call it only when no save into ``save_dir`` is in flight.
+    ``dry_run``: delete nothing, as if the checkpoints in ``retired`` had no manifest.
+    ``only``: look into these tags' directories alone (others may hold a save in flight).
+    ``keep_after``: a file no committed checkpoint reads is removed only if it was last modified
+    before this time (the storage's clock: pass the newest manifest's ``mtime``), so that the files of
+    a save in flight (another job's, whose lease has not yet been seen; a save that has not
+    committed yet) are never taken for leftovers; None: every such file (no save can be in flight).
+    The online-delta log of a checkpoint goes with its manifest (``<tag>/deltas/``).
+    Returns the files removed (or that would be), as (``<tag>/<file>``, bytes).
+    """
+    need: Dict[str, set] = {}
+    unreadable = set()
+    for tag, m, _ in list_checkpoints(save_dir, store):
+        if m is None:
+            if has_manifest(store.join(save_dir, tag), store):
+                unreadable.add(tag)
+            continue
+        if tag in retired:
+            continue
+        for ref_tag, name in referenced_files(m):
+            need.setdefault(ref_tag or tag, set()).add(name)
+        need.setdefault(tag, set()).update(part_names(m))
+    removed = []
+    for tag in store.list(save_dir):
+        d = store.join(save_dir, tag)
+        if tag in unreadable or (only is not None and tag not in only) or not store.is_dir(d):
+            continue
+        before = len(removed)
+        committed = has_manifest(d, store) and tag not in retired
+        deltas = store.join(d, "deltas")
+        if not committed and store.is_dir(deltas):
+            # the online deltas of a retired (or never committed) base: nothing replays them
+            size = _tree_size(store, deltas)
+            if not dry_run:
+                store.remove_tree(deltas)
+            removed.append((f"{tag}/deltas/", size))
+        for f in store.list(d):
+            if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
+                path = store.join(d, f)
+                try:
+                    if keep_after is not None and store.mtime(path) >= keep_after:
+                        continue        # (newer than the newest commit: a save in flight, perhaps another job's)
+                    size = store.size(path)
+                    if not dry_run:
+                        store.remove(path)
+                    removed.append((f"{tag}/{f}", size))
+                except FileNotFoundError:
+                    pass
+        if not dry_run and len(removed) > before and not has_manifest(d, store):
+            store.remove_dir(d)      # (referenced files or something else may live there: then kept)
+    return removed
+
+
+def newest_commit_time(save_dir: str, store: Storage = LOCAL) -> Optional[float]:
+    """The modification time of the newest committed manifest in ``save_dir`` (the storage's clock;
+    None: none is committed): garbage collection's ``keep_after`` beside a live job."""
+    times = [store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
+             for tag, m, _ in list_checkpoints(save_dir, store) if m is not None]
+    return max(times) if times else None
+
+
+def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s: Optional[float] = None,
+                   protect: Tuple[str, ...] = (), now: Optional[float] = None, store: Storage = LOCAL) -> List[str]:
+    """Committed checkpoints a retention policy removes: those beyond the newest
+    ``keep_last`` (by step, then manifest time) and/or older than ``older_than_s`` seconds;
+    never one in ``protect``, never the newest."""
+    committed = []
+    for tag, m, problem in list_checkpoints(save_dir, store):
+        if m is None:
+            continue
+        mtime = store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
+        committed.append(((m.step if m.step is not None else -1), mtime, tag))
+    committed.sort(reverse=True)
+    now = time.time() if now is None else now
+    out = []
+    for i, (_, mtime, tag) in enumerate(committed):
+        if i == 0 or tag in protect:
+            continue
+        if (keep_last is not None and i >= keep_last) or (older_than_s is not None and now - mtime > older_than_s):
+            out.append(tag)
+    return out
+
+
+def retire(save_dir: str, tags, store: Storage = LOCAL) -> None:
+    """Remove the manifests of ``tags`` (they stop being checkpoints); collect_garbage then
+    deletes whatever of their files no kept checkpoint references."""
+    for tag in tags:
+        store.remove(store.join(save_dir, tag, MANIFEST_NAME))
+        store.remove_dir(store.join(save_dir, tag))   # a checkpoint that only referenced others
+
+
+def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...], store: Storage = LOCAL) -> List[str]:
+    """Retire committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
+    Returns the retired tags (their unreferenced files go with the next collect_garbage)."""
+    doomed = choose_retired(save_dir, keep_last=keep_last, protect=protect, store=store)
+    retire(save_dir, doomed, store)
+    return doomed
