@@ -33,6 +33,7 @@ many ranks: its own part).
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections import defaultdict
@@ -336,10 +337,36 @@ def gather(comm: Comm, tensors: Dict[str, TensorEntry], decided: Decisions, refe
                     [r for r, p in enumerate(parts) if p[6]])
 
 
+class _Meets:
+    """Whether a box meets one of ``boxes``, in time that grows with the boxes near it along the
+    first dimension (a rank can hold thousands of row chunks of one tensor: a check against each
+    of them, for each of thousands of stored boxes, took seconds)."""
+
+    def __init__(self, boxes: List[Box]):
+        self.boxes = sorted(boxes, key=lambda b: b.offsets[:1])
+        self.starts = [b.offsets[0] if b.ndim else 0 for b in self.boxes]
+        self.reach, top = [], None          # the largest end along dim 0 of the boxes up to each one
+        for b in self.boxes:
+            end = b.offsets[0] + b.lengths[0] if b.ndim else 1
+            top = end if top is None else max(top, end)
+            self.reach.append(top)
+
+    def __call__(self, box: Box) -> bool:
+        if not box.ndim:
+            return any(box.intersect(x) is not None for x in self.boxes)
+        lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
+        i = bisect.bisect_left(self.starts, hi) - 1       # the last box that starts before this one ends
+        while i >= 0 and self.reach[i] > lo:
+            if self.boxes[i].intersect(box) is not None:
+                return True
+            i -= 1
+        return False
+
+
 def cut_to(e: TensorEntry, boxes: List[Box], rank: int) -> TensorEntry:
     """Entry ``e`` with only the stored (or derived) boxes that meet one of ``boxes`` (those
     ``rank`` held), each stored copy's holders cut down to ``rank`` itself where it held its bytes."""
-    meets = lambda b: any(b.intersect(x) is not None for x in boxes)   # noqa: E731
+    meets = _Meets(boxes)
     if e.derived is not None:
         return replace(e, derived=replace(e.derived, boxes=tuple((b, h) for b, h in e.derived.boxes if meets(b))))
     return replace(e, boxes=tuple(replace(sb, holders=(rank,) if rank in sb.holders else ())
