@@ -110,7 +110,6 @@ from .format.compression import check as check_compression
 from .errors import ConfigError
 from .plan.exchange import EXCHANGES
 
-
 ON_ERROR = ("disable", "raise")
 ON_CORRUPT = ("raise", "fallback")
 ON_SAVE_ERROR = ("warn", "raise")

@@ -43,7 +43,6 @@ import argparse
 import re
 from dataclasses import fields
 from typing import List, Tuple
-
 from typing import Dict, Optional
 
 from .config import (ASYNC_WRITERS, ON_CORRUPT, ON_ERROR, ON_SAVE_ERROR, AdaCheckConfig, OnlineConfig, TiersConfig,

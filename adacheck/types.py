@@ -226,4 +226,4 @@ class Manifest:
     files: dict = field(default_factory=dict)   # file -> {"nbytes": int, "writer": rank}
     stats: dict = field(default_factory=dict)
     index: Optional[dict] = None       # in parts (formats 4, 5): {"generation", "parts", "tensors", "ranks", ...}
-    ranks: Optional[object] = field(default=None, compare=False, repr=False)   # in parts: manifest.RankFiles
+    ranks: Optional[object] = field(default=None, compare=False, repr=False)   # in parts: manifest_read.RankFiles

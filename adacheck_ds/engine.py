@@ -376,15 +376,16 @@ class AdaCheckDeepSpeed:
         if comm.world_size > 1:
             every = comm.all_gather_object(module_names(e))
             everywhere = (set().union(*(p for p, _ in every)), set().union(*(b for _, b in every)))
-        ckpt_dir, manifest, objects = self.checkpointer.load(
+        loaded = self.checkpointer.load(
             comm, load_dir, tag, lambda r: stage_load(e, r, want_optim, load_module_strict, comm.rank, everywhere),
             apply,
             how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
+        ckpt_dir, objects = loaded.ckpt_dir, loaded.result
         replay = None
         if want_optim and load_lr_scheduler_states:
             model = objects.model(ckpt_dir)
             replay = Replay(self, model.optimizer if model is not None else None)
-        done = recovery.after_load(comm, self.checkpointer, ckpt_dir, manifest, replay, until=until,
+        done = recovery.after_load(comm, self.checkpointer, loaded, replay, until=until,
                                    without="the optimizer and scheduler states",
                                    recorder=self.online.recorder if self.online is not None else None)
         if done.steps:

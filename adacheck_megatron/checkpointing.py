@@ -356,13 +356,14 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     comm = parallel.comm()
     t0 = time.perf_counter()
     loading = _Load(model, optimizer, opt_param_scheduler, args, strict, comm)
-    ckpt_dir, manifest, objects = job.load(comm, load_dir, tag, loading.read, loading.apply, how_to_load=_how_to_load,
-                                           undo=loading.undo, reads_objects_of=main_replica_ranks())
+    loaded = job.load(comm, load_dir, tag, loading.read, loading.apply, how_to_load=_how_to_load,
+                      undo=loading.undo, reads_objects_of=main_replica_ranks())
+    ckpt_dir, objects = loaded.ckpt_dir, loaded.result
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)
     replay = (Replay(comm, model, optimizer, opt_param_scheduler, objects)
               if loading.load_optim and opt_param_scheduler is not None else None)
-    done = recovery.after_load(comm, job, ckpt_dir, manifest, replay, until=until,
+    done = recovery.after_load(comm, job, loaded, replay, until=until,
                                without="the optimizer state (not with --no-load-optim / --finetune)",
                                recorder=on.recorder if on is not None else None)
     iteration = done.step if done.steps else iteration

@@ -130,7 +130,7 @@ def profile(a, engines, train, rank: int, path: str) -> None:
     or the host threads it competes with)."""
     import torch
     from torch.profiler import ProfilerActivity
-    from adacheck.online.deltas import DeltaLog
+    from adacheck.online.deltalog import DeltaLog
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device() == "cuda" else [])
     out, add = [], DeltaLog.add
 

@@ -587,7 +587,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, args) -> int:
         if torch.distributed.get_rank() == 0 and iteration:
             from adacheck_megatron.checkpointing import checkpointer
             job = checkpointer(optimizer, args.adacheck_config)
-            where = (f"the memory tier ({job.last_load[1]})" if job.last_tier == "memory"
+            where = (f"the memory tier ({job.last_loaded.load_dir})" if job.last_loaded.tier == "memory"
                      else args.adacheck_config.save_dir or args.load)
             print(f"loaded AdaCheck checkpoint iteration {iteration} from {where} in {time.perf_counter() - t0:.2f}s",
                   flush=True)

@@ -81,6 +81,7 @@ from typing import List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adacheck.format import manifest as mf  # noqa: E402
+from adacheck.format import manifest_read as mf_read  # noqa: E402
 from adacheck.plan import planner  # noqa: E402
 from adacheck.format.boxes import flat_pieces, row_chunks  # noqa: E402
 from adacheck.format.hashing import owner_of as hash_owner  # noqa: E402
@@ -370,7 +371,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     part_reads = [root_bytes + sum(part_size.get(i, 0) for i in {hash_owner(x.name, ranks) for x in metas})
                   for metas in sampled]
     # format 6 (what the partitioned exchange writes now): the same parts, each tensor's boxes in
-    # pages; a load in another layout reads, with the real reader (manifest.PartedTensors.region),
+    # pages; a load in another layout reads, with the real reader (manifest_read.PartedTensors.region),
     # the header of each part that lists a tensor it needs and the pages that meet its region
     # (the simulation's hashes written as the reader checks them: "xxh3_128:" and 32 hex digits)
     by_part = {i: {n: digests(e) for n, e in t.items()} for i, t in by_part.items()}
@@ -408,7 +409,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
         # (format 6: this rank and the next data-parallel rank's boxes, one rank's at half the size)
         nxt = i + 1 if (i % dp) + 1 < dp else i - 1
         loaded = sampled[i] + (sampled[nxt] if nxt >= 0 else [])
-        tensors = mf.ranked_tables(root5.index, man.tag, mf.PAGED_SINCE, InMemory(paged), "simulated")[0]
+        tensors = mf_read.ranked_tables(root5.index, man.tag, mf.PAGED_SINCE, InMemory(paged), "simulated")[0]
         for x in loaded:
             tensors.region(x.name, x.box)
         # (a part's header lists the tensors of every stage that hash to it: those of the stages not

@@ -320,7 +320,7 @@ def act(engine, a, rec, out_dir, rank):
         path, cs = engine.load_checkpoint(a[1], **(a[2] if len(a) > 2 else {}))
         rec["loaded"].append([path, {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in (cs or {}).items()}])
         ac = getattr(engine, "adacheck", None)
-        rec.setdefault("manifest_read", []).append(getattr(ac.checkpointer, "last_read", None) if ac else None)
+        rec.setdefault("manifest_read", []).append(ac.checkpointer.last_loaded.read if ac and ac.checkpointer.last_loaded else None)
     elif op == "load_native":
         path, cs = adacheck_ds.load_native(engine, a[1])
         rec["loaded"].append([path, sorted(cs or {})])
@@ -356,13 +356,13 @@ def act(engine, a, rec, out_dir, rank):
         rec.setdefault("ls_dirs", []).append(sorted(x for x in os.listdir(a[1]) if os.path.isdir(os.path.join(a[1], x)))
                                              if os.path.isdir(a[1]) else [])
     elif op == "slow_persist":   # slow_persist S: every copy from the memory tier to the directory starts S s late
-        from adacheck import tiers
-        copy = tiers.persist_checkpoint
+        from adacheck.tiers import memory      # (where the memory tier looks the copy up)
+        copy = memory.persist_checkpoint
 
         def late(*args, **kw):
             time.sleep(a[1])
             return copy(*args, **kw)
-        tiers.persist_checkpoint = late
+        memory.persist_checkpoint = late
     elif op == "die":       # SIGKILL this process (a crash: nothing at exit runs)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)

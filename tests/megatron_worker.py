@@ -145,7 +145,7 @@ def run_one(run, out):
             iteration = pretrain_gpt.load_checkpoint(model, optimizer, scheduler, args)
             res["loaded"].append(iteration)
             job = getattr(optimizer, "adacheck_checkpointer", None)      # (what it read of the manifest)
-            res.setdefault("manifest_read", []).append(job.last_read if job is not None else None)
+            res.setdefault("manifest_read", []).append(job.last_loaded.read if job is not None and job.last_loaded else None)
         elif kind == "perturb_optimizer":   # main weights and every moment change in place
             with torch.no_grad():
                 for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:

@@ -75,7 +75,7 @@ def test_compressed_checkpoint_has_the_same_manifest_and_values(tmp_path):
     # an uncompressed job goes on from a compressed checkpoint (and references its boxes)
     job = Checkpointer()
     got = job.load(SoloComm(), packed, None, lambda r: r.read("master/w"), lambda t: t)
-    assert torch.equal(got[2], master)
+    assert torch.equal(got.result, master)
 
 
 def test_damage_in_a_compressed_box_is_found(tmp_path):

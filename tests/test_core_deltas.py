@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from adacheck.online import deltas
+
+from adacheck.online import deltalog
 from adacheck.errors import FormatError, IntegrityError, StateError
 
 pytestmark = pytest.mark.unit
 
 
 def write_steps(ckpt, steps, world=2, nonce="n1", grads=None, **kw):
-    logs = [deltas.DeltaLog(ckpt, r, nonce, fsync=False, **kw) for r in range(world)]
+    logs = [deltalog.DeltaLog(ckpt, r, nonce, fsync=False, **kw) for r in range(world)]
     for s in steps:
         for r, lg in enumerate(logs):
             lg.begin(s)
@@ -48,7 +50,7 @@ def test_records_of_two_runs_never_combine(tmp_path):
     write_steps(ck, [2, 3])
     os.remove(os.path.join(deltas.step_dir(ck, 3), "rank1.json"))
     write_steps(ck, [3], world=1, nonce="other")    # only rank 0 of a later run wrote step 3
-    lg = deltas.DeltaLog(ck, 1, "n1", fsync=False)       # rank 1 of the old run, late
+    lg = deltalog.DeltaLog(ck, 1, "n1", fsync=False)       # rank 1 of the old run, late
     lg.begin(3)
     lg.submit(3, {})
     lg.close()
@@ -109,7 +111,7 @@ def test_split_staging_writes_what_whole_staging_writes(tmp_path, monkeypatch, c
     and the steps after it (staged whole), a gradient whose size changes, a bf16 one.  The
     oracle: safetensors' own reader gives back every bit of each gradient."""
     from safetensors.torch import load_file
-    monkeypatch.setattr(deltas, "_SPLIT_PIECE", 30_000)    # (70,001 values: split in 3 pieces)
+    monkeypatch.setattr(deltalog, "_SPLIT_PIECE", 30_000)    # (70,001 values: split in 3 pieces)
     specials = torch.tensor([0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F810000, 0xFFC10000],
                             dtype=torch.int64).to(torch.int32).view(torch.float32)
     exact = torch.randn(70_001).to(torch.bfloat16).float()
@@ -122,7 +124,7 @@ def test_split_staging_writes_what_whole_staging_writes(tmp_path, monkeypatch, c
     dirs = {}
     for split in (False, True):
         d = dirs[split] = str(tmp_path / f"split{split}")
-        lg = deltas.DeltaLog(d, 0, "n", fsync=False, compact=compact, split=split)
+        lg = deltalog.DeltaLog(d, 0, "n", fsync=False, compact=compact, split=split)
         for step, grads in steps.items():
             lg.begin(step)
             for k, g in grads.items():
@@ -168,11 +170,11 @@ def test_a_new_chain_stages_into_the_buffers_of_the_chain_before(tmp_path):
 
     def buffers(lg):
         return sorted(b.data_ptr() for slot in list(lg._free.queue) for b in slot.buffers.values())
-    first = deltas.DeltaLog(str(tmp_path / "base1"), 0, "n1", fsync=False, split=True)
+    first = deltalog.DeltaLog(str(tmp_path / "base1"), 0, "n1", fsync=False, split=True)
     record(first, [1, 2, 3])
     first.close()
     held = buffers(first)
-    second = deltas.DeltaLog(str(tmp_path / "base4"), 0, "n4", fsync=False, split=True, reuse=first)
+    second = deltalog.DeltaLog(str(tmp_path / "base4"), 0, "n4", fsync=False, split=True, reuse=first)
     assert not second._splits("b", inexact) and second._splits("a", exact)
     record(second, [4, 5, 6])
     assert len(held) == 4 and buffers(second) == held
@@ -183,7 +185,7 @@ def test_a_new_chain_stages_into_the_buffers_of_the_chain_before(tmp_path):
         assert a.dtype == torch.bfloat16 and torch.equal(a.float(), exact * 2.0 ** step), step
         assert b.dtype == torch.float32 and torch.equal(b, inexact * step), step
     with pytest.raises(RuntimeError, match="only once the log is closed"):
-        deltas.DeltaLog(str(tmp_path / "x"), 0, "n", fsync=False, reuse=deltas.DeltaLog(str(tmp_path / "y"), 0, "n"))
+        deltalog.DeltaLog(str(tmp_path / "x"), 0, "n", fsync=False, reuse=deltalog.DeltaLog(str(tmp_path / "y"), 0, "n"))
 
 
 def test_compact_is_lossy_and_says_by_how_much(tmp_path):
@@ -214,7 +216,7 @@ def test_a_corrupted_gradient_is_refused(tmp_path):
 def test_staging_is_bounded_by_queue_depth(tmp_path):
     """With queue_depth=1 the second step waits until the writer has finished the first."""
     ck = str(tmp_path)
-    lg = deltas.DeltaLog(ck, 0, "n", fsync=False, queue_depth=1)
+    lg = deltalog.DeltaLog(ck, 0, "n", fsync=False, queue_depth=1)
     gate = threading.Event()
     orig = lg._write
 
@@ -247,7 +249,7 @@ def test_write_error_disables_or_raises(tmp_path):
     blocker = tmp_path / "ck"
     blocker.write_text("a file where the checkpoint directory should be")
     for on_error in ("disable", "raise"):
-        lg = deltas.DeltaLog(str(blocker), 0, "n", fsync=False, on_error=on_error)
+        lg = deltalog.DeltaLog(str(blocker), 0, "n", fsync=False, on_error=on_error)
         lg.begin(1)
         lg.add("g", torch.ones(4))
         lg.submit(1, {})
@@ -284,7 +286,7 @@ def test_auto_base_rule(base_bytes, base_s, delta_bytes, replay_s, want):
 def test_bf16_exactness_is_proved_bit_for_bit():
     """A gradient is stored as bf16 only when widening it back gives every fp32 bit: exact
     values (also -0, inf and NaN payloads) are, a single inexact element anywhere is not."""
-    from adacheck.online.deltas import bf16_exact
+    from adacheck.online.deltalog import bf16_exact
 
     def bits(t):
         return t.contiguous().view(torch.int32)
@@ -333,7 +335,7 @@ def test_the_shadow_of_a_compact_chain_is_the_state_replay_reaches():
         opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
         opt.step()
         calls = tap.take_calls()
-        stored = {k: deltas.compact_form(g).float() for k, g in grads.items()}
+        stored = {k: deltalog.compact_form(g).float() for k, g in grads.items()}
         before = ([t.clone() for t in tap.tensors.values()],
                   {id(p): {n: v.clone() for n, v in s.items()} for p, s in opt.state.items()},
                   dict(opt.param_groups[0], params=None))
@@ -421,12 +423,12 @@ def test_gpu_gradients_are_written_only_after_their_copies_land(tmp_path):
     fp32, staged split (bf16 proved by the device) while they are bf16 values; step 4's is not
     (put together again from its halves), steps 5-6 are staged whole (bf16 again, proved by the
     writer)."""
-    lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
+    lg = deltalog.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=2)
     waited = []
 
     def gradient(step):
         return torch.full((1 << 22,), float(step), device="cuda") * 3.0 + (1e-3 if step == 4 else 0.0)
-    warm = deltas.DeltaLog(str(tmp_path / "warm"), 0, "n", fsync=False)   # (the kernels loaded: a kernel's
+    warm = deltalog.DeltaLog(str(tmp_path / "warm"), 0, "n", fsync=False)   # (the kernels loaded: a kernel's
     warm.begin(1)                                                          # first launch may wait for the device)
     warm.add("w", gradient(0))
     warm.submit(1, {})

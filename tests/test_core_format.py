@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from adacheck.online import deltas
+
+from adacheck.online import deltalog
 from adacheck.format.boxes import flat_range_to_boxes
 from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
                                  Options, resolve, save)
@@ -525,7 +527,7 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
     sizes that would misalign a view keep separate buffers."""
     from adacheck.format.writer import data_alignment, write_safetensors
     g = torch.Generator().manual_seed(1)
-    lg = deltas.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=1)
+    lg = deltalog.DeltaLog(str(tmp_path), 0, "n", fsync=False, queue_depth=1)
     shapes = {"w1": (300, 1000), "b1": (1000,), "w0": (1000, 300), "s": ()}
     try:
         for step in (1, 2, 3, 4):
@@ -557,9 +559,9 @@ def test_staged_gradients_go_to_the_device_from_their_own_memory(tmp_path):
     assert [k for k, _, _ in slot.layout] == ["b1", "s", "w0", "w1"] and slot.layout[0][2] == (999,)
     start = slot.buffers["b1"].data_ptr()
     assert start % 4096 == 0 and slot.buffers["w1"].data_ptr() == start + 4 * (999 + 1 + 300_000)
-    mixed = deltas._Slot(buffers={"a": torch.zeros(1, dtype=torch.int8), "b": torch.zeros(3)}, keys=["a", "b"])
+    mixed = deltalog._Slot(buffers={"a": torch.zeros(1, dtype=torch.int8), "b": torch.zeros(3)}, keys=["a", "b"])
     before = dict(mixed.buffers)
-    deltas._arrange(mixed)                   # b would start at byte 1
+    deltalog._arrange(mixed)                   # b would start at byte 1
     assert mixed.layout == () and all(mixed.buffers[k] is v for k, v in before.items())
 
 

@@ -227,5 +227,5 @@ def test_keep_last_caps_the_disk_and_small_unchanged_boxes_do_not_pin_large_file
     assert plan["retire"] == ["s9"] and plan["retired_earlier_still_read"] == {"s1": du(os.path.join(big, "s1"))}
     assert main(["prune", big, "--keep-last", "1"]) == 0
     assert "retired earlier, files still read by kept checkpoints: s1" in capsys.readouterr().out
-    got = load(SoloComm(), big, None, lambda r: {n: r.read(n) for n in r.manifest.tensors}, lambda st: st)[2]
+    got = load(SoloComm(), big, None, lambda r: {n: r.read(n) for n in r.manifest.tensors}, lambda st: st).result
     assert torch.equal(got["model/emb"], frozen) and torch.equal(got["master/w"], torch.full((768, 1024), 10.0))

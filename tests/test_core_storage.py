@@ -10,6 +10,7 @@ import torch
 
 from adacheck.storage import commit
 from adacheck.online import deltas
+from adacheck.online import deltalog
 from adacheck.format.boxes import flat_range_to_boxes
 from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, find_intact, save, verify_part
 from adacheck.errors import FormatError, IntegrityError
@@ -111,7 +112,7 @@ def test_damage_on_an_object_store_is_found_and_the_intact_one_named(memory):
 
 def test_delta_log_on_an_object_store(memory):
     store, ckpt = memory, "memory://ckpts/job/s1"
-    lg = deltas.DeltaLog(ckpt, 0, "n", fsync=False, store=store)
+    lg = deltalog.DeltaLog(ckpt, 0, "n", fsync=False, store=store)
     try:
         for step in (2, 3):
             lg.begin(step)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from adacheck.storage import commit
-from adacheck.checkpoint import CheckpointReader, Checkpointer, Options
+from adacheck.checkpoint import CheckpointReader, Checkpointer, Options, SavePipeline
 from adacheck.cli import main
 from adacheck.errors import AdaCheckError, IntegrityError
 from adacheck.plan.exchange import SoloComm
@@ -139,7 +139,7 @@ def test_server_lost_during_a_save_keeps_the_previous_checkpoint(s3):
     assert commit.read_latest(where, store) == "s1"
     assert not commit.has_manifest(store.join(where, "s2"), store)
     got = checkpointer.load(SoloComm(), root, None, lambda r: r.read("master/w"), lambda t: t)
-    assert got[1].tag == "s1" and torch.equal(got[2], weights[1])
+    assert got.manifest.tag == "s1" and torch.equal(got.result, weights[1])
     # the next save goes on, and removes what the interrupted one left
     save_steps(checkpointer, root, (3,), frozen)
     assert not [k for k in s3.keys("lost/s2")], s3.keys("lost")
@@ -152,14 +152,15 @@ class WrittenAgain(Checkpointer):
 
     def __init__(self, s3, **kw):
         super().__init__(options=Options(storage_options=s3.options, chunk_bytes=32, **kw))
-        self.s3 = s3
 
-    def commit(self, comm, prepared, exchanged, plan, written):
-        path = prepared.store.join(prepared.ckpt_dir, written.my_file)
-        data = bytearray(self.s3.fs.cat_file(path))
-        data[-1] ^= 1
-        self.s3.fs.pipe_file(path, bytes(data))
-        return super().commit(comm, prepared, exchanged, plan, written)
+        class Pipeline(SavePipeline):
+            def commit(self, comm, prepared, exchanged, plan, written):
+                path = prepared.store.join(prepared.ckpt_dir, written.my_file)
+                data = bytearray(s3.fs.cat_file(path))
+                data[-1] ^= 1
+                s3.fs.pipe_file(path, bytes(data))
+                return super().commit(comm, prepared, exchanged, plan, written)
+        self.pipeline_class = Pipeline
 
 
 @pytest.mark.parametrize("exchange", ["ring", "partitioned"])
@@ -176,7 +177,7 @@ def test_an_object_written_again_before_the_commit_is_not_published(s3, exchange
     assert commit.read_latest(where, store) == "s1"
     assert not commit.has_manifest(store.join(where, "s2"), store)
     got = checkpointer.load(SoloComm(), root, None, lambda r: r.read("master/w"), lambda t: t)
-    assert got[1].tag == "s1" and torch.equal(got[2], weights[1])
+    assert got.manifest.tag == "s1" and torch.equal(got.result, weights[1])
     save_steps(checkpointer, root, (2,), frozen)      # the next save of that tag goes through
     assert commit.read_latest(where, store) == "s2"
 

@@ -18,6 +18,8 @@ from test_ds_integration import assert_same, results
 from adacheck.storage import commit
 
 from adacheck.online import deltas
+
+from adacheck.online import deltalog
 from adacheck.storage.backends import LOCAL
 from adacheck.tiers import memory_location
 
@@ -358,7 +360,7 @@ def test_online_deltas_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     from adacheck.tiers import Reused, pack_files, pack_step, receive_step, unpack_files
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     g = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    lg = deltas.DeltaLog(src, 2, "n0nce", fsync=False)
+    lg = deltalog.DeltaLog(src, 2, "n0nce", fsync=False)
     lg.begin(5)
     lg.add("w", g)
     lg.submit(5, {"lr": 0.1})
@@ -779,7 +781,7 @@ def test_committing_a_copy_leaves_the_files_of_the_next_copy_in_flight(tmp_path)
     assert sorted(os.listdir(f"{ck}/s2")) == sorted(ahead)
     assert persist_checkpoint(0, f"{mem}/s2", LOCAL, ck, "s2", False, True, 1, confirm_files)
     got = Checkpointer().load(comm, ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
-    assert got[0].endswith("s2") and got[2] == [2.0] * 4
+    assert got.ckpt_dir.endswith("s2") and got.result == [2.0] * 4
     assert tags(ck) == ["s2"]       # (keep_last 1: s1 retired, its files removed)
     left = os.listdir(f"{ck}/s1") if os.path.isdir(f"{ck}/s1") else []
     assert not [f for f in left if f.endswith(".safetensors")], left

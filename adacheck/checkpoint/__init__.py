@@ -1,16 +1,27 @@
-"""One checkpoint's save and load, collective over a job's ranks: the :class:`Checkpointer`, the
-state an integration hands it (:class:`LocalState` of :class:`LocalShard`), and the
-:class:`CheckpointReader` a load reads through."""
+"""One checkpoint's save and load, collective over a job's ranks.
+
+- :mod:`.state`: what an integration hands a save (:class:`LocalState` of :class:`LocalShard`);
+- :mod:`.checkpointer`: the :class:`Checkpointer` of a job (save, async save, load, leases);
+- :mod:`.saving`: the steps of one save (:class:`SavePipeline`);
+- :mod:`.loading`: a load (:class:`Loader`, :class:`LoadResult`);
+- :mod:`.reader`: reading a committed checkpoint (:class:`CheckpointReader`);
+- :mod:`.options`: :class:`Options` and the job's caches;
+- :mod:`.background`, :mod:`.staging`, :mod:`.writer_process`: asynchronous saves;
+  :mod:`.lifecycle`: what is finished at exit."""
 import importlib
 
-__all__ = ["CheckpointReader", "Checkpointer", "DeferredSource", "LegacyFormatWarning", "LocalShard", "LocalState",
-           "Options", "RankObjectLookup", "confirm_files", "describe_save", "exchange_blob", "find_intact", "human",
-           "load", "resolve", "save", "structure_of", "verify_part"]
+_WHERE = {"CheckpointReader": "reader", "RankObjectLookup": "reader", "confirm_files": "reader",
+          "find_intact": "reader", "resolve": "reader", "verify_part": "reader", "LegacyFormatWarning": "reader",
+          "Checkpointer": "checkpointer", "load": "checkpointer", "save": "checkpointer",
+          "DeferredSource": "state", "LocalShard": "state", "LocalState": "state",
+          "Options": "options", "LoadResult": "loading", "Loader": "loading", "SavePipeline": "saving",
+          "describe_save": "saving", "exchange_blob": "saving", "human": "saving", "structure_of": "saving"}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name):
     # imported on first use: the submodules import each other's packages, and an eager
     # re-export here would make those imports circular
-    if name in __all__:
-        return getattr(importlib.import_module(".checkpointer", __name__), name)
+    if name in _WHERE:
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,9 @@ import warnings
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 
-from . import checkpointer as checkpoint, staging
+from . import staging
+from .checkpointer import Checkpointer
+from .saving import Snapshot
 from ..errors import kind_of
 from ..plan.exchange import describe_error, world_in_store
 
@@ -41,7 +43,7 @@ def _serve(conn: Connection, sock: socket.socket) -> None:
             conn.send({"error": ("", f"the AdaCheck writer processes did not meet within {hello['meet_s']:.0f}s "
                                      f"(one died as it started?): {describe_error(e)}"), "warnings": []})
         return
-    ckp = checkpoint.Checkpointer()
+    ckp = Checkpointer()
     arena, mapping = None, None
     while True:
         try:
@@ -64,7 +66,7 @@ def _serve(conn: Connection, sock: socket.socket) -> None:
                 store, save_dir = ckp.locate(job.save_dir)
                 shards = {(s.name, s.box): dataclasses.replace(s, tensor=staging.view(arena, slot))
                           for s, slot in zip(job.shards, job.slots)}
-                snap = checkpoint.Snapshot(save_dir, job.tag, store.join(save_dir, job.tag), store, shards,
+                snap = Snapshot(save_dir, job.tag, store.join(save_dir, job.tag), store, shards,
                                            job.objects, job.rank_objects, job.layout, job.framework, job.step,
                                            time.perf_counter() - job.seconds_before,
                                            min_generation=job.min_generation, lease=job.lease)

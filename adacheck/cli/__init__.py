@@ -12,7 +12,6 @@ import sys
 from .. import __version__
 from ..errors import AdaCheckError, NothingToDo
 
-
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

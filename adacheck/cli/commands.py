@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from ..storage import commit, lease
-
 from ..online import deltas
-from ..checkpoint.checkpointer import CheckpointReader, human, resolve, verify_part
+from ..checkpoint.reader import CheckpointReader, resolve, verify_part
+from ..checkpoint.saving import human
 from ..errors import AdaCheckError, ConfigError, NothingToDo, NotFoundError
 from ..format.manifest import referenced_files
 from ..storage.backends import LOCAL, Storage, open_storage
@@ -94,7 +94,7 @@ def summary(ckpt_dir: str, store: Optional[Storage] = None) -> dict:
 def in_memory(store: Storage, save_dir: str, memory_dir: Optional[str]) -> list:
     """What the memory tier (tiers.memory) holds for the checkpoint directory ``save_dir``, per job:
     its checkpoints there (with their online deltas), the newest, and the bytes."""
-    from ..tiers.memory import durable_key, memory_root
+    from ..tiers.location import durable_key, memory_root
     key = durable_key(store, save_dir)
     return [dict(x, job=j["job"], path=j["path"]) for j in memory_jobs(memory_dir or memory_root(None))
             for x in j["checkpoint_dirs"] if x["source"] == key]
@@ -439,7 +439,8 @@ def cmd_prune(args) -> int:
 def memory_jobs(root: str, only=None) -> list:
     """What jobs keep in the memory tier under ``root``: per job (``only``: these), its checkpoint
     directories' memory copies (the directory each stands for, its newest checkpoint, bytes)."""
-    from ..tiers.memory import SOURCE_NAME, held_in, newest_committed
+    from ..tiers.location import SOURCE_NAME
+    from ..tiers.persist import held_in, newest_committed
     jobs = []
     for job in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         d = os.path.join(root, job)
@@ -461,7 +462,7 @@ def memory_jobs(root: str, only=None) -> list:
 
 
 def cmd_clean(args) -> int:
-    from ..tiers.memory import memory_root
+    from ..tiers.location import memory_root
     root = args.memory_dir or memory_root(None)      # (the flag, else $ADACHECK_MEMORY_DIR, else the default)
     if not os.path.isdir(root):
         if args.json:

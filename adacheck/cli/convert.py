@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..storage import commit
-from ..checkpoint.checkpointer import CheckpointReader
+from ..checkpoint.reader import CheckpointReader
 from ..errors import ConfigError, NotFoundError
 from ..types import torch_dtype
 from ..storage.backends import LOCAL, Storage

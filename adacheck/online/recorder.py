@@ -16,7 +16,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 from . import deltas
-
+from . import deltalog
 from ..format import jsontree
 from ..config import OnlineConfig
 from ..errors import StateError
@@ -48,7 +48,7 @@ class OnlineRecorder:
         # compact: the state a recovery reaches, stepped along with the gradients as stored
         self.shadow: Optional[Shadow] = None
         self._stored: dict = {}
-        self.log: Optional[deltas.DeltaLog] = None
+        self.log: Optional[deltalog.DeltaLog] = None
         self.base_step: Optional[int] = None
         self.base_tag: Optional[str] = None
         self.interval: Optional[int] = config.base_interval if config.base_interval != "auto" else None
@@ -73,7 +73,7 @@ class OnlineRecorder:
     def _keep(self, key, grad) -> None:
         """compact: the gradient as the log stores it (every rank's own: replay applies them all)."""
         if self.shadow is not None and self.log is not None and not self.log.disabled:
-            self._stored[key] = (deltas.compact_form(grad.detach()), grad.dtype)
+            self._stored[key] = (deltalog.compact_form(grad.detach()), grad.dtype)
 
     def note_preclip(self, key: str, grad, args) -> None:
         """The framework is about to unscale / clip ``grad`` (of tensor ``key``) in place with
@@ -237,7 +237,7 @@ class OnlineRecorder:
         self.tap.step_seconds = 0.0
         if self.config.base_interval == "auto":
             self.interval = None
-        self.log = deltas.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
+        self.log = deltalog.DeltaLog(ckpt_dir, comm.rank, nonce, fsync=self.fsync, queue_depth=self.config.queue_depth,
                                    compact=self.config.compact, on_error=self.config.on_error, store=self.store,
                                    on_written=spread.written if spread is not None else None, spares=self.spares,
                                    reuse=done, generation=generation)

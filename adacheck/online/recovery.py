@@ -34,13 +34,14 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ..storage import commit
-
 from . import deltas
 from ..errors import AdaCheckError, ConfigError, CorruptCheckpointWarning, FormatError, StateError
 from ..plan.exchange import Comm, agree
 from .optimtap import OptimizerTap, Shadow
 from ..format.records import Expect, check_fields
-from ..checkpoint.checkpointer import Checkpointer, CheckpointReader
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.loading import LoadResult
+from ..checkpoint.reader import CheckpointReader
 from ..storage.backends import LOCAL, Storage
 from ..types import Manifest
 
@@ -204,14 +205,13 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
     return done
 
 
-def after_load(comm: Comm, job: Checkpointer, ckpt_dir: str, manifest: Manifest, replaying: Optional[Replaying], *,
+def after_load(comm: Comm, job: Checkpointer, loaded: LoadResult, replaying: Optional[Replaying], *,
                without: str, until: Optional[int] = None, recorder=None) -> Recovered:
-    """The recovery of every integration, after ``job.load`` returned ``ckpt_dir`` and its
-    ``manifest``: :func:`recover` with ``job``'s options, from the tier it loaded from (the base's
-    chain continues only where it is that directory's newest checkpoint).  ``replaying`` None:
-    the load did not take what a replay needs (``without`` says what; :func:`not_replayed`), and
-    the job holds the base's step."""
-    store, where = job.last_load
+    """The recovery of every integration, after ``job.load`` returned ``loaded``: :func:`recover`
+    with ``job``'s options, from the tier it loaded from (the base's chain continues only where it
+    is that directory's newest checkpoint).  ``replaying`` None: the load did not take what a
+    replay needs (``without`` says what; :func:`not_replayed`), and the job holds the base's step."""
+    ckpt_dir, manifest, store, where = loaded.ckpt_dir, loaded.manifest, loaded.store, loaded.load_dir
     if replaying is None:
         not_replayed(ckpt_dir, manifest.step, until, without, store)
         return Recovered(manifest.step)

@@ -18,7 +18,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ..errors import AdaCheckError, ConfigError, DistributedError, kind_of
 
-
 GATHERS = ("ring", "allgather")                 # how all_gather_bytes moves the blocks
 EXCHANGES = ("auto",) + GATHERS + ("partitioned",)     # how a save shares what the ranks hold (adacheck.plan.partition)
 PARTITIONED_FROM = 32       # "auto": the ring below this many ranks, the partitioned exchange from here on

@@ -16,9 +16,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import AdaCheckError, FormatError, IntegrityError, NotFoundError
-from ..format.manifest import (MANIFEST_NAME, PART_PATTERN, SHARD_PATTERN, TAG_RE, dumps, parse, part_bytes, part_name,
-                       part_names, meta_bytes, meta_name, rank_file_bytes, rank_file_name, referenced_files,
-                       tensor_meta)
+from ..format.manifest import MANIFEST_NAME, PART_PATTERN, SHARD_PATTERN, TAG_RE, dumps, part_bytes, part_name, part_names, meta_bytes, meta_name, rank_file_bytes, rank_file_name, referenced_files, tensor_meta
+from ..format.manifest_read import parse
 from ..format.hashing import hash_buffer
 from .backends import LOCAL, Storage
 from ..types import Manifest

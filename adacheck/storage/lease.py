@@ -44,7 +44,6 @@ from typing import Callable, Dict, Optional, Tuple
 
 from ..errors import FormatError, LeaseError
 from .backends import Storage
-from ..tiers.memory import job_identity as named_job
 
 log = logging.getLogger("adacheck")
 
@@ -60,6 +59,21 @@ def _host() -> str:
 
 # one incarnation per process: every Checkpointer of this process is the same run of the job
 _PROCESS = {"incarnation": uuid.uuid4().hex[:16], "generated": None, "pid": os.getpid()}
+
+
+JOB_ENV = "ADACHECK_JOB"
+
+
+def named_job() -> Tuple[Optional[str], str]:
+    """(the job's name, where it came from) where the job is named: ``$ADACHECK_JOB``, else
+    torchrun's run id; (None, "") else."""
+    job = os.environ.get(JOB_ENV)
+    if job:
+        return job, f"${JOB_ENV}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":
+        return run, "torchrun's run id ($TORCHELASTIC_RUN_ID)"
+    return None, ""
 
 
 def _this_process() -> dict:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 from . import commit
-
 from ..online import deltas
 from ..errors import FormatError
 from .backends import Storage

@@ -1,0 +1,563 @@
+"""The steps of one save, each collective and run under ``agree`` (a failure on any rank is
+raised on every rank, and the new files are removed): :class:`SavePipeline`.
+
+``snapshot`` (collect this rank's part; an asynchronous save copies it into reusable host
+buffers) -> ``prepare`` (hash) -> ``exchange`` (ring, or the partitioned exchange of
+:mod:`adacheck.plan.partition`) -> ``plan`` (pure: who writes what, what is referenced or
+derived) -> ``write`` (this rank's file, committed) -> ``commit`` (the manifest, once every file
+is confirmed) -> ``publish`` (``latest``, retention, garbage).  Each step's result is a typed
+value (:class:`Snapshot`, :class:`Prepared`, :class:`Exchanged`, ``WritePlan``, :class:`Written`,
+``Manifest``).  Nothing already committed is touched before the new manifest is durable."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..storage import commit
+from ..plan import partition
+from ..errors import AdaCheckError, FormatError, IntegrityError, SaveWarning
+from ..plan.exchange import Comm, agree, exchange_for
+from ..storage.lease import Holding
+from ..tiers.persist import own_files
+from ..format.compression import ENCODING_KEY, Encoder
+from ..format.compression import check as check_compression
+from ..format.manifest import COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PAGED_SINCE, JOB_OBJECTS, dumps, meta_name, part_name, rank_file_name
+from ..format.manifest_read import ranked_tables
+from ..plan.planner import WritePlan, file_name, gc_paused, plan_save, previous_index
+from ..types import Box, Manifest, meta_of_row, meta_row
+from .staging import Staging
+from ..storage.backends import LOCAL, Storage
+from ..format.writer import write_safetensors_to
+from .options import Caches, Options, node_id
+from .reader import confirm_files
+from .state import Deferred, LocalShard, LocalState, bytes_of, object_shards, shard_meta, split_chunks
+
+log = logging.getLogger("adacheck")
+
+
+def ranges(ranks: List[int]) -> List[List[int]]:
+    """Sorted ranks as [first, end) ranges: [0, 1, 2, 5] -> [[0, 3], [5, 6]]."""
+    out: List[List[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
+
+
+def host_tensors(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, object]:
+    """The boxes this rank writes (key -> contiguous CPU tensor, or a Deferred one).
+
+    Device tensors are copied to the host; contiguous CPU tensors are written in place: a
+    synchronous save holds training until it is written, an asynchronous one wrote host copies
+    (:class:`~adacheck.checkpoint.staging.Staging`).  Deferred tensors are read when the writer reaches them.
+    """
+    staged = {}
+    for name, box, key in writes:
+        t = shards[(name, box)].tensor
+        staged[key] = t if isinstance(t, Deferred) else t.detach().to("cpu").contiguous()
+    return staged
+
+
+def persist(ckpt_dir: str, fname: str, staged: Dict[str, object], metadata: dict,
+            fsync: bool = True, store: Storage = LOCAL) -> Tuple[int, Optional[str]]:
+    """Write one shard file and commit it (durable under its final name, or nothing left).
+    Returns its size and the storage's tag of its content as the storage shows it once
+    committed (:meth:`Storage.file_state`), for the commit to confirm."""
+    path = store.join(ckpt_dir, fname)
+    fw = store.open_writer(path, fsync=fsync)
+    try:
+        write_safetensors_to(fw, [(k, t.dtype, tuple(t.shape)) for k, t in staged.items()],
+                             lambda k: bytes_of(staged[k]), metadata)
+        size = fw.commit()
+        state = store.file_state(path)
+        if state is None or state[0] != size:
+            raise IntegrityError(f"{path}: {size} bytes were written and committed, but the storage then shows "
+                                 + ("no such file" if state is None else f"{state[0]} bytes")
+                                 + f" ({store.describe()}); the checkpoint is not published")
+        return state
+    except BaseException:
+        fw.abort()      # (after the commit it leaves the file to the save's cleanup)
+        raise
+
+
+_STATIC = ("layout", "framework", "node")   # parts of a rank's save payload that stay the same
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def structure_of(payload: dict) -> Tuple[dict, str]:
+    """A rank's save payload without its hashes (what does not change from one save to the next
+    while the layout stays), and its digest."""
+    structure = {"metas": [meta_row(m) for m in payload["metas"]],
+                 **{k: payload[k] for k in _STATIC}}
+    return structure, hashlib.blake2b(_json(structure), digest_size=16).hexdigest()
+
+
+def exchange_blob(payload: dict, digest: str, structure: Optional[dict]) -> bytes:
+    """The bytes a rank sends in the exchange: its hashes and the rest of its payload, with its
+    structure, or (None) only the structure's digest."""
+    d = {k: v for k, v in payload.items() if k != "metas" and k not in _STATIC}
+    d.update(digest=digest, hashes=[m.hash for m in payload["metas"]], structure=structure)
+    return _json(d)
+
+
+def _exchange(comm: Comm, payload: dict, how: str, sent: Dict[int, Dict[int, Tuple[str, list]]]):
+    """Every rank's payload on every rank (compact JSON, never pickle), and the bytes received.
+    ``sent``: what every rank of a world of N sent last time (N -> {rank: (digest, structure)}).
+
+    A rank's shard list is split into its *structure* (names, kinds, dtypes, shapes, boxes,
+    declarations; with its layout, framework and node, which do not change either) and its
+    hashes.  Where every rank holds the same cache of the structures sent last time (checked
+    with one small all-gather of digests), a rank whose structure did not change sends its
+    digest instead of the structure."""
+    structure, digest = structure_of(payload)
+    cache = sent.setdefault(comm.world_size, {})
+    view = hashlib.blake2b(_json([cache.get(r, ("",))[0] for r in range(comm.world_size)]),
+                           digest_size=16).hexdigest() if len(cache) == comm.world_size else None
+    views = comm.all_gather_object((digest, view))
+    shared = views[0][1] is not None and all(v[1] == views[0][1] for v in views)
+    compact = [shared and cache[r][0] == views[r][0] for r in range(comm.world_size)]
+    blobs = comm.all_gather_bytes(exchange_blob(payload, digest, None if compact[comm.rank] else structure), how)
+    gathered = []
+    for r, blob in enumerate(blobs):
+        g = json.loads(blob.decode("utf-8"))
+        st = g.pop("structure")
+        st = cache[r][1] if st is None else st
+        if len(st["metas"]) != len(g["hashes"]):
+            raise FormatError(f"rank {r} sent {len(g['hashes'])} hashes for {len(st['metas'])} shards")
+        cache[r] = (g["digest"], st)
+        g.update({k: st[k] for k in _STATIC})
+        g["metas"] = [meta_of_row(m, h) for m, h in zip(st["metas"], g.pop("hashes"))]
+        gathered.append(g)
+    return gathered, comm.bytes_received([len(b) for b in blobs], how), sum(compact)
+
+
+@dataclass
+class Snapshot:
+    """Step 0 of a save, on this rank: what the integration's ``collect()`` returned, chunked, its
+    objects encoded.  An asynchronous save's tensors are host copies taken at the call; ``ready``
+    waits until their device-to-host copies have landed (None: nothing to wait for)."""
+    save_dir: str
+    tag: str
+    ckpt_dir: str
+    store: Storage
+    shards: Dict[Tuple[str, Box], LocalShard]
+    objects: Optional[dict]
+    rank_objects: dict
+    layout: dict
+    framework: dict
+    step: Optional[int]
+    started: float
+    ready: Optional[Callable[[], None]] = None
+    given_dir: str = ""     # save_dir as the caller named it (a URL for remote storage)
+    min_generation: int = 0     # the save's file generation is at least this (the memory tier: past the
+    # generations of the same tag in the checkpoint directory, where its files are copied)
+    lease: Optional[Holding] = None     # the save directory's lease this job holds (rank 0; adacheck.storage.lease)
+
+
+def shown_dir(snap: Snapshot) -> str:
+    """The checkpoint's directory as the caller would name it (a URL for remote storage)."""
+    return f"{snap.given_dir.rstrip('/')}/{snap.tag}" if snap.given_dir else snap.ckpt_dir
+
+
+@dataclass
+class Prepared:
+    """Step 1 of a save, on this rank: what it holds, chunked and hashed (``shards``), and what it
+    sends the others (``payload``: its (box, hash) list, objects, layout, node; rank 0 adds the
+    generation and the checkpoint new boxes may reference)."""
+    save_dir: str
+    tag: str
+    ckpt_dir: str
+    shards: Dict[Tuple[str, Box], LocalShard]
+    payload: dict
+    started: float
+    store: Storage = LOCAL     # where save_dir lives (Checkpointer.locate)
+    lease: Optional[Holding] = None     # (Snapshot.lease): checked before the manifest and 'latest'
+
+
+@dataclass
+class Exchanged:
+    """Step 2: every rank's payload on every rank, and what the exchange cost.  With the
+    partitioned exchange (:mod:`adacheck.plan.partition`) the (box, hash) lists go to their owners in
+    the plan step instead, and no rank gathers the others' payloads: ``gathered`` holds this
+    rank's, without ``metas`` (with rank 0's step and framework; rank 0's objects are the job's),
+    and each rank keeps its own objects and layout in its rank file; ``nodes``: every rank's node
+    where the plan needs it (copies > 1)."""
+    gathered: List[dict]
+    generation: int
+    previous: Optional[str]
+    stats: dict
+    partitioned: bool = False
+    nodes: Optional[List[str]] = None
+    index: Optional[dict] = None        # partitioned, on rank 0: the manifest's index (its parts' hashes at the commit)
+
+
+@dataclass
+class Written:
+    """Step 4: the size of every rank's file (0: it wrote none) and the storage's tag of its content
+    (None: none), both per rank (partitioned: empty; ``total``: the sum of the sizes), and this
+    rank's file name, size and tag."""
+    sizes: List[int]
+    tags: List[Optional[str]]
+    my_file: Optional[str]
+    my_size: int = 0
+    my_tag: Optional[str] = None
+    total: int = 0
+
+
+def human(n: float) -> str:
+    """A byte count as people read it (B, KiB, MiB, GiB, TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def save_report(manifest: Manifest, ckpt_dir: str, stall: float, seconds: float, asynchronous: bool) -> dict:
+    """What one committed save cost, as ``Checkpointer.last_save`` and the log line give it:
+    ``stored_bytes`` written by this save (boxes unchanged since the checkpoint it references
+    are not), ``logical_bytes`` of the state it holds, ``held_bytes`` over all ranks' copies,
+    ``stall_s`` the caller waited, ``commit_s`` from the save call to its commit."""
+    st = manifest.stats
+    return {"tag": manifest.tag, "step": manifest.step, "dir": ckpt_dir, "async": asynchronous,
+            "stored_bytes": int(st.get("file_bytes", 0)), "logical_bytes": int(st.get("logical_bytes", 0)),
+            "held_bytes": int(st.get("held_bytes", 0)), "stall_s": round(stall, 4), "commit_s": round(seconds, 4)}
+
+
+def describe_save(r: dict) -> str:
+    """``save_report`` as one log line."""
+    return (f"AdaCheck: saved {r['tag']} (step {r['step']}) to {r['dir']}: {human(r['stored_bytes'])} "
+            f"written for {human(r['logical_bytes'])} of state ({human(r['held_bytes'])} held by all "
+            f"ranks), training stalled {r['stall_s']:.2f}s, committed "
+            f"{'in the background ' if r['async'] else ''}{r['commit_s']:.2f}s after the save call")
+
+
+def _unfenced(holding: Optional[Holding], store: Storage, doing: str) -> None:
+    """No lease to check (the memory tier's own saves: its directories are the job's)."""
+
+
+class SavePipeline:
+    """The steps of one save for a job: its ``options``, its ``caches`` (what it keeps from one
+    save to the next), ``fence`` (called by the rank that writes the manifest and ``latest``,
+    before it writes them: raises when the save directory's lease is no longer this job's) and
+    ``explains`` (a README in the save directory).  Each step is a method with a typed result;
+    :meth:`persist` runs steps 1-6 from a :class:`Snapshot`."""
+
+    def __init__(self, options: Options, caches: Caches,
+                 fence: Callable[[Optional[Holding], Storage, str], None] = _unfenced, explains: bool = True):
+        self.options, self.caches, self.fence, self.explains = options, caches, fence, explains
+
+    def persist(self, comm: Comm, snap: Snapshot, update_latest: bool = True) -> Manifest:
+        """Steps 1-6 of a save from its snapshot: hash, exchange, plan, write, commit, publish."""
+        try:
+            prepared = self.prepare(comm, snap)
+            t_hashed = time.perf_counter()
+            exchanged = self.exchange(comm, prepared)
+            t_prepare = time.perf_counter()
+            plan = self.plan(comm, prepared, exchanged)
+            written = self.write(comm, prepared, plan)
+            t_write = time.perf_counter()
+            manifest = self.commit(comm, prepared, exchanged, plan, written)
+        except AdaCheckError as e:
+            e.args = (f"{e}\nCheckpoint {snap.tag!r} was not published: 'latest' and the checkpoints saved "
+                      f"before in {snap.save_dir} are as they were.",)
+            raise
+        self.publish(comm, prepared, update_latest)
+        t_end = time.perf_counter()
+        manifest.stats["exchange"] = exchanged.stats
+        manifest.stats["seconds"] = {"hash": t_hashed - prepared.started, "prepare": t_prepare - prepared.started,
+                                     "write": t_write - t_prepare, "commit": t_end - t_write,
+                                     "total": t_end - prepared.started}
+        return manifest
+
+    def snapshot(self, comm: Comm, store: Storage, save_dir: str, tag: str, collect: Callable[[], LocalState],
+                 staging: Optional[Staging] = None, given_dir: str = "") -> Snapshot:
+        """Step 0: this rank's part (the integration's ``collect()``), chunked, objects encoded;
+        with ``staging`` its tensors copied into host buffers (the async save's snapshot).
+        ``save_dir`` is on ``store``; ``given_dir``: as the caller named it (a URL)."""
+        started = time.perf_counter()
+        ckpt_dir = store.join(save_dir, tag)
+
+        def run():
+            commit.check_tag(tag)
+            state = collect()
+            shards = [c for s in state.shards for c in split_chunks(s, self.options.chunk_bytes)]
+            objects = None
+            if comm.rank == 0:
+                objects, extra = object_shards(state.objects, JOB_OBJECTS.rstrip("/"), replicated=False)
+                shards += extra
+            rank_objects, extra = object_shards(state.rank_objects, f"rank{comm.rank}", replicated=False)
+            shards += extra
+            ready = None
+            if staging is not None:
+                shards, ready = staging.stage(shards)
+            by_key = {(s.name, s.box): s for s in shards}
+            if len(by_key) != len(shards):
+                raise FormatError("the integration reported the same (tensor, box) twice on one rank")
+            return Snapshot(save_dir, tag, ckpt_dir, store, by_key, objects, rank_objects, state.layout,
+                            state.framework, state.step, started, ready, given_dir)
+
+        return agree(comm, f"AdaCheck save of {ckpt_dir} (snapshot)", run)
+
+    def prepare(self, comm: Comm, snap: Snapshot) -> Prepared:
+        """Step 1: the snapshot's boxes hashed with their identity; rank 0 readies the directory."""
+        opts, store, save_dir, ckpt_dir, tag = self.options, snap.store, snap.save_dir, snap.ckpt_dir, snap.tag
+
+        def run():
+            generation = previous = None
+            if comm.rank == 0:
+                stale = store.abort_uploads(save_dir, commit.SAVED_FILE)   # (no rank of the job writes here now)
+                if stale:
+                    log.warning("AdaCheck: aborted %d unfinished uploads under %s left by an interrupted save",
+                                stale, save_dir)
+                store.make_dirs(ckpt_dir)
+                generation = max(commit.generation_of(ckpt_dir, store), snap.min_generation)
+                previous = self.caches.previous(store, save_dir, tag) if opts.reference_previous else None
+            elif opts.spread is not None:
+                store.make_dirs(ckpt_dir)       # (each node's own directory)
+            if snap.ready is not None:
+                snap.ready()
+            metas = [shard_meta(s) for s in snap.shards.values()]
+            if not opts.derive:
+                metas = [replace(m, derive=None, derive_ok=False) if m.derive is not None else m for m in metas]
+            return {"metas": metas, "objects": snap.objects,
+                    "rank_objects": snap.rank_objects, "layout": snap.layout, "generation": generation,
+                    "previous": previous, "step": snap.step, "node": node_id(), "framework": snap.framework}
+
+        payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", run)
+        return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store, snap.lease)
+
+    def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
+        """Step 2: every rank's payload on every rank (partitioned: see :class:`Exchanged`)."""
+        t0 = time.perf_counter()
+        how = exchange_for(self.options.exchange, comm.world_size)
+        if how == "partitioned":
+            p = prepared.payload
+            head = comm.broadcast_object({k: p[k] for k in ("generation", "previous", "step", "framework")})
+            mine = dict({k: v for k, v in p.items() if k != "metas"}, step=head["step"], framework=head["framework"])
+            nodes = self._nodes(comm, p["node"]) if self.options.copies > 1 else None
+            return Exchanged([mine], head["generation"], head["previous"],
+                             {"how": "partitioned", "seconds": time.perf_counter() - t0}, partitioned=True, nodes=nodes)
+        with gc_paused():
+            gathered, received, compact = _exchange(comm, prepared.payload, how,
+                                                    self.caches.exchanged)
+        stats = {"how": how, "seconds": time.perf_counter() - t0, "bytes_received": received,
+                 "ranks_sent_digest_only": compact}
+        return Exchanged(gathered, gathered[0]["generation"], gathered[0]["previous"], stats)
+
+    def _nodes(self, comm: Comm, mine: str) -> List[str]:
+        """Every rank's node (the partitioned exchange's placement of copies on distinct nodes),
+        gathered at the job's first such save and then kept: one reduction checks that no rank's
+        node changed (or lost the list with its caches)."""
+        known = self.caches.nodes.get(comm.world_size)
+        if comm.any(known is None or known[comm.rank] != mine):
+            known = self.caches.nodes[comm.world_size] = comm.all_gather_object(mine)
+        return known
+
+    def plan(self, comm: Comm, prepared: Prepared, exchanged: Exchanged) -> WritePlan:
+        """Step 3 (pure, the same on every rank once the checkpoint to reference is indexed)."""
+        store, save_dir, prev_tag = prepared.store, prepared.save_dir, exchanged.previous
+
+        def index_previous(names=None):
+            if prev_tag is None:
+                return None, None
+            m = commit.read_manifest(store.join(save_dir, prev_tag), store)
+            sizes = {}   # each referenced file's bytes, None when it is gone (one stat per file)
+
+            def size(ref):
+                if ref not in sizes:
+                    sizes[ref] = store.size_if_file(store.join(save_dir, ref))
+                return sizes[ref]
+
+            index = previous_index(prev_tag, m, lambda ref: size(ref) is not None, saving=prepared.tag, names=names)
+            return index, {ref: n for ref, n in sizes.items() if n is not None}
+
+        if exchanged.partitioned:
+            return self._plan_partitioned(comm, prepared, exchanged, index_previous)
+        previous, sizes = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
+                                index_previous)
+        plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous, file_sizes=sizes,
+                         copies=self.options.copies, nodes=[g["node"] for g in exchanged.gathered],
+                         cache=self.caches.plan)
+        if comm.rank == 0:
+            for w in plan.warnings:
+                warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=3)
+        return plan
+
+    def _plan_partitioned(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, previous_of) -> WritePlan:
+        """Step 3 with the partitioned exchange: this rank's writes and file, the entries of the
+        tensors it owns (the part of the manifest it writes at the commit); on rank 0 also the
+        warnings (warned there), the counts and the manifest's index."""
+        t0, gen = time.perf_counter(), exchanged.generation
+        placed, own, got, stats, held = partition.plan(
+            comm, prepared.payload["metas"], gen, previous_of, self.options.copies, exchanged.nodes,
+            self.caches.partitioned.setdefault(comm.world_size, partition.PartitionCache()), self.caches.plan,
+            f"AdaCheck save of {prepared.ckpt_dir}")
+        exchanged.stats.update(stats, seconds=exchanged.stats["seconds"] + time.perf_counter() - t0)
+        writes = {comm.rank: tuple(placed.writes)} if placed.writes else {}
+        files = {file_name(comm.rank, gen): {"writer": comm.rank, "nbytes": placed.nbytes}} if writes else {}
+        if got is None:
+            return WritePlan(tensors=own, writes=writes, files=files, warnings=(), stats={}, held=held)
+        for w in got.warnings:
+            warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
+        exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
+                           "tensors": got.tensors, "meta": got.meta, "referenced": got.referenced,
+                           "writers": ranges(got.writers)}      # (meta: written to its file, then its hash)
+        return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
+                         held=held)
+
+    def _remove_mine(self, prepared: Prepared, *mine: Optional[str]) -> None:
+        """This rank's files of a save that failed (its shard file, its part of the manifest)."""
+        store = prepared.store
+        for name in mine:
+            if name is not None:
+                for p in (store.join(prepared.ckpt_dir, name), store.join(prepared.ckpt_dir, name) + commit.TMP_SUFFIX):
+                    store.remove(p)
+
+    def write(self, comm: Comm, prepared: Prepared, plan: WritePlan) -> Written:
+        """Step 4: the boxes this rank writes, in one file, committed (or nothing left of it)."""
+        mine = plan.writes.get(comm.rank, ())
+        my_file = next((f for f, info in plan.files.items() if info["writer"] == comm.rank), None) if mine else None
+
+        def run():
+            if not mine:
+                return 0, None
+            staged = host_tensors(prepared.shards, mine)
+            metadata = {"format": "pt", "adacheck_tag": prepared.tag}
+            encoding = check_compression(self.options.compression)
+            if encoding is not None:
+                staged = Encoder(encoding).encode_all({k: bytes_of(t) for k, t in staged.items()})
+                metadata[ENCODING_KEY] = encoding
+            return persist(prepared.ckpt_dir, my_file, staged, metadata, self.options.fsync, prepared.store)
+
+        size, tag = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
+                          on_failure=lambda: self._remove_mine(prepared, my_file))
+        if exchange_for(self.options.exchange, comm.world_size) == "partitioned":      # (each in its rank file; their sum)
+            return Written([], [], my_file, size, tag, comm.sum_each([size])[0])
+        every = comm.all_gather_object((size, tag))
+        return Written([k for k, _ in every], [t for _, t in every], my_file, size, tag, sum(k for k, _ in every))
+
+    def commit(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, plan: WritePlan,
+               written: Written) -> Manifest:
+        """Step 5: the manifest, written by rank 0 once every rank's file is committed."""
+        gathered, copies = exchanged.gathered, self.options.copies
+        files = {f: dict(info, nbytes=written.sizes[info["writer"]] if written.sizes else written.my_size)
+                 for f, info in plan.files.items()}
+        stats = dict(plan.stats, file_bytes=written.total)
+        version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
+        tensors, index, ranks, store, mine = plan.tensors, None, None, prepared.store, ()
+        rank_objects, layout = tuple(g["rank_objects"] for g in gathered), {"ranks": [g["layout"] for g in gathered]}
+        topology = dict({"world_size": comm.world_size},
+                        **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
+        if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
+            version, gen, ckpt_dir = PAGED_SINCE, exchanged.generation, prepared.ckpt_dir
+            mine = (part_name(gen, comm.rank), rank_file_name(gen, comm.rank), meta_name(gen) if comm.rank == 0 else None)
+            topology.pop("nodes", None)      # (each rank's is in its rank file, as are its bytes written)
+            stats.pop("per_rank_bytes", None)
+            p = prepared.payload
+            tables = {"layout": p["layout"], "objects": p["rank_objects"],
+                      "files": {written.my_file: {"writer": comm.rank, "nbytes": written.my_size}}
+                      if written.my_file else {}, **({"node": p["node"]} if copies > 1 else {})}
+            # each rank confirms the next rank's file (no rank stats them all; a save directory that
+            # is not shared between nodes fails where the job crosses a node; a memory-tier save
+            # across nodes: the next rank on the node, whose directory is the node's own)
+            n, spread = comm.world_size, self.options.spread
+            confirmer = (comm.rank - 1) % n if spread is None else spread.before(comm.rank)
+            told = comm.all_to_all_bytes([json.dumps([written.my_file, written.my_size, written.my_tag]).encode()
+                                          if written.my_file and dst == confirmer else None
+                                          for dst in range(n)])
+            nxt = [(json.loads(b), src) for src, b in enumerate(told) if b]
+
+            def write_part():
+                confirm_files(store, prepared.ckpt_dir,
+                              {f: {"writer": src, "nbytes": k, "tag": t} for (f, k, t), src in nxt})
+                commit.write_rank_file(ckpt_dir, gen, comm.rank, prepared.tag, plan.held or {}, tables,
+                                       self.options.fsync, store)
+                commit.write_part(ckpt_dir, gen, comm.rank, prepared.tag, plan.tensors, self.options.fsync, store)
+                if comm.rank == 0:      # (what the index says of the tensors, bound by its hash)
+                    return commit.write_meta(ckpt_dir, gen, prepared.tag, exchanged.index["meta"], self.options.fsync,
+                                             store)
+
+            meta = agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
+                         on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
+            if spread is not None:      # (its peer copies: each rank's files, to its partner on the next node)
+                agree(comm, f"AdaCheck save of {ckpt_dir} (copies to other nodes)",
+                      lambda: spread.move_own(comm, ckpt_dir, prepared.tag, lambda r: own_files(gen, r)),
+                      on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
+            if comm.rank == 0:      # (its tables as a reader sees them: each rank's read from its rank file if asked)
+                index, where = dict(exchanged.index, meta=meta), store.join(ckpt_dir, MANIFEST_NAME)
+                tensors, ranks, files, rank_objects, layout = ranked_tables(
+                    index, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
+        manifest = Manifest(
+            format_version=version, tag=prepared.tag, step=gathered[0]["step"],
+            framework=dict(gathered[0]["framework"], generation=exchanged.generation),
+            topology=topology, tensors=tensors, objects=gathered[0]["objects"], rank_objects=rank_objects,
+            layout=layout, files=files, stats=stats, index=index, ranks=ranks)
+
+        here, spread, leads, root = files, self.options.spread, self._leads(comm), None
+        if spread is not None and exchanged.partitioned:       # (every node's leader writes rank 0's manifest)
+            raw = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest)",
+                        lambda: dumps(manifest).encode("utf-8") if comm.rank == 0 else None)
+            got = comm.all_to_all_bytes([raw if raw is not None and dst != 0 and spread.leads(dst) else None
+                                         for dst in range(comm.world_size)])
+            root = raw if comm.rank == 0 else got[0] if leads else None
+        elif spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
+            here = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (copies to other nodes)",
+                         lambda: spread.move(comm, prepared.ckpt_dir, files),
+                         on_failure=lambda: self._remove_mine(prepared, written.my_file))
+
+        def run():
+            if leads:
+                self.fence(prepared.lease, prepared.store, f"writing the manifest of {prepared.tag!r}")
+                if not exchanged.partitioned:       # (partitioned: confirmed by the ranks, above)
+                    confirm_files(prepared.store, prepared.ckpt_dir,
+                                  here if spread is not None else    # (other nodes' copies: their sizes)
+                                  {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
+                if root is not None:
+                    commit.write_manifest_bytes(prepared.ckpt_dir, root, prepared.store)
+                else:
+                    commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
+
+        parts = mine if exchanged.partitioned else ()
+        agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
+              on_failure=lambda: self._remove_mine(prepared, written.my_file, *parts))
+        return manifest
+
+    def _leads(self, comm: Comm) -> bool:
+        """Whether this rank writes the manifest, ``latest`` and retention: rank 0, or in a memory-tier
+        save across nodes the lowest rank of each node (each node's directory is its own)."""
+        return comm.rank == 0 if self.options.spread is None else self.options.spread.leads(comm.rank)
+
+    def publish(self, comm: Comm, prepared: Prepared, update_latest: bool = True) -> None:
+        """Step 6: ``latest`` (after the manifest), retention and garbage collection, by rank 0."""
+        store, save_dir, keep_last = prepared.store, prepared.save_dir, self.options.keep_last
+
+        leads = self._leads(comm)
+
+        def run():
+            if leads:
+                self.fence(prepared.lease, store, f"publishing {prepared.tag!r} ('latest')")
+                if update_latest:
+                    commit.write_latest(save_dir, prepared.tag, store)
+                if self.explains:
+                    commit.leave_readme(save_dir, store)
+                if keep_last:
+                    latest = commit.read_latest(save_dir, store)
+                    commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
+                                           store=store)
+                # (a file written since this manifest may be another save's in flight: kept)
+                commit.collect_garbage(save_dir, store=store,
+                                       keep_after=store.mtime(store.join(prepared.ckpt_dir, MANIFEST_NAME)))
+
+        agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (publish)", run)
+        self.caches.trust(prepared.ckpt_dir, store)
