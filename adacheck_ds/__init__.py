@@ -25,16 +25,15 @@ from adacheck.config import AdaCheckConfig
 from adacheck.errors import ConfigError
 
 from . import zero_to_fp32
-from .engine import AdaCheckDeepSpeed, load_native, param_dict, save_native
+from .engine import DEEPSPEED_METHODS, AdaCheckDeepSpeed, load_native, param_dict, save_native
 from .state import refuse_config
 
 warn_if_untested("deepspeed")
 
 __all__ = ["AdaCheckDeepSpeed", "attach", "detach", "save_native", "load_native", "install"]
 
-_ORIG = {}
 # DeepSpeedEngine's own methods that install() replaced: save_native / load_native call these
-DEEPSPEED_METHODS = _ORIG
+_ORIG = DEEPSPEED_METHODS
 
 
 def attach(engine, config=None) -> AdaCheckDeepSpeed:

@@ -64,13 +64,16 @@ def checkpoint_event(optimizer):
             optimizer.checkpoint_event_epilogue()
 
 
+# DeepSpeedEngine's own methods that adacheck_ds.install() replaced, by name (filled there)
+DEEPSPEED_METHODS: dict = {}
+
+
 def _native(method: str):
     """DeepSpeed's own DeepSpeedEngine method: the one adacheck_ds.install() replaced (another
     wrapper put over the engine's method later, e.g. with functools.wraps, is skipped: through
     it the native load would call AdaCheck's again, without end)."""
-    import adacheck_ds
-    if method in adacheck_ds.DEEPSPEED_METHODS:
-        return adacheck_ds.DEEPSPEED_METHODS[method]
+    if method in DEEPSPEED_METHODS:
+        return DEEPSPEED_METHODS[method]
     found = getattr(DeepSpeedEngine, method)
     return getattr(found, "__wrapped__", found)
 

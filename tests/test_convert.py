@@ -203,7 +203,8 @@ def test_shell_module_rebuilds_parameter_order_and_refuses_impossible_orders():
     DeepSpeed flattens and partitions by); an order no module tree yields is refused."""
     import pytest
     from adacheck.errors import StateError
-    from adacheck_ds.native import ModelSpec, shell_module
+    from adacheck_ds.native import shell_module
+    from adacheck_ds.native_spec import ModelSpec
     net = Net(37, 3).to(torch.bfloat16)
     params = [(n, tuple(p.shape), "bfloat16", not n.startswith("norm")) for n, p in net.named_parameters()]
     buffers = [(n, tuple(b.shape), "float32") for n, b in net.named_buffers()]
@@ -224,7 +225,8 @@ def test_tied_weights_are_found_in_native_files_and_rebuilt_as_one_parameter(tmp
     from torch.save storing the tensor once."""
     import pytest
     from adacheck.errors import StateError
-    from adacheck_ds.native import ModelSpec, native_aliases, shell_module
+    from adacheck_ds.native import shell_module
+    from adacheck_ds.native_spec import ModelSpec, native_aliases
     from adacheck_ds.state import tied_parameters
 
     class LM(torch.nn.Module):

@@ -176,7 +176,7 @@ def test_split_dimensions_of_native_files_come_from_the_models_patterns():
     """Native files do not say how parameters are split: DeepSpeed's universal-checkpoint
     patterns do, and anything they cannot express is refused with what to do instead."""
     from adacheck.errors import StateError
-    from adacheck_ds.native import split_from_patterns
+    from adacheck_ds.native_spec import split_from_patterns
     names = ["emb.weight", "l0.qkv.weight", "l0.proj.weight", "l0.proj.bias", "l0.norm.weight"]
     info = {"tp_replicated_parameter_patterns": [r".*\.proj\.bias$", r".*norm\."],
             "parameter_with_row_parallelism_patterns": [r".*\.proj\.weight$"]}

@@ -420,14 +420,14 @@ def test_a_tag_deleted_and_saved_again_elsewhere_loads_its_new_bytes(s3):
     first = save_steps(reading, root, (1,), frozen)
     read = lambda r: r.read("master/w")   # noqa: E731
     got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
-    assert torch.equal(got[2], first[1])
+    assert torch.equal(got.result, first[1])
     other = job(s3)        # another process: its own storage object
     store, where = other.locate(root)
     store.remove_tree(store.join(where, "s1"))
     w, st = state(7, frozen)
     other.save(SoloComm(), root, "s1", lambda: st)
     got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
-    assert not torch.equal(w, first[1]) and torch.equal(got[2], w)
+    assert not torch.equal(w, first[1]) and torch.equal(got.result, w)
 
 
 def test_a_tag_saved_again_asynchronously_that_fails_after_its_commit_is_said_committed(s3):

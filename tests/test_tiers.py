@@ -708,7 +708,7 @@ def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of
 
     def load(tag):
         return Checkpointer(options=Options(fsync=False)).load(
-            comm, ck, tag, lambda r: (r.read("model/w").tolist(), r.read("model/frozen").tolist()), lambda s: s)[2]
+            comm, ck, tag, lambda r: (r.read("model/w").tolist(), r.read("model/frozen").tolist()), lambda s: s).result
 
     first = Checkpointer(options=Options(fsync=False))
     first.save(comm, ck, "global_step1", collect(1, 7, 1))
@@ -824,7 +824,7 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     assert open(f"{ck}/latest").read().strip() == "s3"
     assert not os.path.exists(f"{ck}/.adacheck-lease.json")       # (removed at its exit)
     got = Checkpointer().load(SoloComm(), ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
-    assert got[0].endswith("s3") and got[2] == [3.0] * 4
+    assert got.ckpt_dir.endswith("s3") and got.result == [3.0] * 4
 
 
 def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_memory_save_failed(tmp_path):

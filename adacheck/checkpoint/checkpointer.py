@@ -19,7 +19,6 @@ from . import lifecycle
 from ..errors import ConfigError, LeaseError
 from ..plan.exchange import Comm, agree
 from ..storage.lease import Holding, Leases
-from ..storage.lease import check as check_lease
 from ..tiers.location import spares_of
 from ..tiers.memory import MemoryTier
 from ..tiers.peers import DeltaSpread
@@ -128,7 +127,7 @@ class Checkpointer:
             memory.on_saved, memory.explains, memory.takes_leases = self._saved_to_memory, False, False
             self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
                                      on_error=o.on_error)
-            self.tiered.fence = self.fence_durable
+            self.tiered.fence = self.leases.fence_dir
         return self.tiered
 
     def _saved_to_memory(self, report: dict) -> None:
@@ -157,28 +156,13 @@ class Checkpointer:
         return self._stores[protocol], storage_path(path)
 
     def check_writable(self, comm: Comm, save_dir: str) -> None:
-        """Collectively, at start-up: every rank creates ``save_dir``, writes a small file into it
-        through its storage and removes it again, so that a directory the job cannot write is
-        found before training, not at the first save.  A ConfigError on every rank names each
-        rank that could not, and why; nothing else in ``save_dir`` is touched."""
-        store, path = self.locate(save_dir)
-        probe = store.join(path, f".adacheck-probe-{node_id()}-{os.getpid()}")
-
-        def run():
-            try:
-                store.make_dirs(path)
-                store.write_atomic(probe, b"AdaCheck checks that this directory is writable\n", fsync=False)
-                store.remove(probe)
-            except Exception as e:  # noqa: BLE001 - whatever the backend raises says why
-                raise ConfigError(f"the checkpoint directory {save_dir} is not writable from {node_id()}: "
-                                  f"{type(e).__name__}: {e}. Give adacheck.save_dir a directory this job "
-                                  "can create and write (or fix its permissions / credentials)") from e
-        agree(comm, f"the write check of {save_dir}", run)
+        """Collectively, at start-up: :func:`check_writable` of ``save_dir`` (a path or URL)."""
+        check_writable(comm, *self.locate(save_dir), save_dir)
 
     # ------------------------------------------------------------------ save
     def pipeline(self) -> SavePipeline:
         """The steps of a save with this job's options and caches, fenced by its leases."""
-        return self.pipeline_class(self.options, self.caches, self.fence, self.explains)
+        return self.pipeline_class(self.options, self.caches, self.leases.fence, self.explains)
 
     def snapshot(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
                  staging: Optional[Staging] = None) -> Snapshot:
@@ -228,24 +212,6 @@ class Checkpointer:
                             save_dir, type(e).__name__, e, save_dir)
                 return None
         return agree(comm, f"AdaCheck save into {save_dir} (its lease)", run)
-
-    def fence_durable(self, store: Storage, save_dir: str, doing: str) -> None:
-        """The memory tier's copy into ``save_dir`` (rank 0): the lease this job holds there is still
-        its own (:meth:`fence`)."""
-        key = store.canonical(save_dir)
-        if key in self.leases.lost:
-            raise LeaseError(self.leases.lost[key])
-        held = self.leases.held.get(key)
-        self.fence(held[1] if held is not None else None, store, doing)
-
-    def fence(self, holding: Optional[Holding], store: Storage, doing: str) -> None:
-        """Before a manifest or ``latest`` is written (rank 0): the lease is still ``holding``'s."""
-        if holding is not None:
-            try:
-                check_lease(store, holding, doing)
-            except LeaseError as e:
-                self.leases.lose(store.canonical(holding.save_dir), str(e))
-                raise
 
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
              update_latest: bool = True, recorder=None, persist: Optional[bool] = None,
@@ -390,6 +356,27 @@ class Checkpointer:
         if self.tiered is not None:
             self.tiered.close()
         self.background.stop()
+
+
+
+def check_writable(comm: Comm, store: Storage, path: str, save_dir: str) -> None:
+    """Collectively, at start-up: every rank creates ``save_dir``, writes a small file into it
+    through its storage and removes it again, so that a directory the job cannot write is
+    found before training, not at the first save.  A ConfigError on every rank names each rank
+    that could not, and why; nothing else in ``save_dir`` is touched.  ``path`` on ``store`` is
+    ``save_dir`` as the user named it."""
+    probe = store.join(path, f".adacheck-probe-{node_id()}-{os.getpid()}")
+
+    def run():
+        try:
+            store.make_dirs(path)
+            store.write_atomic(probe, b"AdaCheck checks that this directory is writable\n", fsync=False)
+            store.remove(probe)
+        except Exception as e:  # noqa: BLE001 - whatever the backend raises says why
+            raise ConfigError(f"the checkpoint directory {save_dir} is not writable from {node_id()}: "
+                              f"{type(e).__name__}: {e}. Give adacheck.save_dir a directory this job "
+                              "can create and write (or fix its permissions / credentials)") from e
+    agree(comm, f"the write check of {save_dir}", run)
 
 
 @dataclass(frozen=True)

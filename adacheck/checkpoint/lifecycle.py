@@ -95,8 +95,8 @@ def _initialized() -> bool:
 def settles() -> bool:
     """Whether :func:`at_exit` pauses for gloo's threads: process groups are there, or were when
     AdaCheck was attached.  After ``destroy_process_group()`` torch says none is initialized, but
-    the groups DeepSpeed's engine holds keep their gloo threads (measured: 7 threads per rank before
-    and after), so their race at exit is still there."""
+    the groups DeepSpeed's engine holds keep their gloo threads, so their race at exit is still
+    there."""
     return _STATE["distributed"] or _initialized()
 
 

@@ -37,10 +37,9 @@ def bf16_exact(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> Tuple[boo
     An fp32 value is a bf16 value exactly when its low 16 bits are zero, and the bf16 value is
     then its high 16 bits (widening them back gives every bit again, NaN payloads included).
     On little-endian machines that is read straight from the bytes: one pass over the low
-    halves and one copy of the high halves, no full-size temporaries (measured 5-6x faster
-    than casting to bf16 and back, on 10M elements).  ``out``: a bf16 CPU tensor of t's size
-    that receives the copy (the writer reuses one per gradient: a new 42 MB tensor's first
-    touch of its pages cost 3.6x the copy itself, 31 ms against 8.6 ms)."""
+    halves and one copy of the high halves, no full-size temporaries (faster than casting to
+    bf16 and back).  ``out``: a bf16 CPU tensor of t's size that receives the copy (the writer
+    reuses one per gradient: the first touch of a new tensor's pages costs more than the copy)."""
     flat = t.reshape(-1)
     if t.dtype == torch.float32 and sys.byteorder == "little" and flat.is_contiguous() and flat.numel():
         halves = flat.view(torch.int16)
@@ -287,8 +286,8 @@ class DeltaLog:
         (low[key]) and the count of nonzero low halves (nonzero[key]), all computed where ``g``
         is.  A bf16 gradient (a bf16 run's, upcast: every low half zero) is then proved and cast
         by the device, and the writer stores the high halves as they landed, with no pass of its
-        own over them: on an H200 host proving and casting 84 MB took the writer more CPU than
-        the training step's time.  An fp32 gradient that is not bf16 is put together again from
+        own over them (on the host, proving and casting can take the writer longer than the
+        training step).  An fp32 gradient that is not bf16 is put together again from
         its halves by the writer, and the next step stages it whole.  In pieces of
         ``_SPLIT_PIECE`` values: the device's temporaries (each half made contiguous before it is
         copied out, the count's) stay under 64 MB, whatever the gradient's size."""

@@ -26,9 +26,8 @@ PARTITIONED_FROM = 32       # "auto": the ring below this many ranks, the partit
 def exchange_for(how: str, world_size: int) -> str:
     """The exchange a save of ``world_size`` ranks runs for the configured ``how``: "auto" is the
     ring (one manifest file, every rank plans the whole job) below PARTITIONED_FROM ranks, and the
-    partitioned exchange from there on (what a rank sends, plans and reads follows its own boxes).
-    Measured with scripts/bench_plan.py (600 shards per rank): a later checkpoint's whole-job plan
-    takes 0.07 s at 16 ranks, 0.14 s at 32, 0.29 s at 64 and 0.61 s at 128, and grows on."""
+    partitioned exchange from there on (what a rank sends, plans and reads follows its own boxes;
+    the whole-job plan's time grows with the job: scripts/bench_plan.py)."""
     if how == "auto":
         return "partitioned" if world_size >= PARTITIONED_FROM else "ring"
     return how

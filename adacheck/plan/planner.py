@@ -150,8 +150,7 @@ def place_set(items, holders, copies: int, nodes, held: Dict[int, int]) -> Dict[
 def gc_paused():
     """Planning (and decoding every rank's list) builds a few objects per shard and frees none
     of them: the cyclic garbage collector would walk every live object of the process (a
-    training job has many) again and again for nothing (measured in scripts/bench_plan.py:
-    1.7-2.3x of the planning time at 64-256 ranks)."""
+    training job has many) again and again for nothing (scripts/bench_plan.py measures it)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -23,6 +23,7 @@ fsspec's in-memory one).  :func:`open_storage` picks one for a path.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import errno
 import functools
 import os
@@ -36,28 +37,33 @@ import torch
 from ..errors import AdaCheckError, ConfigError, StorageError
 
 
-class FileWriter:
+class FileWriter(ABC):
     """A file being written: ``write`` its bytes in order, then ``commit`` (durable and visible
     under its final name) or ``abort`` (nothing of it left behind; after a successful commit,
     abort does nothing)."""
 
+    @abstractmethod
     def write(self, data) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def commit(self) -> int:
         """Make the file durable under its final name; returns its size in bytes."""
         raise NotImplementedError
 
+    @abstractmethod
     def abort(self) -> None:
         raise NotImplementedError
 
 
-class Storage:
+class Storage(ABC):
     """The operations AdaCheck needs of a place to keep checkpoints (see the module docstring).
 
-    Reading: ``exists``, ``is_dir``, ``list``, ``size``, ``mtime``, ``read_into``, ``read_bytes``.
-    Writing: ``make_dirs``, ``open_writer``, ``write_atomic``, ``write_tensors``, ``remove``,
-    ``remove_tree``, ``remove_dir``, ``sync_dir``.  ``renames``: whether files are written under a
+    A backend implements the abstract methods: reading ``exists``, ``is_dir``, ``list``, ``size``,
+    ``mtime``, ``read_into``, ``read_bytes``; writing ``make_dirs``, ``open_writer`` (a
+    :class:`FileWriter`), ``remove``, ``remove_tree``, ``remove_dir``, ``sync_dir``.  The rest
+    (``write_atomic``, ``write_tensors``, ``file_state``, ``read_range``, ...) is built on them,
+    and a backend may do better.  ``renames``: whether files are written under a
     temporary name first (POSIX) or appear whole when their upload completes (object stores).
     """
 
@@ -77,19 +83,23 @@ class Storage:
         """One spelling per place (to compare and remember directories)."""
         return os.path.abspath(path)
 
+    @abstractmethod
     def exists(self, path: str) -> bool:
         raise NotImplementedError
 
+    @abstractmethod
     def is_dir(self, path: str) -> bool:
         raise NotImplementedError
 
     def is_file(self, path: str) -> bool:
         return self.exists(path) and not self.is_dir(path)
 
+    @abstractmethod
     def list(self, path: str) -> List[str]:
         """Names directly under ``path`` (sorted); [] when there is nothing there."""
         raise NotImplementedError
 
+    @abstractmethod
     def size(self, path: str) -> int:
         raise NotImplementedError
 
@@ -110,13 +120,16 @@ class Storage:
         size = self.size_if_file(path)
         return None if size is None else (size, None)
 
+    @abstractmethod
     def mtime(self, path: str) -> float:
         raise NotImplementedError
 
+    @abstractmethod
     def read_into(self, path: str, offset: int, buffer) -> int:
         """Read up to ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns how many."""
         raise NotImplementedError
 
+    @abstractmethod
     def read_bytes(self, path: str, limit: Optional[int] = None) -> bytes:
         """The file's bytes (the first ``limit`` of them if given); FileNotFoundError if none."""
         raise NotImplementedError
@@ -126,9 +139,11 @@ class Storage:
         buffer = bytearray(size)
         return bytes(buffer[:self.read_into(path, start, memoryview(buffer))])
 
+    @abstractmethod
     def make_dirs(self, path: str) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def open_writer(self, path: str, fsync: bool = True) -> FileWriter:
         raise NotImplementedError
 
@@ -160,18 +175,22 @@ class Storage:
         """A writer object for repeated :meth:`write_tensors` calls from one thread (None: none)."""
         return None
 
+    @abstractmethod
     def remove(self, path: str) -> None:
         """Delete a file; nothing happens if it is not there."""
         raise NotImplementedError
 
+    @abstractmethod
     def remove_tree(self, path: str) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def remove_dir(self, path: str) -> bool:
         """Remove ``path`` if it is an empty directory (object stores have none); returns whether
         nothing is left there."""
         raise NotImplementedError
 
+    @abstractmethod
     def sync_dir(self, path: str) -> None:
         """Make the directory's entries (creations, renames, deletions) durable."""
         raise NotImplementedError

@@ -358,6 +358,25 @@ class Leases:
         self.held.pop(key, None)
         self.lost[key] = why
 
+    def fence(self, holding: Optional[Holding], store: Storage, doing: str) -> None:
+        """Before a manifest or ``latest`` is written (rank 0): the lease is still ``holding``'s
+        (:func:`check`; None: no lease to check); one taken over is lost for good."""
+        if holding is not None:
+            try:
+                check(store, holding, doing)
+            except LeaseError as e:
+                self.lose(store.canonical(holding.save_dir), str(e))
+                raise
+
+    def fence_dir(self, store: Storage, save_dir: str, doing: str) -> None:
+        """:meth:`fence` with the lease this job holds of ``save_dir`` (the memory tier's copies
+        there, rank 0)."""
+        key = store.canonical(save_dir)
+        if key in self.lost:
+            raise LeaseError(self.lost[key])
+        held = self.held.get(key)
+        self.fence(held[1] if held is not None else None, store, doing)
+
     def period(self) -> float:
         with self.lock:
             return min((h.ttl_s for _, h in self.held.values()), default=DEFAULT_TTL_S) / 3

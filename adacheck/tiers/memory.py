@@ -46,10 +46,11 @@ from ..errors import AdaCheckError, SaveWarning
 from ..plan.exchange import agree
 from ..storage.backends import LOCAL, Storage
 from ..format.writer import SpareFiles
-from .location import CHAIN_COPIED, DELTA_FILE, SOURCE_NAME, remove_job_memory, durable_key, memory_location, spares_of
+from .location import DELTA_FILE, SOURCE_NAME, remove_job_memory, durable_key, memory_location, spares_of
 from .peers import NodeSpread
 from .persist import ChainCopy, held_in, persist_checkpoint
 from .recovery import fetch, holdings, newer_in_memory, plan_recovery
+from .persist import persist_chain
 
 log = logging.getLogger("adacheck")
 
@@ -324,43 +325,6 @@ class MemoryTier:
         return store, load_dir, "durable", tag
 
     # ------------------------------------------------------------------ exit
-    def _persist_chain(self, mem: str, tag: str, store: Storage, save_dir: str, after: Optional[int] = None,
-                       timeout_s: float = 120.0) -> bool:
-        """At a clean exit, after its base: this rank's online deltas of the newest memory checkpoint
-        go to durable storage with it (so the job's last steps outlive its memory files), and a
-        marker says how that went.  On a node's lowest rank: whether every rank of the node copied
-        its part (it waits for their markers); only then may the memory files go."""
-        src = os.path.join(mem, tag)
-        if not os.path.isdir(deltas.deltas_dir(src)):
-            return True
-        outcome = b"ok"
-        try:
-            last = deltas.copy_chain(src, LOCAL, store.join(save_dir, tag), store, self.rank, fsync=self.fsync,
-                                     after=after)
-            if last is not None:
-                log.info("AdaCheck: rank %d's online deltas of %s are in %s up to step %d (at exit)", self.rank, tag,
-                         save_dir, last)
-        except Exception as e:  # noqa: BLE001 - the interpreter is exiting: the memory copy stays
-            outcome = b"failed"
-            log.warning("AdaCheck: at exit, rank %d's online deltas of %s could not be copied to %s (%s); they stay "
-                        "in the memory tier (%s)", self.rank, tag, save_dir, e, mem)
-        LOCAL.write_atomic(os.path.join(src, f"{CHAIN_COPIED}{self.rank:05d}"), outcome, fsync=False)
-        if not self.leads or self.nodes is None:
-            return outcome == b"ok"
-        markers = [os.path.join(src, f"{CHAIN_COPIED}{r:05d}") for r in NodeSpread(self.nodes, False).ranks_on(
-            self.nodes[self.rank])]
-        deadline = time.monotonic() + timeout_s
-        while not all(os.path.exists(m) for m in markers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        missing = [m for m in markers if not os.path.exists(m)]
-        failed = [m for m in markers if m not in missing and LOCAL.read_bytes(m) != b"ok"]
-        if missing or failed:
-            log.warning("AdaCheck: at exit, not every rank copied its online deltas of %s to %s (%d did not finish "
-                        "within %.0fs, %d failed); the memory tier keeps them (%s)", tag, save_dir, len(missing),
-                        timeout_s, len(failed), mem)
-            return False
-        return True
-
     def close(self) -> None:
         """At a clean exit: the copy in flight finishes, the newest memory checkpoint of each
         checkpoint directory is persisted if it was not, then (once committed) the job's memory
@@ -401,7 +365,8 @@ class MemoryTier:
                     done = False
             if done:
                 copied = chain.last if chain is not None and chain.src == os.path.join(mem, tag) else None
-                done = self._persist_chain(mem, tag, store, save_dir, after=copied)
+                done = persist_chain(self.rank, self.nodes if self.leads else None, self.fsync, mem, tag, store, save_dir,
+                                     after=copied)
             if done and self.leads and self.rank != 0:
                 # (another node's memory: it goes once rank 0 has committed the copy in durable storage)
                 deadline, dst = time.monotonic() + 120.0, store.join(save_dir, tag)

@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..storage import commit
 from ..online import deltas
@@ -18,6 +18,8 @@ from ..format.manifest_read import parse
 from ..plan.planner import file_name
 from ..storage.backends import LOCAL, Storage, copy_file
 from .location import PERSIST_TIMEOUT_S
+from .location import CHAIN_COPIED
+from .peers import NodeSpread
 
 log = logging.getLogger("adacheck")
 
@@ -232,3 +234,41 @@ class ChainCopy:
         self._ending.set()
         if wait:
             self._thread.join()
+
+
+def persist_chain(rank: int, nodes: Optional[Sequence[str]], fsync: bool, mem: str, tag: str, store: Storage,
+                  save_dir: str, after: Optional[int] = None, timeout_s: float = 120.0) -> bool:
+    """At a clean exit, after its base: this rank's online deltas of the newest memory checkpoint
+    go to durable storage with it (so the job's last steps outlive its memory files), and a
+    marker says how that went.  On a node's lowest rank: whether every rank of the node copied
+    its part (it waits for their markers); only then may the memory files go."""
+    src = os.path.join(mem, tag)
+    if not os.path.isdir(deltas.deltas_dir(src)):
+        return True
+    outcome = b"ok"
+    try:
+        last = deltas.copy_chain(src, LOCAL, store.join(save_dir, tag), store, rank, fsync=fsync,
+                                 after=after)
+        if last is not None:
+            log.info("AdaCheck: rank %d's online deltas of %s are in %s up to step %d (at exit)", rank, tag,
+                     save_dir, last)
+    except Exception as e:  # noqa: BLE001 - the interpreter is exiting: the memory copy stays
+        outcome = b"failed"
+        log.warning("AdaCheck: at exit, rank %d's online deltas of %s could not be copied to %s (%s); they stay "
+                    "in the memory tier (%s)", rank, tag, save_dir, e, mem)
+    LOCAL.write_atomic(os.path.join(src, f"{CHAIN_COPIED}{rank:05d}"), outcome, fsync=False)
+    if nodes is None:
+        return outcome == b"ok"
+    markers = [os.path.join(src, f"{CHAIN_COPIED}{r:05d}") for r in NodeSpread(nodes, False).ranks_on(
+        nodes[rank])]
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(m) for m in markers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    missing = [m for m in markers if not os.path.exists(m)]
+    failed = [m for m in markers if m not in missing and LOCAL.read_bytes(m) != b"ok"]
+    if missing or failed:
+        log.warning("AdaCheck: at exit, not every rank copied its online deltas of %s to %s (%d did not finish "
+                    "within %.0fs, %d failed); the memory tier keeps them (%s)", tag, save_dir, len(missing),
+                    timeout_s, len(failed), mem)
+        return False
+    return True
