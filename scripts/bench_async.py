@@ -177,7 +177,7 @@ def worker(a) -> None:
                     "stall_async_s": min(t[w]), "commit_async_s": min(commit[w]),
                     "async_over_native": min(t[w]) / min(t["native"]),
                     "step_busy_s": sorted(busy)[len(busy) // 2] if busy else None, "busy_steps": len(busy),
-                    "staging_bytes": job.checkpointer.staging.nbytes,
+                    "staging_bytes": job.checkpointer.background.staging.nbytes,
                     "rss_first_bytes": memory[0] if memory else None, "rss_last_bytes": memory[-1] if memory else None,
                     "rss_max_bytes": max(memory) if memory else None, "rss_bytes": memory}
                 job.checkpointer.close()     # (its writer process, if any, stops)
