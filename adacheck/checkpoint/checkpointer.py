@@ -178,8 +178,24 @@ class Checkpointer:
              apply: Callable[[object], object],
              how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
              undo: Optional[Callable[[], None]] = None, reads_objects_of: Sequence[int] = ()) -> LoadResult:
-        """Collectively load a checkpoint of ``load_dir`` (a path or URL): :meth:`Loader.load`; also
-        kept as ``last_loaded``."""
+        """Collectively load a checkpoint of ``load_dir``: :meth:`Loader.load` (what happens when
+        the checkpoint is damaged, and ``on_corrupt``); also kept as ``last_loaded``.
+
+        Args:
+            comm: the job's ranks (every rank calls this).
+            load_dir: the save directory (a path or an fsspec URL), or a checkpoint directory.
+            tag: the checkpoint to load; None: the one ``latest`` names.
+            read: stages this rank's part from the :class:`CheckpointReader`, changing no
+                training state.
+            apply: puts what ``read`` staged into the training state, once every rank staged.
+            how_to_load: ``(tag, manifest) -> str``, the framework's call or flag that loads a
+                given checkpoint, named in errors.
+            undo: takes back what staging had to touch, on every rank, when staging fails.
+            reads_objects_of: saving ranks whose objects ``read`` looks up besides its own.
+
+        Returns:
+            A :class:`LoadResult`.
+        """
         loaded = Loader(self.options, self.caches, self.locate, self.memory_tier).load(
             comm, load_dir, tag, read, apply, how_to_load, undo, reads_objects_of)
         self.last_loaded = loaded
@@ -216,14 +232,26 @@ class Checkpointer:
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
              update_latest: bool = True, recorder=None, persist: Optional[bool] = None,
              min_generation: int = 0) -> Manifest:
-        """Collectively write checkpoint ``tag`` under ``save_dir``; returns its manifest (its
-        ``stats`` also hold, in memory only, the exchange's cost and each step's seconds).
-        ``recorder``: the job's :class:`~adacheck.online.OnlineRecorder`, if it records: its
-        chain is made complete up to this step first, and a checkpoint committed into its
-        directory is the base the deltas of the next steps belong to.  ``persist`` (with the
-        memory tier): copy this one to ``save_dir`` now (True), never (False: a non-persistent
-        checkpoint), or every ``persist_interval``-th (None).  ``min_generation``: the lowest
-        generation its files may have (rank 0's counts)."""
+        """Collectively write checkpoint ``tag`` under ``save_dir``.  Nothing saved before is
+        touched until the new manifest is durable; a failure on any rank is raised on every rank.
+
+        Args:
+            comm: the job's ranks (every rank calls this).
+            save_dir: the save directory, a path or an fsspec URL.
+            tag: the checkpoint's name in it.
+            collect: returns this rank's :class:`LocalState`.
+            update_latest: point ``latest`` at it once committed.
+            recorder: the job's :class:`~adacheck.online.recorder.OnlineRecorder`, if it records:
+                its chain is made complete up to this step first, and a checkpoint committed into
+                its directory is the base the deltas of the next steps belong to.
+            persist: with the memory tier, copy this one to ``save_dir`` now (True), never
+                (False: a non-persistent checkpoint), or every ``persist_interval``-th (None).
+            min_generation: the lowest generation its files may have (rank 0's counts).
+
+        Returns:
+            Its manifest (its ``stats`` also hold, in memory only, the exchange's cost and each
+            step's seconds).
+        """
         lifecycle.register()
         started = time.perf_counter()
         holding = self.hold(comm, save_dir)

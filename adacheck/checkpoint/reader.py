@@ -422,10 +422,22 @@ class CheckpointReader:
 
     def read(self, name: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The elements of ``box`` (default: all) of logical tensor ``name``.
+        """The elements of ``box`` (default: all) of logical tensor ``name``, each stored box they
+        come from verified against its hash (``verify``), a derived tensor rebuilt from its source.
 
-        With ``out`` (box-shaped) they are written there, cast to its dtype, without an
-        intermediate copy; otherwise a new tensor (cast to ``dtype`` if given) is returned.
+        Args:
+            name: the logical tensor's name, as saved.
+            box: the region to read (default: the whole tensor); it must fit the saved shape.
+            dtype: the dtype of a new tensor (default: the saved one); ignored with ``out``.
+            out: a tensor of the box's shape to write into, cast to its dtype, without an
+                intermediate copy.
+
+        Returns:
+            ``out``, or a new tensor of the box's shape.
+
+        Raises:
+            FormatError: an unknown name, or a box outside the shape.
+            IntegrityError: stored bytes that do not match their hash.
         """
         e = self._entry_for(name, box)
         box = box if box is not None else Box.full(e.shape)
@@ -468,7 +480,18 @@ class CheckpointReader:
     def read_flat(self, name: str, start: int, stop: int, dtype: Optional[torch.dtype] = None,
                   out: Optional[torch.Tensor] = None, within: Optional[Box] = None) -> torch.Tensor:
         """Elements ``[start, stop)`` of the row-major flattened tensor, or of its box ``within``
-        (e.g. one tensor-parallel rank's slice) flattened on its own (into 1-D ``out`` if given)."""
+        (e.g. one tensor-parallel rank's slice) flattened on its own: a ZeRO partition's range.
+
+        Args:
+            name: the logical tensor's name.
+            start, stop: the range of flat element indices.
+            dtype: the dtype of a new tensor (default: the saved one).
+            out: a 1-D tensor of ``stop - start`` elements to write into.
+            within: the box whose own flattening the range indexes (default: the whole tensor).
+
+        Returns:
+            ``out``, or a new 1-D tensor.
+        """
         e = self.entry(name)
         if out is None:
             out = torch.empty(stop - start, dtype=dtype or torch_dtype(e.dtype))

@@ -80,8 +80,24 @@ def bytes_of(t) -> torch.Tensor:
 
 @dataclass
 class LocalShard:
-    """A box of a logical tensor held by this rank; ``tensor`` has shape ``box.lengths`` (a
-    torch tensor, or a Deferred one that is read when hashed and again when written)."""
+    """A box of a logical tensor held by this rank (what an integration reports, one per box).
+
+    Attributes:
+        name: the layout-free name (``model/...``, ``master/...``, ``optim/<state>/...``), the
+            same on every rank and in every parallel layout.
+        kind: one of :data:`adacheck.types.KINDS` ("model", "master", "optim", "buffer",
+            "object", "rng").
+        shape: the whole logical tensor's shape.
+        box: the region of it this rank holds.
+        tensor: the box's elements, of shape ``box.lengths`` (a torch tensor, or a
+            :class:`Deferred` one that is read when hashed and again when written).
+        derive: the name of a tensor this one may be a cast of (a bf16 weight of its fp32
+            master): not stored, but rebuilt from that one on load, when every holder proved
+            the cast and no replica diverged.
+        derive_ok: this rank proved the cast on the part of the source it can see.
+        replicated: declared: other holders of the same box hold the same bytes (a replica
+            whose hash differs is warned about, and every variant kept).
+    """
 
     name: str
     kind: str
@@ -95,6 +111,9 @@ class LocalShard:
 
 @dataclass
 class LocalState:
+    """All this rank holds for one save: its ``shards``, the job's ``objects`` (JSON-able trees
+    with tensors; rank 0's copy is saved), its own ``rank_objects`` (e.g. RNG states), its
+    ``layout`` and the ``framework`` description (kept in the manifest), and the training ``step``."""
     shards: List[LocalShard]
     objects: dict = field(default_factory=dict)       # global state; rank 0's copy is saved
     rank_objects: dict = field(default_factory=dict)  # this rank's own state (e.g. RNG)
