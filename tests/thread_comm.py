@@ -124,8 +124,8 @@ def run_ranks(size: int, fn: Callable[[ThreadComm], Any], timeout_s: float = 60.
     first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
                  next((e for e in errors if e is not None), None))
     if first is not None:
-        for r, e in enumerate(errors):
-            if e is not None and e is not first:
-                first.add_note(f"rank {r}: {type(e).__name__}: {e}")
+        others = [f"rank {r}: {type(e).__name__}: {e}" for r, e in enumerate(errors) if e is not None and e is not first]
+        if others and hasattr(first, "add_note"):      # (Python 3.11+)
+            first.add_note("\n".join(others))
         raise first
     return results
