@@ -10,12 +10,13 @@ from .errors import (AdaCheckError, ConfigError, DistributedError, FormatError, 
 
 __version__ = "0.1.0"
 __all__ = ["AdaCheckConfig", "AdaCheckError", "Box", "CheckpointReader", "Checkpointer", "ConfigError",
-           "DistributedError", "FormatError", "IntegrityError", "LoadResult", "LocalShard", "LocalState",
-           "NotFoundError", "Options", "StateError", "TagMismatchError", "load", "save"]
+           "DistributedError", "FormatError", "IntegrityError", "Kind", "LoadResult", "LocalShard", "LocalState",
+           "NotFoundError", "Options", "Restore", "StateError", "TagMismatchError", "load", "save"]
 
 _LAZY = {"CheckpointReader": "checkpoint", "Checkpointer": "checkpoint", "LoadResult": "checkpoint",
-         "LocalShard": "checkpoint", "LocalState": "checkpoint", "Options": "checkpoint", "load": "checkpoint",
-         "save": "checkpoint", "AdaCheckConfig": "config", "Box": "types"}
+         "Options": "checkpoint", "load": "checkpoint", "save": "checkpoint", "Kind": "integration",
+         "LocalShard": "integration", "LocalState": "integration", "Restore": "integration",
+         "AdaCheckConfig": "config", "Box": "types"}
 
 # torch has no upper bound in the requirements (a user's CUDA torch stays): a minor version the
 # tests did not run with is named here, once per process, for the core, the CLI and both

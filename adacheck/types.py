@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 import torch
@@ -32,8 +33,21 @@ DTYPES = {
 _BY_TORCH = {v[0]: k for k, v in DTYPES.items()}
 SAFETENSORS_CODE_TO_NAME = {v[1]: k for k, v in DTYPES.items()}
 
-# What a logical tensor is; used for reports and for derivation rules.
-KINDS = ("model", "master", "optim", "buffer", "object", "rng")
+class Kind(str, Enum):
+    """What a logical tensor is: reported per kind, and the rules of derivation depend on it.
+    A ``str`` too, so that it compares with and is written as its value ("model", ...)."""
+    MODEL = "model"      # a model weight as the framework runs it (may be derived from a master)
+    MASTER = "master"    # an optimizer's fp32 master weight
+    OPTIM = "optim"      # an optimizer state tensor (``exp_avg``, ...)
+    BUFFER = "buffer"    # a module buffer
+    OBJECT = "object"    # a tensor inside a saved object tree
+    RNG = "rng"          # a random number generator's state
+
+    def __str__(self) -> str:
+        return self.value
+
+
+KINDS = tuple(k.value for k in Kind)
 
 
 def dtype_name(dt: torch.dtype) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from adacheck.cli.convert import Converter
+from adacheck.integration import Converter
 
 from . import native
 

@@ -13,7 +13,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger as ds_logger
 
 import adacheck
-from adacheck import checkpoint as core
+from adacheck import checkpoint as core, jobs
+from adacheck.integration import LocalState, Restore
 from adacheck.format import jsontree
 from adacheck.checkpoint import lifecycle
 from adacheck.storage import pointer
@@ -125,6 +126,34 @@ def _latest_universal(load_dir: str) -> Optional[str]:
         return f.read().strip() or None
 
 
+class _Load(Restore):
+    """One ``engine.load_checkpoint`` of an AdaCheck checkpoint: every rank stages its part of the
+    engine's state (``read``), then applies it with the counters, scheduler, loss scaler and RNG
+    state (``apply``), as the load's arguments ask."""
+
+    def __init__(self, ada, load_dir: str, want_optim: bool, strict: bool, module_only: bool,
+                 with_scheduler: bool, everywhere):
+        self.ada, self.load_dir, self.want_optim, self.strict = ada, load_dir, want_optim, strict
+        self.module_only, self.with_scheduler, self.everywhere = module_only, with_scheduler, everywhere
+
+    def read(self, reader) -> Staged:
+        e = self.ada.engine
+        return stage_load(e, reader, self.want_optim, self.strict, default_comm().rank, self.everywhere)
+
+    def apply(self, st: Staged) -> Objects:
+        e = self.ada.engine
+        with checkpoint_event(e.optimizer):
+            apply_load(e, st)
+        if not self.module_only:
+            self.ada.apply_scalars(st.objects, self.with_scheduler)
+            if st.rank_objects is not None:
+                set_rng_state(st.rank_objects.rng)
+        return st.objects
+
+    def how_to_load(self, tag: str, manifest) -> str:
+        return f"engine.load_checkpoint({self.load_dir!r}, tag={tag!r})"
+
+
 class AdaCheckDeepSpeed:
     """The AdaCheck checkpointer attached to one engine (``engine.adacheck``)."""
 
@@ -132,7 +161,7 @@ class AdaCheckDeepSpeed:
         refuse_engine(engine)   # (at deepspeed.initialize, not at the first save)
         self.engine = engine
         self.config = config
-        self.checkpointer = core.Checkpointer(options=core.Options.from_config(config))   # this engine's job
+        self.checkpointer = jobs.checkpointer(core.Options.from_config(config))   # this engine's job
         self.checkpointer.on_saved = self._said
         lifecycle.register()      # writers closed and gloo settled when the script ends
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
@@ -164,10 +193,10 @@ class AdaCheckDeepSpeed:
 
     def _finish_and_destroy(self, *args, **kwargs):
         self.finish()
-        if self.checkpointer.tiered is not None:
+        if self.checkpointer.has_tiers:
             if self.online is not None:
                 self.online.flush()       # (its last steps go to durable storage with their base)
-            self.checkpointer.tiered.close()
+            self.checkpointer.tier.close()
         if self.online is not None:
             self.online.close()
         setattr(self.engine, self._stepper, self._step)
@@ -268,7 +297,7 @@ class AdaCheckDeepSpeed:
         if self.online is not None and lay.wrapper.flat_partitions:
             # what this rank's partitions are made of: its deltas replay on another DP size too
             rank_objects.partitions = partition_map(lay, self.online.tap.key_of)
-        return core.LocalState(shards=shards, objects=objects.tree(), rank_objects=rank_objects.tree(),
+        return LocalState(shards=shards, objects=objects.tree(), rank_objects=rank_objects.tree(),
                                layout=layout, framework=framework, step=int(e.global_steps))
 
     def _model_spec(self, lay) -> SavedModel:
@@ -363,26 +392,14 @@ class AdaCheckDeepSpeed:
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)
         want_optim = load_optimizer_states and not load_module_only
-
-        def apply(st: Staged) -> Objects:
-            with checkpoint_event(e.optimizer):
-                apply_load(e, st)
-            if not load_module_only:
-                self.apply_scalars(st.objects, load_lr_scheduler_states)
-                if st.rank_objects is not None:
-                    set_rng_state(st.rank_objects.rng)
-            return st.objects
-
         # a checkpoint holds every pipeline stage's and every expert's tensors: those other ranks hold
         # are expected
         everywhere = None
         if comm.world_size > 1:
             every = comm.all_gather_object(module_names(e))
             everywhere = (set().union(*(p for p, _ in every)), set().union(*(b for _, b in every)))
-        loaded = self.checkpointer.load(
-            comm, load_dir, tag, lambda r: stage_load(e, r, want_optim, load_module_strict, comm.rank, everywhere),
-            apply,
-            how_to_load=lambda t, m: f"engine.load_checkpoint({load_dir!r}, tag={t!r})")
+        loaded = self.checkpointer.load(comm, load_dir, tag, _Load(
+            self, load_dir, want_optim, load_module_strict, load_module_only, load_lr_scheduler_states, everywhere))
         ckpt_dir, objects = loaded.ckpt_dir, loaded.result
         replay = None
         if want_optim and load_lr_scheduler_states:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from adacheck import integration
 from adacheck.online import recorder as online, recovery
 from adacheck.errors import ConfigError
 from adacheck.plan.exchange import default_comm
@@ -101,7 +102,7 @@ class Replay:
         self.saved_optimizer = saved_optimizer   # the base optimizer's class that recorded (None: not known)
         self.saving_world = 0
 
-    def plan(self, manifest) -> recovery.ReplayPlan:
+    def plan(self, manifest) -> integration.ReplayPlan:
         lay, comm, fw = self.lay, self.comm, manifest.framework
         world = self.saving_world = int(manifest.topology.get("world_size", 1))
         mine = class_path(lay.base_optimizer)
@@ -112,15 +113,15 @@ class Replay:
         if (fw.get("zero_stage"), fw.get("optimizer"), int(fw.get("tp_world_size", 1)),
                 int(fw.get("pp_world_size", 1))) != (lay.stage, lay.wrapper.name, lay.tp[1], pp) \
                 or self.saved_optimizer not in (None, mine):
-            return recovery.ReplayPlan(same, refused=(
+            return integration.ReplayPlan(same, refused=(
                 f"they were recorded by ZeRO-{fw.get('zero_stage')}/{fw.get('optimizer')} with "
                 f"{self.saved_optimizer or 'its optimizer'} (TP={fw.get('tp_world_size', 1)}, "
                 f"PP={fw.get('pp_world_size', 1)}), which this ZeRO-{lay.stage}/{lay.wrapper.name} engine "
                 f"with {mine} (TP={lay.tp[1]}, PP={pp}) is not"))
         if same:
-            return recovery.ReplayPlan(True)
+            return integration.ReplayPlan(True)
         if getattr(self.engine, "has_moe_layers", False):
-            return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks with DeepSpeed-MoE "
+            return integration.ReplayPlan(False, refused=f"they were recorded on {world} ranks with DeepSpeed-MoE "
                                                       "experts, which replay only on as many ranks")
         saved = manifest.layout.get("ranks", [])
         # the saving rank at this tensor-parallel rank whose record of the last step this rank restores
@@ -129,32 +130,32 @@ class Replay:
         if lay.wrapper.replicated:
             # every rank of a replicated optimizer (ZeRO-0) applies the same full gradients: its
             # deltas replay on any data-parallel size
-            return recovery.ReplayPlan(False, record_rank=follow)
+            return integration.ReplayPlan(False, record_rank=follow)
         # those of flat partitions (ZeRO 1-3, the BF16 optimizer) on the saving ranks' partitions
         # rebuilt here, from bases that record them
         maps = [RankObjects.of(ro, f"rank {r}'s objects of the base").partitions if ro else None
                 for r, ro in enumerate(manifest.rank_objects)]
         if lay.wrapper.flat_partitions and maps and all(m is not None for m in maps):
-            return recovery.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps, follow))
-        return recovery.ReplayPlan(False, refused=f"they were recorded on {world} ranks and replay on another number "
+            return integration.ReplayPlan(False, partitions=lambda: self._partitions(saved, maps, follow))
+        return integration.ReplayPlan(False, refused=f"they were recorded on {world} ranks and replay on another number "
                                                   "of data-parallel ranks only from a base saved by this version")
 
     def tap(self) -> OptimizerTap:
         return _tap(self.engine)[1]
 
-    def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
+    def restore(self, last: dict, plan: integration.ReplayPlan) -> None:
         self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
         self.ac.apply_scalars(StepScalars.of(last, "the last delta record"))
         if self.comm.rank < self.saving_world:   # (as the base load: a rank the saving job did not have keeps its RNG)
             set_rng_state(last["rank_state"])
 
-    def _partitions(self, saved: list, maps: list, follow: Optional[int]) -> recovery.Partitions:
+    def _partitions(self, saved: list, maps: list, follow: Optional[int]) -> integration.Partitions:
         """The saving ranks' flat partitions (ZeRO 1-3, the BF16 optimizer) at this rank's
         tensor-parallel rank, rebuilt from the base: master weights and optimizer state."""
         lay = self.lay
         opt = lay.base_optimizer
         dev = lay.frags[0].base_param.device if lay.frags else torch.device("cpu")
-        saving = {r: {k: [recovery.Span(*p) for p in v["pieces"]] for k, v in pm.items()}
+        saving = {r: {k: [integration.Span(*p) for p in v["pieces"]] for k, v in pm.items()}
                   for r, pm in enumerate(maps) if saved[r].get("tp_rank", 0) == lay.tp[0]}
 
         def rebuild(reader, r: int) -> Shadow:
@@ -179,8 +180,8 @@ class Replay:
                 else:                       # (every saving rank has the same step count)
                     live[name] = v.clone() if torch.is_tensor(v) else v
 
-        held = [(recovery.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
-        return recovery.Partitions(saving, held, rebuild, put, follow)
+        held = [(integration.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]
+        return integration.Partitions(saving, held, rebuild, put, follow)
 
 
 def _as_live(opt, name: str, v):

@@ -20,10 +20,10 @@ from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_mo
                                  bwc_tensor_model_parallel_world_size)
 
 from adacheck.format.boxes import flat_views
-from adacheck.checkpoint import CheckpointReader, LocalShard
+from adacheck.checkpoint import CheckpointReader
+from adacheck.integration import Kind, LocalShard, Span
 from adacheck.errors import ConfigError, StateError
 from adacheck.format.hashing import same_bytes
-from adacheck.online.recovery import Span
 from adacheck.types import Box, torch_dtype
 
 from .saved import Objects, RankObjects
@@ -266,14 +266,14 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
             continue
         if has_master:
             for b, t in flat_views(origin, f.start, f.master):
-                shards.append(LocalShard(f"master/{f.name}", "master", shape, b, t,
+                shards.append(LocalShard(f"master/{f.name}", Kind.MASTER, shape, b, t,
                                          replicated=f.name in tp_copy))
         state = lay.base_optimizer.state.get(f.base_param, {}) if lay.base_optimizer else {}
         for key, v in state.items():
             if isinstance(v, torch.Tensor) and v.numel() == f.base_param.numel() and v.dim() >= 1:
                 view = v.detach().view(-1).narrow(0, f.offset, f.numel)
                 for b, t in flat_views(origin, f.start, view):
-                    shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", shape, b, t,
+                    shards.append(LocalShard(f"optim/{key}/{f.name}", Kind.OPTIM, shape, b, t,
                                              replicated=lay.wrapper.optim_replicated(f.name, tp_copy)))
             else:
                 t = _state_tensor(v)
@@ -288,7 +288,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
                                      "tensor the optimizer steps; AdaCheck cannot tell whether it is "
                                      "per element or one value for the whole tensor")
                 # a scalar or a small tensor of its own (a step count): whole, with each parameter
-                shards.append(LocalShard(f"optim/{key}/{f.name}", "optim", tuple(t.shape), Box.full(t.shape), t))
+                shards.append(LocalShard(f"optim/{key}/{f.name}", Kind.OPTIM, tuple(t.shape), Box.full(t.shape), t))
     for n, (start, view) in lay.lp_views.items():
         shape, origin = lay.origin[n]
         derive = f"master/{n}" if (has_master and n in lay.trained) else None
@@ -296,11 +296,11 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
         if not has_master and n in lay.trained and view.dtype != torch.float32:
             raise StateError(f"{n} is {view.dtype} without fp32 master weights; unsupported layout")
         for b, t in flat_views(origin, start, view):
-            shards.append(LocalShard(f"model/{n}", "model", shape, b, t, derive=derive, derive_ok=ok,
+            shards.append(LocalShard(f"model/{n}", Kind.MODEL, shape, b, t, derive=derive, derive_ok=ok,
                                      replicated=lay.wrapper.model_replicated(n, tp_copy)))
     for n, buf in named(engine, buffers=True):
         if buf is not None:
-            shards.append(LocalShard(f"buffer/{n}", "buffer", tuple(buf.shape), Box.full(buf.shape),
+            shards.append(LocalShard(f"buffer/{n}", Kind.BUFFER, tuple(buf.shape), Box.full(buf.shape),
                                      buf.detach()))
     return shards
 

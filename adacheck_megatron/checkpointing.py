@@ -39,7 +39,8 @@ except ModuleNotFoundError as e:
     raise not_installed(e, "megatron", "megatron-core", "megatron") from None
 
 import adacheck
-from adacheck import checkpoint as core
+from adacheck import checkpoint as core, jobs
+from adacheck.integration import LocalState, Restore
 from adacheck.online import recovery
 from adacheck.cli.convert import refuse_existing
 from adacheck.storage.backends import is_url
@@ -72,12 +73,12 @@ def online_of(optimizer):
 def checkpointer(optimizer, config: AdaCheckConfig) -> core.Checkpointer:
     """This job's Checkpointer (its caches, its asynchronous save in flight) with the options of
     ``config``: kept on its optimizer, not on args, which Megatron-LM pickles into its checkpoints."""
-    return core.Checkpointer.kept_on(optimizer, core.Options.from_config(config))
+    return jobs.kept_on(optimizer, core.Options.from_config(config))
 
 
 def poll_async_save(optimizer, update_successful: bool = True) -> None:
     """Post-step hook: report this job's asynchronous save once it has committed (cheap)."""
-    job = core.Checkpointer.kept(optimizer)
+    job = jobs.kept(optimizer)
     if job is not None:
         job.poll()
 
@@ -152,7 +153,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         if distopt is not None and on is not None:
             # what this rank's shards are: its deltas replay on another data-parallel size too
             rank_objects.partitions = distopt_partition_map(optimizer, sd, on.tap.key_of)
-        return core.LocalState(
+        return LocalState(
             shards=shards, objects=objects.tree(),
             rank_objects=rank_objects.tree(),
             layout=topo, framework=framework, step=int(iteration))
@@ -213,12 +214,6 @@ def native_checkpoint(load_dir: Optional[str]) -> Optional[str]:
     return tracked_checkpoint(load_dir)
 
 
-def _how_to_load(tag: str, manifest) -> str:
-    """How a Megatron-LM user loads checkpoint ``tag`` (error messages)."""
-    return (f"--ckpt-step {manifest.step} (load_checkpoint(..., iteration={manifest.step}))"
-            if manifest.step is not None else f"load_checkpoint(..., tag={tag!r})")
-
-
 @dataclass
 class Staged:
     """What a load read on this rank, before anything is applied."""
@@ -231,7 +226,7 @@ class Staged:
     mains: Optional[list]              # the main-weight shards alone (a load of the weights only)
 
 
-class _Load:
+class _Load(Restore):
     """One load into this job's model, optimizer and scheduler: what each rank reads before anything
     is applied (``read``), applies (``apply``), and takes back when any rank failed (``undo``).
     Honours ``--no-load-optim``, ``--no-load-rng`` and ``--finetune`` (weights only)."""
@@ -239,6 +234,8 @@ class _Load:
     def __init__(self, model, optimizer, opt_param_scheduler, args, strict: bool, comm):
         self.model, self.optimizer, self.scheduler, self.args, self.strict, self.comm = (
             model, optimizer, opt_param_scheduler, args, strict, comm)
+        # ShardedObjects whose main replica another rank saved
+        self.reads_objects_of = main_replica_ranks()
         finetune = bool(getattr(args, "finetune", False))
         self.load_optim = not finetune and not getattr(args, "no_load_optim", False)
         self.load_rng = not finetune and not getattr(args, "no_load_rng", False)
@@ -249,6 +246,11 @@ class _Load:
                       if getattr(o, "optimizer", None) is not None] if optimizer is not None else []
         self.empty = [[p for p, st in o.state.items() if not st] + [p for g in o.param_groups for p in g["params"]
                                                                     if p not in o.state] for o in self.inner]
+
+    def how_to_load(self, tag: str, manifest) -> str:
+        """How a Megatron-LM user loads checkpoint ``tag`` (error messages)."""
+        return (f"--ckpt-step {manifest.step} (load_checkpoint(..., iteration={manifest.step}))"
+                if manifest.step is not None else f"load_checkpoint(..., tag={tag!r})")
 
     def undo(self) -> None:
         for o, params in zip(self.inner, self.empty):
@@ -356,8 +358,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     comm = parallel.comm()
     t0 = time.perf_counter()
     loading = _Load(model, optimizer, opt_param_scheduler, args, strict, comm)
-    loaded = job.load(comm, load_dir, tag, loading.read, loading.apply, how_to_load=_how_to_load,
-                      undo=loading.undo, reads_objects_of=main_replica_ranks())
+    loaded = job.load(comm, load_dir, tag, loading)
     ckpt_dir, objects = loaded.ckpt_dir, loaded.result
     iteration = 0 if finetune else objects.iteration
     on = online_of(optimizer)

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from adacheck import checkpoint as core
+from adacheck.integration import Kind, LocalShard, LocalState
 from adacheck.format import jsontree
 from adacheck.cli.convert import output_dir
 from adacheck.errors import ConfigError, StateError
@@ -230,7 +231,7 @@ def _deferred_shards(src: str, meta: dict, progress: Optional[Callable[[int, int
     for name in sorted(key_of):
         shape = tuple(meta[key_of[name]].global_shape)
         kind = kind_of(name)
-        master = MASTER_PREFIX + name if kind == "model" and MASTER_PREFIX + name in key_of else None
+        master = MASTER_PREFIX + name if kind is Kind.MODEL and MASTER_PREFIX + name in key_of else None
         plan.append((name, shape, kind, master,
                      master is not None and tuple(meta[key_of[master]].global_shape) == shape))
     # reads: each tensor to hash it and again to write it, and each compared pair once
@@ -241,7 +242,7 @@ def _deferred_shards(src: str, meta: dict, progress: Optional[Callable[[int, int
         if compare:   # is the weight its master cast down? (then only the master is stored)
             t = source.get(key_of[name])
             ok = bool(torch.equal(read(key_of[master]).to(t.dtype), t))
-        shards.append(core.LocalShard(name, kind, shape, Box.full(shape),
+        shards.append(LocalShard(name, kind, shape, Box.full(shape),
                                       source.tensor(key_of[name], shape, meta[key_of[name]].dtype),
                                       derive=master, derive_ok=ok))
     total[0] -= sum(sh.derive_ok for sh in shards)   # a weight that is its master cast is not written
@@ -279,7 +280,7 @@ def from_torch_dist(src: str, save_dir: str, progress: Optional[Callable[[int, i
     framework = {"name": "megatron", "megatron_core": megatron.core.__version__, "torch": torch.__version__,
                  "converted_from": os.path.abspath(src), "distributed_optimizer": distopt is not None,
                  "layout": {}, "names": {"model": "", "master": MASTER_PREFIX}}
-    state = core.LocalState(shards=shards, objects=objects.tree(),
+    state = LocalState(shards=shards, objects=objects.tree(),
                             rank_objects=RankObjects(sharded_objects=sharded_objects).tree(),
                             layout={}, framework=framework, step=iteration)
     try:   # the save reads each tensor from src when it hashes it and again when it writes it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from adacheck.cli.convert import Converter
+from adacheck.integration import Converter
 
 
 class TorchDist(Converter):

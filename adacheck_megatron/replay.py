@@ -16,6 +16,7 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 
+from adacheck import integration
 from adacheck.online import recovery
 from adacheck.errors import StateError
 from adacheck.online.optimtap import OptimizerTap, Shadow
@@ -103,12 +104,12 @@ class Replay:
         self.comm, self.model, self.optimizer, self.scheduler = comm, model, optimizer, opt_param_scheduler
         self.objects = objects        # the base's (loaded)
 
-    def plan(self, manifest) -> recovery.ReplayPlan:
+    def plan(self, manifest) -> integration.ReplayPlan:
         saved = manifest.layout.get("ranks", [])
         topo = topology()
         world = int(manifest.topology.get("world_size", 1))
         if is_same_layout(saved, topo, self.comm.world_size, self.comm.rank):
-            return recovery.ReplayPlan(True)
+            return integration.ReplayPlan(True)
         only_dp = bool(saved) and all(saved[0].get(k) == topo[k] for k in SIZES if k != "dp")
         maps = [RankObjects.of(ro, f"rank {r}'s objects of the base").partitions if ro else None
                 for r, ro in enumerate(manifest.rank_objects)]
@@ -116,15 +117,15 @@ class Replay:
             # every data-parallel rank ran the same optimizer on the same gradients
             follow = recovery.follow_rank(saved, topo, COORDS) if only_dp else None
             if follow is not None:
-                return recovery.ReplayPlan(False, record_rank=follow)
+                return integration.ReplayPlan(False, record_rank=follow)
         elif only_dp and all(m is not None for m in maps) and (
                 topo["ep"] == 1 or (all("expert" in v for m in maps for v in m.values())
                                     and (topo["etp"] == 1 or all("etp_rank" in s for s in saved)))):
             # distributed optimizer on another data-parallel size: shards rebuilt from the base
             # (with expert parallelism: from bases that say which shards are experts' and, with
             # expert tensor parallelism, each saving rank's expert-TP rank)
-            return recovery.ReplayPlan(False, partitions=lambda: self._shards(manifest, maps))
-        return recovery.ReplayPlan(False, refused=(
+            return integration.ReplayPlan(False, partitions=lambda: self._shards(manifest, maps))
+        return integration.ReplayPlan(False, refused=(
             f"they were recorded in another layout ({layout_name(saved[0]) if saved else '?'} on {world} ranks) and "
             "replay only in it or on another number of data-parallel ranks (with the distributed optimizer: from "
             "a base saved by this version; with expert parallelism and expert tensor parallelism > 1, from a base "
@@ -136,7 +137,7 @@ class Replay:
     def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
         preclip(key, grad, args)
 
-    def restore(self, last: dict, plan: recovery.ReplayPlan) -> None:
+    def restore(self, last: dict, plan: integration.ReplayPlan) -> None:
         _refresh_model_params(self.optimizer)
         scalars = StepScalars.of(last, "the last delta record")
         set_grad_scalers(self.optimizer, scalars.grad_scalers)
@@ -147,7 +148,7 @@ class Replay:
         if plan.same_layout:   # (as the base load: RNG states belong to the saving layout)
             set_rank_state(last["rank_state"])
 
-    def _shards(self, manifest, maps: list) -> recovery.Partitions:
+    def _shards(self, manifest, maps: list) -> integration.Partitions:
         """The distributed optimizer's shards of the saving ranks that held the same replicas as
         this rank, rebuilt from the base: main weights and optimizer state."""
         model, optimizer = self.model, self.optimizer
@@ -156,7 +157,7 @@ class Replay:
         subs = distributed_optimizers(optimizer)
         by_param = param_to_sharded(sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=False))
         metas = {param_ident(m): m for m in by_param.values()}
-        held = [(recovery.Span((oi, param_ident(model_meta(by_param, model_param))), a, b - a, 0),
+        held = [(integration.Span((oi, param_ident(model_meta(by_param, model_param))), a, b - a, 0),
                  (oi, model_param)) for oi, opt in enumerate(subs) for model_param, a, b in local_ranges(opt)]
         # the saving ranks that held the same replicas: for dense parameters those at this rank's
         # tensor / pipeline / context-parallel ranks (over every expert-parallel rank: the dense
@@ -208,11 +209,11 @@ class Replay:
             if "step" in st:
                 subs[oi].optimizer.state[live["param"]]["step"] = st["step"].clone()
 
-        return recovery.Partitions(saving, held, rebuild, put, min(saving, default=0))
+        return integration.Partitions(saving, held, rebuild, put, min(saving, default=0))
 
 
-def _shard_span(v: dict) -> recovery.Span:
+def _shard_span(v: dict) -> integration.Span:
     """A saved shard (``state.distopt_partition_map``: one range of one parameter), named by its
     optimizer and parameter."""
     (name, start, numel, offset), = v["pieces"]
-    return recovery.Span((int(v["optimizer"]), name), start, numel, offset)
+    return integration.Span((int(v["optimizer"]), name), start, numel, offset)

@@ -25,7 +25,8 @@ import torch
 
 from adacheck.format import jsontree
 from adacheck.format.boxes import flat_pieces
-from adacheck.checkpoint import CheckpointReader, LocalShard, RankObjectLookup
+from adacheck.checkpoint import CheckpointReader, RankObjectLookup
+from adacheck.integration import Kind, LocalShard
 from adacheck.errors import StateError
 from adacheck.format.hashing import same_bytes
 from adacheck.types import Box
@@ -41,12 +42,12 @@ from .saved import RankObjects
 MASTER_PREFIX = "optimizer.state.fp32_param."
 
 
-def kind_of(key: str) -> str:
+def kind_of(key: str) -> Kind:
     if key.startswith(MASTER_PREFIX):
-        return "master"
+        return Kind.MASTER
     if key.startswith("optimizer."):
-        return "optim"
-    return "model"
+        return Kind.OPTIM
+    return Kind.MODEL
 
 
 def _global_box(st: ShardedTensor) -> Box:
@@ -105,7 +106,7 @@ def describe(sharded_state_dict: dict) -> Tuple[List[LocalShard], Dict[str, obje
         flat = data.reshape(-1)
         kind = kind_of(st.key)
         derive = None
-        if kind == "model" and data.dtype in (torch.bfloat16, torch.float16):
+        if kind is Kind.MODEL and data.dtype in (torch.bfloat16, torch.float16):
             derive = MASTER_PREFIX + st.key
         for box, rng in _pieces(st):
             t = flat[rng].view(box.lengths)

@@ -53,7 +53,7 @@ def worker(a) -> None:
 
     import adacheck_ds
     from adacheck.config import AdaCheckConfig
-    from adacheck.storage import commit
+    from adacheck.storage import manifest_files
     from adacheck.storage.backends import LOCAL
     from adacheck.tiers import NodeSpread, memory_location, own_files
 
@@ -107,7 +107,7 @@ def worker(a) -> None:
                         tiered_async.finish()       # (its memory copy committed before the next is timed)
             quiet = [timed(step) for _ in range(a.steps)]
             # one background copy of the newest memory checkpoint to the checkpoint directory
-            tier = tiered.checkpointer.memory_tier()
+            tier = tiered.checkpointer.tier
             key = next(iter(tier.newest))
             dist.barrier()
             t0 = time.perf_counter()
@@ -132,7 +132,7 @@ def worker(a) -> None:
             peer_bytes, load_peer = 0, []
             if peer:
                 mem = memory_location(LOCAL, ck_tier)
-                m = commit.read_manifest(os.path.join(mem, tag))
+                m = manifest_files.read_manifest(os.path.join(mem, tag))
                 peer_bytes = sum(m.files[f]["nbytes"] for f, _, _ in NodeSpread(tier.nodes, True).peer_moves(m.files))
                 if m.index is not None:     # (in parts: each rank's part and rank file go too, and rank 0's meta file)
                     senders = [w for w in range(len(tier.nodes)) if NodeSpread(tier.nodes, True).partner(w) is not None]
@@ -161,7 +161,7 @@ def worker(a) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             tier.newest.clear()        # (nothing to persist at exit: the benchmark's copies are removed)
-            tiered_async.checkpointer.memory_tier().newest.clear()
+            tiered_async.checkpointer.tier.newest.clear()
             tiered_async.checkpointer.close()
             dist.barrier()
             if rank == 0:

@@ -269,7 +269,7 @@ def digests(e):
 
 
 class InMemory:
-    """Part files held in memory, read whole or by range as commit.PartFiles reads them from disk."""
+    """Part files held in memory, read whole or by range as manifest_files.PartFiles reads them from disk."""
 
     def __init__(self, files: dict):
         self.files = files

@@ -19,7 +19,8 @@ def main():
     logging.basicConfig(level=logging.WARNING)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group(spec.get("backend", "gloo"), init_method=f"file://{spec['store']}", rank=rank, world_size=world)
-    from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState
+    from adacheck.checkpoint import CheckpointReader, Checkpointer
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.plan.exchange import default_comm
     from adacheck.types import Box
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))

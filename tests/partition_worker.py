@@ -67,7 +67,8 @@ def main():
     spec, out = json.load(open(sys.argv[1])), sys.argv[2]
     rank = int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo")
-    from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options
+    from adacheck.checkpoint import CheckpointReader, Checkpointer, Options
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.errors import AdaCheckError
     from adacheck.plan.exchange import default_comm
     from adacheck.types import Box

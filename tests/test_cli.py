@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from adacheck import __version__
-from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+from adacheck.checkpoint import Checkpointer, Options
+from adacheck.integration import LocalShard, LocalState
 from adacheck.cli import _size, main
 from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box

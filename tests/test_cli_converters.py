@@ -9,7 +9,8 @@ import pytest
 
 from launch import ROOT
 
-from adacheck.cli.convert import Converter, converter, registered
+from adacheck.cli.convert import converter, registered
+from adacheck.integration import Converter
 from adacheck.errors import ConfigError
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from adacheck.storage import commit
-from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options, verify_part
+from adacheck.storage import manifest_files
+from adacheck.checkpoint import CheckpointReader, Checkpointer, Options, verify_part
+from adacheck.integration import LocalShard, LocalState, Restore
 from adacheck.format.compression import ENCODING_KEY, ZSTD_PLANES, planes, unplanes
 from adacheck.errors import ConfigError, IntegrityError
 from adacheck.plan.exchange import SoloComm
@@ -56,7 +57,7 @@ def test_compressed_checkpoint_has_the_same_manifest_and_values(tmp_path):
     plain, packed = str(tmp_path / "plain"), str(tmp_path / "zstd")
     save(plain, None)
     values = save(packed, "zstd")
-    mp, mz = commit.read_manifest(f"{plain}/s2"), commit.read_manifest(f"{packed}/s2")
+    mp, mz = manifest_files.read_manifest(f"{plain}/s2"), manifest_files.read_manifest(f"{packed}/s2")
     assert mp.format_version == 2 and mz.format_version == 3
     assert mp.tensors == mz.tensors          # the same boxes, hashes (uncompressed bytes) and references
     assert any("/" in b.file for b in mz.tensors["model/frozen"].boxes)   # referenced in s1, as without
@@ -64,7 +65,7 @@ def test_compressed_checkpoint_has_the_same_manifest_and_values(tmp_path):
     with safe_open(f"{packed}/s2/{fname}", "pt") as f:     # a safetensors file safetensors reads
         assert f.metadata()[ENCODING_KEY] == ZSTD_PLANES
         assert all(f.get_slice(k).get_dtype() == "U8" for k in f.keys())
-    size = {d: sum(i["nbytes"] for i in commit.read_manifest(f"{d}/s1").files.values()) for d in (plain, packed)}
+    size = {d: sum(i["nbytes"] for i in manifest_files.read_manifest(f"{d}/s1").files.values()) for d in (plain, packed)}
     assert size[packed] < size[plain]
     master, moment, frozen = values[2]
     r = CheckpointReader(f"{packed}/s2")
@@ -74,14 +75,14 @@ def test_compressed_checkpoint_has_the_same_manifest_and_values(tmp_path):
     assert verify_part(CheckpointReader(f"{packed}/s2")) > 0
     # an uncompressed job goes on from a compressed checkpoint (and references its boxes)
     job = Checkpointer()
-    got = job.load(SoloComm(), packed, None, lambda r: r.read("master/w"), lambda t: t)
+    got = job.load(SoloComm(), packed, None, Restore.of(lambda r: r.read("master/w")))
     assert torch.equal(got.result, master)
 
 
 def test_damage_in_a_compressed_box_is_found(tmp_path):
     root = str(tmp_path / "zstd")
     save(root, "zstd", steps=(1,))
-    m = commit.read_manifest(f"{root}/s1")
+    m = manifest_files.read_manifest(f"{root}/s1")
     path = f"{root}/s1/{next(iter(m.files))}"
     data = bytearray(open(path, "rb").read())
     header = 8 + int.from_bytes(data[:8], "little")

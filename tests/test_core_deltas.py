@@ -461,7 +461,8 @@ def test_spare_delta_files_are_written_over_unless_a_reader_holds_them(tmp_path)
     (a copy to durable storage that fell behind) still holds; a file given away as a spare can no
     longer be read as the old one.  The oracle is safetensors' own loader."""
     from safetensors.torch import load_file
-    from adacheck.format.writer import DirectFileWriter, SpareFiles, write_safetensors
+    from adacheck.format.writer import write_safetensors
+    from adacheck.storage.direct import DirectFileWriter, SpareFiles
     old, new = str(tmp_path / "old.safetensors"), str(tmp_path / "new.safetensors")
     a = torch.arange(600_000, dtype=torch.float32)
     write_safetensors(old, {"g": a}, fsync=False)

@@ -13,8 +13,8 @@ from adacheck.online import deltas
 
 from adacheck.online import deltalog
 from adacheck.format.boxes import flat_range_to_boxes
-from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, LocalShard, LocalState, load,
-                                 Options, resolve, save)
+from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, load, Options, resolve, save)
+from adacheck.integration import LocalShard, LocalState
 from adacheck.format.manifest import checksum, shard_file_of, writer_of
 from adacheck.plan.planner import file_name
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
@@ -483,7 +483,8 @@ def test_direct_writer_writes_the_bytes_of_the_buffered_writer(tmp_path, where):
     direct writer aligns it: on a 4 KiB block from 1 MiB of tensors on), on a disk filesystem and
     on /dev/shm (tmpfs: O_DIRECT is refused or taken, depending on the kernel; the writer keeps
     working either way), with fsync on and off, and the buffer is reused."""
-    from adacheck.format.writer import DirectFileWriter, data_alignment, write_safetensors
+    from adacheck.format.writer import data_alignment, write_safetensors
+    from adacheck.storage.direct import DirectFileWriter
     d = tmp_path if where == "tmp" else "/dev/shm"
     if not os.path.isdir(d):
         pytest.skip("no /dev/shm")

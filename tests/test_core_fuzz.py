@@ -21,7 +21,8 @@ import warnings
 import torch
 
 from adacheck.format.boxes import flat_range_to_boxes
-from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, save
+from adacheck.checkpoint import CheckpointReader, save
+from adacheck.integration import LocalShard, LocalState
 from adacheck.errors import AdaCheckError
 from adacheck.plan.exchange import SoloComm
 from adacheck.format.manifest import checksum

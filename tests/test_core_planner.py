@@ -238,7 +238,8 @@ def test_auto_exchange_is_the_ring_below_32_ranks_and_partitioned_from_there(tmp
     """The default exchange, "auto": small jobs keep one manifest file and the ring; from 32
     ranks on every save is partitioned (scripts/bench_plan.py: the whole-job plan the ring makes
     every rank compute grows with the job); an exchange that is named is the one run."""
-    from adacheck.checkpoint import LocalShard, LocalState, save
+    from adacheck.checkpoint import save
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.config import AdaCheckConfig
     from adacheck.plan.exchange import SoloComm, exchange_for
     assert [exchange_for("auto", n) for n in (1, 2, 31, 32, 64, 16384)] == ["ring"] * 3 + ["partitioned"] * 3

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, save
+from adacheck.checkpoint import CheckpointReader, save
+from adacheck.integration import LocalShard, LocalState
 from adacheck.storage.commit import read_manifest
 from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from adacheck.checkpoint import LocalShard
+from adacheck.integration import LocalShard
 from adacheck.checkpoint.staging import ALIGN, Staging, map_shared, view
 from adacheck.types import Box
 

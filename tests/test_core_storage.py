@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from adacheck.storage import commit
+from adacheck.storage import manifest_files
 from adacheck.online import deltas
 from adacheck.online import deltalog
 from adacheck.format.boxes import flat_range_to_boxes
-from adacheck.checkpoint import CheckpointReader, LocalShard, LocalState, find_intact, save, verify_part
+from adacheck.checkpoint import CheckpointReader, find_intact, save, verify_part
+from adacheck.integration import LocalShard, LocalState
 from adacheck.errors import FormatError, IntegrityError
 from adacheck.plan.exchange import SoloComm
 from adacheck.storage.backends import LOCAL, FsspecStorage, PosixStorage, open_storage
@@ -79,7 +81,7 @@ def test_save_load_retention_and_references_on_an_object_store(memory, tmp_path)
     weights, frozen = save_three(store, root)
     assert commit.read_latest(root, store) == "s3"
     assert [t for t, m, _ in commit.list_checkpoints(root, store) if m is not None] == ["s2", "s3"]
-    m3 = commit.read_manifest(f"{root}/s3", store)
+    m3 = manifest_files.read_manifest(f"{root}/s3", store)
     refs = {b.file for b in m3.tensors["model/frozen"].boxes}
     assert refs == {"s1/rank00000-g0.safetensors"}      # retired s1 keeps the file s3 references
     assert store.list(f"{root}/s1") == ["rank00000-g0.safetensors"]

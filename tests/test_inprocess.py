@@ -18,7 +18,8 @@ import partition_worker as layout
 from test_partition import stored, writers     # (what a checkpoint stores, and who wrote each box)
 from thread_comm import run_ranks
 
-from adacheck.checkpoint import CheckpointReader, Checkpointer, LocalShard, LocalState, Options
+from adacheck.checkpoint import CheckpointReader, Checkpointer, Options
+from adacheck.integration import LocalShard, LocalState
 from adacheck.errors import AdaCheckError
 from adacheck.plan import planner
 from adacheck.storage.commit import read_manifest

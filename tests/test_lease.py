@@ -16,9 +16,11 @@ import time
 import pytest
 
 from adacheck.storage import commit, lease
+from adacheck.storage import manifest_files
 from adacheck.cli import main
 from adacheck.config import AdaCheckConfig
 from adacheck.errors import ConfigError, FormatError, LeaseError
+from adacheck.tiers.tiered import TieredCheckpointer
 from adacheck.storage.backends import LOCAL
 from launch import check, launch
 
@@ -209,7 +211,7 @@ def test_a_takeover_while_the_owner_runs_refuses_its_save_in_flight(tmp_path):
     assert results(b_out)[0]["loaded"][0][0].endswith("global_step1")
     assert results(b_out)[0]["latest"] == ["global_step2"]
     assert commit.read_latest(ck) == "global_step2"
-    assert commit.read_manifest(os.path.join(ck, "global_step2")).framework["generation"] == 0   # B's files, not A's
+    assert manifest_files.read_manifest(os.path.join(ck, "global_step2")).framework["generation"] == 0   # B's files, not A's
     held = lease.read(LOCAL, ck)
     assert held is None or (held.job, held.generation) == ("job-b", 1)
     verified(ck)
@@ -362,7 +364,7 @@ def test_the_memory_tiers_copies_hold_and_are_fenced_by_the_directorys_lease(tmp
     its memory save, and the owner's copy of a memory checkpoint to the directory is refused at its
     commit when a job took the directory over while it was copied ('latest' stays that job's)."""
     import torch
-    from adacheck.checkpoint import Checkpointer, Options
+    from adacheck.checkpoint import Options
     from adacheck.config import TiersConfig
     from adacheck.plan.exchange import SoloComm
     from test_core_storage import state
@@ -370,7 +372,7 @@ def test_the_memory_tiers_copies_hold_and_are_fenced_by_the_directorys_lease(tmp
     d, frozen, comm = str(tmp_path / "ck"), torch.arange(9.0).view(3, 3), SoloComm()
 
     def tiered(**kw):
-        return Checkpointer(options=Options(fsync=False, on_error="raise", tiers=TiersConfig(memory=True), **kw))
+        return TieredCheckpointer(options=Options(fsync=False, on_error="raise", tiers=TiersConfig(memory=True), **kw))
 
     def save(c, step):
         st = state(step, frozen)[1]
@@ -385,15 +387,15 @@ def test_the_memory_tiers_copies_hold_and_are_fenced_by_the_directorys_lease(tmp
     with pytest.raises(LeaseError, match="job 'old'"):
         save(tiered(), 2)
     new = tiered(takeover=True)
-    confirm = old.memory_tier().confirm
+    confirm = old.tier.confirm
 
     def taken_over_meanwhile(*args):        # (the old owner's copy: its files are in the directory)
         save(new, 3)
         return confirm(*args)
-    old.tiered.confirm = taken_over_meanwhile
+    old.tier.confirm = taken_over_meanwhile
     with pytest.raises(LeaseError, match=TAKEN):
         save(old, 2)
-    assert commit.read_latest(d) == "s3" and not commit.has_manifest(os.path.join(d, "s2"))
+    assert commit.read_latest(d) == "s3" and not manifest_files.has_manifest(os.path.join(d, "s2"))
     with pytest.raises(LeaseError, match=TAKEN):
         save(old, 4)
     assert lease.read(LOCAL, d).generation == 1

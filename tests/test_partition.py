@@ -142,6 +142,7 @@ def parted_checks(d):
     committed saves."""
     import shutil
     from adacheck.storage import commit
+    from adacheck.storage import manifest_files
     from adacheck.cli import main as cli
     from adacheck.errors import FormatError, IntegrityError
     from adacheck.format.hashing import owner_of
@@ -197,7 +198,7 @@ def parted_checks(d):
         CheckpointReader(bad, prefer_rank=2).read("model/emb")
     assert cli(["verify", "--quiet", bad]) == 2
     with pytest.raises(IntegrityError, match="rank 2's file says of model/emb what the tensor table does not"):
-        commit.check_rank_files(read_manifest(bad))
+        manifest_files.check_rank_files(read_manifest(bad))
     os.remove(victim)
     with pytest.raises(FormatError, match="is missing"):
         CheckpointReader(bad, prefer_rank=2).read("model/emb")
@@ -219,7 +220,7 @@ def parted_checks(d):
     json.dump(root, open(f"{bad}/manifest.json", "w"))
     assert CheckpointReader(bad, prefer_rank=0).entry("master/big").shape == (1024, 2560)
     with pytest.raises(IntegrityError, match="meta"):
-        commit.check_rank_files(read_manifest(bad))
+        manifest_files.check_rank_files(read_manifest(bad))
     assert cli(["verify", "--quiet", bad]) == 2
     # an interrupted save's part and a retired checkpoint's parts are garbage; the kept ones stay
     save_dir = f"{d}/partitioned"

@@ -11,10 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from adacheck.storage import commit
+from adacheck.storage import manifest_files
 from adacheck.checkpoint import CheckpointReader, Checkpointer, Options, SavePipeline
 from adacheck.cli import main
 from adacheck.errors import AdaCheckError, IntegrityError
 from adacheck.plan.exchange import SoloComm
+from adacheck.integration import Restore
 from adacheck.storage.backends import LOCAL
 from launch import check, launch
 from s3server import s3_server
@@ -137,8 +139,8 @@ def test_server_lost_during_a_save_keeps_the_previous_checkpoint(s3):
     assert "lost/s2" in text and "commit" in text and "127.0.0.1" in text, text
     store, where = checkpointer.locate(root)
     assert commit.read_latest(where, store) == "s1"
-    assert not commit.has_manifest(store.join(where, "s2"), store)
-    got = checkpointer.load(SoloComm(), root, None, lambda r: r.read("master/w"), lambda t: t)
+    assert not manifest_files.has_manifest(store.join(where, "s2"), store)
+    got = checkpointer.load(SoloComm(), root, None, Restore.of(lambda r: r.read("master/w")))
     assert got.manifest.tag == "s1" and torch.equal(got.result, weights[1])
     # the next save goes on, and removes what the interrupted one left
     save_steps(checkpointer, root, (3,), frozen)
@@ -175,8 +177,8 @@ def test_an_object_written_again_before_the_commit_is_not_published(s3, exchange
     checkpointer = job(s3, exchange=exchange)
     store, where = checkpointer.locate(root)
     assert commit.read_latest(where, store) == "s1"
-    assert not commit.has_manifest(store.join(where, "s2"), store)
-    got = checkpointer.load(SoloComm(), root, None, lambda r: r.read("master/w"), lambda t: t)
+    assert not manifest_files.has_manifest(store.join(where, "s2"), store)
+    got = checkpointer.load(SoloComm(), root, None, Restore.of(lambda r: r.read("master/w")))
     assert got.manifest.tag == "s1" and torch.equal(got.result, weights[1])
     save_steps(checkpointer, root, (2,), frozen)      # the next save of that tag goes through
     assert commit.read_latest(where, store) == "s2"
@@ -199,7 +201,7 @@ def test_a_memory_checkpoint_copied_to_s3_is_confirmed_by_its_objects_tags(s3, t
     with pytest.raises(IntegrityError, match="is not the object rank 0 wrote"):
         persist_checkpoint(0, os.path.join(local, "s1"), store, where, "s1", True, True, None,
                            written_again_then_confirmed)
-    assert not commit.has_manifest(store.join(where, "s1"), store) and commit.read_latest(where, store) is None
+    assert not manifest_files.has_manifest(store.join(where, "s1"), store) and commit.read_latest(where, store) is None
     assert persist_checkpoint(0, os.path.join(local, "s1"), store, where, "s1", True, True, None, confirm_files)
     assert commit.read_latest(where, store) == "s1"
 
@@ -336,7 +338,7 @@ def test_a_writer_process_uploads_the_state_at_the_call(s3, tmp_path, exchange):
             s.tensor.add_(1)
         manifest = remote.finish()
         assert manifest is not None and manifest.tag == "s5"
-        local = commit.read_manifest(str(tmp_path / "local" / "s5"))      # (its tables, read through its storage)
+        local = manifest_files.read_manifest(str(tmp_path / "local" / "s5"))      # (its tables, read through its storage)
         assert dict(manifest.tensors) == dict(local.tensors) and manifest.tensors
         assert remote.writer is not None and remote.writer.alive
     finally:
@@ -389,7 +391,7 @@ def test_a_region_of_a_tensor_on_s3_is_read_from_the_pages_of_its_part(s3):
     """Format 6 on S3: a read of a region (a load in another layout) takes the part's header and
     the pages that meet the region by ranged GETs, not the whole part object; the values are the
     tensor given to the save."""
-    from adacheck.checkpoint import LocalShard, LocalState
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.types import Box
     rows = 256
     w = torch.randn(rows, 8, generator=torch.Generator().manual_seed(3))
@@ -419,14 +421,14 @@ def test_a_tag_deleted_and_saved_again_elsewhere_loads_its_new_bytes(s3):
     reading = job(s3)
     first = save_steps(reading, root, (1,), frozen)
     read = lambda r: r.read("master/w")   # noqa: E731
-    got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
+    got = reading.load(SoloComm(), root, "s1", Restore.of(read))
     assert torch.equal(got.result, first[1])
     other = job(s3)        # another process: its own storage object
     store, where = other.locate(root)
     store.remove_tree(store.join(where, "s1"))
     w, st = state(7, frozen)
     other.save(SoloComm(), root, "s1", lambda: st)
-    got = reading.load(SoloComm(), root, "s1", read, lambda t: t)
+    got = reading.load(SoloComm(), root, "s1", Restore.of(read))
     assert not torch.equal(w, first[1]) and torch.equal(got.result, w)
 
 

@@ -16,12 +16,16 @@ from launch import ROOT, check, launch
 from test_ds_integration import assert_same, results
 
 from adacheck.storage import commit
+from adacheck.storage import manifest_files
 
 from adacheck.online import deltas
 
 from adacheck.online import deltalog
 from adacheck.storage.backends import LOCAL
 from adacheck.tiers import memory_location
+from adacheck.integration import Restore
+from adacheck import jobs
+from adacheck.tiers.tiered import TieredCheckpointer
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -566,7 +570,7 @@ def test_memory_and_peer_tiers_across_two_nodes_survive_the_loss_of_one(tmp_path
     assert tags(ck) == ["global_step4"]
     mem_a, mem_b = mem_of("a"), mem_of("b")
     assert tags(mem_a) == tags(mem_b) == ["global_step4", "global_step5"]
-    m = commit.read_manifest(f"{mem_a}/global_step5")
+    m = manifest_files.read_manifest(f"{mem_a}/global_step5")
     files = {f: int(i["writer"]) for f, i in m.files.items()}
     assert sorted(set(files.values())) == [0, 1, 2, 3], files     # (each node writes what its ranks hold)
     for mem in (mem_a, mem_b):       # (and holds the other node's files too: its peer copy)
@@ -691,7 +695,8 @@ def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of
     bytes, global_step2 still loads what it saved, and global_step1 what the new job saved."""
     import hashlib
     import torch
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.checkpoint import Checkpointer, Options
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.config import TiersConfig
     from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
@@ -708,7 +713,7 @@ def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of
 
     def load(tag):
         return Checkpointer(options=Options(fsync=False)).load(
-            comm, ck, tag, lambda r: (r.read("model/w").tolist(), r.read("model/frozen").tolist()), lambda s: s).result
+            comm, ck, tag, Restore.of(lambda r: (r.read("model/w").tolist(), r.read("model/frozen").tolist()))).result
 
     first = Checkpointer(options=Options(fsync=False))
     first.save(comm, ck, "global_step1", collect(1, 7, 1))
@@ -716,7 +721,7 @@ def test_a_tag_saved_again_through_the_memory_tier_leaves_the_committed_files_of
     files = {f: hashlib.sha256(open(f"{ck}/global_step1/{f}", "rb").read()).hexdigest()
              for f in os.listdir(f"{ck}/global_step1") if f.endswith(".safetensors")}
     assert "global_step1/" in open(f"{ck}/global_step2/manifest.json").read()
-    tiered = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=1)))
+    tiered = TieredCheckpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=1)))
     tiered.save(comm, ck, "global_step1", collect(100, 200, 1))
     tiered.finish()
     tiered.close()
@@ -732,7 +737,8 @@ def test_a_copy_to_the_directory_that_fails_on_storage_is_said_as_on_error_asks(
     parent is a file): finish() raises it with on_error "raise", or warns with a SaveWarning;
     the checkpoint stays in memory either way.  (It was only logged, whatever on_error said.)"""
     import torch
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.checkpoint import Options
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.config import TiersConfig
     from adacheck.errors import SaveWarning
     from adacheck.plan.exchange import SoloComm
@@ -742,7 +748,7 @@ def test_a_copy_to_the_directory_that_fails_on_storage_is_said_as_on_error_asks(
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", f"{d}/shm")
     open(f"{d}/afile", "w").close()
     ck = f"{d}/afile/ck"
-    job = Checkpointer(options=Options(fsync=False, on_error=on_error, tiers=TiersConfig(memory=True,
+    job = TieredCheckpointer(options=Options(fsync=False, on_error=on_error, tiers=TiersConfig(memory=True,
                                                                                          persist_interval=1)))
     job.save(SoloComm(), ck, "s1", lambda: LocalState(
         shards=[LocalShard("master/w", "master", (4,), Box.full((4,)), torch.arange(4.0))], step=1))
@@ -764,7 +770,8 @@ def test_committing_a_copy_leaves_the_files_of_the_next_copy_in_flight(tmp_path)
     lost from both tiers once memory retired it.)"""
     import shutil
     import torch
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options, confirm_files
+    from adacheck.checkpoint import Checkpointer, Options, confirm_files
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.plan.exchange import SoloComm
     from adacheck.tiers import persist_checkpoint
     from adacheck.types import Box
@@ -780,7 +787,7 @@ def test_committing_a_copy_leaves_the_files_of_the_next_copy_in_flight(tmp_path)
     assert persist_checkpoint(0, f"{mem}/s1", LOCAL, ck, "s1", False, True, 1, confirm_files)
     assert sorted(os.listdir(f"{ck}/s2")) == sorted(ahead)
     assert persist_checkpoint(0, f"{mem}/s2", LOCAL, ck, "s2", False, True, 1, confirm_files)
-    got = Checkpointer().load(comm, ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
+    got = Checkpointer().load(comm, ck, None, Restore.of(lambda r: r.read("master/w").tolist()))
     assert got.ckpt_dir.endswith("s2") and got.result == [2.0] * 4
     assert tags(ck) == ["s2"]       # (keep_last 1: s1 retired, its files removed)
     left = os.listdir(f"{ck}/s1") if os.path.isdir(f"{ck}/s1") else []
@@ -800,13 +807,15 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     script.write_text(textwrap.dedent(f"""
         import gc
         import torch
-        from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+        from adacheck.checkpoint import Options
+        from adacheck.integration import LocalShard, LocalState
+        from adacheck.tiers.tiered import TieredCheckpointer
         from adacheck.config import TiersConfig
         from adacheck.plan.exchange import SoloComm
         from adacheck.types import Box
 
         def main():
-            job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2)))
+            job = TieredCheckpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2)))
             for step in (1, 2, 3):
                 job.save(SoloComm(), {ck!r}, f"s{{step}}", lambda: LocalState(shards=[LocalShard(
                     "master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
@@ -823,7 +832,7 @@ def test_the_newest_memory_checkpoint_is_copied_at_exit_also_when_the_job_was_le
     assert p.stdout.strip().splitlines()[-1] == "['.adacheck-lease.json', 'README', 'latest', 's2']", p.stdout
     assert open(f"{ck}/latest").read().strip() == "s3"
     assert not os.path.exists(f"{ck}/.adacheck-lease.json")       # (removed at its exit)
-    got = Checkpointer().load(SoloComm(), ck, None, lambda r: r.read("master/w").tolist(), lambda w: w)
+    got = Checkpointer().load(SoloComm(), ck, None, Restore.of(lambda r: r.read("master/w").tolist()))
     assert got.ckpt_dir.endswith("s3") and got.result == [3.0] * 4
 
 
@@ -839,14 +848,16 @@ def test_at_exit_the_newest_committed_memory_checkpoint_is_copied_when_the_last_
     script.write_text(textwrap.dedent(f"""
         import os
         import torch
-        from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+        from adacheck.checkpoint import Options
+        from adacheck.integration import LocalShard, LocalState
+        from adacheck.tiers.tiered import TieredCheckpointer
         from adacheck.config import TiersConfig
         from adacheck.plan.exchange import SoloComm
         from adacheck.storage.backends import LOCAL
         from adacheck.tiers import memory_location
         from adacheck.types import Box
 
-        job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
+        job = TieredCheckpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
         for step in (1, 2):
             if step == 2:
                 open(memory_location(LOCAL, {ck!r}) + "/s2", "w").close()
@@ -873,7 +884,8 @@ def test_a_memory_save_that_fails_when_its_copy_is_due_makes_the_next_copy_due(t
     s4.  (s3 was the first of a new interval: the directory stayed empty for another interval.)"""
     import warnings
     import torch
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.checkpoint import Options
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.config import TiersConfig
     from adacheck.errors import SaveWarning
     from adacheck.plan.exchange import SoloComm
@@ -881,7 +893,7 @@ def test_a_memory_save_that_fails_when_its_copy_is_due_makes_the_next_copy_due(t
     monkeypatch.setenv("ADACHECK_JOB", "job-due")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
     ck = str(tmp_path / "ck")
-    job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2)))
+    job = TieredCheckpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2)))
     for step in (1, 2, 3):
         if step == 2:
             open(os.path.join(memory_location(LOCAL, ck), "s2"), "w").close()
@@ -906,7 +918,8 @@ def test_at_exit_a_failed_memory_save_with_none_committed_before_leaves_nothing_
     to persist and left the directory, its SOURCE file and the failed save's, in /dev/shm.)"""
     import warnings
     import torch
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.checkpoint import Options
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.config import TiersConfig
     from adacheck.errors import SaveWarning
     from adacheck.plan.exchange import SoloComm
@@ -914,7 +927,7 @@ def test_at_exit_a_failed_memory_save_with_none_committed_before_leaves_nothing_
     monkeypatch.setenv("ADACHECK_JOB", "job-none-committed")
     monkeypatch.setenv("ADACHECK_MEMORY_DIR", str(tmp_path / "shm"))
     ck = str(tmp_path / "ck")
-    job = Checkpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
+    job = TieredCheckpointer(options=Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=10)))
     os.makedirs(os.path.join(memory_location(LOCAL, ck), "s1", commit.MANIFEST_NAME))   # (a directory)
     job.save_async(SoloComm(), ck, "s1", lambda: LocalState(shards=[LocalShard(
         "master/w", "master", (4,), Box.full((4,)), torch.ones(4))], step=1))
@@ -929,12 +942,13 @@ def test_at_exit_a_failed_memory_save_with_none_committed_before_leaves_nothing_
 
 
 def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, monkeypatch):
-    """Checkpointer.kept_on(None) (Megatron's save without an optimizer) is the process's one
+    """adacheck.jobs.kept_on(None) (Megatron's save without an optimizer) is the process's one
     job: two saves with persist_interval 2 copy the second to the checkpoint directory.  (A new
     job per call counted each save as its first: nothing was copied until exit.)"""
     import torch
     from adacheck.checkpoint import lifecycle
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState, Options
+    from adacheck.checkpoint import Options
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.config import TiersConfig
     from adacheck.plan.exchange import SoloComm
     from adacheck.types import Box
@@ -943,9 +957,9 @@ def test_saves_without_an_owner_count_towards_one_persist_interval(tmp_path, mon
     ck = str(tmp_path / "ck")
     options = Options(fsync=False, tiers=TiersConfig(memory=True, persist_interval=2))
     for step in (1, 2):
-        Checkpointer.kept_on(None, options).save(SoloComm(), ck, f"s{step}", lambda: LocalState(
+        jobs.kept_on(None, options).save(SoloComm(), ck, f"s{step}", lambda: LocalState(
             shards=[LocalShard("master/w", "master", (4,), Box.full((4,)), torch.full((4,), float(step)))], step=step))
-    job = Checkpointer.kept_on(None, options)
+    job = jobs.kept_on(None, options)
     job.finish()
     assert tags(ck) == ["s2"]
     job.close()
@@ -958,7 +972,8 @@ def test_files_from_a_peer_are_checked_before_they_are_kept(tmp_path):
     import hashlib as _h
     import torch
     from adacheck.plan.exchange import SoloComm
-    from adacheck.checkpoint import Checkpointer, LocalShard, LocalState
+    from adacheck.checkpoint import Checkpointer
+    from adacheck.integration import LocalShard, LocalState
     from adacheck.errors import FormatError
     from adacheck.tiers import fetch, receive_file, shard_check
     from adacheck.types import Box

@@ -1,6 +1,6 @@
 """One checkpoint's save and load, collective over a job's ranks.
 
-- :mod:`.state`: what an integration hands a save (:class:`LocalState` of :class:`LocalShard`);
+- :mod:`.state`: the shards of a save as the core cuts and hashes them;
 - :mod:`.checkpointer`: the :class:`Checkpointer` of a job (save, async save, load, leases);
 - :mod:`.saving`: the steps of one save (:class:`SavePipeline`);
 - :mod:`.loading`: a load (:class:`Loader`, :class:`LoadResult`);
@@ -13,7 +13,7 @@ import importlib
 _WHERE = {"CheckpointReader": "reader", "RankObjectLookup": "reader", "confirm_files": "reader",
           "find_intact": "reader", "resolve": "reader", "verify_part": "reader", "LegacyFormatWarning": "reader",
           "Checkpointer": "checkpointer", "load": "checkpointer", "save": "checkpointer",
-          "DeferredSource": "state", "LocalShard": "state", "LocalState": "state",
+          "DeferredSource": "state",
           "Options": "options", "LoadResult": "loading", "Loader": "loading", "SavePipeline": "saving",
           "describe_save": "saving", "exchange_blob": "saving", "human": "saving", "structure_of": "saving"}
 __all__ = sorted(_WHERE)

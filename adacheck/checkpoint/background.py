@@ -13,6 +13,7 @@ from ..errors import AdaCheckError, LeaseError, SaveWarning
 from ..format.manifest import MANIFEST_NAME
 from ..plan.exchange import Comm, background_comm
 from ..storage import commit
+from ..storage import manifest_files
 from ..types import Manifest
 from . import writer_process
 from .options import Options
@@ -61,7 +62,7 @@ class PendingSave:
             now = self.manifest_stamp()
             if now is None or now == self.manifest_before:
                 return None
-            return commit.read_manifest(self.ckpt_dir, self.store)
+            return manifest_files.read_manifest(self.ckpt_dir, self.store)
         except (AdaCheckError, OSError):
             return None
 

@@ -12,35 +12,28 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 from ..storage import commit
 from . import lifecycle
 from ..errors import ConfigError, LeaseError
 from ..plan.exchange import Comm, agree
 from ..storage.lease import Holding, Leases
-from ..tiers.location import spares_of
-from ..tiers.memory import MemoryTier
-from ..tiers.peers import DeltaSpread
-from ..tiers.persist import newest_committed
 from ..types import Manifest
 from .staging import Staging
 from ..storage.backends import LOCAL, Storage, is_url, open_storage, storage_path, url_protocol
 from .background import AsyncSaves, PendingSave
 from .loading import LoadResult, Loader
-from .options import DEFAULT_CACHES, Caches, Options, node_id
-from .reader import CheckpointReader, confirm_files
+from .options import DEFAULT_CACHES, Caches, Options
+from ..storage.lease import node_id
+from .reader import CheckpointReader
 from .saving import SavePipeline, Snapshot, describe_save, save_report, shown_dir
-from .state import LocalState
+from ..integration import LocalState, Restore
+
+if TYPE_CHECKING:
+    from ..tiers.peers import DeltaSpread
 
 log = logging.getLogger("adacheck")
-
-
-class _Process:
-    """What the process's own Checkpointer is kept on (:meth:`Checkpointer.kept_on` without an owner)."""
-
-
-_PROCESS = _Process()
 
 
 class Checkpointer:
@@ -48,20 +41,22 @@ class Checkpointer:
     (``options``), and what the job keeps between them (``caches``).
 
     A save runs the steps of a :class:`SavePipeline` (``pipeline_class``) on this job's options and
-    caches, behind this job's lease of the save directory; a load runs a :class:`Loader`.  With
-    the memory tier, saves and loads go through it (:meth:`memory_tier`), which keeps a
-    Checkpointer of its own for its copies."""
+    caches, behind this job's lease of the save directory; a load runs a :class:`Loader`.  It
+    knows nothing of tiers: with ``options.tiers``, a
+    :class:`~adacheck.tiers.tiered.TieredCheckpointer` wraps the memory tier around it
+    (:func:`adacheck.jobs.checkpointer` chooses)."""
 
     pipeline_class = SavePipeline
+    has_tiers = False      # whether this class serves options.tiers
 
     def __init__(self, store: Storage = LOCAL, options: Optional[Options] = None, caches: Optional[Caches] = None):
         self.store = store
         self.options = options if options is not None else Options()
         self.caches = caches if caches is not None else Caches()
+        self._check_tiers(self.options)
         self._stores: Dict[str, Storage] = {}
         self.background = AsyncSaves()       # the asynchronous saves
         self.last_committed: Optional[Manifest] = None   # of the last save that committed (reported)
-        self.tiered: Optional[MemoryTier] = None   # the memory tier (options.tiers), made at its first use
         self.last_loaded: Optional[LoadResult] = None    # what the last load read, and from where
         self.last_save: Optional[dict] = None    # save_report of the last save that committed (reported)
         self.on_saved: Optional[Callable[[dict], None]] = None   # called with it on every rank
@@ -69,72 +64,25 @@ class Checkpointer:
         self.leases = Leases()   # the save directories' leases this job holds (rank 0)
         self.takes_leases = True     # (not the memory tier's own: its directories are the job's)
 
+    def _check_tiers(self, options: Options) -> None:
+        if (options.tiers is not None) != self.has_tiers:
+            raise ConfigError(f"{type(self).__name__} does not serve options with{'' if options.tiers else 'out'} "
+                              "tiers: make the job's checkpointer with adacheck.jobs.checkpointer(options)")
+
     def has_checkpoint(self, load_dir: str, comm: Optional[Comm] = None) -> bool:
         """Whether a load of ``load_dir`` without a tag finds something: a ``latest`` or a complete
-        checkpoint there, or (with the memory tier) one of this job's in memory, on any node (with
-        the memory tier and ``comm``: collective, the same answer on every rank)."""
+        checkpoint there (``comm`` is used by a tier, whose answer is collective)."""
         store, where = self.locate(load_dir)
-        if commit.has_checkpoint(where, store):
-            found = True
-        elif self.options.tiers is None:
-            return False
-        else:
-            found = newest_committed(self.memory_tier().location(store, where), LOCAL) is not None
-        if self.options.tiers is None or comm is None:
-            return found
-        return comm.any(found)
-
-    def _save_tiered(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool, asynchronous: bool,
-                     persist: Optional[bool] = None, recorder=None):
-        lifecycle.keep(self, strong=True)    # (at exit: the newest memory checkpoint persisted, also when
-        # the caller let this job go: the memory tier's promise)
-        store, path = self.locate(save_dir)
-        if recorder is not None:
-            recorder.flush()
-        manifest = self.memory_tier().save(comm, store, path, tag, collect, update_latest, asynchronous=asynchronous,
-                                           persist=persist, online=recorder is not None)
-        if recorder is not None:
-            _start_chain(recorder, *self.chain_location(save_dir), manifest)
-        return manifest
+        return commit.has_checkpoint(where, store)
 
     def chain_location(self, save_dir: str) -> Tuple[Storage, str]:
-        """Where online deltas of the bases saved to ``save_dir`` go: with the memory tier, its
-        copies in memory (each chain in its base's directory there), else ``save_dir`` itself."""
-        store, path = self.locate(save_dir)
-        if self.options.tiers is not None:
-            return LOCAL, self.memory_tier().location(store, path)
-        return store, path
+        """Where online deltas of the bases saved to ``save_dir`` go: ``save_dir`` itself."""
+        return self.locate(save_dir)
 
     def recording(self, comm: Comm, save_dir: str) -> "Recording":
         """Where and how an online recorder of the bases saved to ``save_dir`` records (see
-        :class:`Recording`).  Collective with the memory tier: every rank calls it where it makes
-        its recorder."""
-        store, where = self.chain_location(save_dir)
-        if self.options.tiers is None:
-            return Recording(store, where)
-        nodes = comm.all_gather_object(node_id())
-        spread = DeltaSpread(comm, nodes, self.options.tiers.peer) if len(set(nodes)) > 1 else None
-        return Recording(store, where, spread, bridge=True, spares=spares_of(where))
-
-    def memory_tier(self) -> MemoryTier:
-        """This job's memory tier (:mod:`adacheck.tiers`): its copies are checkpoints of their own
-        (no fsync, no references between them), written by a Checkpointer with its own caches."""
-        if self.tiered is None:
-            o = self.options
-            memory = Checkpointer(LOCAL, Options(keep_last=None, fsync=False, reference_previous=False, copies=1,
-                                                 exchange=o.exchange, chunk_bytes=o.chunk_bytes, verify=o.verify,
-                                                 on_corrupt=o.on_corrupt, on_error=o.on_error, writer=o.writer))
-            memory.on_saved, memory.explains, memory.takes_leases = self._saved_to_memory, False, False
-            self.tiered = MemoryTier(o.tiers, memory, confirm_files, node_id, fsync=o.fsync, keep_last=o.keep_last,
-                                     on_error=o.on_error)
-            self.tiered.fence = self.leases.fence_dir
-        return self.tiered
-
-    def _saved_to_memory(self, report: dict) -> None:
-        """A save into the memory tier committed (its checkpointer logged it): this job's last save."""
-        self.last_save = report
-        if self.on_saved is not None:
-            self.on_saved(report)
+        :class:`Recording`).  Called by every rank where it makes its recorder."""
+        return Recording(*self.chain_location(save_dir))
 
     def where(self, path: str) -> Tuple[Storage, str]:
         """:meth:`locate` for a URL; a plain path is on this checkpointer's ``store`` whatever the options."""
@@ -174,10 +122,7 @@ class Checkpointer:
         """Steps 1-6 of a save from its snapshot: :meth:`SavePipeline.persist`."""
         return self.pipeline().persist(comm, snap, update_latest)
 
-    def load(self, comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[CheckpointReader], object],
-             apply: Callable[[object], object],
-             how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
-             undo: Optional[Callable[[], None]] = None, reads_objects_of: Sequence[int] = ()) -> LoadResult:
+    def load(self, comm: Comm, load_dir: str, tag: Optional[str], restore: Restore) -> LoadResult:
         """Collectively load a checkpoint of ``load_dir``: :meth:`Loader.load` (what happens when
         the checkpoint is damaged, and ``on_corrupt``); also kept as ``last_loaded``.
 
@@ -185,28 +130,26 @@ class Checkpointer:
             comm: the job's ranks (every rank calls this).
             load_dir: the save directory (a path or an fsspec URL), or a checkpoint directory.
             tag: the checkpoint to load; None: the one ``latest`` names.
-            read: stages this rank's part from the :class:`CheckpointReader`, changing no
-                training state.
-            apply: puts what ``read`` staged into the training state, once every rank staged.
-            how_to_load: ``(tag, manifest) -> str``, the framework's call or flag that loads a
-                given checkpoint, named in errors.
-            undo: takes back what staging had to touch, on every rank, when staging fails.
-            reads_objects_of: saving ranks whose objects ``read`` looks up besides its own.
+            restore: the integration's :class:`~adacheck.integration.Restore`: stages this
+                rank's part, then applies it once every rank staged.
 
         Returns:
             A :class:`LoadResult`.
         """
-        loaded = Loader(self.options, self.caches, self.locate, self.memory_tier).load(
-            comm, load_dir, tag, read, apply, how_to_load, undo, reads_objects_of)
+        loaded = self.loader().load(comm, load_dir, tag, restore)
         self.last_loaded = loaded
         return loaded
+
+    def loader(self) -> Loader:
+        """The :class:`Loader` of this job's loads."""
+        return Loader(self.options, self.caches, self.locate)
 
     def hold(self, comm: Comm, save_dir: str) -> Optional[Holding]:
         """Collectively, at every save: rank 0 takes or renews this job's lease of ``save_dir``
         (:mod:`adacheck.storage.lease`; returned there, None on the other ranks).  Another job's live lease
         (without ``takeover``), or this job's lease taken over by another job, is a LeaseError on
-        every rank, before anything is written.  With the memory tier, a directory that cannot be
-        reached does not stop the save (a warning; the lease is taken at a later save)."""
+        every rank, before anything is written; a directory that cannot be reached is
+        :meth:`lease_unreachable`."""
         if not self.takes_leases:
             return None
         store, path = self.locate(save_dir)
@@ -220,14 +163,14 @@ class Checkpointer:
             except LeaseError:
                 raise
             except Exception as e:  # noqa: BLE001 - the storage's own error says why
-                if self.options.tiers is None:
-                    raise
-                # (the memory tier saves whatever the checkpoint directory does; its copies there say so)
-                log.warning("AdaCheck: the lease of %s could not be taken (%s: %s); the save goes to the memory "
-                            "tier, and its copy to %s is not fenced until a later save takes the lease",
-                            save_dir, type(e).__name__, e, save_dir)
+                self.lease_unreachable(save_dir, e)
                 return None
         return agree(comm, f"AdaCheck save into {save_dir} (its lease)", run)
+
+    def lease_unreachable(self, save_dir: str, error: Exception) -> None:
+        """The lease of ``save_dir`` could not be taken (rank 0, not another job's lease): raised
+        here; a tier that saves elsewhere first warns instead."""
+        raise error
 
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
              update_latest: bool = True, recorder=None, persist: Optional[bool] = None,
@@ -244,8 +187,8 @@ class Checkpointer:
             recorder: the job's :class:`~adacheck.online.recorder.OnlineRecorder`, if it records:
                 its chain is made complete up to this step first, and a checkpoint committed into
                 its directory is the base the deltas of the next steps belong to.
-            persist: with the memory tier, copy this one to ``save_dir`` now (True), never
-                (False: a non-persistent checkpoint), or every ``persist_interval``-th (None).
+            persist: None; with the memory tier (a TieredCheckpointer), whether to copy this one
+                to ``save_dir``.
             min_generation: the lowest generation its files may have (rank 0's counts).
 
         Returns:
@@ -255,22 +198,17 @@ class Checkpointer:
         lifecycle.register()
         started = time.perf_counter()
         holding = self.hold(comm, save_dir)
-        if self.options.tiers is not None:      # (the memory tier's checkpointer reports it)
-            manifest = self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=False,
-                                         persist=persist, recorder=recorder)
-        else:
-            _refuse_non_persistent(persist)
-            self.finish()
-            if recorder is not None:
-                recorder.flush()
-            snap = replace(self.snapshot(comm, save_dir, tag, collect), min_generation=min_generation, lease=holding)
-            manifest = self.persist(comm, snap, update_latest)
-            if recorder is not None:
-                _start_chain(recorder, snap.store, snap.save_dir, manifest)
-            seconds = time.perf_counter() - started
-            self._saved(comm.rank, save_report(manifest, shown_dir(snap), seconds, seconds, False))
-        if manifest is not None:
-            self.last_committed = manifest
+        _refuse_non_persistent(persist)
+        self.finish()
+        if recorder is not None:
+            recorder.flush()
+        snap = replace(self.snapshot(comm, save_dir, tag, collect), min_generation=min_generation, lease=holding)
+        manifest = self.persist(comm, snap, update_latest)
+        if recorder is not None:
+            start_chain(recorder, snap.store, snap.save_dir, manifest)
+        seconds = time.perf_counter() - started
+        self._saved(comm.rank, save_report(manifest, shown_dir(snap), seconds, seconds, False))
+        self.last_committed = manifest
         return manifest
 
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
@@ -282,8 +220,6 @@ class Checkpointer:
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
         waits for it; both raise or warn about a failure (``options.on_error``)."""
         holding = self.hold(comm, save_dir)
-        if self.options.tiers is not None:      # (the memory save is asynchronous; durable copies run behind)
-            return self._save_tiered(comm, save_dir, tag, collect, update_latest, asynchronous=True, persist=persist)
         _refuse_non_persistent(persist)
         called = time.perf_counter()
         lifecycle.keep(self)       # finished at exit, before the interpreter tears down
@@ -307,8 +243,6 @@ class Checkpointer:
     def poll(self) -> Optional[Manifest]:
         """Cheap, at every training step: report the in-flight save if it has finished (its
         manifest; None while it runs or when none is in flight)."""
-        if self.tiered is not None and self.tiered.memory.pending is not None and self.tiered.memory.pending.done():
-            self.tiered.memory.finish()       # (an asynchronous memory save that ended: reported now)
         if self.pending is None or not self.pending.done():
             return None
         return self.finish()
@@ -317,8 +251,6 @@ class Checkpointer:
         """Wait for the in-flight asynchronous save and report it: its manifest, or (it failed)
         a warning and None, or the error with ``on_error="raise"``.  ``waiting_for``: the tag
         of a new save that has to wait (logged with how long)."""
-        if self.tiered is not None:
-            self.tiered.finish()
         pending = self.background.wait(waiting_for)
         if pending is None:
             return None
@@ -344,34 +276,11 @@ class Checkpointer:
         if self.on_saved is not None:
             self.on_saved(report)
 
-    KEPT = "adacheck_checkpointer"      # the attribute of the object a job's Checkpointer is kept on
-
-    @classmethod
-    def kept_on(cls, owner, options: Options) -> "Checkpointer":
-        """The Checkpointer kept on ``owner`` (an object that lives as long as the job), made the first
-        time and given ``options`` after; without an owner, the process's own (its caches
-        DEFAULT_CACHES): one job, so that a memory tier's saves count towards one persist_interval
-        and its newest is the one persisted at exit."""
-        owner = owner if owner is not None else _PROCESS
-        job = cls.kept(owner)
-        if job is None:
-            job = cls(options=options, caches=DEFAULT_CACHES if owner is _PROCESS else None)
-            setattr(owner, cls.KEPT, job)
-        job.configure(options)
-        return job
-
-    @classmethod
-    def kept(cls, owner) -> "Optional[Checkpointer]":
-        """The Checkpointer :meth:`kept_on` keeps on ``owner`` (None: none yet)."""
-        return getattr(owner, cls.KEPT, None)
-
     def configure(self, options: Options) -> None:
         """Other options from the next save or load on (the one in flight finishes first)."""
+        self._check_tiers(options)
         if options != self.options:
             self.finish()
-            if self.tiered is not None and options.tiers != self.options.tiers:
-                self.tiered.close()         # (its newest checkpoint persisted, its memory freed)
-                self.tiered = None
             self.options, self._stores = options, {}
 
     def close(self) -> None:
@@ -381,8 +290,6 @@ class Checkpointer:
             self.finish()
         except Exception as e:  # noqa: BLE001 - the interpreter is exiting
             log.warning("AdaCheck: the asynchronous save did not commit: %s", e)
-        if self.tiered is not None:
-            self.tiered.close()
         self.background.stop()
 
 
@@ -419,12 +326,12 @@ class Recording:
     over (:func:`~adacheck.tiers.spares_of`)."""
     store: Storage
     where: str
-    spread: Optional[DeltaSpread] = None
+    spread: Optional["DeltaSpread"] = None
     bridge: bool = False
     spares: Optional[str] = None
 
 
-def _start_chain(recorder, store: Storage, save_dir: str, manifest: Manifest) -> None:
+def start_chain(recorder, store: Storage, save_dir: str, manifest: Manifest) -> None:
     """A base just committed into the directory ``recorder`` records to: the deltas of the next
     steps belong to it."""
     if store.canonical(save_dir) == store.canonical(recorder.save_dir):
@@ -450,9 +357,9 @@ def save(comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
 
 
 def load(comm: Comm, load_dir: str, tag: Optional[str], read: Callable[[CheckpointReader], object],
-         apply: Callable[[object], object], verify: bool = True, on_corrupt: str = "raise",
-         how_to_load: Callable[[str, Manifest], str] = lambda tag, manifest: f"tag={tag!r}",
-         undo: Optional[Callable[[], None]] = None, store: Storage = LOCAL) -> LoadResult:
-    """:meth:`Checkpointer.load` of this process's default job (DEFAULT_CACHES)."""
+         apply: Callable[[object], object] = lambda staged: staged, verify: bool = True, on_corrupt: str = "raise",
+         store: Storage = LOCAL) -> LoadResult:
+    """:meth:`Checkpointer.load` of this process's default job (DEFAULT_CACHES), with a
+    :class:`~adacheck.integration.Restore` made of ``read`` and ``apply``."""
     return Checkpointer(store, Options(verify=verify, on_corrupt=on_corrupt), DEFAULT_CACHES).load(
-        comm, load_dir, tag, read, apply, how_to_load, undo)
+        comm, load_dir, tag, Restore.of(read, apply))

@@ -2,22 +2,17 @@
 from one checkpoint to the next (:class:`Caches`)."""
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Protocol, Tuple
 
 from ..plan import partition
-from ..storage import commit
+from ..storage import manifest_files
 from ..storage.backends import Storage
 from ..storage.lease import DEFAULT_TTL_S
 from ..plan.planner import PlanCache
 
-
-def node_id() -> str:
-    """Which machine this rank runs on, for placing copies: $ADACHECK_NODE if set (e.g. when
-    containers share a hostname), else the host name."""
-    return os.environ.get("ADACHECK_NODE") or socket.gethostname()
+if TYPE_CHECKING:
+    from ..config import TiersConfig
 
 
 @dataclass
@@ -42,13 +37,32 @@ class Caches:
     def previous(self, store: Storage, save_dir: str, tag: str) -> Optional[str]:
         """The committed checkpoint a new save ``tag`` into ``save_dir`` may reference, or None."""
         prev = self.trusted.get(store.canonical(save_dir))
-        if prev is None or prev == tag or not commit.has_manifest(store.join(save_dir, prev), store):
+        if prev is None or prev == tag or not manifest_files.has_manifest(store.join(save_dir, prev), store):
             return None
         return prev
 
     def trust(self, ckpt_dir: str, store: Storage) -> None:
         """``ckpt_dir`` was just committed or loaded (verified) by this job."""
         self.trusted[store.canonical(store.parent(ckpt_dir))] = store.basename(ckpt_dir)
+
+
+class Spread(Protocol):
+    """A save across nodes in which each node's directory is its own (the memory tier's
+    :class:`~adacheck.tiers.peers.NodeSpread`): what the save's steps ask of it."""
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` writes its node's manifest (its node's lowest rank)."""
+
+    def before(self, rank: int) -> int:
+        """The rank of the same node that confirms ``rank``'s files."""
+
+    def move(self, comm, ckpt_dir: str, files: Dict[str, dict]) -> Dict[str, dict]:
+        """Collective, once every writer's file is committed on its node: the copies of the
+        files for other nodes travel; returns the files this rank's node holds."""
+
+    def move_own(self, comm, ckpt_dir: str, tag: str, own: Callable[[int], List[str]]) -> None:
+        """Collective, in a save in parts: each rank's own files (``own(rank)``) travel to the
+        node that keeps copies of them."""
 
 
 # The caches of the module-level save() and load(): one job per process unless an integration
@@ -81,9 +95,9 @@ class Options:
     on_error: str = "warn"
     compression: Optional[str] = None
     writer: str = "process"
-    tiers: Optional[object] = None      # adacheck.config.TiersConfig with memory on (adacheck.tiers), or None
+    tiers: Optional["TiersConfig"] = None   # with memory on (a TieredCheckpointer, adacheck.tiers), or None
     derive: bool = True                 # store a tensor that is a cast of another as that derivation
-    spread: Optional[object] = None     # a memory-tier save across nodes (adacheck.tiers.NodeSpread), or None
+    spread: Optional[Spread] = None     # a memory-tier save across nodes, or None
     lease_ttl_s: float = DEFAULT_TTL_S  # the save directory's lease expires this long after its last renewal
     takeover: bool = False              # take the save directory's lease from the job that holds it
 

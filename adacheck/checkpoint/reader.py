@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..storage import commit
+from ..storage import manifest_files
 from ..format import jsontree
 from ..format.boxes import copy_intersection, flat_range_to_boxes
 from ..errors import AdaCheckError, FormatError, IntegrityError, NotFoundError, StateError
@@ -56,7 +57,7 @@ def confirm_files(store: Storage, ckpt_dir: str, files: Dict[str, dict]) -> None
 def resolve(load_dir: str, tag: Optional[str] = None, store: Storage = LOCAL) -> str:
     """The checkpoint directory to load: ``tag`` if given, else the one ``latest`` names."""
     if tag is None:
-        if commit.has_manifest(load_dir, store):
+        if manifest_files.has_manifest(load_dir, store):
             return load_dir   # pointed straight at a checkpoint directory
         if not store.is_dir(load_dir):
             raise NotFoundError(f"no AdaCheck checkpoint to load in {load_dir}: there is no such directory")
@@ -125,7 +126,7 @@ def find_intact(comm: Comm, load_dir: str, exclude=(), store: Storage = LOCAL) -
         d = store.join(load_dir, t)
 
         def check(d=d):
-            manifest = commit.read_manifest(d, store)
+            manifest = manifest_files.read_manifest(d, store)
             verify_part(CheckpointReader(d, manifest, verify=True, cache_bytes=0, store=store), comm.rank,
                         comm.world_size)
             return manifest
@@ -191,7 +192,7 @@ class CheckpointReader:
                  prefer_rank: Optional[int] = None, cache_bytes: int = 1 << 30, store: Storage = LOCAL,
                  prefer_present: bool = False):
         self.dir, self.store = ckpt_dir, store
-        self.manifest = manifest if manifest is not None else commit.read_manifest(ckpt_dir, store)
+        self.manifest = manifest if manifest is not None else manifest_files.read_manifest(ckpt_dir, store)
         self.verify = verify
         self.bound = self.manifest.format_version >= BOUND_SINCE
         if not self.bound:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ..storage import commit
+from ..storage import manifest_files
 from ..plan import partition
 from ..errors import AdaCheckError, FormatError, IntegrityError, SaveWarning
 from ..plan.exchange import Comm, agree, exchange_for
@@ -33,9 +34,11 @@ from ..types import Box, Manifest, meta_of_row, meta_row
 from .staging import Staging
 from ..storage.backends import LOCAL, Storage
 from ..format.writer import write_safetensors_to
-from .options import Caches, Options, node_id
+from .options import Caches, Options
+from ..storage.lease import node_id
 from .reader import confirm_files
-from .state import Deferred, LocalShard, LocalState, bytes_of, object_shards, shard_meta, split_chunks
+from .state import Deferred, bytes_of, object_shards, shard_meta, split_chunks
+from ..integration import LocalShard, LocalState
 
 log = logging.getLogger("adacheck")
 
@@ -371,7 +374,7 @@ class SavePipeline:
         def index_previous(names=None):
             if prev_tag is None:
                 return None, None
-            m = commit.read_manifest(store.join(save_dir, prev_tag), store)
+            m = manifest_files.read_manifest(store.join(save_dir, prev_tag), store)
             sizes = {}   # each referenced file's bytes, None when it is gone (one stat per file)
 
             def size(ref):
@@ -481,11 +484,11 @@ class SavePipeline:
             def write_part():
                 confirm_files(store, prepared.ckpt_dir,
                               {f: {"writer": src, "nbytes": k, "tag": t} for (f, k, t), src in nxt})
-                commit.write_rank_file(ckpt_dir, gen, comm.rank, prepared.tag, plan.held or {}, tables,
+                manifest_files.write_rank_file(ckpt_dir, gen, comm.rank, prepared.tag, plan.held or {}, tables,
                                        self.options.fsync, store)
-                commit.write_part(ckpt_dir, gen, comm.rank, prepared.tag, plan.tensors, self.options.fsync, store)
+                manifest_files.write_part(ckpt_dir, gen, comm.rank, prepared.tag, plan.tensors, self.options.fsync, store)
                 if comm.rank == 0:      # (what the index says of the tensors, bound by its hash)
-                    return commit.write_meta(ckpt_dir, gen, prepared.tag, exchanged.index["meta"], self.options.fsync,
+                    return manifest_files.write_meta(ckpt_dir, gen, prepared.tag, exchanged.index["meta"], self.options.fsync,
                                              store)
 
             meta = agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
@@ -497,7 +500,7 @@ class SavePipeline:
             if comm.rank == 0:      # (its tables as a reader sees them: each rank's read from its rank file if asked)
                 index, where = dict(exchanged.index, meta=meta), store.join(ckpt_dir, MANIFEST_NAME)
                 tensors, ranks, files, rank_objects, layout = ranked_tables(
-                    index, prepared.tag, version, commit.PartFiles(store, ckpt_dir), where)
+                    index, prepared.tag, version, manifest_files.PartFiles(store, ckpt_dir), where)
         manifest = Manifest(
             format_version=version, tag=prepared.tag, step=gathered[0]["step"],
             framework=dict(gathered[0]["framework"], generation=exchanged.generation),
@@ -524,9 +527,9 @@ class SavePipeline:
                                   here if spread is not None else    # (other nodes' copies: their sizes)
                                   {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
                 if root is not None:
-                    commit.write_manifest_bytes(prepared.ckpt_dir, root, prepared.store)
+                    manifest_files.write_manifest_bytes(prepared.ckpt_dir, root, prepared.store)
                 else:
-                    commit.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
+                    manifest_files.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
         parts = mine if exchanged.partitioned else ()
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,

@@ -1,5 +1,5 @@
-"""What an integration hands a save: this rank's :class:`LocalState`, the :class:`LocalShard` boxes
-of logical tensors it holds, and :class:`DeferredSource` for tensors read only when written.
+"""The shards of a save as the core handles them, and :class:`DeferredSource` for tensors read
+only when written (what an integration hands a save is in :mod:`adacheck.integration`).
 
 The shards of one rank are cut into row chunks (:func:`split_chunks`) and described by their
 :class:`~adacheck.types.ShardMeta` (:func:`shard_meta`: identity and hash) before the exchange;
@@ -7,7 +7,7 @@ objects (JSON-able trees with tensors) become shards of their own (:func:`object
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -16,7 +16,8 @@ from ..format import jsontree
 from ..format.boxes import row_chunks
 from ..errors import FormatError
 from ..format.hashing import bound_digest, box_identity
-from ..types import Box, ShardMeta, dtype_name
+from ..integration import LocalShard
+from ..types import Box, Kind, ShardMeta, dtype_name
 
 
 class DeferredSource:
@@ -78,56 +79,12 @@ def bytes_of(t) -> torch.Tensor:
     return t.materialize() if isinstance(t, Deferred) else t
 
 
-@dataclass
-class LocalShard:
-    """A box of a logical tensor held by this rank (what an integration reports, one per box).
-
-    Attributes:
-        name: the layout-free name (``model/...``, ``master/...``, ``optim/<state>/...``), the
-            same on every rank and in every parallel layout.
-        kind: one of :data:`adacheck.types.KINDS` ("model", "master", "optim", "buffer",
-            "object", "rng").
-        shape: the whole logical tensor's shape.
-        box: the region of it this rank holds.
-        tensor: the box's elements, of shape ``box.lengths`` (a torch tensor, or a
-            :class:`Deferred` one that is read when hashed and again when written).
-        derive: the name of a tensor this one may be a cast of (a bf16 weight of its fp32
-            master): not stored, but rebuilt from that one on load, when every holder proved
-            the cast and no replica diverged.
-        derive_ok: this rank proved the cast on the part of the source it can see.
-        replicated: declared: other holders of the same box hold the same bytes (a replica
-            whose hash differs is warned about, and every variant kept).
-    """
-
-    name: str
-    kind: str
-    shape: tuple
-    box: Box
-    tensor: torch.Tensor
-    derive: Optional[str] = None
-    derive_ok: bool = False
-    replicated: bool = True
-
-
-@dataclass
-class LocalState:
-    """All this rank holds for one save: its ``shards``, the job's ``objects`` (JSON-able trees
-    with tensors; rank 0's copy is saved), its own ``rank_objects`` (e.g. RNG states), its
-    ``layout`` and the ``framework`` description (kept in the manifest), and the training ``step``."""
-    shards: List[LocalShard]
-    objects: dict = field(default_factory=dict)       # global state; rank 0's copy is saved
-    rank_objects: dict = field(default_factory=dict)  # this rank's own state (e.g. RNG)
-    layout: dict = field(default_factory=dict)        # this rank's framework layout
-    framework: dict = field(default_factory=dict)
-    step: Optional[int] = None
-
-
 def shard_meta(s: LocalShard) -> ShardMeta:
     if tuple(s.tensor.shape) != tuple(s.box.lengths):
         raise FormatError(f"{s.name}: tensor of shape {tuple(s.tensor.shape)} given for box {s.box}")
     dtype = dtype_name(s.tensor.dtype)
     digest = bound_digest(box_identity(s.name, dtype, s.shape, s.box.offsets, s.box.lengths), bytes_of(s.tensor))
-    return ShardMeta(name=s.name, kind=s.kind, dtype=dtype, shape=tuple(s.shape), box=s.box, hash=digest,
+    return ShardMeta(name=s.name, kind=s.kind.value, dtype=dtype, shape=tuple(s.shape), box=s.box, hash=digest,
                      derive=s.derive, derive_ok=s.derive_ok, replicated=s.replicated)
 
 
@@ -148,6 +105,6 @@ def object_shards(tree, prefix: str, replicated: bool):
     shards = []
     for name, t in tensors:
         t = t.detach()
-        shards.append(LocalShard(name, "object", tuple(t.shape), Box.full(t.shape), t,
+        shards.append(LocalShard(name, Kind.OBJECT, tuple(t.shape), Box.full(t.shape), t,
                                  replicated=replicated))
     return enc, shards

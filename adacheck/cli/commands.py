@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..storage import commit, lease
+from ..storage import manifest_files
 from ..online import deltas
 from ..checkpoint.reader import CheckpointReader, resolve, verify_part
 from ..checkpoint.saving import human
@@ -247,7 +248,7 @@ def cmd_verify(args) -> int:
     store, path = located_dir(args, args.path)
     d = resolve(path, args.tag, store)
     r = CheckpointReader(d, verify=True, cache_bytes=0, store=store)
-    commit.check_rank_files(r.manifest)      # (format 5: its rank files and meta file agree with its parts)
+    manifest_files.check_rank_files(r.manifest)      # (format 5: its rank files and meta file agree with its parts)
     # stored boxes, then (format 2) each box of a derived tensor: derived from its source and
     # checked against the digest its holders recorded
     work = [(name, sb.box, sb.file, lambda name=name, sb=sb: r.stored(name, sb))

@@ -22,7 +22,7 @@ import contextlib
 import json
 import os
 import shutil
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -32,6 +32,7 @@ from ..errors import ConfigError, NotFoundError
 from ..types import torch_dtype
 from ..storage.backends import LOCAL, Storage
 from ..format.writer import write_safetensors_to
+from ..integration import Converter
 
 CONVERTERS = "adacheck.converters"     # the entry-point group
 # The formats this project's own integrations provide, as pyproject.toml registers them: found
@@ -40,37 +41,6 @@ CONVERTERS = "adacheck.converters"     # the entry-point group
 OWN = {"deepspeed": "adacheck_ds.converters:NativeDeepSpeed",
        "deepspeed-universal": "adacheck_ds.converters:DeepSpeedUniversal",
        "torch-dist": "adacheck_megatron.converters:TorchDist"}
-
-
-class Converter:
-    """A checkpoint format ``adacheck convert`` reads or writes (``--from NAME`` / ``--to NAME``).
-
-    ``name``: the format's name; ``summary``: one line for ``--help``; ``framework``: the
-    AdaCheck checkpoints whose online deltas it can materialise (``manifest.framework["name"]``)
-    or None.  Each operation returns (the path written, a sentence saying what it is) and raises
-    NotImplementedError where the format has no such direction.  ``options`` is the command line
-    namespace: the core options (``tag``, ``no_verify``, ``json``) and those ``add_arguments``
-    declared."""
-
-    name = ""
-    summary = ""
-    framework: Optional[str] = None
-
-    def add_arguments(self, parser) -> None:
-        """Declare this format's own command-line options on ``parser`` (an argparse parser)."""
-
-    def write(self, ckpt_dir: str, out: str, options, progress) -> Tuple[str, str]:
-        """The AdaCheck checkpoint ``ckpt_dir`` in this format under ``out``."""
-        raise NotImplementedError
-
-    def read(self, src: str, out: str, options, progress) -> Tuple[str, str]:
-        """The checkpoint ``src`` of this format as an AdaCheck checkpoint under ``out``."""
-        raise NotImplementedError
-
-    def materialise(self, src: str, out: str, options, progress) -> Tuple[str, str]:
-        """The AdaCheck checkpoint ``src`` (a base and its online deltas) as one new base under
-        ``out``, at its newest committed step or the one the options name."""
-        raise NotImplementedError
 
 
 def registered() -> Dict[str, object]:

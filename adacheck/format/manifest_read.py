@@ -188,7 +188,7 @@ def _read_checked(open_part, name: str, where: str, what: str, digest: Optional[
     ``digest``: checked against it, the hash the manifest binds it by."""
     if open_part is None:
         raise FormatError(f"{where}: the manifest is in parts ({name}, ...), and nothing was given to read "
-                          "them with (read the manifest with adacheck.storage.commit.read_manifest)")
+                          "them with (read the manifest with adacheck.storage.manifest_files.read_manifest)")
     try:
         data = open_part(name)
     except FileNotFoundError:

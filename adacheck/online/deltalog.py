@@ -23,7 +23,8 @@ from ..checkpoint import lifecycle
 from ..format.hashing import bound_digest
 from ..storage.backends import LOCAL, Storage
 from ..types import dtype_name
-from ..format.writer import BLOCK, SpareFiles
+from ..format.writer import BLOCK
+from ..storage.direct import SpareFiles, tensor_writer, write_tensors
 from .deltas import GRAD, RECORD_VERSION, deltas_dir, step_dir, tensor_identity
 
 log = logging.getLogger("adacheck")
@@ -124,7 +125,7 @@ def _record(events: Dict[object, object], device) -> None:
 def _arrange(slot: _Slot) -> None:
     """Lay the slot's staging buffers of the step just written out back to back, in file order
     (sorted keys), in one block-aligned allocation: the next step staged into them goes to the
-    device without another copy (:class:`~adacheck.format.writer.DirectFileWriter` writes the run
+    device without another copy (:class:`~adacheck.storage.direct.DirectFileWriter` writes the run
     straight from memory when it is stored as staged, e.g. inexact fp32 gradients).  Done again
     only when the staged keys, dtypes or shapes change.  Dtypes whose sizes would misalign a
     view are left in separate buffers."""
@@ -208,7 +209,7 @@ class DeltaLog:
         self._jobs: "queue.Queue" = queue.Queue()
         self._slot: Optional[_Slot] = None
         self._slot_step: Optional[int] = None
-        self._file_writer = store.tensor_writer()     # (the background thread's: O_DIRECT on POSIX)
+        self._file_writer = tensor_writer(store)     # (the background thread's: O_DIRECT on POSIX)
         if spares is not None and self._file_writer is not None:     # (files to write over: the memory tier's)
             self._file_writer.spares = SpareFiles(spares)
         self._thread = threading.Thread(target=self._run, name=f"adacheck-deltas-r{rank}", daemon=True)
@@ -438,7 +439,7 @@ class DeltaLog:
         size = 0
         if tensors:
             fname = f"rank{self.rank}.safetensors"
-            size = store.write_tensors(store.join(d, fname), tensors, {"format": "adacheck-delta"}, fsync=self.fsync,
+            size = write_tensors(store, store.join(d, fname), tensors, {"format": "adacheck-delta"}, fsync=self.fsync,
                                        writer=self._file_writer)
         rec = {"version": RECORD_VERSION, "step": step, "rank": self.rank, "nonce": self.nonce,
                "file": fname, "file_bytes": size, "tensors": meta, "extra": extra_meta,

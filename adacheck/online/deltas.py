@@ -61,7 +61,7 @@ from ..format.hashing import bound_digest, check_digest_format, hash_tensor
 from ..format.safetensors_file import SafetensorsFile
 from ..storage.backends import LOCAL, PosixStorage, Storage, copy_file
 from ..types import DTYPES, torch_dtype
-from ..format.writer import SpareFiles
+from ..storage.direct import SpareFiles
 
 log = logging.getLogger("adacheck")
 

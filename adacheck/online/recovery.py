@@ -29,7 +29,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,92 +44,9 @@ from ..checkpoint.loading import LoadResult
 from ..checkpoint.reader import CheckpointReader
 from ..storage.backends import LOCAL, Storage
 from ..types import Manifest
+from ..integration import Partitions, Replaying
 
 log = logging.getLogger("adacheck")
-
-@dataclass(frozen=True)
-class Span:
-    """Elements [start, start + numel) of the parameter ``name`` (any hashable name the
-    integration gives it), lying at ``offset`` of a flat tensor an optimizer steps."""
-    name: object
-    start: int
-    numel: int
-    offset: int
-
-
-@dataclass
-class Partitions:
-    """A partitioned optimizer (each data-parallel rank steps its own slice of the parameters)
-    whose deltas were recorded on another number of data-parallel ranks: what
-    :func:`replay_partitions` needs from the integration.
-
-    - ``saving``: per saving rank this rank can learn from (the same model-parallel
-      coordinates), what each tensor its optimizer stepped is made of (tensor key -> spans);
-    - ``held``: the spans this rank's optimizer holds now, each with an object of the
-      integration's (its *sink*: where ``put`` copies to);
-    - ``rebuild(reader, rank)``: that saving rank's tensors and optimizer state as the base holds
-      them (read with ``reader``, the base's), as a :class:`~adacheck.online.optimtap.Shadow` keyed
-      like ``saving[rank]``;
-    - ``put(sink, shadow, key, src, at, n)``: copy the ``n`` elements at ``src`` of the shadow
-      tensor ``key``, and of its optimizer state, to element ``at`` of the held span ``sink``;
-    - ``record_rank``: the saving rank whose record of the last step holds the scalars this rank
-      restores."""
-    saving: Dict[int, Dict[str, List[Span]]]
-    held: List[Tuple[Span, object]]
-    rebuild: Callable[[CheckpointReader, int], Shadow]
-    put: Callable[[object, Shadow, str, int, int, int], None]
-    record_rank: int
-
-
-@dataclass
-class ReplayPlan:
-    """How this job replays the deltas of a base: the integration's answer to
-    :meth:`Replaying.plan`.
-
-    - ``same_layout``: this job runs the layout that recorded them; every rank replays its own
-      record, and the online mode may continue the chain;
-    - ``record_rank``: otherwise, for an optimizer every data-parallel rank runs identically
-      (the same full gradients), the saving rank whose record this rank follows;
-    - ``partitions``: otherwise, for a partitioned optimizer, a function giving
-      :class:`Partitions` (called only when there are steps to replay);
-    - ``refused``: why the deltas do not replay in this job at all (the job then holds the base;
-      the deltas are kept).  Set when none of the above applies, or when the optimizer itself
-      differs (other code makes other arithmetic)."""
-    same_layout: bool
-    record_rank: Optional[int] = None
-    partitions: Optional[Callable[[], Partitions]] = None
-    refused: Optional[str] = None
-
-    def __post_init__(self):
-        if self.refused is None and not self.same_layout and self.record_rank is None and self.partitions is None:
-            raise ValueError("a ReplayPlan for another layout needs record_rank, partitions or refused")
-
-
-class Replaying(Protocol):
-    """What an integration provides to :func:`recover` (one object per load, made after the base
-    was loaded into the framework's objects)."""
-
-    #: the fields of a delta record this integration restores, besides ``COMMON``: checked on
-    #: every record before anything is applied (a damaged or foreign record fails cleanly)
-    expect: Expect
-
-    def plan(self, manifest: Manifest) -> ReplayPlan:
-        """How the deltas of the base ``manifest`` replay in this job (see :class:`ReplayPlan`)."""
-
-    def tap(self) -> OptimizerTap:
-        """A tap on this job's optimizers, naming their tensors as the recording job did (used
-        when the job has no online mode of its own, and removed after the replay)."""
-
-    def preclip(self, key: str, grad: torch.Tensor, args: dict) -> None:
-        """Unscale / clip ``grad`` (of tensor ``key``) in place with the framework's own code and
-        the recorded ``args`` (the norm, the clipping limit), as it did while recording."""
-
-    def restore(self, last: dict, plan: ReplayPlan) -> None:
-        """After the replay: the derived weights (low-precision or model weights from the master
-        weights, gathered where the framework gathers them) and what ``last``, the record of the
-        last step replayed, holds: counters, scheduler, loss scaler, RNG state (``rank_state``;
-        where the ranks are the saving job's)."""
-
 
 @dataclass
 class Recovered:

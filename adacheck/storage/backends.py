@@ -30,9 +30,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional, Pattern, Tuple
-
-import torch
+from typing import List, Optional, Pattern, Tuple
 
 from ..errors import AdaCheckError, ConfigError, StorageError
 
@@ -62,7 +60,7 @@ class Storage(ABC):
     A backend implements the abstract methods: reading ``exists``, ``is_dir``, ``list``, ``size``,
     ``mtime``, ``read_into``, ``read_bytes``; writing ``make_dirs``, ``open_writer`` (a
     :class:`FileWriter`), ``remove``, ``remove_tree``, ``remove_dir``, ``sync_dir``.  The rest
-    (``write_atomic``, ``write_tensors``, ``file_state``, ``read_range``, ...) is built on them,
+    (``write_atomic``, ``file_state``, ``read_range``, ...) is built on them,
     and a backend may do better.  ``renames``: whether files are written under a
     temporary name first (POSIX) or appear whole when their upload completes (object stores).
     """
@@ -156,24 +154,6 @@ class Storage(ABC):
         except BaseException:
             fw.abort()
             raise
-
-    def write_tensors(self, path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[dict] = None,
-                      fsync: bool = True, writer=None) -> int:
-        """A safetensors file of ``tensors`` (CPU, contiguous) under ``path``, committed; returns its
-        size.  ``writer``: this backend's reusable tensor writer (:meth:`tensor_writer`), if any."""
-        from ..format.writer import data_alignment, write_safetensors_to
-        fw = self.open_writer(path, fsync=fsync)
-        try:
-            write_safetensors_to(fw, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
-                                 metadata, data_alignment(tensors))
-            return fw.commit()
-        except BaseException:
-            fw.abort()
-            raise
-
-    def tensor_writer(self):
-        """A writer object for repeated :meth:`write_tensors` calls from one thread (None: none)."""
-        return None
 
     @abstractmethod
     def remove(self, path: str) -> None:
@@ -269,7 +249,7 @@ def _fsync_dir(path: str) -> None:
 class PosixStorage(Storage):
     """A local or shared POSIX filesystem: files are written under ``<name>.tmp``, fsynced and
     renamed (``fsync`` off: renamed without fsync); the directory is fsynced after a rename.
-    Delta files go through :class:`~adacheck.format.writer.DirectFileWriter` (``O_DIRECT``)."""
+    Delta files go through :class:`~adacheck.storage.direct.DirectFileWriter` (``O_DIRECT``)."""
 
     renames = True
 
@@ -308,18 +288,6 @@ class PosixStorage(Storage):
 
     def open_writer(self, path, fsync=True):
         return _PosixWriter(path, fsync)
-
-    def write_tensors(self, path, tensors, metadata=None, fsync=True, writer=None):
-        if writer is None:
-            return super().write_tensors(path, tensors, metadata, fsync)
-        tmp = path + self.TMP_SUFFIX
-        size = writer.write(tmp, tensors, metadata, fsync=fsync)
-        os.replace(tmp, path)
-        return size
-
-    def tensor_writer(self):
-        from ..format.writer import DirectFileWriter
-        return DirectFileWriter()
 
     def remove(self, path):
         try:

@@ -53,7 +53,9 @@ VERSION = 1
 SETTLE_MIN_S, SETTLE_MAX_S = 0.05, 2.0     # the pause before an acquisition reads back what stayed
 
 
-def _host() -> str:
+def node_id() -> str:
+    """Which machine this process runs on, for leases and for placing copies: $ADACHECK_NODE if
+    set (e.g. when containers share a host name), else the host name."""
     return os.environ.get("ADACHECK_NODE") or socket.gethostname()
 
 
@@ -91,7 +93,7 @@ def job_identity() -> Tuple[str, str]:
         return job, source
     me = _this_process()
     if me["generated"] is None:
-        me["generated"] = f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        me["generated"] = f"{node_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return me["generated"], "made by AdaCheck (no $ADACHECK_JOB or torchrun run id)"
 
 
@@ -141,7 +143,7 @@ class Lease:
         """Its rank 0 ran on this host and that process is gone (a crashed or killed job restarted
         on the same machine): the lease is dead now, not only once its time to live has passed.
         (A pid reused by another process only makes this wait for the expiry.)"""
-        if self.host != _host() or self.pid <= 0 or self.pid == os.getpid():
+        if self.host != node_id() or self.pid <= 0 or self.pid == os.getpid():
             return False
         try:
             os.kill(self.pid, 0)
@@ -271,7 +273,7 @@ def acquire(store: Storage, save_dir: str, ttl_s: float, takeover: bool,
         store.remove(path)
     action, generation = decide(current, job, incarnation, takeover, now, save_dir)
     acquired = current.acquired if action == "renew" else now
-    mine = Lease(job, incarnation, _host(), os.getpid(), acquired, now, float(ttl_s), generation, source)
+    mine = Lease(job, incarnation, node_id(), os.getpid(), acquired, now, float(ttl_s), generation, source)
     store.make_dirs(save_dir)
     store.write_atomic(path, mine.to_bytes(), fsync=False)
     holding = Holding(path, save_dir, job, incarnation, generation, float(ttl_s))

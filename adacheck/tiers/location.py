@@ -43,7 +43,7 @@ SPARES = ".spare-deltas"        # in a job's memory directory: delta files of re
 
 
 def spares_of(mem: str) -> str:
-    """The directory of spare delta files (:class:`~adacheck.format.writer.SpareFiles`) of the memory
+    """The directory of spare delta files (:class:`~adacheck.storage.direct.SpareFiles`) of the memory
     directory ``mem``."""
     return os.path.join(mem, SPARES)
 

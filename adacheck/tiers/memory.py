@@ -41,11 +41,12 @@ from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..storage import commit
+from ..storage import manifest_files
 from ..online import deltas
 from ..errors import AdaCheckError, SaveWarning
 from ..plan.exchange import agree
 from ..storage.backends import LOCAL, Storage
-from ..format.writer import SpareFiles
+from ..storage.direct import SpareFiles
 from .location import DELTA_FILE, SOURCE_NAME, remove_job_memory, durable_key, memory_location, spares_of
 from .peers import NodeSpread
 from .persist import ChainCopy, held_in, persist_checkpoint
@@ -166,7 +167,7 @@ class MemoryTier:
         last = self.newest.get(durable)
         if last is None:
             return
-        if commit.has_manifest(os.path.join(last[0], last[1]), LOCAL):
+        if manifest_files.has_manifest(os.path.join(last[0], last[1]), LOCAL):
             self.committed[durable] = last
         elif self.due.get(durable) == last[1]:
             self.owed.add(durable)    # (its copy was due: the next save is copied, not the interval's next)
@@ -338,7 +339,7 @@ class MemoryTier:
             chain.end(wait=True)
         for durable, newest in list(self.newest.items()):
             mem, tag, store, save_dir, update_latest = newest
-            if not commit.has_manifest(os.path.join(mem, tag), LOCAL):
+            if not manifest_files.has_manifest(os.path.join(mem, tag), LOCAL):
                 # its memory save failed (said when it did): the newest that committed is the job's state
                 self._note_committed(durable)
                 before = self.committed.get(durable)
@@ -347,7 +348,7 @@ class MemoryTier:
                                 f"persisting {before[1]}, the newest checkpoint there, instead" if before else
                                 "no earlier checkpoint of this job is there either")
                 if before is None:
-                    if self.leads and not any(commit.has_manifest(os.path.join(mem, t), LOCAL) for t in LOCAL.list(mem)):
+                    if self.leads and not any(manifest_files.has_manifest(os.path.join(mem, t), LOCAL) for t in LOCAL.list(mem)):
                         remove_job_memory(mem)     # (no committed checkpoint there: nothing to keep)
                     continue
                 mem, tag, store, save_dir, update_latest = before
@@ -370,9 +371,9 @@ class MemoryTier:
             if done and self.leads and self.rank != 0:
                 # (another node's memory: it goes once rank 0 has committed the copy in durable storage)
                 deadline, dst = time.monotonic() + 120.0, store.join(save_dir, tag)
-                while not commit.has_manifest(dst, store) and time.monotonic() < deadline:
+                while not manifest_files.has_manifest(dst, store) and time.monotonic() < deadline:
                     time.sleep(0.1)
-                done = commit.has_manifest(dst, store)
+                done = manifest_files.has_manifest(dst, store)
             if done and self.leads:
                 remove_job_memory(mem)
         self.newest.clear()

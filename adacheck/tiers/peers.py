@@ -20,7 +20,7 @@ from ..format.compression import ENCODING_KEY
 from ..errors import FormatError
 from ..format.safetensors_file import SafetensorsFile
 from ..storage.backends import LOCAL
-from ..format.writer import SpareFiles
+from ..storage.direct import SpareFiles
 from .location import spares_of
 
 log = logging.getLogger("adacheck")

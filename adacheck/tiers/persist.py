@@ -12,6 +12,7 @@ import time
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from ..storage import commit
+from ..storage import manifest_files
 from ..online import deltas
 from ..format.manifest import RANKED_SINCE, meta_name, part_name, part_names, rank_file_name
 from ..format.manifest_read import parse
@@ -70,7 +71,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     manifest_bytes = LOCAL.read_bytes(LOCAL.join(src_dir, commit.MANIFEST_NAME))
     nonce = hashlib.sha256(manifest_bytes).hexdigest()
     manifest = parse(manifest_bytes.decode("utf-8"), where=LOCAL.join(src_dir, commit.MANIFEST_NAME),
-                     open_part=commit.PartFiles(LOCAL, src_dir))
+                     open_part=manifest_files.PartFiles(LOCAL, src_dir))
     dst = dst_store.join(dst_dir, tag)
     dst_store.make_dirs(dst)
     copiers = _copiers(manifest)
@@ -101,7 +102,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
         time.sleep(0.05)
     confirm(dst_store, dst, files)
     fence(dst_store, dst_dir, f"copying the manifest of {tag!r} from the memory tier")
-    commit.write_manifest_bytes(dst, manifest_bytes, dst_store)
+    manifest_files.write_manifest_bytes(dst, manifest_bytes, dst_store)
     for r in copiers:
         dst_store.remove(dst_store.join(dst, _marker(r)))
     if update_latest:

@@ -11,6 +11,7 @@ import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..storage import commit
+from ..storage import manifest_files
 from ..online import deltas
 from ..errors import AdaCheckError, FormatError
 from ..format.manifest import JOB_OBJECTS, RANK_OBJECT, meta_name, part_name, part_names, rank_file_name, referenced_files, writer_of
@@ -41,7 +42,7 @@ def holdings(mem: str) -> Dict[str, dict]:
             continue
         try:
             raw = LOCAL.read_bytes(path)
-            m = parse(raw.decode("utf-8"), where=path, open_part=commit.PartFiles(LOCAL, d))
+            m = parse(raw.decode("utf-8"), where=path, open_part=manifest_files.PartFiles(LOCAL, d))
         except (AdaCheckError, UnicodeDecodeError, OSError) as e:
             log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", path, e)
             continue
@@ -207,7 +208,7 @@ def newer_in_memory(reports: Sequence[Optional[dict]], latests: Sequence[Optiona
     d = store.join(load_dir, latest)
     try:      # (its bytes once: the step, and the digest memory's copies are compared by)
         raw = store.read_bytes(store.join(d, commit.MANIFEST_NAME))
-        step = parse(raw.decode("utf-8"), where=d, open_part=commit.PartFiles(store, d)).step
+        step = parse(raw.decode("utf-8"), where=d, open_part=manifest_files.PartFiles(store, d)).step
     except (AdaCheckError, OSError, UnicodeDecodeError):
         return "memory", chosen
     digest = hashlib.sha256(raw).hexdigest()
