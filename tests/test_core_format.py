@@ -16,7 +16,7 @@ from adacheck.format.boxes import flat_range_to_boxes
 from adacheck.checkpoint import (Checkpointer, CheckpointReader, DeferredSource, LegacyFormatWarning, load, Options, resolve, save)
 from adacheck.integration import LocalShard, LocalState
 from adacheck.format.manifest import checksum, shard_file_of, writer_of
-from adacheck.plan.planner import file_name
+from adacheck.format.manifest import file_name
 from adacheck.errors import DistributedError, FormatError, IntegrityError, NotFoundError
 from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box

@@ -17,7 +17,7 @@ from ..storage import manifest_files
 from ..types import Manifest
 from . import writer_process
 from .options import Options
-from .saving import Snapshot, shown_dir
+from .steps import Snapshot, shown_dir
 from .staging import Staging
 
 log = logging.getLogger("adacheck")

@@ -27,7 +27,8 @@ from .loading import LoadResult, Loader
 from .options import DEFAULT_CACHES, Caches, Options
 from ..storage.lease import node_id
 from .reader import CheckpointReader
-from .saving import SavePipeline, Snapshot, describe_save, save_report, shown_dir
+from .saving import SavePipeline, describe_save, save_report
+from .steps import Snapshot, shown_dir
 from ..integration import LocalState, Restore
 
 if TYPE_CHECKING:

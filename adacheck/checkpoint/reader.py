@@ -178,6 +178,88 @@ class RankObjectLookup(Mapping):
         return len(list(iter(self)))
 
 
+class BoxCache:
+    """Verified boxes kept for reuse, at most ``limit`` bytes of them (the least recently used go
+    first, but never the newest).  A key names the identity its bytes were verified for."""
+
+    def __init__(self, limit: int):
+        self.items: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        self.bytes, self.limit = 0, limit
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.items
+
+    def get(self, key: tuple) -> Optional[torch.Tensor]:
+        t = self.items.get(key)
+        if t is not None:
+            self.items.move_to_end(key)
+        return t
+
+    def put(self, key: tuple, t: torch.Tensor) -> None:
+        self.items[key] = t
+        self.bytes += t.numel() * t.element_size()
+        while self.bytes > self.limit and len(self.items) > 1:
+            _, old = self.items.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.bytes = 0
+
+
+class CopyOrder:
+    """Per stored region, the copies to try in order: all of one variant (the one ``prefer_rank``
+    held, else the lowest holder's), its own file first; with ``prefer_present`` (a memory-tier
+    checkpoint across nodes, where a node's directory holds some copies of each region), copies
+    whose file is here before the others.  ``path_of`` gives a file entry's path on ``store``."""
+
+    def __init__(self, store: Storage, path_of: Callable[[str], str], prefer_rank: Optional[int],
+                 prefer_present: bool):
+        self.store, self.path_of, self.prefer_rank = store, path_of, prefer_rank
+        self.present: Optional[Dict[str, bool]] = {} if prefer_present else None
+
+    def __call__(self, boxes) -> List[list]:
+        by_region: Dict[Box, list] = {}
+        for sb in boxes:
+            by_region.setdefault(sb.box, []).append(sb)
+        out = []
+        for region, cands in by_region.items():
+            if self.present is not None:
+                cands = sorted(cands, key=lambda c: not self.here(c.file))
+            pick = cands[0]
+            if self.prefer_rank is not None:
+                pick = next((c for c in cands if self.prefer_rank in c.holders), pick)
+            same = [c for c in cands if c.hash == pick.hash]
+            out.append(sorted(same, key=lambda c: (c.file != pick.file, c.file)))
+        return out
+
+    def here(self, fname: str) -> bool:
+        if fname not in self.present:
+            self.present[fname] = self.store.size_if_file(self.path_of(fname)) is not None
+        return self.present[fname]
+
+
+def first_verified(stored: Callable[..., torch.Tensor], name: str, copies, out: Optional[torch.Tensor] = None,
+                   ) -> torch.Tensor:
+    """The first of ``copies`` (stored copies of one region of ``name``) that ``stored`` reads and
+    verifies, with a warning naming the damaged ones before it; an error naming each otherwise."""
+    errors = []
+    for sb in copies:
+        try:
+            t = stored(name, sb, out=out)
+        except (IntegrityError, FormatError, OSError) as e:
+            errors.append(e)
+            continue
+        if errors:
+            warnings.warn(f"AdaCheck: read {name} box {sb.box.key()} from its copy in {sb.file}; "
+                          f"the first copy is damaged: {errors[0]}", stacklevel=3)
+        return t
+    if len(errors) == 1:
+        raise errors[0]
+    raise IntegrityError(f"{name} box {copies[0].box.key()}: all {len(copies)} stored copies "
+                         "are unreadable: " + "; ".join(str(e) for e in errors))
+
+
 class CheckpointReader:
     """Reads boxes of logical tensors from a committed checkpoint, verifying hashes.
 
@@ -202,12 +284,10 @@ class CheckpointReader:
                           "data unnoticed. Save it again with this version to bind them.",
                           LegacyFormatWarning, stacklevel=2)
         self.prefer_rank = prefer_rank
-        # (a memory-tier checkpoint across nodes: a node's directory holds some copies of each region)
-        self._present: Optional[Dict[str, bool]] = {} if prefer_present else None
+        self._copies = CopyOrder(store, self.path_of, prefer_rank, prefer_present)
         self._files: Dict[str, SafetensorsFile] = {}
         # (file, key, tensor, box) -> verified bytes: one entry serves only the identity it was verified for
-        self._cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-        self._cache_bytes, self._cache_limit = 0, cache_bytes
+        self._cache = BoxCache(cache_bytes)
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
         self._held: Optional[Dict[str, TensorEntry]] = None
@@ -279,7 +359,6 @@ class CheckpointReader:
     def drop_cache(self) -> None:
         """Forget the verified boxes kept so far (their memory goes)."""
         self._cache.clear()
-        self._cache_bytes = 0
 
     def entry(self, name: str, whole: bool = False):
         """Tensor ``name``'s entry: its kind, dtype, shape and derivation; its boxes are the whole
@@ -311,9 +390,9 @@ class CheckpointReader:
         """Stored box ``sb`` of ``name``, verified; read straight into ``out`` when given
         (contiguous, the stored dtype and shape), else kept in the cache."""
         ck = (sb.file, sb.key, name, sb.box)
-        if ck in self._cache:
-            self._cache.move_to_end(ck)
-            return self._cache[ck] if out is None else out.copy_(self._cache[ck])
+        kept = self._cache.get(ck)
+        if kept is not None:
+            return kept if out is None else out.copy_(kept)
         e = self.entry(name)
         f = self._file(sb.file)
         if sb.key not in f.entries:
@@ -344,34 +423,24 @@ class CheckpointReader:
                                      + "; the file is corrupt (bit flip or partial write)"
                                      + (" or the manifest was edited" if self.bound else "")
                                      + ". Restore it or load an older checkpoint.")
-        if out is not None:
-            return t
-        nbytes = t.numel() * t.element_size()
-        self._cache[ck] = t
-        self._cache_bytes += nbytes
-        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.numel() * old.element_size()
+        if out is None:
+            self._cache.put(ck, t)
         return t
 
     def derived_box(self, name: str, e, dbox: Box, digest: str) -> torch.Tensor:
         """Box ``dbox`` of the derived tensor ``name``: its source's elements cast as saved, checked
         against the digest its holders recorded (kept in the cache)."""
         ck = ("derived", name, dbox)
-        if ck in self._cache:
-            self._cache.move_to_end(ck)
-            return self._cache[ck]
+        kept = self._cache.get(ck)
+        if kept is not None:
+            return kept
         t = self.read(e.derived.source, dbox).to(torch_dtype(e.dtype))
         got = bound_digest(box_identity(name, e.dtype, e.shape, dbox.offsets, dbox.lengths), t)
         if got != digest:
             raise IntegrityError(f"{name} (box {dbox.key()}), derived from {e.derived.source}: the derived bytes hash "
                                  f"to {got} but its holders recorded {digest} when they saved it; the manifest was "
                                  "edited (its derivation or source) or the source is not what was saved")
-        self._cache[ck] = t
-        self._cache_bytes += t.numel() * t.element_size()
-        while self._cache_bytes > self._cache_limit and len(self._cache) > 1:
-            _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.numel() * old.element_size()
+        self._cache.put(ck, t)
         return t
 
     def _scratch(self, box: Box, dtype: torch.dtype) -> torch.Tensor:
@@ -380,46 +449,6 @@ class CheckpointReader:
         if self._scratch_buf.numel() < nbytes:
             self._scratch_buf = torch.empty(nbytes, dtype=torch.uint8)
         return self._scratch_buf[:nbytes].view(dtype).view(box.lengths)
-
-    def _choose(self, boxes):
-        """Per region, the stored copies to try in order: all of one variant (the one this
-        rank held, else the lowest holder's), this rank's own file first."""
-        by_region: Dict[Box, list] = {}
-        for sb in boxes:
-            by_region.setdefault(sb.box, []).append(sb)
-        out = []
-        for region, cands in by_region.items():
-            if self._present is not None:
-                cands = sorted(cands, key=lambda c: not self._here(c.file))
-            pick = cands[0]
-            if self.prefer_rank is not None:
-                pick = next((c for c in cands if self.prefer_rank in c.holders), pick)
-            same = [c for c in cands if c.hash == pick.hash]
-            out.append(sorted(same, key=lambda c: (c.file != pick.file, c.file)))
-        return out
-
-    def _here(self, fname: str) -> bool:
-        if fname not in self._present:
-            self._present[fname] = self.store.size_if_file(self.path_of(fname)) is not None
-        return self._present[fname]
-
-    def _stored_any(self, name: str, copies, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The first stored copy that reads and verifies; the error of each copy otherwise."""
-        errors = []
-        for sb in copies:
-            try:
-                t = self.stored(name, sb, out=out)
-            except (IntegrityError, FormatError, OSError) as e:
-                errors.append(e)
-                continue
-            if errors:
-                warnings.warn(f"AdaCheck: read {name} box {sb.box.key()} from its copy in {sb.file}; "
-                              f"the first copy is damaged: {errors[0]}", stacklevel=3)
-            return t
-        if len(errors) == 1:
-            raise errors[0]
-        raise IntegrityError(f"{name} box {copies[0].box.key()}: all {len(copies)} stored copies "
-                             "are unreadable: " + "; ".join(str(e) for e in errors))
 
     def read(self, name: str, box: Optional[Box] = None, dtype: Optional[torch.dtype] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -462,17 +491,17 @@ class CheckpointReader:
             return out
         filled = 0
         direct = out.is_contiguous() and out.dtype == torch_dtype(e.dtype)
-        for copies in self._choose(e.boxes):
+        for copies in self._copies(e.boxes):
             sb = copies[0]
             if sb.box == box and not any((c.file, c.key, name, c.box) in self._cache for c in copies):
                 # the whole request is one stored box: read it straight into out, or into a
                 # reused scratch buffer when out has another dtype (a cast) or layout
-                self._stored_any(name, copies, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
+                first_verified(self.stored, name, copies, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
                 if not direct:
                     out.copy_(self._scratch(box, torch_dtype(e.dtype)))
                 filled += box.numel
             elif box.intersect(sb.box) is not None:
-                filled += copy_intersection(out, box, self._stored_any(name, copies), sb.box)
+                filled += copy_intersection(out, box, first_verified(self.stored, name, copies), sb.box)
         if filled != box.numel:
             raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
                               f"asked for (box {box})")

@@ -15,21 +15,18 @@ import json
 import logging
 import time
 import warnings
-from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import replace
+from typing import Callable, Dict, Optional, Tuple
 
 from ..storage import commit
 from ..storage import manifest_files
-from ..plan import partition
 from ..errors import AdaCheckError, FormatError, IntegrityError, SaveWarning
 from ..plan.exchange import Comm, agree, exchange_for
 from ..storage.lease import Holding
-from ..tiers.persist import own_files
 from ..format.compression import ENCODING_KEY, Encoder
 from ..format.compression import check as check_compression
-from ..format.manifest import COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PAGED_SINCE, JOB_OBJECTS, dumps, meta_name, part_name, rank_file_name
-from ..format.manifest_read import ranked_tables
-from ..plan.planner import WritePlan, file_name, gc_paused, plan_save, previous_index
+from ..format.manifest import COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PAGED_SINCE, JOB_OBJECTS, dumps
+from ..plan.planner import WritePlan, gc_paused, plan_save, previous_index
 from ..types import Box, Manifest, meta_of_row, meta_row
 from .staging import Staging
 from ..storage.backends import LOCAL, Storage
@@ -39,19 +36,10 @@ from ..storage.lease import node_id
 from .reader import confirm_files
 from .state import Deferred, bytes_of, object_shards, shard_meta, split_chunks
 from ..integration import LocalShard, LocalState
+from .partitioned import PartitionedSteps
+from .steps import Exchanged, Prepared, Snapshot, Written
 
 log = logging.getLogger("adacheck")
-
-
-def ranges(ranks: List[int]) -> List[List[int]]:
-    """Sorted ranks as [first, end) ranges: [0, 1, 2, 5] -> [[0, 3], [5, 6]]."""
-    out: List[List[int]] = []
-    for r in ranks:
-        if out and out[-1][1] == r:
-            out[-1][1] = r + 1
-        else:
-            out.append([r, r + 1])
-    return out
 
 
 def host_tensors(shards: Dict[Tuple[str, Box], LocalShard], writes) -> Dict[str, object]:
@@ -144,79 +132,6 @@ def _exchange(comm: Comm, payload: dict, how: str, sent: Dict[int, Dict[int, Tup
     return gathered, comm.bytes_received([len(b) for b in blobs], how), sum(compact)
 
 
-@dataclass
-class Snapshot:
-    """Step 0 of a save, on this rank: what the integration's ``collect()`` returned, chunked, its
-    objects encoded.  An asynchronous save's tensors are host copies taken at the call; ``ready``
-    waits until their device-to-host copies have landed (None: nothing to wait for)."""
-    save_dir: str
-    tag: str
-    ckpt_dir: str
-    store: Storage
-    shards: Dict[Tuple[str, Box], LocalShard]
-    objects: Optional[dict]
-    rank_objects: dict
-    layout: dict
-    framework: dict
-    step: Optional[int]
-    started: float
-    ready: Optional[Callable[[], None]] = None
-    given_dir: str = ""     # save_dir as the caller named it (a URL for remote storage)
-    min_generation: int = 0     # the save's file generation is at least this (the memory tier: past the
-    # generations of the same tag in the checkpoint directory, where its files are copied)
-    lease: Optional[Holding] = None     # the save directory's lease this job holds (rank 0; adacheck.storage.lease)
-
-
-def shown_dir(snap: Snapshot) -> str:
-    """The checkpoint's directory as the caller would name it (a URL for remote storage)."""
-    return f"{snap.given_dir.rstrip('/')}/{snap.tag}" if snap.given_dir else snap.ckpt_dir
-
-
-@dataclass
-class Prepared:
-    """Step 1 of a save, on this rank: what it holds, chunked and hashed (``shards``), and what it
-    sends the others (``payload``: its (box, hash) list, objects, layout, node; rank 0 adds the
-    generation and the checkpoint new boxes may reference)."""
-    save_dir: str
-    tag: str
-    ckpt_dir: str
-    shards: Dict[Tuple[str, Box], LocalShard]
-    payload: dict
-    started: float
-    store: Storage = LOCAL     # where save_dir lives (Checkpointer.locate)
-    lease: Optional[Holding] = None     # (Snapshot.lease): checked before the manifest and 'latest'
-
-
-@dataclass
-class Exchanged:
-    """Step 2: every rank's payload on every rank, and what the exchange cost.  With the
-    partitioned exchange (:mod:`adacheck.plan.partition`) the (box, hash) lists go to their owners in
-    the plan step instead, and no rank gathers the others' payloads: ``gathered`` holds this
-    rank's, without ``metas`` (with rank 0's step and framework; rank 0's objects are the job's),
-    and each rank keeps its own objects and layout in its rank file; ``nodes``: every rank's node
-    where the plan needs it (copies > 1)."""
-    gathered: List[dict]
-    generation: int
-    previous: Optional[str]
-    stats: dict
-    partitioned: bool = False
-    nodes: Optional[List[str]] = None
-    index: Optional[dict] = None        # partitioned, on rank 0: the manifest's index (its parts' hashes at the commit)
-
-
-@dataclass
-class Written:
-    """Step 4: the size of every rank's file (0: it wrote none) and the storage's tag of its content
-    (None: none), both per rank (partitioned: empty; ``total``: the sum of the sizes), and this
-    rank's file name, size and tag."""
-    sizes: List[int]
-    tags: List[Optional[str]]
-    my_file: Optional[str]
-    my_size: int = 0
-    my_tag: Optional[str] = None
-    total: int = 0
-
-
 def human(n: float) -> str:
     """A byte count as people read it (B, KiB, MiB, GiB, TiB)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -259,6 +174,7 @@ class SavePipeline:
     def __init__(self, options: Options, caches: Caches,
                  fence: Callable[[Optional[Holding], Storage, str], None] = _unfenced, explains: bool = True):
         self.options, self.caches, self.fence, self.explains = options, caches, fence, explains
+        self.partitioned = PartitionedSteps(options, caches, self._remove_mine)
 
     def persist(self, comm: Comm, snap: Snapshot, update_latest: bool = True) -> Manifest:
         """Steps 1-6 of a save from its snapshot: hash, exchange, plan, write, commit, publish."""
@@ -338,34 +254,20 @@ class SavePipeline:
                     "previous": previous, "step": snap.step, "node": node_id(), "framework": snap.framework}
 
         payload = agree(comm, f"AdaCheck save of {ckpt_dir} (prepare)", run)
-        return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store, snap.lease)
+        return Prepared(save_dir, tag, ckpt_dir, snap.shards, payload, snap.started, store, snap.lease,
+                        how=exchange_for(opts.exchange, comm.world_size))
 
     def exchange(self, comm: Comm, prepared: Prepared) -> Exchanged:
         """Step 2: every rank's payload on every rank (partitioned: see :class:`Exchanged`)."""
-        t0 = time.perf_counter()
-        how = exchange_for(self.options.exchange, comm.world_size)
+        t0, how = time.perf_counter(), prepared.how
         if how == "partitioned":
-            p = prepared.payload
-            head = comm.broadcast_object({k: p[k] for k in ("generation", "previous", "step", "framework")})
-            mine = dict({k: v for k, v in p.items() if k != "metas"}, step=head["step"], framework=head["framework"])
-            nodes = self._nodes(comm, p["node"]) if self.options.copies > 1 else None
-            return Exchanged([mine], head["generation"], head["previous"],
-                             {"how": "partitioned", "seconds": time.perf_counter() - t0}, partitioned=True, nodes=nodes)
+            return self.partitioned.exchange(comm, prepared, t0)
         with gc_paused():
             gathered, received, compact = _exchange(comm, prepared.payload, how,
                                                     self.caches.exchanged)
         stats = {"how": how, "seconds": time.perf_counter() - t0, "bytes_received": received,
                  "ranks_sent_digest_only": compact}
         return Exchanged(gathered, gathered[0]["generation"], gathered[0]["previous"], stats)
-
-    def _nodes(self, comm: Comm, mine: str) -> List[str]:
-        """Every rank's node (the partitioned exchange's placement of copies on distinct nodes),
-        gathered at the job's first such save and then kept: one reduction checks that no rank's
-        node changed (or lost the list with its caches)."""
-        known = self.caches.nodes.get(comm.world_size)
-        if comm.any(known is None or known[comm.rank] != mine):
-            known = self.caches.nodes[comm.world_size] = comm.all_gather_object(mine)
-        return known
 
     def plan(self, comm: Comm, prepared: Prepared, exchanged: Exchanged) -> WritePlan:
         """Step 3 (pure, the same on every rank once the checkpoint to reference is indexed)."""
@@ -386,7 +288,7 @@ class SavePipeline:
             return index, {ref: n for ref, n in sizes.items() if n is not None}
 
         if exchanged.partitioned:
-            return self._plan_partitioned(comm, prepared, exchanged, index_previous)
+            return self.partitioned.plan(comm, prepared, exchanged, index_previous)
         previous, sizes = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (previous checkpoint {prev_tag})",
                                 index_previous)
         plan = plan_save([g["metas"] for g in exchanged.gathered], exchanged.generation, previous, file_sizes=sizes,
@@ -396,28 +298,6 @@ class SavePipeline:
             for w in plan.warnings:
                 warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=3)
         return plan
-
-    def _plan_partitioned(self, comm: Comm, prepared: Prepared, exchanged: Exchanged, previous_of) -> WritePlan:
-        """Step 3 with the partitioned exchange: this rank's writes and file, the entries of the
-        tensors it owns (the part of the manifest it writes at the commit); on rank 0 also the
-        warnings (warned there), the counts and the manifest's index."""
-        t0, gen = time.perf_counter(), exchanged.generation
-        placed, own, got, stats, held = partition.plan(
-            comm, prepared.payload["metas"], gen, previous_of, self.options.copies, exchanged.nodes,
-            self.caches.partitioned.setdefault(comm.world_size, partition.PartitionCache()), self.caches.plan,
-            f"AdaCheck save of {prepared.ckpt_dir}")
-        exchanged.stats.update(stats, seconds=exchanged.stats["seconds"] + time.perf_counter() - t0)
-        writes = {comm.rank: tuple(placed.writes)} if placed.writes else {}
-        files = {file_name(comm.rank, gen): {"writer": comm.rank, "nbytes": placed.nbytes}} if writes else {}
-        if got is None:
-            return WritePlan(tensors=own, writes=writes, files=files, warnings=(), stats={}, held=held)
-        for w in got.warnings:
-            warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
-        exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
-                           "tensors": got.tensors, "meta": got.meta, "referenced": got.referenced,
-                           "writers": ranges(got.writers)}      # (meta: written to its file, then its hash)
-        return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
-                         held=held)
 
     def _remove_mine(self, prepared: Prepared, *mine: Optional[str]) -> None:
         """This rank's files of a save that failed (its shard file, its part of the manifest)."""
@@ -445,8 +325,8 @@ class SavePipeline:
 
         size, tag = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (write)", run,
                           on_failure=lambda: self._remove_mine(prepared, my_file))
-        if exchange_for(self.options.exchange, comm.world_size) == "partitioned":      # (each in its rank file; their sum)
-            return Written([], [], my_file, size, tag, comm.sum_each([size])[0])
+        if prepared.how == "partitioned":
+            return self.partitioned.written(comm, my_file, size, tag)
         every = comm.all_gather_object((size, tag))
         return Written([k for k, _ in every], [t for _, t in every], my_file, size, tag, sum(k for k, _ in every))
 
@@ -458,49 +338,18 @@ class SavePipeline:
                  for f, info in plan.files.items()}
         stats = dict(plan.stats, file_bytes=written.total)
         version = COMPRESSED_SINCE if self.options.compression else FORMAT_VERSION
-        tensors, index, ranks, store, mine = plan.tensors, None, None, prepared.store, ()
+        tensors, index, ranks, mine = plan.tensors, None, None, ()
         rank_objects, layout = tuple(g["rank_objects"] for g in gathered), {"ranks": [g["layout"] for g in gathered]}
         topology = dict({"world_size": comm.world_size},
                         **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
         if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
-            version, gen, ckpt_dir = PAGED_SINCE, exchanged.generation, prepared.ckpt_dir
-            mine = (part_name(gen, comm.rank), rank_file_name(gen, comm.rank), meta_name(gen) if comm.rank == 0 else None)
+            version = PAGED_SINCE
             topology.pop("nodes", None)      # (each rank's is in its rank file, as are its bytes written)
             stats.pop("per_rank_bytes", None)
-            p = prepared.payload
-            tables = {"layout": p["layout"], "objects": p["rank_objects"],
-                      "files": {written.my_file: {"writer": comm.rank, "nbytes": written.my_size}}
-                      if written.my_file else {}, **({"node": p["node"]} if copies > 1 else {})}
-            # each rank confirms the next rank's file (no rank stats them all; a save directory that
-            # is not shared between nodes fails where the job crosses a node; a memory-tier save
-            # across nodes: the next rank on the node, whose directory is the node's own)
-            n, spread = comm.world_size, self.options.spread
-            confirmer = (comm.rank - 1) % n if spread is None else spread.before(comm.rank)
-            told = comm.all_to_all_bytes([json.dumps([written.my_file, written.my_size, written.my_tag]).encode()
-                                          if written.my_file and dst == confirmer else None
-                                          for dst in range(n)])
-            nxt = [(json.loads(b), src) for src, b in enumerate(told) if b]
-
-            def write_part():
-                confirm_files(store, prepared.ckpt_dir,
-                              {f: {"writer": src, "nbytes": k, "tag": t} for (f, k, t), src in nxt})
-                manifest_files.write_rank_file(ckpt_dir, gen, comm.rank, prepared.tag, plan.held or {}, tables,
-                                       self.options.fsync, store)
-                manifest_files.write_part(ckpt_dir, gen, comm.rank, prepared.tag, plan.tensors, self.options.fsync, store)
-                if comm.rank == 0:      # (what the index says of the tensors, bound by its hash)
-                    return manifest_files.write_meta(ckpt_dir, gen, prepared.tag, exchanged.index["meta"], self.options.fsync,
-                                             store)
-
-            meta = agree(comm, f"AdaCheck save of {ckpt_dir} (manifest parts)", write_part,
-                         on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
-            if spread is not None:      # (its peer copies: each rank's files, to its partner on the next node)
-                agree(comm, f"AdaCheck save of {ckpt_dir} (copies to other nodes)",
-                      lambda: spread.move_own(comm, ckpt_dir, prepared.tag, lambda r: own_files(gen, r)),
-                      on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
-            if comm.rank == 0:      # (its tables as a reader sees them: each rank's read from its rank file if asked)
-                index, where = dict(exchanged.index, meta=meta), store.join(ckpt_dir, MANIFEST_NAME)
-                tensors, ranks, files, rank_objects, layout = ranked_tables(
-                    index, prepared.tag, version, manifest_files.PartFiles(store, ckpt_dir), where)
+            parts = self.partitioned.write_parts(comm, prepared, exchanged, plan, written)
+            mine = parts.mine
+            if parts.tables is not None:
+                (tensors, ranks, files, rank_objects, layout), index = parts.tables, parts.index
         manifest = Manifest(
             format_version=version, tag=prepared.tag, step=gathered[0]["step"],
             framework=dict(gathered[0]["framework"], generation=exchanged.generation),
@@ -531,9 +380,8 @@ class SavePipeline:
                 else:
                     manifest_files.write_manifest(prepared.ckpt_dir, manifest, prepared.store)
 
-        parts = mine if exchanged.partitioned else ()
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (commit)", run,
-              on_failure=lambda: self._remove_mine(prepared, written.my_file, *parts))
+              on_failure=lambda: self._remove_mine(prepared, written.my_file, *mine))
         return manifest
 
     def _leads(self, comm: Comm) -> bool:

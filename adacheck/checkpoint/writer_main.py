@@ -16,7 +16,7 @@ from multiprocessing.reduction import recvfds
 
 from . import staging
 from .checkpointer import Checkpointer
-from .saving import Snapshot
+from .steps import Snapshot
 from ..errors import kind_of
 from ..plan.exchange import describe_error, world_in_store
 

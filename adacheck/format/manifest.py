@@ -27,7 +27,6 @@ import re
 from typing import Dict, Optional, Tuple
 
 from .hashing import hash_buffer
-from ..plan.planner import file_name
 from ..types import Derivation, Manifest, TensorEntry
 
 FORMAT = "adacheck"
@@ -51,7 +50,7 @@ MANIFEST_NAME = "manifest.json"
 FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
 RANK_OBJECT = re.compile(r"^rank\d+/")     # (the tensors of a rank's own objects, checkpoint._object_shards)
 JOB_OBJECTS = "object/"                     # (and of the job's objects, saved by rank 0)
-# planner.file_name's names: five digits of rank, more from rank 100,000 on
+# file_name's names: five digits of rank, more from rank 100,000 on
 SHARD_PATTERN = r"rank(\d{5,})-g(\d+)\.safetensors"
 _WRITER_FILE = re.compile("^" + SHARD_PATTERN + "$")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$")
@@ -72,6 +71,18 @@ def referenced_files(m: Manifest):
                [file_name(w, m.index["generation"]) for a, b in m.index["writers"] for w in range(a, b)])
         return {(None, f) for f in own} | {split_file(r) for r in m.index["referenced"]}
     return {split_file(b.file) for e in m.tensors.values() for b in e.boxes}
+
+
+def file_name(rank: int, generation: int) -> str:
+    """The shard file rank ``rank`` writes in a save of file generation ``generation``."""
+    return f"rank{rank:05d}-g{generation}.safetensors"
+
+
+def own_files(generation: int, rank: int) -> list:
+    """The names of the files ``rank`` writes in a save in parts (format 5): its shard file (if it
+    writes one), its part of the tensor table and its rank file; rank 0 the meta file too."""
+    return [file_name(rank, generation), part_name(generation, rank), rank_file_name(generation, rank)] + (
+        [meta_name(generation)] if rank == 0 else [])
 
 
 def part_name(generation: int, part: int) -> str:
@@ -247,13 +258,13 @@ def dumps(m: Manifest) -> str:
 
 
 def shard_file_of(fname: str) -> Optional[Tuple[int, int]]:
-    """(writing rank, generation) of a shard file's name (``planner.file_name``); None for other names."""
+    """(writing rank, generation) of a shard file's name (:func:`file_name`); None for other names."""
     m = _WRITER_FILE.match(fname) if isinstance(fname, str) else None
     return (int(m.group(1)), int(m.group(2))) if m is not None else None
 
 
 def writer_of(fname: str) -> Optional[int]:
-    """The rank that wrote a shard file (``planner.file_name``), from its name; None for other files."""
+    """The rank that wrote a shard file (:func:`file_name`), from its name; None for other files."""
     written = shard_file_of(fname)
     return written[0] if written is not None else None
 

@@ -172,7 +172,7 @@ def _check_references(referenced, where: str) -> None:
 
 class _WrittenFiles:
     """The shard files a format 5 checkpoint's boxes may name in its own directory: those its
-    writers wrote in its generation (``planner.file_name``); their rank files give their sizes."""
+    writers wrote in its generation (``manifest.file_name``); their rank files give their sizes."""
 
     def __init__(self, generation: int, writers: list):
         self.generation, self.writers = generation, writers

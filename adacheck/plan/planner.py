@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..format.boxes import check_tiling
 from ..errors import StateError
 from ..format.hashing import owner_of
+from ..format.manifest import file_name
 from ..types import Box, Derivation, ShardMeta, StoredBox, TensorEntry, itemsize
 
 
@@ -44,10 +45,6 @@ class WritePlan:
     warnings: Tuple[str, ...]
     stats: dict
     held: Optional[dict] = None               # partitioned: this rank's rank file (its held entries, JSON)
-
-
-def file_name(rank: int, generation: int) -> str:
-    return f"rank{rank:05d}-g{generation}.safetensors"
 
 
 PreviousIndex = Dict[Tuple[str, Box], Tuple[str, str, List[Tuple[str, str]]]]

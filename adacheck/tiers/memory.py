@@ -38,19 +38,17 @@ import threading
 import time
 import warnings
 from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ..storage import commit
 from ..storage import manifest_files
 from ..online import deltas
-from ..errors import AdaCheckError, SaveWarning
-from ..plan.exchange import agree
+from ..errors import SaveWarning
 from ..storage.backends import LOCAL, Storage
 from ..storage.direct import SpareFiles
 from .location import DELTA_FILE, SOURCE_NAME, remove_job_memory, durable_key, memory_location, spares_of
 from .peers import NodeSpread
 from .persist import ChainCopy, held_in, persist_checkpoint
-from .recovery import fetch, holdings, newer_in_memory, plan_recovery
 from .persist import persist_chain
 
 log = logging.getLogger("adacheck")
@@ -78,7 +76,6 @@ class MemoryTier:
         self.rank = 0
         self.leads = True              # this rank keeps its node's memory directory (its lowest rank)
         self.nodes: Optional[Tuple[str, ...]] = None
-        self.across = False            # the last load ran on several nodes
         self.online = False            # the job records online deltas into the memory copies
         self.chain: Optional[ChainCopy] = None     # the persisted base's deltas going to durable storage
         self.fence: Optional[Callable] = None      # (persist_checkpoint's): this job still owns the directory
@@ -262,68 +259,6 @@ class MemoryTier:
             warnings.warn(f"AdaCheck: copying {tag} from the memory tier to durable storage failed; it stays in "
                           f"memory and the checkpoint directory is as it was (on_error: warn): {e}", SaveWarning,
                           stacklevel=3)
-
-    # ------------------------------------------------------------------ load
-    def choose(self, comm, store: Storage, load_dir: str, tag: Optional[str], everything: bool = False,
-               reads_objects_of: Sequence[int] = ()) -> Tuple[Storage, str, str, Optional[str]]:
-        """(storage, directory, tier, tag) to load from: the memory tier when the nodes' memories
-        hold ``tag`` complete between them (or, without one, the checkpoint the memory's ``latest``
-        names, as every save that moves ``latest`` writes it there first: see :func:`newer_in_memory`),
-        else the checkpoint directory (tag as given).  Decided by rank
-        0 for every rank; a node that lacks files its ranks need (a node replaced after a loss:
-        the peer copies; another layout: every region, as with ``everything``) gets them from the
-        nodes that hold them first (collective), and the objects of the saving ranks each of its
-        ranks reads (``reads_objects_of``, see Checkpointer.load)."""
-        self.finish()
-        mem = self.location(store, load_dir)
-        placed = comm.all_gather_object((self.node_id(), tuple(int(r) for r in reads_objects_of)))
-        nodes = [n for n, _ in placed]
-        self.across = len(set(nodes)) > 1
-        leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
-        # (rank 0 decides for every rank)
-        gathered = comm.gather_object((holdings(mem), commit.latest_or_none(mem, LOCAL)) if leads else None)
-
-        def decide():
-            reports = [g[0] if g else None for g in gathered]
-            newest = max(((h["step"], t) for rep in reports for t, h in (rep or {}).items()), default=None)
-            if tag is not None:
-                plan = plan_recovery(reports, nodes, str(tag), everything, reads_objects_of=[o for _, o in placed])
-                return ("memory", plan, newest) if plan is not None else ("durable", None, newest)
-            return newer_in_memory(reports, [g[1] for g in gathered if g], store, load_dir,
-                                   lambda t, below=None: plan_recovery(reports, nodes, t, everything, below=below,
-                                                                       reads_objects_of=[o for _, o in placed])) \
-                + (newest,)
-
-        where, plan, newest = comm.broadcast_object(decide() if comm.rank == 0 else None)
-        if where == "memory":
-            if plan["moves"] or plan["deltas"]:
-                t0 = time.perf_counter()
-                try:
-                    got = agree(comm, f"AdaCheck: the memory tier's {plan['tag']} to every node",
-                                lambda: fetch(comm, os.path.join(mem, plan["tag"]), plan))
-                except AdaCheckError as e:
-                    log.warning("AdaCheck: the memory tier's %s could not be gathered from the other nodes (%s); "
-                                "loading from durable storage", plan["tag"], e)
-                    return store, load_dir, "durable", tag
-                if got:
-                    log.info("AdaCheck: rank %d received %.1f MB of %s from other nodes' memory (a node's own memory "
-                             "lacked them) in %.2fs", comm.rank, got / 1e6, plan["tag"], time.perf_counter() - t0)
-            if tag is None and leads and os.path.isdir(mem) and commit.latest_or_none(mem, LOCAL) != plan["tag"]:
-                commit.write_latest(mem, plan["tag"], LOCAL)     # (a node that lacked it: its newest now)
-            log.info("AdaCheck: loading %s from the memory tier (%s) instead of %s", plan["tag"], mem, load_dir)
-            return LOCAL, mem, "memory", plan["tag"]
-        if newest is None:
-            log.warning("AdaCheck: the memory tier holds no checkpoint of %s for this job (%s); loading from "
-                        "durable storage", load_dir, mem)
-        elif plan is None:
-            log.warning("AdaCheck: the memory tier holds no complete checkpoint of %s%s (every node's memory "
-                        "together lacks files of its newest, %s, step %s: a node and its peer copy were lost); "
-                        "loading from durable storage", load_dir, "" if tag is None else f" named {tag}", newest[1],
-                        newest[0])
-        else:
-            log.warning("AdaCheck: the memory tier's newest complete checkpoint of %s (%s, step %s) is older than "
-                        "durable storage's; loading from durable storage", load_dir, plan["tag"], plan["step"])
-        return store, load_dir, "durable", tag
 
     # ------------------------------------------------------------------ exit
     def close(self) -> None:

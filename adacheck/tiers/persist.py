@@ -14,9 +14,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from ..storage import commit
 from ..storage import manifest_files
 from ..online import deltas
-from ..format.manifest import RANKED_SINCE, meta_name, part_name, part_names, rank_file_name
+from ..format.manifest import RANKED_SINCE, own_files, part_name, part_names
 from ..format.manifest_read import parse
-from ..plan.planner import file_name
 from ..storage.backends import LOCAL, Storage, copy_file
 from .location import PERSIST_TIMEOUT_S
 from .location import CHAIN_COPIED
@@ -27,13 +26,6 @@ log = logging.getLogger("adacheck")
 
 def _marker(rank: int) -> str:
     return f".persisted-rank{rank:05d}"
-
-
-def own_files(generation: int, rank: int) -> List[str]:
-    """The names of the files ``rank`` writes in a save in parts (format 5): its shard file (if it
-    writes one), its part of the tensor table and its rank file; rank 0 the meta file too."""
-    return [file_name(rank, generation), part_name(generation, rank), rank_file_name(generation, rank)] + (
-        [meta_name(generation)] if rank == 0 else [])
 
 
 def _copied_by(manifest, rank: int) -> List[str]:

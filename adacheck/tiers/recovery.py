@@ -31,7 +31,7 @@ def _own_shards(m) -> set:
 def holdings(mem: str) -> Dict[str, dict]:
     """What this node's memory holds of ``mem``: per checkpoint with a manifest, its step, the
     manifest's digest, the files present (name -> size) and, per stored region, (its copies'
-    files, the ranks that held it); for :meth:`MemoryTier.choose` across nodes."""
+    files, the ranks that held it); for :meth:`~adacheck.tiers.tiered.TieredLoader.choose_tier` across nodes."""
     out: Dict[str, dict] = {}
     if not os.path.isdir(mem):
         return out

@@ -9,7 +9,9 @@ checkpoint of either tier (:class:`TieredLoader`)."""
 from __future__ import annotations
 
 import logging
-from typing import Optional, Tuple
+import os
+import time
+from typing import Optional, Sequence, Tuple
 
 from ..checkpoint import lifecycle
 from ..checkpoint.checkpointer import Checkpointer, Recording, start_chain
@@ -19,14 +21,15 @@ from ..storage.lease import node_id
 from ..checkpoint.reader import confirm_files
 from ..errors import AdaCheckError
 from ..integration import Restore
-from ..plan.exchange import Comm
+from ..plan.exchange import Comm, agree
 from ..storage import commit
 from ..storage.backends import LOCAL, Storage
 from ..types import Manifest
 from .location import spares_of
 from .memory import MemoryTier
-from .peers import DeltaSpread
+from .peers import DeltaSpread, NodeSpread
 from .persist import newest_committed
+from .recovery import fetch, holdings, newer_in_memory, plan_recovery
 
 log = logging.getLogger("adacheck")
 
@@ -150,16 +153,79 @@ class TieredCheckpointer(Checkpointer):
 
 
 class TieredLoader(Loader):
-    """A load from the newest checkpoint of either tier (:meth:`MemoryTier.choose`)."""
+    """A load from the newest checkpoint of either tier (:meth:`choose_tier`)."""
 
     def __init__(self, options: Options, caches: Caches, locate, tier: MemoryTier):
         super().__init__(options, caches, locate)
         self.tier = tier
-        self.given: Optional[Tuple[Storage, str]] = None
+        self.given: Optional[Tuple[Storage, str]] = None     # the checkpoint directory asked for
+        self.across = False            # this load runs on several nodes
 
     def choose(self, comm, store, load_dir, tag, restore: Restore):
         self.given = (store, load_dir)
-        return self.tier.choose(comm, store, load_dir, tag, reads_objects_of=restore.reads_objects_of)
+        return self.choose_tier(comm, store, load_dir, tag, reads_objects_of=restore.reads_objects_of)
+
+    def choose_tier(self, comm, store: Storage, load_dir: str, tag: Optional[str], everything: bool = False,
+                    reads_objects_of: Sequence[int] = ()) -> Tuple[Storage, str, str, Optional[str]]:
+        """(storage, directory, tier, tag) to load from: the memory tier when the nodes' memories
+        hold ``tag`` complete between them (or, without one, the checkpoint the memory's ``latest``
+        names, as every save that moves ``latest`` writes it there first: see :func:`newer_in_memory`),
+        else the checkpoint directory (tag as given).  Decided by rank
+        0 for every rank; a node that lacks files its ranks need (a node replaced after a loss:
+        the peer copies; another layout: every region, as with ``everything``) gets them from the
+        nodes that hold them first (collective), and the objects of the saving ranks each of its
+        ranks reads (``reads_objects_of``, see Restore)."""
+        tier = self.tier
+        tier.finish()
+        mem = tier.location(store, load_dir)
+        placed = comm.all_gather_object((tier.node_id(), tuple(int(r) for r in reads_objects_of)))
+        nodes = [n for n, _ in placed]
+        self.across = len(set(nodes)) > 1
+        leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
+        # (rank 0 decides for every rank)
+        gathered = comm.gather_object((holdings(mem), commit.latest_or_none(mem, LOCAL)) if leads else None)
+
+        def decide():
+            reports = [g[0] if g else None for g in gathered]
+            newest = max(((h["step"], t) for rep in reports for t, h in (rep or {}).items()), default=None)
+            if tag is not None:
+                plan = plan_recovery(reports, nodes, str(tag), everything, reads_objects_of=[o for _, o in placed])
+                return ("memory", plan, newest) if plan is not None else ("durable", None, newest)
+            return newer_in_memory(reports, [g[1] for g in gathered if g], store, load_dir,
+                                   lambda t, below=None: plan_recovery(reports, nodes, t, everything, below=below,
+                                                                       reads_objects_of=[o for _, o in placed])) \
+                + (newest,)
+
+        where, plan, newest = comm.broadcast_object(decide() if comm.rank == 0 else None)
+        if where == "memory":
+            if plan["moves"] or plan["deltas"]:
+                t0 = time.perf_counter()
+                try:
+                    got = agree(comm, f"AdaCheck: the memory tier's {plan['tag']} to every node",
+                                lambda: fetch(comm, os.path.join(mem, plan["tag"]), plan))
+                except AdaCheckError as e:
+                    log.warning("AdaCheck: the memory tier's %s could not be gathered from the other nodes (%s); "
+                                "loading from durable storage", plan["tag"], e)
+                    return store, load_dir, "durable", tag
+                if got:
+                    log.info("AdaCheck: rank %d received %.1f MB of %s from other nodes' memory (a node's own memory "
+                             "lacked them) in %.2fs", comm.rank, got / 1e6, plan["tag"], time.perf_counter() - t0)
+            if tag is None and leads and os.path.isdir(mem) and commit.latest_or_none(mem, LOCAL) != plan["tag"]:
+                commit.write_latest(mem, plan["tag"], LOCAL)     # (a node that lacked it: its newest now)
+            log.info("AdaCheck: loading %s from the memory tier (%s) instead of %s", plan["tag"], mem, load_dir)
+            return LOCAL, mem, "memory", plan["tag"]
+        if newest is None:
+            log.warning("AdaCheck: the memory tier holds no checkpoint of %s for this job (%s); loading from "
+                        "durable storage", load_dir, mem)
+        elif plan is None:
+            log.warning("AdaCheck: the memory tier holds no complete checkpoint of %s%s (every node's memory "
+                        "together lacks files of its newest, %s, step %s: a node and its peer copy were lost); "
+                        "loading from durable storage", load_dir, "" if tag is None else f" named {tag}", newest[1],
+                        newest[0])
+        else:
+            log.warning("AdaCheck: the memory tier's newest complete checkpoint of %s (%s, step %s) is older than "
+                        "durable storage's; loading from durable storage", load_dir, plan["tag"], plan["step"])
+        return store, load_dir, "durable", tag
 
     def stage(self, comm, store, load_dir, tag, restore: Restore, tier):
         if tier != "memory":
@@ -167,13 +233,13 @@ class TieredLoader(Loader):
         try:     # a node's memory holds a copy of what its ranks held when saved, preferred
             return self._stage_present(comm, store, load_dir, tag, restore, tier)
         except AdaCheckError as e:
-            if not self.tier.across:
+            if not self.across:
                 raise
             # another layout than the holders of the saved regions tell: every node gets a copy of
             # every region, and the ranks stage again (nothing was applied)
             log.warning("AdaCheck: staging from the memory tier failed (%s); every node gathers the whole "
                         "checkpoint and tries again", str(e).splitlines()[0])
-            store, load_dir, tier, tag = self.tier.choose(comm, *self.given, tag, everything=True)
+            store, load_dir, tier, tag = self.choose_tier(comm, *self.given, tag, everything=True)
             return self._stage_present(comm, store, load_dir, tag, restore, tier)
 
     def _stage_present(self, comm, store, load_dir, tag, restore, tier):
