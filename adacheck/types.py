@@ -150,7 +150,7 @@ class Derivation:
 
     source: str
     op: str = "cast"
-    boxes: tuple = ()          # ((Box, digest), ...)
+    boxes: tuple = ()          # (Box, digest), ...
 
     def __post_init__(self):
         if self.op != "cast":

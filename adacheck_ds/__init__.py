@@ -84,7 +84,7 @@ def install() -> None:
 
     def __init__(self, *args, **kwargs):
         # validated before DeepSpeed builds anything: a mistake costs no model start-up
-        # (deepspeed.initialize passes the config parsed, as config_class)
+        # deepspeed.initialize passes the config parsed, as config_class
         raw = param_dict(kwargs.get("config_class"))
         config = AdaCheckConfig.in_config(raw, "DeepSpeed")
         if config is not None and config.enabled:
@@ -92,7 +92,7 @@ def install() -> None:
             refuse_config(raw)
         _ORIG["__init__"](self, *args, **kwargs)
         block = _block_of(self)
-        if config is None and block is not None:    # (a config DeepSpeed found some other way)
+        if config is None and block is not None:    # a config DeepSpeed found some other way
             config = AdaCheckConfig.from_dict(block)
         self.adacheck = None
         if config is not None and config.enabled:

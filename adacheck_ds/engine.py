@@ -106,8 +106,8 @@ def _native_checkpoint(load_dir: str, tag) -> Optional[str]:
     """The directory of a native DeepSpeed checkpoint that ``load_checkpoint(load_dir, tag)``
     means (DeepSpeed's 'latest' and AdaCheck's have the same name and content), or None."""
     if is_url(load_dir):
-        return None      # (DeepSpeed's loader reads local files only)
-    tag = str(tag) if tag is not None else latest_or_none(load_dir)   # (damaged: AdaCheck's load reports it)
+        return None      # DeepSpeed's loader reads local files only
+    tag = str(tag) if tag is not None else latest_or_none(load_dir)   # damaged: AdaCheck's load reports it
     if tag is None or os.path.basename(tag) != tag or tag in ("", ".", ".."):
         return None
     d = os.path.join(load_dir, tag)
@@ -158,7 +158,7 @@ class AdaCheckDeepSpeed:
     """The AdaCheck checkpointer attached to one engine (``engine.adacheck``)."""
 
     def __init__(self, engine, config: AdaCheckConfig):
-        refuse_engine(engine)   # (at deepspeed.initialize, not at the first save)
+        refuse_engine(engine)   # at deepspeed.initialize, not at the first save
         self.engine = engine
         self.config = config
         self.checkpointer = jobs.checkpointer(core.Options.from_config(config))   # this engine's job
@@ -167,7 +167,7 @@ class AdaCheckDeepSpeed:
         self.last_replay = None     # {"steps", "seconds", "bytes"} of the last load's delta replay
         self.replay_until = None    # load replays committed deltas up to this step (None: all)
         if config.save_dir:
-            self.checkpointer.check_writable(default_comm(), config.save_dir)   # (not hours later)
+            self.checkpointer.check_writable(default_comm(), config.save_dir)   # not hours later
         self.online = OnlineDS(self) if config.online.enabled else None
         if self.online is not None or config.async_save or config.tiers.memory:
             # one hook on the engine's step and destroy: the online mode records each step, a
@@ -188,14 +188,14 @@ class AdaCheckDeepSpeed:
         out = self._step(*args, **kwargs)
         if online is not None and self.engine.global_steps != before:
             online.after_step()
-        self.checkpointer.poll()     # (one attribute test when no save is in flight)
+        self.checkpointer.poll()     # one attribute test when no save is in flight
         return out
 
     def _finish_and_destroy(self, *args, **kwargs):
         self.finish()
         if self.checkpointer.has_tiers:
             if self.online is not None:
-                self.online.flush()       # (its last steps go to durable storage with their base)
+                self.online.flush()       # its last steps go to durable storage with their base
             self.checkpointer.tier.close()
         if self.online is not None:
             self.online.close()
@@ -234,10 +234,10 @@ class AdaCheckDeepSpeed:
                                                           "pass one or set adacheck.save_dir")
         tag = self._agreed_tag(str(tag) if tag is not None else f"global_step{e.global_steps}")
         if given and default_comm().rank == 0:
-            # (a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer)
+            # a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer
             pointer.leave(self.checkpointer.where, given, save_dir, tag, e.global_steps)
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
-        with checkpoint_event(e.optimizer):     # (an async save's snapshot is taken inside)
+        with checkpoint_event(e.optimizer):     # an async save's snapshot is taken inside
             if self.config.async_save and self.online is None:
                 self.checkpointer.save_async(default_comm(), save_dir, tag, collect, update_latest=save_latest)
             else:
@@ -328,9 +328,9 @@ class AdaCheckDeepSpeed:
         every = default_comm().all_gather_object(spec.tree())
         params, buffers, groups, shared, seen = [], [], [[] for _ in spec.groups], {}, set()
         split: Dict[str, int] = {}
-        for tree in every:      # (global rank order: the stages in order, each stage's ranks alike)
+        for tree in every:      # global rank order: the stages in order, each stage's ranks alike
             part = SavedModel.of(tree, "a stage's model description")
-            split.update(part.partition_dims)   # (a stage's tensor-parallel parameters: its own)
+            split.update(part.partition_dims)   # a stage's tensor-parallel parameters: its own
             for n, trainable in part.parameters:
                 if n not in seen:
                     seen.add(n)
@@ -377,7 +377,7 @@ class AdaCheckDeepSpeed:
         if custom_load_fn is not None:
             raise adacheck.ConfigError("custom_load_fn is not supported with AdaCheck checkpoints")
         if tag is None and e.load_universal_checkpoint():
-            tag = _latest_universal(load_dir)    # (None: AdaCheck's own 'latest')
+            tag = _latest_universal(load_dir)    # None: AdaCheck's own 'latest'
         self.finish()     # an asynchronous save in flight commits first
         if tag is None and not self.checkpointer.has_checkpoint(load_dir, comm):
             log.warning("AdaCheck: no checkpoint in %s (no 'latest'); nothing loaded", load_dir)

@@ -336,7 +336,7 @@ def run_rank(a) -> None:
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-    def done(k: int, what: str) -> None:      # (rank 0 reports 4 phases: built, loaded, saved, published)
+    def done(k: int, what: str) -> None:      # rank 0 reports 4 phases: built, loaded, saved, published
         if rank == 0:
             local_ranks.phase(k, 4, what)
     ds_config = read_json(a.ds_config) if a.ds_config else None
@@ -395,7 +395,7 @@ def run_rank(a) -> None:
         if rank == 0:
             publish(os.path.join(tmp, out_tag), os.path.join(a.out, out_tag), os.path.join(a.out, "latest"), out_tag)
             done(4, "published")
-    finally:        # (the native files' temporary directory: emptied by the publish, or failed)
+    finally:        # the native files' temporary directory: emptied by the publish, or failed
         if rank == 0 and tmp and a.direction == "to-native":
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -188,7 +188,7 @@ def native_pipeline(ckpt_dir: str, stage_files: List[str], pp: int):
     files: Dict[int, dict] = {}
     for f in glob.glob(os.path.join(ckpt_dir, "layer_*model_states.pt")):
         m = _LAYER_FILE.search(os.path.basename(f))
-        if m is None:       # (a MoE layer's per-expert file: layer_<l>_expert_...)
+        if m is None:       # a MoE layer's per-expert file: layer_<l>_expert_...
             continue
         if int(m.group(1)) in files:
             raise StateError(f"{ckpt_dir} holds more than one file of layer {int(m.group(1))} (a tensor-parallel "
@@ -223,7 +223,7 @@ def native_pipeline(ckpt_dir: str, stage_files: List[str], pp: int):
         if tied_key(n) is not None:
             tied_state.setdefault(tied_key(n), set()).add(n.split(".", 2)[2])
 
-    def tied_weights(key):   # (the tied module's parameters: what DeepSpeed keeps equal across stages)
+    def tied_weights(key):   # the tied module's parameters: what DeepSpeed keeps equal across stages
         return sorted(tied_state[key] - {b.split(".", 2)[2] for b in buffer_names if tied_key(b) == key})
     layers: Dict[int, list] = {}
     for i, sd in files.items():
@@ -277,7 +277,7 @@ def native_pipeline(ckpt_dir: str, stage_files: List[str], pp: int):
     if missing:
         raise StateError(f"{ckpt_dir}: {missing[:4]} are listed by a stage but held by no layer file; the "
                          "checkpoint is incomplete")
-    params.sort(key=lambda p: (index(p[0]) is not None, index(p[0]) or 0))    # (stable: tied first)
+    params.sort(key=lambda p: (index(p[0]) is not None, index(p[0]) or 0))    # stable: tied first
     buffers.sort(key=lambda b: (index(b[0]) is not None, index(b[0]) or 0))
     return params, buffers, groups, pipeline
 
@@ -344,7 +344,7 @@ def native_experts(ckpt_dir: str, module: dict, sd: dict):
     for n, t in module.items():
         out[n] = t
         for layer, path in enumerate(paths):
-            if n == path + gate:    # (MOELayer holds its gate, then its experts)
+            if n == path + gate:    # MOELayer holds its gate, then its experts
                 for gid in range(counts[layer]):
                     out.update(experts[layer][gid])
 
@@ -413,7 +413,7 @@ def spec_from_native(ckpt_dir: str, ds_config: Optional[dict] = None,
         torch.float16 if (cfg.get("fp16") or {}).get("enabled") else torch.float32)
     # every parameter's whole shape (a ZeRO-3 module holds empty placeholders), frozen ones too
     full_shape = {n: tuple(s) for g in [*(shapes or []), sd.get("frozen_param_shapes") or {}] for n, s in g.items()}
-    # (a tied weight is stored under each of its names; the optimizer knows it by the first)
+    # a tied weight is stored under each of its names; the optimizer knows it by the first
     shared = native_aliases(module, sd.get("shared_params"), buffer_names)
     param_names = [n for n in module if n not in buffer_names and n not in shared]
     tp = int(sd.get("mp_world_size") or 1)

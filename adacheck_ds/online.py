@@ -39,7 +39,7 @@ def _tap(engine) -> tuple:
         raise ConfigError("adacheck.online needs an optimizer (the engine has none)")
     # tensor-parallel ranks hold other slices under the same optimizer positions: keys carry the
     # TP rank, so equal keys mean the same tensor
-    # (and pipeline stages other tensors altogether)
+    # and pipeline stages other tensors altogether
     stage, stages = pipeline(engine)
     prefix = (f"tp{lay.tp[0]}." if lay.tp[1] > 1 else "") + (f"pp{stage}." if stages > 1 else "")
     return lay, OptimizerTap([lay.base_optimizer], prefix=prefix, extra=[lay.wrapper.tap_tensors()])
@@ -98,7 +98,7 @@ class Replay:
     def __init__(self, ac, saved_optimizer: Optional[str] = None):
         self.ac, self.engine, self.comm = ac, ac.engine, default_comm()
         self.lay = describe(ac.engine)
-        self.preclip = self.lay.wrapper.preclip      # (Replaying.preclip: the wrapper's own clipping)
+        self.preclip = self.lay.wrapper.preclip      # Replaying.preclip: the wrapper's own clipping
         self.saved_optimizer = saved_optimizer   # the base optimizer's class that recorded (None: not known)
         self.saving_world = 0
 
@@ -146,7 +146,7 @@ class Replay:
     def restore(self, last: dict, plan: integration.ReplayPlan) -> None:
         self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
         self.ac.apply_scalars(StepScalars.of(last, "the last delta record"))
-        if self.comm.rank < self.saving_world:   # (as the base load: a rank the saving job did not have keeps its RNG)
+        if self.comm.rank < self.saving_world:   # as the base load: a rank the saving job did not have keeps its RNG
             set_rng_state(last["rank_state"])
 
     def _partitions(self, saved: list, maps: list, follow: Optional[int]) -> integration.Partitions:
@@ -177,7 +177,7 @@ class Replay:
                     if name not in live:    # the base had not stepped yet
                         live[name] = torch.zeros_like(f.base_param)
                     live[name].view(-1).narrow(0, f.offset + at, n).copy_(v.view(-1).narrow(0, src, n))
-                else:                       # (every saving rank has the same step count)
+                else:                       # every saving rank has the same step count
                     live[name] = v.clone() if torch.is_tensor(v) else v
 
         held = [(integration.Span(f.name, f.start, f.numel, f.offset), f) for f in lay.frags]

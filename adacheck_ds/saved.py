@@ -13,7 +13,7 @@ from adacheck.format.records import Record, entry, number_map, of_kind, optional
 @dataclass
 class Scalars(Record):
     """What a step changes besides tensors: in every checkpoint and every online delta record."""
-    # (numbers as the engine keeps them: with sequence parallelism DeepSpeed counts samples in floats)
+    # numbers as the engine keeps them: with sequence parallelism DeepSpeed counts samples in floats
     counters: Dict[str, float] = entry(number_map, "an object of counters (global_steps, ...), numbers")
     lr_scheduler: Optional[dict] = entry(optional(dict), "the LR scheduler's state (an object) or null",
                                          default=None)

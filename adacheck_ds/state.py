@@ -282,7 +282,7 @@ def collect_shards(engine, lay: Layout) -> List[LocalShard]:
                                      f"that AdaCheck cannot map to parameters; supported: tensors "
                                      "(shaped like the parameter, or stored whole), and numbers")
                 if t.dim() and tuple(t.shape) == tuple(shape):
-                    # (a load takes a tensor of the parameter's shape for its elements)
+                    # a load takes a tensor of the parameter's shape for its elements
                     raise StateError(f"optimizer state {key!r} of {f.name} has the parameter's shape "
                                      f"{list(shape)} but not the {f.base_param.numel()} elements of the "
                                      "tensor the optimizer steps; AdaCheck cannot tell whether it is "
@@ -527,7 +527,7 @@ def apply_load(engine, st: Staged) -> None:
         named_buffers = dict(named(engine, buffers=True))
         for n, t in st.buffers.items():
             named_buffers[n].copy_(t)
-    if st.refresh:          # (collective: every rank decided the same from the manifest)
+    if st.refresh:          # collective: every rank decided the same from the manifest
         lay.wrapper.refresh()
     if st.optim_state is not None:
         with lay.wrapper.stepping():

@@ -71,7 +71,7 @@ def fp32_state_dict(ckpt_dir: str, exclude_frozen_parameters: bool = False,
     for n in [x for x in order if x in names] + [x for x in names if x not in trainable]:
         if not trainable.get(n, True):
             if not exclude_frozen_parameters:
-                out[n] = r.read(MODEL + n)       # (as DeepSpeed keeps it: in the training dtype)
+                out[n] = r.read(MODEL + n)       # as DeepSpeed keeps it: in the training dtype
         elif r.has(MASTER + n):
             out[n] = r.read(MASTER + n, dtype=torch.float32)
         else:
@@ -124,7 +124,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
     (torch.save) or, with ``safe_serialization``, ``model.safetensors``; split into numbered
     shards with an index file past ``max_shard_size``.  Returns the files written."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
-    cast: Dict[int, torch.Tensor] = {}     # (tied names stay one tensor)
+    cast: Dict[int, torch.Tensor] = {}     # tied names stay one tensor
     for k, t in state.items():
         state[k] = cast.setdefault(id(t), t.float() if t.is_floating_point() else t)
     shards = _shards(state, _size(max_shard_size))
@@ -136,7 +136,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str, output_dir: 
         part = {k: state[k] for k in keys}
         if safe_serialization:
             from safetensors.torch import save_file
-            seen = set()          # (tied names are one tensor; safetensors stores each name's own bytes)
+            seen = set()          # tied names are one tensor; safetensors stores each name's own bytes
             for k, t in part.items():
                 if id(t) in seen:
                     part[k] = t.clone()

@@ -159,12 +159,12 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             layout=topo, framework=framework, step=int(iteration))
 
     job, tag = checkpointer(optimizer, cfg), f"iter_{int(iteration):07d}"
-    # (the core refuses a non-persistent save without the memory tier)
+    # the core refuses a non-persistent save without the memory tier
     persist = None
     if non_persistent_ckpt or (cfg.tiers.memory and getattr(args, "non_persistent_save_interval", None)):
         persist = not non_persistent_ckpt
     if cfg.async_save and on is None and optimizer is not None:
-        # (with online deltas the bases stay synchronous: the next steps' deltas need them committed)
+        # with online deltas the bases stay synchronous: the next steps' deltas need them committed
         wrap_optimizer_step(optimizer)
         add_post_step_hook(poll_async_save)
         job.save_async(comm, save_dir, tag, collect, persist=persist)
@@ -175,7 +175,7 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     manifest = job.save(comm, save_dir, tag, collect, recorder=on.recorder if on is not None else None,
                         persist=persist)
     if on is not None and on.recorder.base_tag == manifest.tag:
-        on.iteration = int(iteration)    # (the new base of its chain)
+        on.iteration = int(iteration)    # the new base of its chain
     if comm.rank == 0:
         st = manifest.stats
         log.info("AdaCheck: saved iteration %d to %s in %.2fs (%d bytes written, %d referenced)",
@@ -300,7 +300,7 @@ class _Load(Restore):
         chunks = list(self.model)
         for i, chunk in enumerate(chunks):
             unwrap(chunk).load_state_dict(staged.state[chunk_key(i, len(chunks))], strict=self.strict)
-        if staged.mains is not None:       # (collective, as below)
+        if staged.mains is not None:       # collective, as below
             distopt_set_main(optimizer, staged.mains)
             distopt_refresh(optimizer, chunks)
         if not self.load_optim and optimizer is not None and hasattr(optimizer, "reload_model_params") and (
@@ -310,7 +310,7 @@ class _Load(Restore):
             if staged.distopt is not None:
                 distopt_apply(optimizer, staged.distopt, objects.distributed_optimizer,
                               objects.optimizer_never_stepped)
-                if staged.refreshed:      # (collective: every rank decided the same from the manifest)
+                if staged.refreshed:      # collective: every rank decided the same from the manifest
                     distopt_refresh(optimizer, chunks)
             else:
                 if any(objects.optimizer_never_stepped):     # exactly as saved: the first update creates the state
@@ -351,7 +351,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
             raise ConfigError("load_checkpoint takes a tag or an iteration, not both")
         tag, until = base_for_step(where, int(iteration), store), int(iteration)
     if tag is None and not job.has_checkpoint(load_dir, parallel.comm()):
-        # (complete checkpoints without a 'latest': the load names them, see checkpoint.resolve)
+        # complete checkpoints without a 'latest': the load names them, see checkpoint.resolve
         log.warning("AdaCheck: no checkpoint in %s; training from scratch", load_dir)
         return (0, 0, {}) if return_extra_state else (0, 0)
     finetune = bool(getattr(args, "finetune", False))

@@ -173,7 +173,7 @@ def _fully_reshardable(src: str, opt) -> Optional[list]:
 
     if distopt(opt):
         subs = [opt]
-    elif isinstance(opt, dict) and any(distopt(d) for d in opt.values()):    # (a ChainedOptimizer's)
+    elif isinstance(opt, dict) and any(distopt(d) for d in opt.values()):    # a ChainedOptimizer's
         subs = [opt[k] for k in sorted(opt)]
     else:
         return None
@@ -194,7 +194,7 @@ def _plain_sharded_objects(src: str) -> dict:
             for v in load_sharded_metadata(src).values()
             if isinstance(v, ShardedObject) and v.key not in ("rng_state", "common_state")}
     loaded = dist_checkpointing.load(want, src) if want else {}
-    for uk in sorted(want):   # (load also returns the common state, merged in)
+    for uk in sorted(want):   # load also returns the common state, merged in
         got = loaded[uk]
         try:
             jsontree.encode(got, uk)
@@ -227,7 +227,7 @@ def _deferred_shards(src: str, meta: dict, progress: Optional[Callable[[int, int
     source = core.DeferredSource(read)
     key_of = {MASTER_PREFIX + k[len(_DISTOPT_PARAM):] if k.startswith(_DISTOPT_PARAM) else k: k
               for k in sorted(meta)}
-    plan = []   # (name, shape, kind, its master, compare them?)
+    plan = []   # name, shape, kind, its master, compare them?
     for name in sorted(key_of):
         shape = tuple(meta[key_of[name]].global_shape)
         kind = kind_of(name)

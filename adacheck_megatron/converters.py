@@ -11,7 +11,7 @@ from adacheck.integration import Converter
 class TorchDist(Converter):
     name = "torch-dist"
     summary = "megatron-core dist_checkpointing (torch_dist), loadable into any TP/PP/EP/DP layout"
-    framework = None      # (Megatron's online deltas are materialised by the training script)
+    framework = None      # Megatron's online deltas are materialised by the training script
 
     def write(self, ckpt_dir, out, options, progress):
         from .convert import to_torch_dist

@@ -101,7 +101,7 @@ KNOWN_SIGNATURES = {
         [("ddp_model", "optimizer", "opt_param_scheduler", "load_arg", "strict",
           "checkpointing_context")],
         ("skip_load_to_model_and_opt",) + GROUP_PARAMS + (PREFIX_PARAM,)),
-    # (core_v0.19 swapped the first two; the wrapper uses only what it returns)
+    # core_v0.19 swapped the first two; the wrapper uses only what it returns
     "training.setup_model_and_optimizer": (
         [("model_provider_func", "model_type"), ("model_type", "model_provider_func")],
         ("checkpointing_context", "cfg_container", "pg_collection")),
@@ -210,7 +210,7 @@ def check_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentParse
                       "non-persistent checkpoints in its memory tier (and the persistent ones there and in "
                       "--adacheck-dir)")
     if cfg.online.enabled and getattr(args, "use_precision_aware_optimizer", False):
-        # (Transformer Engine's FusedAdam reads param.decoupled_grad, which the deltas do not record)
+        # Transformer Engine's FusedAdam reads param.decoupled_grad, which the deltas do not record
         _fail(parser, "--use-precision-aware-optimizer (and --optimizer-cpu-offload, which needs it) is not "
                       "supported with --adacheck-online")
     if cfg.save_dir:
@@ -282,7 +282,7 @@ def setup_hooks(model, optimizer, opt_param_scheduler, args) -> None:
     if cfg.online.enabled and optimizer is not None:
         from . import online
         on = online.online_of(optimizer)
-        if on is None:   # (the load inside setup attaches first)
+        if on is None:   # the load inside setup attaches first
             on = online.attach(model, optimizer, opt_param_scheduler, args, cfg)
             on.extra_state = lambda: _extra_state(args, on.iteration, pending=int(args.global_batch_size))
         if on.recorder.base_step is None and isinstance(getattr(args, "iteration", None), int):
@@ -324,7 +324,7 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg="load", stri
         for k in SAMPLE_COUNTERS:
             setattr(args, k, int(counters.get(k, 0)))
         # iterations replayed from online deltas after the base consumed one global batch each
-        # (no batch-size ramp-up with --adacheck-online)
+        # no batch-size ramp-up with --adacheck-online
         args.consumed_train_samples += (iteration - int(counters.get("iteration", iteration))) * int(
             args.global_batch_size)
         try:

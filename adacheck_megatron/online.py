@@ -78,7 +78,7 @@ def _replica_share(tap: OptimizerTap, optimizer, comm, spread=None) -> set:
     for kind, ks in keys.items():
         coords = DENSE_COORDS if kind == "dense" else EXPERT_COORDS
         group = [r for r, (t, d) in enumerate(alls) if recovery.same_coords(t, alls[me][0], coords) and d.get(kind) == digest[kind]]
-        if kind == "expert":    # (place() breaks ties towards a group's first rank: start at the other end)
+        if kind == "expert":    # place() breaks ties towards a group's first rank: start at the other end
             group.reverse()
         mine |= online.replica_share(tap, ks, group, me, spread)
     return mine
@@ -138,7 +138,7 @@ class OnlineMegatron:
         again with megatron-core's own function (:func:`preclip`)."""
         norm = float(total_norm)
         if self.tap.replaying or not math.isfinite(norm):
-            return      # (a norm JSON cannot hold: the clipped gradients are recorded instead)
+            return      # a norm JSON cannot hold: the clipped gradients are recorded instead
         args = {"norm": norm, "clip": float(max_norm)}
         for p in params:
             self.recorder.note_preclip_of(p, p.grad, args)
@@ -176,13 +176,13 @@ def _tap_clipping() -> None:
     from megatron.core.optimizer import optimizer as mo
     original = getattr(mo, "clip_grad_by_total_norm_fp32", None)
     if original is None or getattr(original, "_adacheck_original", None) is not None:
-        return      # (not there: the gradients are recorded as clipped, which replays too)
+        return      # not there: the gradients are recorded as clipped, which replays too
 
     @functools.wraps(original)
     def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
         params = [parameters] if torch.is_tensor(parameters) else list(parameters)
         if not use_decoupled_grad:
-            for on in list(_RECORDING):      # (each records the gradients of the tensors its tap knows)
+            for on in list(_RECORDING):      # each records the gradients of the tensors its tap knows
                 on.before_clip(params, max_norm, total_norm)
         return original(params, max_norm, total_norm, use_decoupled_grad)
 

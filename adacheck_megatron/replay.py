@@ -145,7 +145,7 @@ class Replay:
             load_scheduler(self.scheduler, scalars.scheduler)
             if scalars.increment:
                 self.scheduler.step(increment=scalars.increment)
-        if plan.same_layout:   # (as the base load: RNG states belong to the saving layout)
+        if plan.same_layout:   # as the base load: RNG states belong to the saving layout
             set_rank_state(last["rank_state"])
 
     def _shards(self, manifest, maps: list) -> integration.Partitions:
@@ -179,7 +179,7 @@ class Replay:
         device = next(p for g in optimizer.param_groups for p in g["params"]).device
 
         def rebuild(reader, r: int) -> Shadow:
-            never = self.objects.optimizer_never_stepped     # (of the base that reader reads)
+            never = self.objects.optimizer_never_stepped     # of the base that reader reads
             tensors, state = {}, [defaultdict(dict) for _ in subs]
             for k, (sp,) in saving[r].items():
                 oi, name = sp.name

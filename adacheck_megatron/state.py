@@ -473,7 +473,7 @@ def distopt_refreshed(optimizer, model_chunks, model_sd: dict, reader: Checkpoin
         return set()
     by_param, out = param_to_sharded(model_sd), set()
     for chunk in model_chunks:
-        for param in chunk.param_to_bucket_group:       # (what the all-gather writes: every buffer's parameters)
+        for param in chunk.param_to_bucket_group:       # what the all-gather writes: every buffer's parameters
             meta = by_param.get(id(param))
             if meta is None or param.dtype not in (torch.bfloat16, torch.float16, torch.float32) or _float8(param) \
                     or not reader.is_cast_of(meta.key, MASTER_PREFIX + meta.key, param.dtype):
@@ -485,7 +485,7 @@ def distopt_refreshed(optimizer, model_chunks, model_sd: dict, reader: Checkpoin
 def _float8(param) -> bool:
     try:
         from megatron.core.fp8_utils import is_float8tensor
-    except ImportError:     # (a megatron-core without it has no FP8 parameters of this kind)
+    except ImportError:     # a megatron-core without it has no FP8 parameters of this kind
         return False
     return bool(is_float8tensor(param))
 

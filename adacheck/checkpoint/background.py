@@ -37,7 +37,7 @@ class PendingSave:
         self.finished: Optional[float] = None
         self.thread: Optional[threading.Thread] = None
         self.trusted: Optional[Dict[str, str]] = None
-        self.manifest_before = None     # (what identified a manifest already there, or UNKNOWN)
+        self.manifest_before = None     # what identified a manifest already there, or UNKNOWN
         self.rank = 0                   # this rank's number in the save's group
         self.stall = 0.0                # seconds the save call held the caller
         self.shown_dir = self.ckpt_dir  # the checkpoint's directory as the caller names it

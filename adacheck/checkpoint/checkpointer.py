@@ -63,7 +63,7 @@ class Checkpointer:
         self.on_saved: Optional[Callable[[dict], None]] = None   # called with it on every rank
         self.explains = True     # a README in the directories it saves to (not in the memory tier's)
         self.leases = Leases()   # the save directories' leases this job holds (rank 0)
-        self.takes_leases = True     # (not the memory tier's own: its directories are the job's)
+        self.takes_leases = True     # not the memory tier's own: its directories are the job's
 
     def _check_tiers(self, options: Options) -> None:
         if (options.tiers is not None) != self.has_tiers:
@@ -100,7 +100,7 @@ class Checkpointer:
                                   "apply to fsspec URLs (s3://bucket/prefix, ...) only: pass the URL or remove them")
             return self.store, path
         protocol = url_protocol(path)
-        if protocol not in self._stores:     # (one storage per protocol: its read blocks are kept)
+        if protocol not in self._stores:     # one storage per protocol: its read blocks are kept
             self._stores[protocol] = open_storage(path, self.options.storage_options or None)[0]
         return self._stores[protocol], storage_path(path)
 
@@ -154,7 +154,7 @@ class Checkpointer:
         if not self.takes_leases:
             return None
         store, path = self.locate(save_dir)
-        lifecycle.keep(self.leases)     # (removed at exit; a job dropped before: its leases expire)
+        lifecycle.keep(self.leases)     # removed at exit; a job dropped before: its leases expire
 
         def run():
             if comm.rank != 0:
@@ -264,7 +264,7 @@ class Checkpointer:
         pending.manifest.stats["seconds"]["background"] = seconds
         self._saved(pending.rank, save_report(pending.manifest, pending.shown_dir, pending.stall,
                                               seconds + pending.stall, True))
-        if pending.trusted is not None:      # (the writer process's references, now this job's)
+        if pending.trusted is not None:      # the writer process's references, now this job's
             self.caches.trusted.update(pending.trusted)
         self.last_committed = pending.manifest
         return pending.manifest

@@ -74,7 +74,7 @@ SETTLE_SECONDS = 0.1
 
 
 def at_exit() -> None:
-    # (lower exit_order first: an online delta log is complete before a memory tier copies it)
+    # lower exit_order first: an online delta log is complete before a memory tier copies it
     for obj in sorted(_OPEN, key=lambda o: getattr(o, "exit_order", 1)):
         try:
             obj.close()

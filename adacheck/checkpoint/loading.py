@@ -131,7 +131,7 @@ class Loader:
         read_bytes = {"parts": manifest.tensors.bytes_read if parted else 0,
                       "meta": manifest.tensors.meta_bytes_read if parted else 0,
                       "rank_files": manifest.ranks.bytes_read if manifest.ranks is not None else 0,
-                      "data": reader.bytes_read}       # (tensor bytes read from shard files)
+                      "data": reader.bytes_read}       # tensor bytes read from shard files
         if opts.verify:
             self.caches.trust(ckpt_dir, store)
         if tier is not None:

@@ -90,7 +90,7 @@ class PartitionedSteps:
             warnings.warn(f"AdaCheck: {w}", SaveWarning, stacklevel=4)
         exchanged.index = {"generation": gen, "parts": comm.world_size, "ranks": comm.world_size,
                            "tensors": got.tensors, "meta": got.meta, "referenced": got.referenced,
-                           "writers": ranges(got.writers)}      # (meta: written to its file, then its hash)
+                           "writers": ranges(got.writers)}      # meta: written to its file, then its hash
         return WritePlan(tensors=own, writes=writes, files=files, warnings=tuple(got.warnings), stats=got.stats,
                          held=held)
 

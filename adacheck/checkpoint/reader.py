@@ -323,14 +323,14 @@ class CheckpointReader:
             try:
                 return self.manifest.tensors.region(name, box)
             except KeyError:
-                pass        # (its part does not list it: reported as the whole read reports it)
+                pass        # its part does not list it: reported as the whole read reports it
         return self.entry(name, whole=True)
 
     def has(self, name: str) -> bool:
         if name in self.held():
             return True
         meta = self._meta()
-        if meta is not None and not RANK_OBJECT.match(name):    # (format 5: every other tensor is listed there)
+        if meta is not None and not RANK_OBJECT.match(name):    # format 5: every other tensor is listed there
             return name in meta
         return name in self.manifest.tensors
 
@@ -399,7 +399,7 @@ class CheckpointReader:
             raise FormatError(f"{f.path}: lacks tensor {sb.key!r} that the manifest places there")
         dname, shape, _, _ = f.entries[sb.key]
         encoding = f.metadata.get(ENCODING_KEY)
-        if encoding is not None:      # (compressed: the file holds the box's encoded bytes)
+        if encoding is not None:      # compressed: the file holds the box's encoded bytes
             if dname != "uint8" or len(shape) != 1:
                 raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in a file of encoded boxes")
             raw = f.read(sb.key)

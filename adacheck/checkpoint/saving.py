@@ -74,7 +74,7 @@ def persist(ckpt_dir: str, fname: str, staged: Dict[str, object], metadata: dict
                                  + f" ({store.describe()}); the checkpoint is not published")
         return state
     except BaseException:
-        fw.abort()      # (after the commit it leaves the file to the save's cleanup)
+        fw.abort()      # after the commit it leaves the file to the save's cleanup
         raise
 
 
@@ -235,7 +235,7 @@ class SavePipeline:
         def run():
             generation = previous = None
             if comm.rank == 0:
-                stale = store.abort_uploads(save_dir, commit.SAVED_FILE)   # (no rank of the job writes here now)
+                stale = store.abort_uploads(save_dir, commit.SAVED_FILE)   # no rank of the job writes here now
                 if stale:
                     log.warning("AdaCheck: aborted %d unfinished uploads under %s left by an interrupted save",
                                 stale, save_dir)
@@ -243,7 +243,7 @@ class SavePipeline:
                 generation = max(commit.generation_of(ckpt_dir, store), snap.min_generation)
                 previous = self.caches.previous(store, save_dir, tag) if opts.reference_previous else None
             elif opts.spread is not None:
-                store.make_dirs(ckpt_dir)       # (each node's own directory)
+                store.make_dirs(ckpt_dir)       # each node's own directory
             if snap.ready is not None:
                 snap.ready()
             metas = [shard_meta(s) for s in snap.shards.values()]
@@ -344,7 +344,7 @@ class SavePipeline:
                         **({"copies": copies, "nodes": [g["node"] for g in gathered]} if copies > 1 else {}))
         if exchanged.partitioned:       # each rank's part of the tensor table, and its rank file
             version = PAGED_SINCE
-            topology.pop("nodes", None)      # (each rank's is in its rank file, as are its bytes written)
+            topology.pop("nodes", None)      # each rank's is in its rank file, as are its bytes written
             stats.pop("per_rank_bytes", None)
             parts = self.partitioned.write_parts(comm, prepared, exchanged, plan, written)
             mine = parts.mine
@@ -357,13 +357,13 @@ class SavePipeline:
             layout=layout, files=files, stats=stats, index=index, ranks=ranks)
 
         here, spread, leads, root = files, self.options.spread, self._leads(comm), None
-        if spread is not None and exchanged.partitioned:       # (every node's leader writes rank 0's manifest)
+        if spread is not None and exchanged.partitioned:       # every node's leader writes rank 0's manifest
             raw = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (manifest)",
                         lambda: dumps(manifest).encode("utf-8") if comm.rank == 0 else None)
             got = comm.all_to_all_bytes([raw if raw is not None and dst != 0 and spread.leads(dst) else None
                                          for dst in range(comm.world_size)])
             root = raw if comm.rank == 0 else got[0] if leads else None
-        elif spread is not None:      # (a memory-tier save across nodes: each node's directory is its own)
+        elif spread is not None:      # a memory-tier save across nodes: each node's directory is its own
             here = agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (copies to other nodes)",
                          lambda: spread.move(comm, prepared.ckpt_dir, files),
                          on_failure=lambda: self._remove_mine(prepared, written.my_file))
@@ -371,9 +371,9 @@ class SavePipeline:
         def run():
             if leads:
                 self.fence(prepared.lease, prepared.store, f"writing the manifest of {prepared.tag!r}")
-                if not exchanged.partitioned:       # (partitioned: confirmed by the ranks, above)
+                if not exchanged.partitioned:       # partitioned: confirmed by the ranks, above
                     confirm_files(prepared.store, prepared.ckpt_dir,
-                                  here if spread is not None else    # (other nodes' copies: their sizes)
+                                  here if spread is not None else    # other nodes' copies: their sizes
                                   {f: dict(info, tag=written.tags[info["writer"]]) for f, info in files.items()})
                 if root is not None:
                     manifest_files.write_manifest_bytes(prepared.ckpt_dir, root, prepared.store)
@@ -406,7 +406,7 @@ class SavePipeline:
                     latest = commit.read_latest(save_dir, store)
                     commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
                                            store=store)
-                # (a file written since this manifest may be another save's in flight: kept)
+                # a file written since this manifest may be another save's in flight: kept
                 commit.collect_garbage(save_dir, store=store,
                                        keep_after=store.mtime(store.join(prepared.ckpt_dir, MANIFEST_NAME)))
 

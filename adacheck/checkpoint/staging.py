@@ -112,6 +112,6 @@ class Staging:
             out.append(dataclasses.replace(s, tensor=buf))
         if not on_device:
             return out, None
-        event = torch.cuda.Event(blocking=True)     # (the reader sleeps while it waits, it does not spin)
+        event = torch.cuda.Event(blocking=True)     # the reader sleeps while it waits, it does not spin
         event.record()          # after every copy above, on the stream they were issued on
         return out, event.synchronize

@@ -90,5 +90,5 @@ def main(argv=None) -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-    os._exit(0)     # (no interpreter teardown racing gloo's threads, see adacheck.checkpoint.lifecycle)
+    os._exit(0)     # no interpreter teardown racing gloo's threads, see adacheck.checkpoint.lifecycle
 

@@ -45,7 +45,7 @@ log = logging.getLogger("adacheck")
 STOP_SECONDS = 30.0
 # how long the writers of a job wait for each other to start: a writer that died as it started
 # fails the save in flight on every rank after this, not after a collective's timeout
-# ($ADACHECK_WRITER_MEET_SECONDS: for clusters where starting an interpreter takes longer)
+# $ADACHECK_WRITER_MEET_SECONDS: for clusters where starting an interpreter takes longer
 MEET_SECONDS = 120.0
 _CHILD = "import sys; from adacheck.checkpoint.writer_main import main; main(sys.argv[1:])"
 
@@ -69,8 +69,8 @@ class Job:
     seconds_before: float           # the snapshot's seconds (counted in the manifest's total)
     arena_bytes: int
     new_arena: bool                 # its file descriptor follows the message
-    min_generation: int = 0         # (Snapshot.min_generation)
-    lease: Optional[object] = None  # (Snapshot.lease: rank 0's, checked before the manifest and 'latest')
+    min_generation: int = 0         # Snapshot.min_generation
+    lease: Optional[object] = None  # Snapshot.lease: rank 0's, checked before the manifest and 'latest'
 
 
 class WriterProcess:
@@ -130,7 +130,7 @@ class WriterProcess:
         if "error" in reply:
             self.failed = True
             kind, message = reply["error"]
-            if kind not in ERROR_KINDS:     # (a collective of the writers' world failed: a writer died?)
+            if kind not in ERROR_KINDS:     # a collective of the writers' world failed: a writer died?
                 message = (f"{message}\nin the AdaCheck writer process (pid {self.proc.pid}), whose world "
                            f"lost a peer or failed; checkpoint {snap.tag!r} was not published, and new "
                            "writers are started at the next save")

@@ -51,7 +51,7 @@ def _json_object(text: str):
     return json_object_arg(text)
 
 
-_json_object.__name__ = "JSON object"      # (argparse: "invalid JSON object value: ...")
+_json_object.__name__ = "JSON object"      # argparse: "invalid JSON object value: ..."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"adacheck {__version__}", help="print the version")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def command(name, helptext, **kw):      # (its help is also the description of `adacheck NAME --help`)
+    def command(name, helptext, **kw):      # its help is also the description of `adacheck NAME --help`
         return sub.add_parser(name, help=helptext, description=helptext, **kw)
     for name, helptext in [("inspect", "show layout, step, tensors and bytes. Bytes: held = what all ranks hold "
                                        "(a replica counts on every rank that holds it); logical = each tensor "
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn="ls")
     for name, s in sub.choices.items():
         if name == "clean":
-            continue     # (the memory tier is node-local files, never a URL)
+            continue     # the memory tier is node-local files, never a URL
         s.add_argument("--storage-options", type=_json_object, metavar="JSON",
                        help="for a URL PATH (s3://bucket/prefix, ...): the fsspec filesystem's arguments, e.g. "
                             "'{\"endpoint_url\": \"http://host:9000\"}'")
@@ -163,7 +163,7 @@ def _run(p, args, rest) -> int:
     if args.fn != "convert" and rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        from . import commands as cli_commands     # (torch and the checkpoint code: only now)
+        from . import commands as cli_commands     # torch and the checkpoint code: only now
         command = getattr(cli_commands, f"cmd_{args.fn}")
         return command(args, rest) if args.fn == "convert" else command(args)
     except NothingToDo as e:
@@ -174,7 +174,7 @@ def _run(p, args, rest) -> int:
         return 2
     except BrokenPipeError:
         raise
-    except OSError as e:     # (the system refused a path: not writable, not a directory, ...)
+    except OSError as e:     # the system refused a path: not writable, not a directory, ...
         where = f": {e.filename}" if e.filename else ""
         print(f"adacheck {args.cmd}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2

@@ -248,7 +248,7 @@ def cmd_verify(args) -> int:
     store, path = located_dir(args, args.path)
     d = resolve(path, args.tag, store)
     r = CheckpointReader(d, verify=True, cache_bytes=0, store=store)
-    manifest_files.check_rank_files(r.manifest)      # (format 5: its rank files and meta file agree with its parts)
+    manifest_files.check_rank_files(r.manifest)      # format 5: its rank files and meta file agree with its parts
     # stored boxes, then (format 2) each box of a derived tensor: derived from its source and
     # checked against the digest its holders recorded
     work = [(name, sb.box, sb.file, lambda name=name, sb=sb: r.stored(name, sb))
@@ -364,7 +364,7 @@ def cmd_ls(args) -> int:
             state, note = "retired", f"holds files read by {', '.join(sorted(users[tag]))}"
             d = store.join(path, tag)
             pinned = sum(store.size(store.join(d, f)) for f in store.list(d) if f.endswith(".safetensors"))
-        else:   # (the note without the save directory's path, never cut inside the message)
+        else:   # the note without the save directory's path, never cut inside the message
             where = store.join(path, "")
             note = str(problem)[len(where):] if str(problem).startswith(where) else str(problem)
             state = "INCOMPLETE" if isinstance(problem, NotFoundError) else "damaged"
@@ -464,7 +464,7 @@ def memory_jobs(root: str, only=None) -> list:
 
 def cmd_clean(args) -> int:
     from ..tiers.location import memory_root
-    root = args.memory_dir or memory_root(None)      # (the flag, else $ADACHECK_MEMORY_DIR, else the default)
+    root = args.memory_dir or memory_root(None)      # the flag, else $ADACHECK_MEMORY_DIR, else the default
     if not os.path.isdir(root):
         if args.json:
             print(json.dumps({"memory_dir": root, "jobs": [], "bytes": 0, "dry_run": not args.yes}, indent=1))
@@ -495,7 +495,7 @@ def cmd_clean(args) -> int:
 
 
 def _diff_entry(ra, rb, name):
-    ea, eb = ra.entry(name, whole=True), rb.entry(name, whole=True)     # (with their boxes)
+    ea, eb = ra.entry(name, whole=True), rb.entry(name, whole=True)     # with their boxes
     if (ea.dtype, ea.shape) != (eb.dtype, eb.shape):
         return f"{ea.dtype}{list(ea.shape)} -> {eb.dtype}{list(eb.shape)}", None
     if ea.derived is None and eb.derived is None and sorted((b.box, b.hash) for b in ea.boxes) == sorted(
@@ -517,7 +517,7 @@ def cmd_diff(args) -> int:
     na, nb = set(ra.manifest.tensors), set(rb.manifest.tensors)
     only_a, only_b, common = sorted(na - nb), sorted(nb - na), sorted(na & nb)
     changed, same = [], 0
-    show = sys.stderr.isatty() and not args.json      # (a bar of its own, as verify's: a core command)
+    show = sys.stderr.isatty() and not args.json      # a bar of its own, as verify's: a core command
     for i, name in enumerate(common):
         what, d = _diff_entry(ra, rb, name)
         if what is None:
@@ -689,7 +689,7 @@ class _ProgressBars:
         if not self.show:
             return
         try:
-            from tqdm import tqdm      # (DeepSpeed's dependency; the core runs without it, with no bar)
+            from tqdm import tqdm      # DeepSpeed's dependency; the core runs without it, with no bar
         except ImportError:
             return
         if not self.bars or self.bars[-1].total != total or done < self.bars[-1].n:
@@ -726,7 +726,7 @@ def _materialiser(args):
         raise ConfigError("Megatron online deltas are materialised by the training script, which builds the "
                           "model and replays them with its optimizer: --adacheck --load SRC --adacheck-convert-save "
                           "NEW [--ckpt-step N]")
-    names = sorted(registered(), key=lambda n: n != framework)    # (the one named after it first)
+    names = sorted(registered(), key=lambda n: n != framework)    # the one named after it first
     for name in names:
         conv = converter(name)
         if conv.framework == framework:

@@ -63,7 +63,7 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
                                       stdout=log, stderr=subprocess.STDOUT))
         logs.append(log)
     first_exit, first_failed = None, None
-    seen = 0        # (bytes of rank 0's log read for its phases)
+    seen = 0        # bytes of rank 0's log read for its phases
     last = (0, None)    # the phase reported last; None: the ranks are starting (no total yet)
 
     def report():
@@ -73,13 +73,13 @@ def run(module: str, world: int, argv: List[str], env: Optional[Dict[str, str]] 
         with open(os.path.join(logs_dir, "rank0.log"), "rb") as f:
             f.seek(seen)
             data = f.read()
-        complete = data[:data.rfind(b"\n") + 1]     # (whole lines only)
+        complete = data[:data.rfind(b"\n") + 1]     # whole lines only
         seen += len(complete)
         phases = list(_phases(complete.decode("utf-8", errors="replace")))
         for last in phases:
             progress(*last)
         if not phases:
-            progress(*last)     # (again: a bar that shows the time passing while a phase runs)
+            progress(*last)     # again: a bar that shows the time passing while a phase runs
 
     while any(p.poll() is None for p in procs):
         report()

@@ -109,7 +109,7 @@ def tensor_refs(tree) -> List[str]:
                 walk(v)
         elif isinstance(x, dict):
             if "__tensor__" in x:
-                out.append(x["__tensor__"])      # (the manifest parser checks each is a stored name)
+                out.append(x["__tensor__"])      # the manifest parser checks each is a stored name
             else:
                 for v in x.values():
                     walk(v)

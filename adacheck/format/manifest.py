@@ -48,8 +48,8 @@ BOUND_SINCE = 2        # format versions from here on bind box hashes to their i
 CHECKSUM = "checksum"
 MANIFEST_NAME = "manifest.json"
 FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors$")
-RANK_OBJECT = re.compile(r"^rank\d+/")     # (the tensors of a rank's own objects, checkpoint._object_shards)
-JOB_OBJECTS = "object/"                     # (and of the job's objects, saved by rank 0)
+RANK_OBJECT = re.compile(r"^rank\d+/")     # the tensors of a rank's own objects, checkpoint._object_shards
+JOB_OBJECTS = "object/"                     # and of the job's objects, saved by rank 0
 # file_name's names: five digits of rank, more from rank 100,000 on
 SHARD_PATTERN = r"rank(\d{5,})-g(\d+)\.safetensors"
 _WRITER_FILE = re.compile("^" + SHARD_PATTERN + "$")
@@ -233,7 +233,7 @@ def to_json(m: Manifest) -> dict:
         "format": FORMAT, "format_version": m.format_version, "tag": m.tag, "step": m.step,
         "framework": m.framework, "topology": m.topology, "stats": m.stats, "objects": m.objects,
     }
-    if m.format_version < RANKED_SINCE:    # (format 5: in the rank files)
+    if m.format_version < RANKED_SINCE:    # format 5: in the rank files
         d.update(files=m.files, rank_objects=list(m.rank_objects), layout=m.layout)
     if m.index is not None:
         d["index"] = m.index

@@ -138,7 +138,7 @@ def _index(d: dict, version: int, where: str) -> dict:
     count = _need(index, "tensors", int, where + ".index")
     ranks = 0
     referenced = _need(index, "referenced", list, where + ".index")
-    if version >= RANKED_SINCE:     # (the parts check themselves)
+    if version >= RANKED_SINCE:     # the parts check themselves
         hashes = [None] * parts
         ranks = _need(index, "ranks", int, where + ".index")
         writers = _need(index, "writers", list, where + ".index")
@@ -277,7 +277,7 @@ class PartedTensors(Mapping):
         data = _read_checked(self.open_part, name, self.where, "part", digest)
         self.bytes_read += len(data)
         where = f"{self.where} part {name}"
-        if self.paged:      # (the header's entries, each with the boxes of all its pages)
+        if self.paged:      # the header's entries, each with the boxes of all its pages
             end = data.find(b"\n")
             head, base = self._header_of(i, data[:end] if end >= 0 else data, end + 1)
             body = data[base:]
@@ -624,7 +624,7 @@ def parse(text: str, where: str = "manifest.json", open_part: Optional[Callable[
             raise FormatError(f"{where}: rank_objects must be a list")
         rank_objects = tuple(rank_objects)
     objects = d.get("objects", {})
-    # (in parts: checked when the objects are read, CheckpointReader.objects; here it would read parts)
+    # in parts: checked when the objects are read, CheckpointReader.objects; here it would read parts
     for ref in tensor_refs(objects) + tensor_refs(list(rank_objects)) if index is None else ():
         if not isinstance(ref, str) or ref not in tensors:
             raise FormatError(f"{where}: saved objects refer to tensor {ref!r} that is not stored")

@@ -92,7 +92,7 @@ class Record:
         values = {}
         for f in fields(cls):
             if f.name not in tree and (f.default is not MISSING or f.default_factory is not MISSING):
-                continue     # (written before the field existed)
+                continue     # written before the field existed
             value = tree.get(f.name)
             if not f.metadata["check"](value):
                 raise FormatError(f"{where}: {f.name} is {str(value)[:60]}, expected {f.metadata['says']}; "

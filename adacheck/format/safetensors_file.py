@@ -24,7 +24,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str, store: Storage = LOCAL):
         self.path, self.store = path, store
-        store.forget(path)      # (blocks a storage kept from an earlier read may be of an older file)
+        store.forget(path)      # blocks a storage kept from an earlier read may be of an older file
         try:
             self.size = store.size(path)
             head = store.read_bytes(path, 8)

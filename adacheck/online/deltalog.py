@@ -117,7 +117,7 @@ def _staged(t: torch.Tensor, events: Dict[object, object]) -> torch.Tensor:
 
 def _record(events: Dict[object, object], device) -> None:
     stream = torch.cuda.current_stream(device)
-    ev = torch.cuda.Event(blocking=True)     # (the writer sleeps while it waits, it does not spin on a core)
+    ev = torch.cuda.Event(blocking=True)     # the writer sleeps while it waits, it does not spin on a core
     ev.record(stream)
     events[stream] = ev
 
@@ -140,7 +140,7 @@ def _arrange(slot: _Slot) -> None:
         spans.append((n, n + math.prod(shape) * dt.itemsize))
         n = spans[-1][1]
     pinned = slot.buffers[keys[0]].is_pinned()
-    slot.buffers = {}                     # (written: free them before the new block)
+    slot.buffers = {}                     # written: free them before the new block
     raw = torch.empty(n + BLOCK, dtype=torch.uint8, pin_memory=pinned)
     skip = -raw.data_ptr() % BLOCK
     for (k, dt, shape), (a, b) in zip(layout, spans):
@@ -170,7 +170,7 @@ class DeltaLog:
     ``add(key, grad)`` copies one gradient into it, ``submit(step, record)`` hands the step
     to the background writer.  ``flush()`` waits for everything submitted.
     """
-    exit_order = 0      # (closed at exit before a memory tier copies the chain: lifecycle)
+    exit_order = 0      # closed at exit before a memory tier copies the chain: lifecycle
 
     def __init__(self, ckpt_dir: str, rank: int, nonce: str, *, fsync: bool = True,
                  queue_depth: int = 2, compact: bool = False, on_error: str = "disable", store: Storage = LOCAL,
@@ -183,7 +183,7 @@ class DeltaLog:
         # they are bf16 counted where they are (None: GPU gradients only; see add())
         self.split = None if split is None else bool(split) and sys.byteorder == "little"
         self._inexact: set = set()       # keys whose last step was not bf16 (the writer's hint to add())
-        # (called with (ckpt_dir, step, written?) for every step submitted, in order, written or not)
+        # called with (ckpt_dir, step, written?) for every step submitted, in order, written or not
         self.on_written = on_written
         self.fsync, self.compact, self.on_error = fsync, compact, on_error
         self.disabled = False
@@ -209,8 +209,8 @@ class DeltaLog:
         self._jobs: "queue.Queue" = queue.Queue()
         self._slot: Optional[_Slot] = None
         self._slot_step: Optional[int] = None
-        self._file_writer = tensor_writer(store)     # (the background thread's: O_DIRECT on POSIX)
-        if spares is not None and self._file_writer is not None:     # (files to write over: the memory tier's)
+        self._file_writer = tensor_writer(store)     # the background thread's: O_DIRECT on POSIX
+        if spares is not None and self._file_writer is not None:     # files to write over: the memory tier's
             self._file_writer.spares = SpareFiles(spares)
         self._thread = threading.Thread(target=self._run, name=f"adacheck-deltas-r{rank}", daemon=True)
         self._thread.start()
@@ -293,7 +293,7 @@ class DeltaLog:
         ``_SPLIT_PIECE`` values: the device's temporaries (each half made contiguous before it is
         copied out, the count's) stay under 64 MB, whatever the gradient's size."""
         n = g.numel()
-        halves = g.reshape(-1).view(torch.int16).view(n, 2)     # (little-endian: [low, high] per value)
+        halves = g.reshape(-1).view(torch.int16).view(n, 2)     # little-endian: [low, high] per value
         high, low, nz = s.buffers.get(key), s.low.get(key), s.nonzero.get(key)
         if high is None or high.dtype != torch.bfloat16 or high.shape != g.shape:
             high = s.buffers[key] = torch.empty(g.shape, dtype=torch.bfloat16, pin_memory=pin)
@@ -321,7 +321,7 @@ class DeltaLog:
         """Queue step ``step`` (``record``: JSON; ``rank_tensors``: small extra tensors;
         ``deviation``: compact mode's measured distance of a recovery to this step from the
         live state, by kind)."""
-        if self.disabled:       # (the writer reports it as not written, after the steps queued before it)
+        if self.disabled:       # the writer reports it as not written, after the steps queued before it
             self._slot = None
             self._jobs.put((step, None, {}, {}, None, []))
             return
@@ -408,16 +408,16 @@ class DeltaLog:
             shape = slot.split.get(key)
             if shape is not None:       # staged split: the device counted the low halves
                 if int(slot.nonzero[key]) == 0:
-                    g = None            # (proved bf16: the high halves are the gradient)
+                    g = None            # proved bf16: the high halves are the gradient
                 else:                   # not bf16: the fp32 values again, from their halves
                     g = torch.stack((slot.low[key], stored.reshape(-1).view(torch.int16)), 1) \
                         .view(torch.float32).view(shape)
                     stored = g
             if g is not None and g.dtype == torch.float32:
                 exact, b = bf16_exact(g, slot.bf16.get(key))
-                if exact:       # (kept for this slot's next step: the slot is reused only after this write)
+                if exact:       # kept for this slot's next step: the slot is reused only after this write
                     stored = slot.bf16[key] = b
-                else:           # (the next step is staged whole: see _splits)
+                else:           # the next step is staged whole: see _splits
                     self._inexact.add(key)
                 if not exact and self.compact:
                     stored = b if b is not None else compact_form(g)
@@ -428,7 +428,7 @@ class DeltaLog:
             dtype = "float32" if shape is not None else dtype_name(g.dtype)
             meta[key] = {"dtype": dtype, "stored": kept, "shape": list(stored.shape),
                          "hash": bound_digest(tensor_identity(step, GRAD + key, kept, stored.shape), stored)}
-            if err is not None:      # (JSON has no inf: an error that is not finite is "inf")
+            if err is not None:      # JSON has no inf: an error that is not finite is "inf"
                 meta[key]["max_abs_error"] = err if math.isfinite(err) else "inf"
         for name, t in extra.items():
             tensors[name] = t

@@ -133,7 +133,7 @@ def copy_chain(src_dir: str, src_store: Storage, dst_dir: str, dst_store: Storag
         src, dst = step_dir(src_dir, s, src_store), step_dir(dst_dir, s, dst_store)
         names = set(src_store.list(src))
         if f"rank{rank}.json" not in names:
-            break          # (this rank's chain ends here, for now)
+            break          # this rank's chain ends here, for now
         dst_store.make_dirs(dst)
         for name in (f"rank{rank}.safetensors", f"rank{rank}.json"):
             if name in names:

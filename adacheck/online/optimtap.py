@@ -231,7 +231,7 @@ class OptimizerTap:
             for g, params in saved_params:
                 g["params"] = params
             for g, hyper in zip(all_groups, saved_hyper or []):
-                g.update(hyper)     # (a shadow step leaves the live hyper-parameters as they are)
+                g.update(hyper)     # a shadow step leaves the live hyper-parameters as they are
 
 
 def _index(i, n: int) -> bool:

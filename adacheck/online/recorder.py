@@ -121,7 +121,7 @@ class OnlineRecorder:
         deviation = self._shadow_step(calls, pre, stored) if self.shadow is not None else None
         if self.log is not None:
             self.log.submit(step, enc, dict(tensors), deviation=deviation)
-        if due:       # (bridge: recorded above, then the base)
+        if due:       # bridge: recorded above, then the base
             self._base(step)
             return
         if self.interval is None and step == self.base_step + 2:
@@ -160,7 +160,7 @@ class OnlineRecorder:
         if self.log is not None:
             self.log.flush()
             mine["bytes"] = self.log.bytes_written
-        comm = self.comm()      # (two small reductions; seconds in nanoseconds)
+        comm = self.comm()      # two small reductions; seconds in nanoseconds
         delta_bytes = comm.sum_each([mine["bytes"]])[0]
         base_bytes, base_ns, step_ns = comm.max_each([mine["base_bytes"], round(mine["base_seconds"] * 1e9),
                                                       round(mine["seconds"] * 1e9)])
@@ -193,12 +193,12 @@ class OnlineRecorder:
         (collective).  ``resume_after``: continue that base's chain after this (recovered) step
         instead."""
         comm = self.comm()
-        done, self.log = self.log, None      # (its staging buffers go on in the new chain's log)
+        done, self.log = self.log, None      # its staging buffers go on in the new chain's log
         if done is not None:
             done.close()
         ckpt_dir = self.store.join(self.save_dir, tag)
         spread = self.spread
-        leads = spread.leads(comm.rank) if spread is not None else comm.rank == 0   # (each node's chain file)
+        leads = spread.leads(comm.rank) if spread is not None else comm.rank == 0   # each node's chain file
         if resume_after is None:
             info = {"base_tag": tag, "base_step": step, "base_bytes": base_bytes,
                     "base_seconds": base_seconds, "world_size": comm.world_size}
@@ -224,7 +224,7 @@ class OnlineRecorder:
                 self.base_step = None
                 return
             info = info or {"base_bytes": base_bytes, "base_seconds": base_seconds}
-            if leads and spread is not None:     # (every node's the same, naming the nodes now)
+            if leads and spread is not None:     # every node's the same, naming the nodes now
                 deltas.write_chain(ckpt_dir, dict(info, nodes=list(spread.nodes)), fsync=self.fsync,
                                    store=self.store)
             if leads:

@@ -70,7 +70,7 @@ def recover(comm: Comm, ckpt_dir: str, manifest: Manifest, job: Replaying, *, la
     if it records, whose tap replays and which continues the chain or takes a new base."""
     base = int(manifest.step)
     world = int(manifest.topology.get("world_size", 1))
-    latest = not comm.any(not latest)   # (across nodes' memories: each node's own "latest")
+    latest = not comm.any(not latest)   # across nodes' memories: each node's own "latest"
     steps, why, damage = chain(comm, ckpt_dir, base, world, until=until, strict=strict, store=store,
                                same_layout=lambda: job.plan(manifest).same_layout,
                                generation=manifest.framework.get("generation"))
@@ -204,7 +204,7 @@ def committed(comm: Comm, ckpt_dir: str, base_step: int, world: int, until: Opti
     held = [(s.step, s.nonce) for s in steps]
     parted = False
     if not comm.same(_digest(held[:n])):
-        # (chains kept per node by different runs: where they part, from every rank's list; rare)
+        # chains kept per node by different runs: where they part, from every rank's list; rare
         seen = comm.all_gather_object(held[:n])
         n, parted = next((i for i in range(n) if any(v[i] != seen[0][i] for v in seen)), n), True
     if n < len(steps):

@@ -131,9 +131,9 @@ class Comm:
             for i in window:
                 src, dst = moves[i]
                 if src == self.rank:
-                    data = guarded(read, i)      # (None: the destination is told, size -1)
+                    data = guarded(read, i)      # None: the destination is told, size -1
                     if dst == self.rank:
-                        data = data.numpy() if hasattr(data, "numpy") else data     # (a tensor, as received)
+                        data = data.numpy() if hasattr(data, "numpy") else data     # a tensor, as received
                         guarded(deliver, i, data)
                         got += 0 if data is None else len(data)
                     else:
@@ -262,7 +262,7 @@ class TorchComm(Comm):
                  if b is not None and b.numel()]
         for q in reqs:
             q.wait()
-        return [None if b is None else b.numpy() for b in bufs]      # (bytes-like arrays: no copy)
+        return [None if b is None else b.numpy() for b in bufs]      # bytes-like arrays: no copy
 
     def all_gather_bytes(self, data: bytes, how: str = "ring") -> List[bytes]:
         import torch
@@ -326,7 +326,7 @@ def one_process_group() -> Callable[[], None]:
 
 
 HOST_BACKENDS = ("gloo", "mpi")
-_host_group = (None, None)      # (the default group it was made for, the gloo group)
+_host_group = (None, None)      # the default group it was made for, the gloo group
 
 
 def host_group():
@@ -414,7 +414,7 @@ def agree(comm: Comm, what: str, fn: Callable[[], Any],
     except Exception as e:  # noqa: BLE001 - gathered and re-raised below
         error = (kind_of(e), describe_error(e))
         local_exc = e
-    if not comm.any(error is not None):     # (one small reduction; every rank's error only when one failed)
+    if not comm.any(error is not None):     # one small reduction; every rank's error only when one failed
         return result
     outcomes = comm.all_gather_object(error)
     failures = {r: tuple(out) for r, out in enumerate(outcomes) if out is not None}

@@ -115,7 +115,7 @@ def route(comm: Comm, metas: List[ShardMeta], cache: PartitionCache) -> Routed:
                                    "structure": None if cache.sent.get(owner) == digest else st})
             cache.sent[owner] = digest
         for owner in set(cache.sent) - set(structures):
-            del cache.sent[owner]       # (nothing for it this time: its receiver forgets us too)
+            del cache.sent[owner]       # nothing for it this time: its receiver forgets us too
         return blocks
 
     blocks = faults.run(encode, [None] * n)
@@ -125,7 +125,7 @@ def route(comm: Comm, metas: List[ShardMeta], cache: PartitionCache) -> Routed:
     missing = faults.run(lambda: [src for src, d in decoded.items() if d["structure"] is None
                                   and cache.received.get(src, ("",))[0] != d["digest"]], [])
     digest_only = faults.run(lambda: sum(1 for d in decoded.values() if d["structure"] is None) - len(missing), 0)
-    if comm.any(bool(missing)):       # (a cache lost on one side: the structures are sent again)
+    if comm.any(bool(missing)):       # a cache lost on one side: the structures are sent again
         asked = comm.all_to_all_bytes([b"?" if src in missing else None for src in range(n)])
         again = [_json(structures.get(dst)) if a else None for dst, a in enumerate(asked)]
         resent = comm.all_to_all_bytes(again)
@@ -150,7 +150,7 @@ def route(comm: Comm, metas: List[ShardMeta], cache: PartitionCache) -> Routed:
             s = meta_of_row(row, "")
             sources.setdefault(s.name, s)
     for src in set(cache.received) - set(decoded):
-        del cache.received[src]       # (it sent nothing this time)
+        del cache.received[src]       # it sent nothing this time
     return Routed(by_name, sources, sent, received, rounds, digest_only, len(decoded))
 
 
@@ -159,16 +159,16 @@ def usable_previous(comm: Comm, routed: Routed, previous: Optional[PreviousIndex
     """Step 2's references: the boxes of ``previous`` this owner's tensors may reference, without
     those of files too thin to keep (:func:`adacheck.plan.planner.thin_files`, summed over all owners by
     each file's owner, as the whole plan does), and the all-to-all rounds it took."""
-    if previous is None:        # (the same on every rank: no checkpoint to reference)
+    if previous is None:        # the same on every rank: no checkpoint to reference
         return previous, 0
     usable = planner.usable_previous(routed.by_name, previous)
-    if file_sizes is None:      # (likewise)
+    if file_sizes is None:      # likewise
         return usable, 0
     n, rounds, faults = comm.world_size, 0, _Faults()
     while True:
         def parts():
             out: List[Dict[str, int]] = [dict() for _ in range(n)]
-            for ref, k in planner.file_reads(usable).items():     # (with the file's size, known here)
+            for ref, k in planner.file_reads(usable).items():     # with the file's size, known here
                 out[planner.owner_of(ref, n)][ref] = [k, file_sizes.get(ref, 0)]
             return [_json(p) if p else None for p in out]
 
@@ -226,7 +226,7 @@ def place(comm: Comm, decided: Decisions, copies: int, nodes: Optional[List[str]
         digest = hashlib.blake2b(_json([sorted([n_, k, list(h)] for n_, k, h in decided.items), copies, nodes]),
                                  digest_size=16).hexdigest()
         last = cache.placed
-        cache.placed = None      # (set again once placed: a failure leaves nothing to reuse)
+        cache.placed = None      # set again once placed: a failure leaves nothing to reuse
         if not comm.any(last is None or last[0] != digest):
             cache.placed = last
             return Placed(last[1].writes, last[1].writer_of, last[1].nbytes, 0)

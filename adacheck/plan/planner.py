@@ -286,7 +286,7 @@ class Decisions:
     (stored boxes with no file yet, except those referenced from ``previous``), the boxes to
     place among their holders, the warnings, and the bytes held and logical."""
     tensors: Dict[str, TensorEntry]
-    items: List[Tuple[int, str, Tuple[int, ...]]]      # (nbytes, key, holders)
+    items: List[Tuple[int, str, Tuple[int, ...]]]      # nbytes, key, holders
     warnings: List[str]
     logical: int
     held: int
@@ -304,7 +304,7 @@ def decide(by_name: Dict[str, List[Tuple[int, ShardMeta]]], previous: PreviousIn
             return by_name[src][0][1] if src in by_name else None
     warnings: List[str] = []
     tensors: Dict[str, TensorEntry] = {}
-    items = []   # (nbytes, key, holders)
+    items = []   # nbytes, key, holders
     logical = held = 0
     for name in sorted(by_name):
         held_by = sorted(by_name[name], key=lambda t: t[0])
@@ -336,7 +336,7 @@ def decide(by_name: Dict[str, List[Tuple[int, ShardMeta]]], previous: PreviousIn
         if derivable:
             src = source_of(first.derive)
             derivable = src is not None and src.shape == first.shape and src.derive is None
-        if derivable:   # (not diverged: one digest per box)
+        if derivable:   # not diverged: one digest per box
             tensors[name] = TensorEntry(name, first.kind, first.dtype, first.shape, derived=Derivation(
                 first.derive, boxes=tuple((box, next(iter(regions[box]))) for box in sorted(regions))))
             continue

@@ -338,7 +338,7 @@ class _FsspecWriter(FileWriter):
         discard = getattr(self.f, "discard", None)
         try:
             if discard is not None:
-                discard()       # (an upload in flight is dropped)
+                discard()       # an upload in flight is dropped
             else:
                 self.f.close()
         finally:
@@ -370,7 +370,7 @@ class FsspecStorage(Storage):
     def __init__(self, fs, protocol: str = ""):
         self.fs, self.protocol = fs, protocol
         self._blocks: "OrderedDict[Tuple[str, int], bytes]" = OrderedDict()
-        self._lock = threading.Lock()      # (a background writer and a reader may share this storage)
+        self._lock = threading.Lock()      # a background writer and a reader may share this storage
 
     def __getstate__(self):
         """Picklable without its lock and read blocks (a manifest in parts that a writer process
@@ -433,7 +433,7 @@ class FsspecStorage(Storage):
     def size(self, path):
         return self.fs.size(self._fresh(path))
 
-    CONTENT_TAGS = ("ETag", "etag", "md5Hash")     # (S3; Azure and GCS; GCS)
+    CONTENT_TAGS = ("ETag", "etag", "md5Hash")     # S3; Azure and GCS; GCS
 
     def file_state(self, path):
         try:
@@ -460,7 +460,7 @@ class FsspecStorage(Storage):
             block = self._block(path, index)
             piece = block[at:at + len(view) - done]
             if not piece:
-                break         # (end of the file)
+                break         # end of the file
             view[done:done + len(piece)] = piece
             done += len(piece)
         return done
@@ -469,7 +469,7 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit)
 
     def read_range(self, path, start, size):
-        return self.fs.cat_file(path, start=start, end=start + size)    # (not a whole block)
+        return self.fs.cat_file(path, start=start, end=start + size)    # not a whole block
 
     def make_dirs(self, path):
         self.fs.makedirs(path, exist_ok=True)
@@ -511,7 +511,7 @@ class FsspecStorage(Storage):
     def abort_uploads(self, path, names):
         lister, abort = getattr(self.fs, "list_multipart_uploads", None), getattr(self.fs, "abort_mpu", None)
         if lister is None or abort is None:
-            return 0     # (a filesystem without multipart uploads)
+            return 0     # a filesystem without multipart uploads
         bucket, _, prefix = self.fs._strip_protocol(path).partition("/")
         prefix = prefix.rstrip("/") + "/" if prefix else ""
         stale = [u for u in lister(bucket) if u["Key"].startswith(prefix) and names.match(u["Key"][len(prefix):])]

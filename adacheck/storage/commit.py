@@ -144,7 +144,7 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
     save never writes over an existing shard file.  0 for a fresh directory."""
     names = store.list(ckpt_dir)
     gens = [int(x) for x in re.findall(r"-g(\d+)\.safetensors", " ".join(names))]
-    if MANIFEST_NAME in names:      # (a new tag's directory: one listing, no more requests)
+    if MANIFEST_NAME in names:      # a new tag's directory: one listing, no more requests
         try:
             gens.append(int(read_manifest(ckpt_dir, store).framework.get("generation", 0)))
         except (NotFoundError, FormatError):
@@ -157,7 +157,7 @@ def generation_of(ckpt_dir: str, store: Storage = LOCAL) -> int:
 SAVED_FILE = re.compile(r"^" + TAG_RE.pattern.strip("^$") + r"/(?:" + SHARD_PATTERN + "|" + PART_PATTERN + "|"
                         + re.escape(MANIFEST_NAME) + r"|deltas/\d+/rank\d+\.(?:safetensors|json))$")
 _SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
-                         + re.escape(TMP_SUFFIX) + ")?$")     # (a shard file, a manifest's part)
+                         + re.escape(TMP_SUFFIX) + ")?$")     # a shard file, a manifest's part
 
 
 def _tree_size(store: Storage, path: str) -> int:
@@ -218,7 +218,7 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
                 path = store.join(d, f)
                 try:
                     if keep_after is not None and store.mtime(path) >= keep_after:
-                        continue        # (newer than the newest commit: a save in flight, perhaps another job's)
+                        continue        # newer than the newest commit: a save in flight, perhaps another job's
                     size = store.size(path)
                     if not dry_run:
                         store.remove(path)
@@ -226,7 +226,7 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
                 except FileNotFoundError:
                     pass
         if not dry_run and len(removed) > before and not has_manifest(d, store):
-            store.remove_dir(d)      # (referenced files or something else may live there: then kept)
+            store.remove_dir(d)      # referenced files or something else may live there: then kept
     return removed
 
 

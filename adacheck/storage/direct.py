@@ -172,7 +172,7 @@ class DirectFileWriter:
             chunk[fill:padded] = bytes(padded - fill)
             put(chunk[:padded])
         if fill or reuse:
-            os.ftruncate(fd, size)      # (the padding of the last block; a longer spare's rest)
+            os.ftruncate(fd, size)      # the padding of the last block; a longer spare's rest
         if fsync:
             os.fsync(fd)                # the size and the file's metadata
         return size
@@ -204,13 +204,13 @@ class SpareFiles:
         for name in names:
             try:
                 os.replace(os.path.join(self.dir, name), path)
-            except FileNotFoundError:      # (another writer took it first)
+            except FileNotFoundError:      # another writer took it first
                 continue
             fd = os.open(path, os.O_RDONLY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return fd
-            except BlockingIOError:        # (a reader still holds it: a new file instead)
+            except BlockingIOError:        # a reader still holds it: a new file instead
                 os.close(fd)
                 os.remove(path)
                 return None

@@ -79,7 +79,7 @@ def named_job() -> Tuple[Optional[str], str]:
 
 
 def _this_process() -> dict:
-    if _PROCESS["pid"] != os.getpid():      # (a forked rank: a run of its own)
+    if _PROCESS["pid"] != os.getpid():      # a forked rank: a run of its own
         _PROCESS.update(incarnation=uuid.uuid4().hex[:16], generated=None, pid=os.getpid())
     return _PROCESS
 
@@ -149,7 +149,7 @@ class Lease:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return True
-        except OSError:     # (alive, another user's)
+        except OSError:     # alive, another user's
             return False
         return _zombie(self.pid)
 
@@ -323,7 +323,7 @@ class Leases:
     timer thread per process renews every live Leases' leases every third of their time to live;
     :meth:`close` (at exit, through :mod:`adacheck.checkpoint.lifecycle`) removes them."""
 
-    exit_order = 2      # (after the saves in flight and the memory tier's last copy)
+    exit_order = 2      # after the saves in flight and the memory tier's last copy
 
     def __init__(self):
         self.held: Dict[str, Tuple[Storage, Holding]] = {}
@@ -418,7 +418,7 @@ def _renewing(leases: Leases) -> None:
         _TIMER["thread"] = threading.Thread(target=_renew_forever, name="adacheck-lease", daemon=True)
         _TIMER["pid"] = os.getpid()
         _TIMER["thread"].start()
-    _WAKE.set()      # (its period may be shorter now)
+    _WAKE.set()      # its period may be shorter now
 
 
 def _renew_forever() -> None:

@@ -66,4 +66,4 @@ def remove_job_memory(mem: str) -> None:
     try:
         LOCAL.remove_dir(os.path.dirname(mem))
     except OSError:
-        pass        # (the interpreter may be exiting: the empty directory stays)
+        pass        # the interpreter may be exiting: the empty directory stays

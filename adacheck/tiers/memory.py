@@ -120,9 +120,9 @@ class MemoryTier:
             os.makedirs(mem, exist_ok=True)
             LOCAL.write_atomic(os.path.join(mem, SOURCE_NAME), durable.encode(), fsync=False)
         if self.thread is not None and not self.thread.is_alive():
-            self._end_copy()        # (a copy that ended: reported now, and no longer kept from retention)
+            self._end_copy()        # a copy that ended: reported now, and no longer kept from retention
         t0 = time.perf_counter()
-        self.memory.finish(waiting_for=tag)     # (the previous memory save, if it was asynchronous)
+        self.memory.finish(waiting_for=tag)     # the previous memory save, if it was asynchronous
         self._note_committed(durable)
         # its files are copied under their names into the checkpoint directory: past every generation of
         # this tag there (a re-saved tag never writes over a committed checkpoint's files)
@@ -130,10 +130,10 @@ class MemoryTier:
         if comm.rank == 0:
             try:
                 floor = commit.generation_of(store.join(save_dir, tag), store)
-            except OSError as e:      # (the copy will tell whether the directory can be written)
+            except OSError as e:      # the copy will tell whether the directory can be written
                 log.warning("AdaCheck: could not list %s before saving %s to memory: %s", save_dir, tag, e)
         if asynchronous:
-            self._retain(mem, ())         # (before the new save's files exist: nothing in flight now)
+            self._retain(mem, ())         # before the new save's files exist: nothing in flight now
             self.memory.save_async(comm, mem, tag, collect, update_latest=update_latest, min_generation=floor)
             manifest = None
         else:
@@ -153,7 +153,7 @@ class MemoryTier:
             self.due[durable] = tag
             self.start_persist(durable)
         elif self.chain is not None and os.path.dirname(self.chain.src) == mem:
-            self.chain.follow(os.path.join(mem, tag))     # (its deltas go on from the persisted base's)
+            self.chain.follow(os.path.join(mem, tag))     # its deltas go on from the persisted base's
         return manifest
 
     def _note_committed(self, durable: str) -> None:
@@ -167,7 +167,7 @@ class MemoryTier:
         if manifest_files.has_manifest(os.path.join(last[0], last[1]), LOCAL):
             self.committed[durable] = last
         elif self.due.get(durable) == last[1]:
-            self.owed.add(durable)    # (its copy was due: the next save is copied, not the interval's next)
+            self.owed.add(durable)    # its copy was due: the next save is copied, not the interval's next
 
     def _retain(self, mem: str, protect: tuple) -> None:
         """Rank 0: the newest ``keep`` memory checkpoints stay (and ``protect``, and the one being
@@ -205,7 +205,7 @@ class MemoryTier:
             log.warning("AdaCheck: persisting %s waited %.2fs for the previous copy to durable storage", tag, waited)
         self.persisting = tag
         rank = self.rank
-        in_memory = self.memory.pending       # (an asynchronous memory save of tag: committed first)
+        in_memory = self.memory.pending       # an asynchronous memory save of tag: committed first
 
         def run():
             t = time.perf_counter()
@@ -225,7 +225,7 @@ class MemoryTier:
 
         self.thread = threading.Thread(target=run, name=f"adacheck-persist-{tag}", daemon=True)
         self.thread.start()
-        if self.online:       # (its deltas follow it; a chain not finished stays as far as it got)
+        if self.online:       # its deltas follow it; a chain not finished stays as far as it got
             if self.chain is not None:
                 self.chain.end(wait=False)
             self.chain = ChainCopy(rank, os.path.join(mem, tag), store, store.join(save_dir, tag), self.fsync)
@@ -236,7 +236,7 @@ class MemoryTier:
         asynchronous memory save in flight commits first; then the memory tier is trimmed to
         ``keep`` again, the checkpoint just copied no longer kept for its copy (it stayed a
         ``keep`` + 1st until the next save when the copy outlasted the memory save)."""
-        trim = self.memory.pending is not None or self.thread is not None    # (else nothing changed)
+        trim = self.memory.pending is not None or self.thread is not None    # else nothing changed
         if self.memory.pending is not None:
             self.memory.finish()
         self._end_copy()
@@ -244,7 +244,7 @@ class MemoryTier:
             for mem, tag, *_ in list(self.newest.values()):
                 self._retain(mem, (tag,))
         if self.chain is not None:
-            self.chain.copy()         # (the persisted base's deltas written so far)
+            self.chain.copy()         # the persisted base's deltas written so far
 
     def _end_copy(self) -> None:
         """Wait for the copy to durable storage in flight (only that) and report it."""
@@ -253,7 +253,7 @@ class MemoryTier:
             self.thread = None
         tag, self.persisting = self.persisting, None
         e, self.error = self.error, None
-        if e is not None:       # (any error: a storage's OSError too, as an asynchronous save says it)
+        if e is not None:       # any error: a storage's OSError too, as an asynchronous save says it
             if self.on_error == "raise":
                 raise e
             warnings.warn(f"AdaCheck: copying {tag} from the memory tier to durable storage failed; it stays in "
@@ -284,7 +284,7 @@ class MemoryTier:
                                 "no earlier checkpoint of this job is there either")
                 if before is None:
                     if self.leads and not any(manifest_files.has_manifest(os.path.join(mem, t), LOCAL) for t in LOCAL.list(mem)):
-                        remove_job_memory(mem)     # (no committed checkpoint there: nothing to keep)
+                        remove_job_memory(mem)     # no committed checkpoint there: nothing to keep
                     continue
                 mem, tag, store, save_dir, update_latest = before
             done = (durable, tag) in self.persisted
@@ -304,7 +304,7 @@ class MemoryTier:
                 done = persist_chain(self.rank, self.nodes if self.leads else None, self.fsync, mem, tag, store, save_dir,
                                      after=copied)
             if done and self.leads and self.rank != 0:
-                # (another node's memory: it goes once rank 0 has committed the copy in durable storage)
+                # another node's memory: it goes once rank 0 has committed the copy in durable storage
                 deadline, dst = time.monotonic() + 120.0, store.join(save_dir, tag)
                 while not manifest_files.has_manifest(dst, store) and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -314,4 +314,4 @@ class MemoryTier:
         self.newest.clear()
         self.committed.clear()
         self.owed.clear()
-        self.memory.close()       # (its writer process, if any, stops)
+        self.memory.close()       # its writer process, if any, stops

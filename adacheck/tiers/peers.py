@@ -142,7 +142,7 @@ class DeltaSpread:
     :meth:`Comm.transfer` on every rank; the receiver checks what arrives like a reader would
     (:func:`receive_step`).  Made collectively (every rank, at the same point)."""
 
-    exit_order = 0.5      # (at exit: after the delta logs, which hand it their last steps)
+    exit_order = 0.5      # at exit: after the delta logs, which hand it their last steps
 
     def __init__(self, comm, nodes: Sequence[str], peer: bool, timeout_s: float = 300.0):
         from ..checkpoint import lifecycle
@@ -154,7 +154,7 @@ class DeltaSpread:
         self.comm = background_comm(comm, timeout_s) if self.moves else None
         # the blocks sent and received, in memory kept from step to step (new memory would have
         # its pages faulted in on every step: most of what a step cost this thread)
-        self._outgoing, self._incoming = defaultdict(Reused), defaultdict(Reused)     # (by move)
+        self._outgoing, self._incoming = defaultdict(Reused), defaultdict(Reused)     # by move
         self.sent = self.received = 0          # steps (this rank's) and bytes
         self.cpu_seconds = 0.0                 # CPU time of the peer thread (reading, sending, receiving, writing)
         self.failures = 0
@@ -207,7 +207,7 @@ class DeltaSpread:
             receive_step(ckpt_dir, step, src, unpack_files(data), f"a peer's delta (from rank {src})")
 
         try:
-            got = self.comm.transfer(self.moves, read, deliver, sizes=[0] * len(self.moves),    # (one round)
+            got = self.comm.transfer(self.moves, read, deliver, sizes=[0] * len(self.moves),    # one round
                                      into=lambda i, n: self._incoming[i](n))
             self.received += got
             self.sent += 1
@@ -261,7 +261,7 @@ class Reused:
     def __call__(self, nbytes: int):
         import torch
         if self._buf is None or self._buf.numel() < nbytes:
-            self._buf = None        # (freed before the larger one is made)
+            self._buf = None        # freed before the larger one is made
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
         return self._buf[:nbytes]
 
@@ -285,7 +285,7 @@ def pack_step(ckpt_dir: str, step: int, rank: int, buffer: Optional[Callable[[in
         return torch.frombuffer(bytearray(pack_files({json_name: record})), dtype=torch.uint8)
     with SpareFiles.held(path), open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        head = _block_head([(json_name, len(record)), (grad_name, size)]) + record    # (the record's name sorts first)
+        head = _block_head([(json_name, len(record)), (grad_name, size)]) + record    # the record's name sorts first
         out = buffer(len(head) + size) if buffer is not None else torch.empty(len(head) + size, dtype=torch.uint8)
         view = memoryview(out.numpy())
         view[:len(head)] = head
@@ -369,7 +369,7 @@ def receive_file(ckpt_dir: str, fname: str, data: Optional[bytes], nbytes: int,
         try:
             with open(tmp, "wb" if lock is None else "r+b") as f:
                 f.write(data)
-                f.truncate()        # (a longer spare's rest)
+                f.truncate()        # a longer spare's rest
         finally:
             if lock is not None:
                 os.close(lock)

@@ -32,7 +32,7 @@ def _copied_by(manifest, rank: int) -> List[str]:
     """The files of a committed memory checkpoint that ``rank`` copies to durable storage: the shard
     file it wrote and, for a manifest in parts (format 5), its part of the tensor table and its rank
     file (rank 0: the meta file too), so that no rank copies more than its own."""
-    if manifest.index is None or manifest.format_version < RANKED_SINCE:     # (format 4: no rank files)
+    if manifest.index is None or manifest.format_version < RANKED_SINCE:     # format 4: no rank files
         g = manifest.index["generation"] if manifest.index is not None else None
         return [f for f, info in sorted(manifest.files.items()) if int(info["writer"]) == rank] + (
             [part_name(g, rank)] if g is not None and part_name(g, rank) in part_names(manifest) else [])
@@ -71,7 +71,7 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
     for fname in _copied_by(manifest, rank):
         path = dst_store.join(dst, fname)
         size = copy_file(LOCAL, LOCAL.join(src_dir, fname), dst_store, path, fsync=fsync)
-        if fname in manifest.files:       # (a shard file: its size as its writer committed it)
+        if fname in manifest.files:       # a shard file: its size as its writer committed it
             size = int(manifest.files[fname]["nbytes"])
         told[fname] = (size, (dst_store.file_state(path) or (None, None))[1])
     if rank in copiers:
@@ -145,7 +145,7 @@ def held_in(mem: str) -> Tuple[int, int]:
             try:
                 size += os.path.getsize(os.path.join(d, f))
             except FileNotFoundError:
-                pass        # (renamed meanwhile by a rank's writer: a step's temporary, a spare taken)
+                pass        # renamed meanwhile by a rank's writer: a step's temporary, a spare taken
     return count, size
 
 
@@ -206,7 +206,7 @@ class ChainCopy:
                     self.error = e
                     self._report()
                     break
-                # (on to the next base once its first step continues the chain: the bridged step is here)
+                # on to the next base once its first step continues the chain: the bridged step is here
                 if self.at + 1 < len(self.sources) and self.last is not None and \
                         self.last + 1 in deltas.step_dirs(self.sources[self.at + 1]):
                     self.at += 1

@@ -137,7 +137,7 @@ def _delta_steps(ckpt_dir: str, base_step: int) -> Dict[int, Tuple[int, int]]:
                 continue
             r = int(m.group(1))
             n, size = out.get(r, (0, 0))
-            if s == base_step + 1 + n:        # (the next step of rank r's run from the base)
+            if s == base_step + 1 + n:        # the next step of rank r's run from the base
                 grads = os.path.join(d, f"rank{r}.safetensors")
                 out[r] = (n + 1, size + os.path.getsize(os.path.join(d, name))
                           + (os.path.getsize(grads) if os.path.exists(grads) else 0))
@@ -192,10 +192,10 @@ def newer_in_memory(reports: Sequence[Optional[dict]], latests: Sequence[Optiona
     when durable storage's ``latest`` names a checkpoint the memory also holds (copied from it,
     so not newer) or one of no later step than the candidate's."""
     named = [t for t in latests if t is not None]
-    latest_mem = max(sorted(set(named)), key=named.count) if named else None   # (every node's, but a new one)
+    latest_mem = max(sorted(set(named)), key=named.count) if named else None   # every node's, but a new one
     if latest_mem is None:
         chosen = plan(None)
-    else:      # (one no memory holds any more: durable storage's)
+    else:      # one no memory holds any more: durable storage's
         chosen = plan(latest_mem)
         steps = [rep[latest_mem]["step"] for rep in reports if rep and latest_mem in rep]
         if chosen is None and steps:
@@ -206,7 +206,7 @@ def newer_in_memory(reports: Sequence[Optional[dict]], latests: Sequence[Optiona
     if latest is None:
         return "memory", chosen
     d = store.join(load_dir, latest)
-    try:      # (its bytes once: the step, and the digest memory's copies are compared by)
+    try:      # its bytes once: the step, and the digest memory's copies are compared by
         raw = store.read_bytes(store.join(d, commit.MANIFEST_NAME))
         step = parse(raw.decode("utf-8"), where=d, open_part=manifest_files.PartFiles(store, d)).step
     except (AdaCheckError, OSError, UnicodeDecodeError):
@@ -232,7 +232,7 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
     seen: Dict[Tuple[str, str], dict] = {}
     has: Dict[Tuple[str, str], Dict[str, set]] = {}     # checkpoint -> file -> leaders holding it
     with_manifest: Dict[Tuple[str, str], List[int]] = {}
-    for r, rep in enumerate(reports):       # (each node's sizes and groups: the checkpoint's are all of them)
+    for r, rep in enumerate(reports):       # each node's sizes and groups: the checkpoint's are all of them
         for t, h in (rep or {}).items():
             key = (t, h["digest"])
             if key not in seen:
@@ -269,13 +269,13 @@ def plan_recovery(reports: Sequence[Optional[dict]], nodes: Sequence[str], tag: 
             moves.append((None, with_manifest[best][0], lead))
         local = {f for f, rs in held.items() if lead in rs}
         needed = [files for files, holders in sorted(h["groups"]) if every or mine.intersection(holders)]
-        if not every and reads_objects_of is not None:      # (objects other saving ranks' files hold)
+        if not every and reads_objects_of is not None:      # objects other saving ranks' files hold
             others = {k for r in mine for k in reads_objects_of[r]} - mine
             needed += [files for k in sorted(others) for files in sorted(h["objects"].get(k, ()))]
         for files in needed:
             if any(f in local for f in files) or not any(f in held for f in files):
                 continue
-            # (the copy its own ranks wrote when saved, where there is one: the peer copy of a lost node)
+            # the copy its own ranks wrote when saved, where there is one: the peer copy of a lost node
             f = min((f for f in files if f in held), key=lambda f: (writer_of(f) not in mine, f))
             moves.append((f, min(held[f]), lead))
             local.add(f)
@@ -333,7 +333,7 @@ def fetch(comm, ckpt_dir: str, plan: dict) -> int:
             state["manifest"], state["raw"] = parse(raw.decode("utf-8"), where=f"{plan['tag']} from a peer"), raw
             return
         m = manifest()
-        if m.index is not None:       # (in parts: its JSON files check themselves when read)
+        if m.index is not None:       # in parts: its JSON files check themselves when read
             shards = _own_shards(m)
             if fname not in shards and fname not in part_names(m):
                 raise FormatError(f"a peer sent {fname!r}, which the manifest of {plan['tag']} does not name: refused")

@@ -182,7 +182,7 @@ class TieredLoader(Loader):
         nodes = [n for n, _ in placed]
         self.across = len(set(nodes)) > 1
         leads = NodeSpread(tuple(nodes), False).leads(comm.rank)
-        # (rank 0 decides for every rank)
+        # rank 0 decides for every rank
         gathered = comm.gather_object((holdings(mem), commit.latest_or_none(mem, LOCAL)) if leads else None)
 
         def decide():
@@ -211,7 +211,7 @@ class TieredLoader(Loader):
                     log.info("AdaCheck: rank %d received %.1f MB of %s from other nodes' memory (a node's own memory "
                              "lacked them) in %.2fs", comm.rank, got / 1e6, plan["tag"], time.perf_counter() - t0)
             if tag is None and leads and os.path.isdir(mem) and commit.latest_or_none(mem, LOCAL) != plan["tag"]:
-                commit.write_latest(mem, plan["tag"], LOCAL)     # (a node that lacked it: its newest now)
+                commit.write_latest(mem, plan["tag"], LOCAL)     # a node that lacked it: its newest now
             log.info("AdaCheck: loading %s from the memory tier (%s) instead of %s", plan["tag"], mem, load_dir)
             return LOCAL, mem, "memory", plan["tag"]
         if newest is None:

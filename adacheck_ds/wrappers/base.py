@@ -54,7 +54,7 @@ class Layout:
     trained: set = field(init=False)   # names of the parameters the optimizer updates (any rank)
     origin: Dict[str, Tuple[tuple, Box]] = field(default_factory=dict)   # name -> (logical shape,
     # the box of the logical tensor this rank's parameter is: all of it without tensor parallelism)
-    tp: Tuple[int, int] = (0, 1)    # (tensor-parallel rank, size)
+    tp: Tuple[int, int] = (0, 1)    # tensor-parallel rank, size
     split: Dict[str, int] = field(default_factory=dict)   # tensor-parallel parameters: partition dim
 
     def __post_init__(self):
@@ -133,7 +133,7 @@ class Wrapper:
         :meth:`adacheck.online.recovery.Replaying.preclip`): :meth:`clip_as_recorded` with the recorded
         ``gradient_clipping`` (a job resumed with another value replays the recorded steps)."""
         current = self.opt.clip_grad
-        self.opt.clip_grad = args.get("clip", current)     # (records of earlier versions: the engine's value)
+        self.opt.clip_grad = args.get("clip", current)     # records of earlier versions: the engine's value
         if torch.is_tensor(args["norm"]):
             args = dict(args, norm=args["norm"].to(grad.device))
         try:

@@ -16,7 +16,7 @@ class Plain(Wrapper):
 
     @staticmethod
     def matches(opt) -> bool:
-        return True      # (the last kind tried)
+        return True      # the last kind tried
 
     def describe(self, stage, names) -> Layout:
         opt = self.opt

@@ -42,7 +42,7 @@ class Zero3(Wrapper):
         return lay
 
     def model_replicated(self, name, tp_copy) -> bool:
-        return name in tp_copy      # (the module's weights are partitioned too)
+        return name in tp_copy      # the module's weights are partitioned too
 
     def tap_tensors(self) -> list:
         return list(getattr(self.opt, "fp32_partitioned_groups_flat", None) or [])
