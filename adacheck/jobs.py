@@ -24,7 +24,17 @@ _PROCESS = _Process()
 
 def checkpointer(options: Optional[Options] = None, store: Storage = LOCAL,
                  caches: Optional[Caches] = None) -> Checkpointer:
-    """A new checkpointer for a job with these ``options`` (the class ``options.tiers`` asks for)."""
+    """A new checkpointer for a job.
+
+    Args:
+        options: how it saves and loads (default ``Options()``); ``options.tiers`` chooses the class.
+        store: the storage of plain paths (default: the local filesystem).
+        caches: what it keeps between checkpoints (default: its own).
+
+    Returns:
+        A :class:`~adacheck.tiers.tiered.TieredCheckpointer` with ``options.tiers``, else a
+        :class:`~adacheck.checkpoint.Checkpointer`.
+    """
     options = options if options is not None else Options()
     cls = TieredCheckpointer if options.tiers is not None else Checkpointer
     return cls(store, options, caches)

@@ -39,7 +39,13 @@ _ORIG = DEEPSPEED_METHODS
 def attach(engine, config=None) -> AdaCheckDeepSpeed:
     """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through AdaCheck.
 
-    ``config``: an AdaCheckConfig, a dict like the JSON block, or None for the engine's block.
+    Args:
+        engine: a DeepSpeedEngine (or PipelineEngine).
+        config: an AdaCheckConfig, a dict like the JSON block, or None for the engine's block
+            (``enabled`` is implied).
+
+    Returns:
+        ``engine.adacheck``, the engine's :class:`AdaCheckDeepSpeed`.
     """
     install()
     if config is None:

@@ -229,6 +229,21 @@ class AdaCheckDeepSpeed:
     # ------------------------------------------------------------------ save
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False):
+        """``engine.save_checkpoint``, saved by AdaCheck (collective, as DeepSpeed's).
+
+        Args:
+            save_dir: the checkpoint directory; with ``adacheck.save_dir`` set, another directory
+                (a Trainer's ``checkpoint-N``) that gets a pointer to the save there.
+            tag: the checkpoint's name (default ``global_step<N>``); ranks that name different
+                tags are handled as ``checkpoint.tag_validation`` says.
+            client_state: JSON-able values and tensors kept with it, returned by the load.
+            save_latest: point ``latest`` at it once committed.
+            exclude_frozen_parameters: leave out parameters without gradients.
+
+        Returns:
+            True, as DeepSpeed's save (with ``async_save`` once the snapshot is taken: the
+            commit follows in the background).
+        """
         e = self.engine
         given, save_dir = save_dir, self.config.directory(save_dir, "save_checkpoint",
                                                           "pass one or set adacheck.save_dir")
@@ -365,6 +380,20 @@ class AdaCheckDeepSpeed:
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """``engine.load_checkpoint`` of an AdaCheck checkpoint (or, in a directory that holds one,
+        of DeepSpeed's own), into this engine's layout, its online deltas replayed.
+
+        Args:
+            load_dir: the checkpoint directory, or a directory a save left a pointer in.
+            tag: the checkpoint (default: the one ``latest`` names); its committed online deltas
+                are replayed, up to ``engine.adacheck.replay_until`` if set.
+            load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                load_module_only: as DeepSpeed's.
+            custom_load_fn: not supported (a ConfigError).
+
+        Returns:
+            ``(checkpoint directory, client_state)``, or ``(None, None)`` when there is none.
+        """
         e, comm = self.engine, default_comm()
         found = (pointer.follow(self.checkpointer.where, load_dir, tag, comm.rank)
                  if load_dir and self.config.save_dir else None)

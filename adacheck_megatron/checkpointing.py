@@ -106,17 +106,29 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                     num_floating_point_operations_so_far: float = 0, checkpointing_context=None,
                     *, args: Optional[argparse.Namespace] = None, config: Optional[AdaCheckConfig] = None,
                     extra_state: Optional[dict] = None, non_persistent_ckpt: bool = False) -> Optional[Manifest]:
-    """Collectively save an AdaCheck checkpoint of iteration ``iteration``; returns its manifest
-    (None for an asynchronous save, ``--async-save``: it commits in the background; the
-    optimizer's steps report it, the next save or load and the exit wait for it).
+    """Collectively save an AdaCheck checkpoint of iteration ``iteration`` (Megatron-LM's
+    ``save_checkpoint`` contract).
 
     With the memory tier and Megatron-LM's ``--non-persistent-save-interval``: a
     ``non_persistent_ckpt`` goes to the memory tier only, every other save to the memory tier
     and, at once, to the checkpoint directory (``--adacheck-tiers-persist-interval`` then
     does not apply); without that flag, every ``persist_interval``-th is copied there.
 
-    ``extra_state``: more JSON-able values / tensors to keep (rank 0's copy), returned by
-    load_checkpoint(..., return_extra_state=True).
+    Args:
+        iteration: the training iteration saved (the tag ``iter_<7 digits>``).
+        model, optimizer, opt_param_scheduler: the job's, as Megatron-LM passes them.
+        num_floating_point_operations_so_far: kept, and returned by the load.
+        checkpointing_context: accepted for Megatron-LM's signature; not used.
+        args: the training arguments (default: Megatron-LM's global ones).
+        config: the AdaCheck options (default: from ``args``' ``--adacheck-*`` flags).
+        extra_state: more JSON-able values / tensors to keep (rank 0's copy), returned by
+            ``load_checkpoint(..., return_extra_state=True)``.
+        non_persistent_ckpt: a save for the memory tier only (above).
+
+    Returns:
+        Its manifest; None for an asynchronous save (``--async-save``: it commits in the
+        background; the optimizer's steps report it, the next save or load and the exit wait
+        for it).
     """
     args = _args(args)
     cfg = _config(args, config)
@@ -330,15 +342,24 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
                     checkpointing_context=None, *, args: Optional[argparse.Namespace] = None,
                     config: Optional[AdaCheckConfig] = None, tag: Optional[str] = None,
                     return_extra_state: bool = False, iteration: Optional[int] = None):
-    """Load the newest complete checkpoint (or ``tag``) into this layout.
+    """Load the newest complete checkpoint (or ``tag``) into this layout (Megatron-LM's
+    ``load_checkpoint`` contract). Honours ``--no-load-optim``, ``--no-load-rng`` and
+    ``--finetune`` (weights only, iteration 0).
 
-    ``iteration``: load that iteration instead: the newest checkpoint that holds it, or whose
-    committed online deltas reach it (replayed up to it; same layout only).
+    Args:
+        model, optimizer, opt_param_scheduler: the job's, as Megatron-LM passes them.
+        load_arg: the argument naming the directory (``load``; ``pretrained_checkpoint``...).
+        strict: every model tensor must be in the checkpoint.
+        checkpointing_context: accepted for Megatron-LM's signature; not used.
+        args, config: as for :func:`save_checkpoint`.
+        tag: the checkpoint to load (default: the newest complete one).
+        return_extra_state: also return the saved ``extra_state``.
+        iteration: load that iteration instead: the newest checkpoint that holds it, or whose
+            committed online deltas reach it (replayed up to it; same layout only).
 
-    Returns ``(iteration, num_floating_point_operations_so_far)`` like Megatron-LM's
-    load_checkpoint, ``(0, 0)`` when the directory holds no checkpoint yet; with
-    ``return_extra_state`` a third item, the saved ``extra_state``. Honours
-    ``--no-load-optim``, ``--no-load-rng`` and ``--finetune`` (weights only, iteration 0).
+    Returns:
+        ``(iteration, num_floating_point_operations_so_far)``, ``(0, 0)`` when the directory
+        holds no checkpoint yet; with ``return_extra_state`` a third item, ``extra_state``.
     """
     args = _args(args)
     cfg = _config(args, config)

@@ -219,7 +219,16 @@ class Checkpointer:
         the exchange, planning, writing and the commit (manifest, then ``latest``) run in the
         background (:class:`AsyncSaves`).  At most one save is in flight: this waits for the
         previous one first (and says so).  :meth:`poll` reports a finished one, :meth:`finish`
-        waits for it; both raise or warn about a failure (``options.on_error``)."""
+        waits for it; both raise or warn about a failure (``options.on_error``).
+
+        Args:
+            comm, save_dir, tag, collect, update_latest, persist, min_generation: as for
+                :meth:`save`; ``collect``'s tensors are copied before this returns, and may
+                change after.
+
+        Returns:
+            The :class:`PendingSave` in flight.
+        """
         holding = self.hold(comm, save_dir)
         _refuse_non_persistent(persist)
         called = time.perf_counter()

@@ -126,8 +126,22 @@ def after_load(comm: Comm, job: Checkpointer, loaded: LoadResult, replaying: Opt
                without: str, until: Optional[int] = None, recorder=None) -> Recovered:
     """The recovery of every integration, after ``job.load`` returned ``loaded``: :func:`recover`
     with ``job``'s options, from the tier it loaded from (the base's chain continues only where it
-    is that directory's newest checkpoint).  ``replaying`` None: the load did not take what a
-    replay needs (``without`` says what; :func:`not_replayed`), and the job holds the base's step."""
+    is that directory's newest checkpoint).
+
+    Args:
+        comm: the job's ranks (collective).
+        job: the checkpointer that loaded the base.
+        loaded: what its load returned.
+        replaying: the integration's :class:`~adacheck.integration.Replaying`; None when the
+            load did not take what a replay needs (:func:`not_replayed`): the job holds the
+            base's step.
+        without: what that load left out, for messages ("the optimizer state").
+        until: stop at this step (default: the newest committed one).
+        recorder: this job's online recorder, if it records (its chain continues or restarts).
+
+    Returns:
+        :class:`Recovered`: the step the job holds, and what the replay cost.
+    """
     ckpt_dir, manifest, store, where = loaded.ckpt_dir, loaded.manifest, loaded.store, loaded.load_dir
     if replaying is None:
         not_replayed(ckpt_dir, manifest.step, until, without, store)
