@@ -126,6 +126,27 @@ def _latest_universal(load_dir: str) -> Optional[str]:
         return f.read().strip() or None
 
 
+def agreed_tag(engine, tag: str) -> str:
+    """The one tag of this save, as DeepSpeed's ``checkpoint.tag_validation`` asks when ranks
+    name different tags: "FAIL" raises a TagMismatchError (an AssertionError, as DeepSpeed
+    raises) on every rank; "WARN" and "IGNORE" save under rank 0's tag, with a warning for
+    "WARN" (DeepSpeed's own save writes each rank's files under its own tag: AdaCheck's
+    checkpoint is one for all ranks)."""
+    tags = default_comm().all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return tag
+    named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags[:8])) + (", ..." if len(tags) > 8 else "")
+    if engine.checkpoint_tag_validation_fail():
+        raise adacheck.TagMismatchError(
+            f"the ranks named different checkpoint tags ({named}), and checkpoint.tag_validation is FAIL: "
+            "pass the same tag on every rank (a tag with rank-specific parts cannot be loaded into another "
+            "number of ranks)")
+    if engine.checkpoint_tag_validation_enabled():
+        log.warning("AdaCheck: the ranks named different checkpoint tags (%s); saving under rank 0's, %r "
+                    "(checkpoint.tag_validation: WARN)", named, tags[0])
+    return tags[0]
+
+
 class _Load(Restore):
     """One ``engine.load_checkpoint`` of an AdaCheck checkpoint: every rank stages its part of the
     engine's state (``read``), then applies it with the counters, scheduler, loss scaler and RNG
@@ -247,7 +268,7 @@ class AdaCheckDeepSpeed:
         e = self.engine
         given, save_dir = save_dir, self.config.directory(save_dir, "save_checkpoint",
                                                           "pass one or set adacheck.save_dir")
-        tag = self._agreed_tag(str(tag) if tag is not None else f"global_step{e.global_steps}")
+        tag = agreed_tag(e, str(tag) if tag is not None else f"global_step{e.global_steps}")
         if given and default_comm().rank == 0:
             # a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer
             pointer.leave(self.checkpointer.where, given, save_dir, tag, e.global_steps)
@@ -262,26 +283,6 @@ class AdaCheckDeepSpeed:
         if default_comm().rank == 0:
             leave_script(*self.checkpointer.locate(save_dir))
         return True
-
-    def _agreed_tag(self, tag: str) -> str:
-        """The one tag of this save, as DeepSpeed's ``checkpoint.tag_validation`` asks when ranks
-        name different tags: "FAIL" raises a TagMismatchError (an AssertionError, as DeepSpeed
-        raises) on every rank; "WARN" and "IGNORE" save under rank 0's tag, with a warning for
-        "WARN" (DeepSpeed's own save writes each rank's files under its own tag: AdaCheck's
-        checkpoint is one for all ranks)."""
-        tags = default_comm().all_gather_object(tag)
-        if len(set(tags)) == 1:
-            return tag
-        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags[:8])) + (", ..." if len(tags) > 8 else "")
-        if self.engine.checkpoint_tag_validation_fail():
-            raise adacheck.TagMismatchError(
-                f"the ranks named different checkpoint tags ({named}), and checkpoint.tag_validation is FAIL: "
-                "pass the same tag on every rank (a tag with rank-specific parts cannot be loaded into another "
-                "number of ranks)")
-        if self.engine.checkpoint_tag_validation_enabled():
-            log.warning("AdaCheck: the ranks named different checkpoint tags (%s); saving under rank 0's, %r "
-                        "(checkpoint.tag_validation: WARN)", named, tags[0])
-        return tags[0]
 
     def _collect(self, client_state, exclude_frozen):
         e = self.engine
