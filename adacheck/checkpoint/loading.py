@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Tuple
 
 from ..storage import commit
@@ -18,15 +18,41 @@ from ..plan.exchange import Comm, agree
 from ..format.manifest_read import PartedTensors
 from ..integration import Restore
 from ..types import Manifest
-from ..storage.backends import LOCAL, Storage
+from ..storage.backends import Storage
 from .options import Caches, Options
 from .reader import CheckpointReader, find_intact, resolve
 
 log = logging.getLogger("adacheck")
 
 
-def stage_checkpoint(comm: Comm, load_dir: str, tag: Optional[str], restore: Restore, verify: bool, store: Storage = LOCAL,
-           prefer_present: bool = False):
+@dataclass(frozen=True)
+class Source:
+    """Where a load reads a checkpoint: ``load_dir`` on ``store``, the ``tier`` it is in ("memory",
+    "durable", or None without tiers) and its ``tag`` (None: the one ``latest`` names)."""
+    store: Storage
+    load_dir: str
+    tier: Optional[str]
+    tag: Optional[str]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint opened and staged on this rank: its ``ckpt_dir`` and ``manifest``, what
+    ``Restore.read`` returned (``staged``), the ``reader`` it read with, and its ``source``."""
+    ckpt_dir: str
+    manifest: Manifest
+    staged: object
+    reader: CheckpointReader
+    source: Source
+
+
+def stage_checkpoint(comm: Comm, source: Source, restore: Restore, verify: bool,
+                     prefer_present: bool = False) -> Opened:
+    """Collectively open the checkpoint ``source`` names and let every rank stage its part
+    (``restore.read``; ``restore.undo`` on every rank when any failed).  ``prefer_present``: read
+    the copies in this node's directory first (a memory-tier checkpoint across nodes)."""
+    load_dir, tag, store = source.load_dir, source.tag, source.store
+
     def open_():
         d = resolve(load_dir, tag, store)
         return d, manifest_files.read_manifest(d, store)
@@ -39,7 +65,7 @@ def stage_checkpoint(comm: Comm, load_dir: str, tag: Optional[str], restore: Res
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store,
                               prefer_present=prefer_present)
     staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: restore.read(reader), on_failure=restore.undo)
-    return ckpt_dir, manifest, staged, reader
+    return Opened(ckpt_dir, manifest, staged, reader, source)
 
 
 def _advice(load_dir: str, failed: Optional[str], intact, how_to_load, explicit: bool) -> str:
@@ -79,17 +105,13 @@ class Loader:
     def __init__(self, options: Options, caches: Caches, locate: Callable[[str], Tuple[Storage, str]]):
         self.options, self.caches, self.locate = options, caches, locate
 
-    def choose(self, comm: Comm, store: Storage, load_dir: str, tag: Optional[str],
-               restore: Restore) -> Tuple[Storage, str, Optional[str], Optional[str]]:
-        """(storage, directory, tier, tag) to load from: here, the checkpoint directory as named."""
-        return store, load_dir, None, tag
+    def choose(self, comm: Comm, asked: Source, restore: Restore) -> Source:
+        """Where to load from: here, the checkpoint directory as ``asked``."""
+        return asked
 
-    def stage(self, comm: Comm, store: Storage, load_dir: str, tag: Optional[str], restore: Restore,
-              tier: Optional[str]) -> Tuple[str, Manifest, object, CheckpointReader, Storage, str, Optional[str]]:
-        """Open checkpoint ``tag`` of ``load_dir`` and let every rank stage its part: (checkpoint
-        directory, manifest, what was staged, the reader, and where it was read: storage,
-        directory, tier)."""
-        return (*stage_checkpoint(comm, load_dir, tag, restore, self.options.verify, store), store, load_dir, tier)
+    def stage(self, comm: Comm, source: Source, restore: Restore) -> Opened:
+        """Open the checkpoint ``source`` names and let every rank stage its part."""
+        return stage_checkpoint(comm, source, restore, self.options.verify)
 
     def load(self, comm: Comm, load_dir: str, tag: Optional[str], restore: Restore) -> LoadResult:
         """Collectively open a checkpoint, let every rank stage its part (``restore.read``), then
@@ -108,10 +130,10 @@ class Loader:
         opts = self.options
         store, load_dir = self.locate(load_dir)
         t0 = time.perf_counter()
-        store, load_dir, tier, chosen = self.choose(comm, store, load_dir, tag, restore)
+        source = self.choose(comm, Source(store, load_dir, None, tag), restore)
+        store, load_dir = source.store, source.load_dir
         try:
-            ckpt_dir, manifest, staged, reader, store, load_dir, tier = self.stage(comm, store, load_dir, chosen,
-                                                                                  restore, tier)
+            opened = self.stage(comm, source, restore)
         except (FormatError, NotFoundError) as e:
             if isinstance(e, NotFoundError) and (tag is not None or not commit.has_latest(load_dir, store)):
                 raise      # nothing there to load (a tag that does not exist, an empty directory): not damage
@@ -124,8 +146,9 @@ class Loader:
                           f"({str(e).splitlines()[-1].strip()}); loading {intact[0]} (step {intact[1].step}), the "
                           "newest intact checkpoint, instead (on_corrupt: fallback)", CorruptCheckpointWarning,
                           stacklevel=4)
-            ckpt_dir, manifest, staged, reader = stage_checkpoint(comm, load_dir, intact[0], restore, opts.verify, store)
-        result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: restore.apply(staged))
+            opened = stage_checkpoint(comm, replace(source, tag=intact[0]), restore, opts.verify)
+        ckpt_dir, manifest, reader, source = opened.ckpt_dir, opened.manifest, opened.reader, opened.source
+        result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: restore.apply(opened.staged))
         # what this rank read of the manifest besides manifest.json (a manifest in parts)
         parted = isinstance(manifest.tensors, PartedTensors)
         read_bytes = {"parts": manifest.tensors.bytes_read if parted else 0,
@@ -133,8 +156,8 @@ class Loader:
                       "rank_files": manifest.ranks.bytes_read if manifest.ranks is not None else 0,
                       "data": reader.bytes_read}       # tensor bytes read from shard files
         if opts.verify:
-            self.caches.trust(ckpt_dir, store)
-        if tier is not None:
+            self.caches.trust(ckpt_dir, source.store)
+        if source.tier is not None:
             log.info("AdaCheck: rank %d loaded %s (step %s) from the %s tier in %.2fs", comm.rank, manifest.tag,
-                     manifest.step, tier, time.perf_counter() - t0)
-        return LoadResult(ckpt_dir, manifest, result, store, load_dir, tier, read_bytes)
+                     manifest.step, source.tier, time.perf_counter() - t0)
+        return LoadResult(ckpt_dir, manifest, result, source.store, source.load_dir, source.tier, read_bytes)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple
 
 from ..checkpoint import lifecycle
 from ..checkpoint.checkpointer import Checkpointer, Recording, start_chain
-from ..checkpoint.loading import Loader, stage_checkpoint
+from ..checkpoint.loading import Loader, Opened, Source, stage_checkpoint
 from ..checkpoint.options import Caches, Options
 from ..storage.lease import node_id
 from ..checkpoint.reader import confirm_files
@@ -161,13 +161,13 @@ class TieredLoader(Loader):
         self.given: Optional[Tuple[Storage, str]] = None     # the checkpoint directory asked for
         self.across = False            # this load runs on several nodes
 
-    def choose(self, comm, store, load_dir, tag, restore: Restore):
-        self.given = (store, load_dir)
-        return self.choose_tier(comm, store, load_dir, tag, reads_objects_of=restore.reads_objects_of)
+    def choose(self, comm: Comm, asked: Source, restore: Restore) -> Source:
+        self.given = (asked.store, asked.load_dir)
+        return self.choose_tier(comm, asked.store, asked.load_dir, asked.tag, reads_objects_of=restore.reads_objects_of)
 
     def choose_tier(self, comm, store: Storage, load_dir: str, tag: Optional[str], everything: bool = False,
-                    reads_objects_of: Sequence[int] = ()) -> Tuple[Storage, str, str, Optional[str]]:
-        """(storage, directory, tier, tag) to load from: the memory tier when the nodes' memories
+                    reads_objects_of: Sequence[int] = ()) -> Source:
+        """Where to load from: the memory tier when the nodes' memories
         hold ``tag`` complete between them (or, without one, the checkpoint the memory's ``latest``
         names, as every save that moves ``latest`` writes it there first: see :func:`newer_in_memory`),
         else the checkpoint directory (tag as given).  Decided by rank
@@ -206,14 +206,14 @@ class TieredLoader(Loader):
                 except AdaCheckError as e:
                     log.warning("AdaCheck: the memory tier's %s could not be gathered from the other nodes (%s); "
                                 "loading from durable storage", plan["tag"], e)
-                    return store, load_dir, "durable", tag
+                    return Source(store, load_dir, "durable", tag)
                 if got:
                     log.info("AdaCheck: rank %d received %.1f MB of %s from other nodes' memory (a node's own memory "
                              "lacked them) in %.2fs", comm.rank, got / 1e6, plan["tag"], time.perf_counter() - t0)
             if tag is None and leads and os.path.isdir(mem) and commit.latest_or_none(mem, LOCAL) != plan["tag"]:
                 commit.write_latest(mem, plan["tag"], LOCAL)     # a node that lacked it: its newest now
             log.info("AdaCheck: loading %s from the memory tier (%s) instead of %s", plan["tag"], mem, load_dir)
-            return LOCAL, mem, "memory", plan["tag"]
+            return Source(LOCAL, mem, "memory", plan["tag"])
         if newest is None:
             log.warning("AdaCheck: the memory tier holds no checkpoint of %s for this job (%s); loading from "
                         "durable storage", load_dir, mem)
@@ -225,13 +225,14 @@ class TieredLoader(Loader):
         else:
             log.warning("AdaCheck: the memory tier's newest complete checkpoint of %s (%s, step %s) is older than "
                         "durable storage's; loading from durable storage", load_dir, plan["tag"], plan["step"])
-        return store, load_dir, "durable", tag
+        return Source(store, load_dir, "durable", tag)
 
-    def stage(self, comm, store, load_dir, tag, restore: Restore, tier):
-        if tier != "memory":
-            return super().stage(comm, store, load_dir, tag, restore, tier)
+    def stage(self, comm: Comm, source: Source, restore: Restore) -> Opened:
+        if source.tier != "memory":
+            return super().stage(comm, source, restore)
+        verify = self.options.verify
         try:     # a node's memory holds a copy of what its ranks held when saved, preferred
-            return self._stage_present(comm, store, load_dir, tag, restore, tier)
+            return stage_checkpoint(comm, source, restore, verify, prefer_present=True)
         except AdaCheckError as e:
             if not self.across:
                 raise
@@ -239,9 +240,5 @@ class TieredLoader(Loader):
             # every region, and the ranks stage again (nothing was applied)
             log.warning("AdaCheck: staging from the memory tier failed (%s); every node gathers the whole "
                         "checkpoint and tries again", str(e).splitlines()[0])
-            store, load_dir, tier, tag = self.choose_tier(comm, *self.given, tag, everything=True)
-            return self._stage_present(comm, store, load_dir, tag, restore, tier)
-
-    def _stage_present(self, comm, store, load_dir, tag, restore, tier):
-        return (*stage_checkpoint(comm, load_dir, tag, restore, self.options.verify, store, prefer_present=True),
-                store, load_dir, tier)
+            again = self.choose_tier(comm, *self.given, source.tag, everything=True)
+            return stage_checkpoint(comm, again, restore, verify, prefer_present=True)
