@@ -71,6 +71,15 @@ def slowest(seconds: float) -> float:
     return float(t.item())
 
 
+def slowest_each(seconds: dict) -> dict:
+    """Per key, the largest of every rank's ``seconds[key]`` (a collective; every rank the same keys)."""
+    import torch
+    keys = sorted(seconds)
+    t = on_device(torch.tensor([float(seconds[k]) for k in keys], dtype=torch.float64))
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
+
+
 def device_sync() -> None:
     """Wait for the GPU's queued work before a clock is read (nothing on the CPU)."""
     if device() == "cuda":
@@ -150,21 +159,30 @@ def worker(a) -> None:
             fast = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
                 {"enabled": True, "fsync": False, "reference_previous": False}))
             t = {"native_save": [], "ada_save": [], "ada_save_nofsync": [], "native_load": [], "ada_load": []}
+            profile = {}     # the phases of AdaCheck's fastest save and load (the slowest rank's, per phase)
             for i in range(a.repeat):
                 order = [("native_save", lambda: adacheck_ds.save_native(engine, nat, tag=f"t{i}")),
                          ("ada_save", lambda: engine.save_checkpoint(ada, tag=f"t{i}")),
                          ("ada_save_nofsync", lambda: fast.save_checkpoint(ada + "-nofsync", tag=f"t{i}"))]
                 for name, fn in (order if i % 2 == 0 else order[::-1]):
                     t[name].append(timed(fn))
+                    if name == "ada_save":
+                        phases = slowest_each(engine.adacheck.last_manifest.stats["phases"])
+                        if t[name][-1] == min(t[name]):
+                            profile["save"] = dict(phases, total=t[name][-1])
                 loads = [("native_load", lambda: adacheck_ds.load_native(engine, nat, tag=f"t{i}")),
                          ("ada_load", lambda: engine.load_checkpoint(ada, tag=f"t{i}"))]
                 for name, fn in (loads if i % 2 == 0 else loads[::-1]):
                     t[name].append(timed(fn))
+                    if name == "ada_load":
+                        phases = slowest_each(engine.adacheck.checkpointer.last_loaded.seconds)
+                        if t[name][-1] == min(t[name]):
+                            profile["load"] = dict(phases, total=t[name][-1])
             if rank == 0:
                 last = f"t{a.repeat - 1}"
                 nb, ab = du(os.path.join(nat, last)), du(os.path.join(ada, last))
                 rows.append({"dp": dist.get_world_size(), "stage": stage, "dtype": dtype, "params": nparams,
-                             **comparison(nb, ab, unique, t)})
+                             **comparison(nb, ab, unique, t), "profile": profile})
                 print(json.dumps(rows[-1]), flush=True)
             dist.barrier()
             if rank == 0:
@@ -228,6 +246,27 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
+SAVE_PHASES = ("collect", "hash", "exchange", "plan", "write", "commit", "publish")
+LOAD_PHASES = ("open", "read", "apply")
+
+
+def profile_table(rows) -> str:
+    """Where AdaCheck's fastest save and load spent their time: per phase, the slowest rank's
+    seconds (a save's phases: SavePipeline's steps, ``write`` with fsync; a load's: open the
+    manifest, read and verify, apply, and the rest of engine.load_checkpoint), with native's."""
+    out = ["| DP | ZeRO | dtype | native save s | " + " | ".join(SAVE_PHASES) + " | AdaCheck save s "
+           "| native load s | " + " | ".join(LOAD_PHASES) + " | rest | AdaCheck load s |",
+           "|" + "---:|" * (3 + 1 + len(SAVE_PHASES) + 1 + 1 + len(LOAD_PHASES) + 2)]
+    for r in rows:
+        s, ld = r["profile"]["save"], r["profile"]["load"]
+        rest = ld["total"] - sum(ld[k] for k in LOAD_PHASES)
+        out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['native_save_s']:.3f} | "
+                   + " | ".join(f"{s[k]:.3f}" for k in SAVE_PHASES) + f" | {s['total']:.3f} | "
+                   f"{r['native_load_s']:.3f} | " + " | ".join(f"{ld[k]:.3f}" for k in LOAD_PHASES)
+                   + f" | {rest:.3f} | {ld['total']:.3f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
@@ -255,6 +294,7 @@ def main() -> None:
     with open(a.json, "w") as f:
         json.dump(result, f, indent=1)
     print(table(rows))
+    print("\nWhere AdaCheck's time goes (seconds, the slowest rank per phase):\n" + profile_table(rows))
     worst = max(r["adacheck_over_unique"] for r in rows)
     print(f"\nworst AdaCheck / unique logical state: {worst:.4f}x; JSON in {a.json}")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Optional, Tuple
 
 from ..storage import commit
@@ -44,6 +44,7 @@ class Opened:
     staged: object
     reader: CheckpointReader
     source: Source
+    seconds: Dict[str, float] = field(default_factory=dict)    # "open", "read"
 
 
 def stage_checkpoint(comm: Comm, source: Source, restore: Restore, verify: bool,
@@ -57,7 +58,9 @@ def stage_checkpoint(comm: Comm, source: Source, restore: Restore, verify: bool,
         d = resolve(load_dir, tag, store)
         return d, manifest_files.read_manifest(d, store)
 
+    t0 = time.perf_counter()
     ckpt_dir, manifest = agree(comm, f"AdaCheck load from {load_dir} (open)", open_)
+    t_open = time.perf_counter()
     if not comm.same(manifest.tag):
         tags = comm.all_gather_object(manifest.tag)
         raise ConfigError(f"ranks resolved different checkpoints to load: {tags}; is {load_dir} "
@@ -65,7 +68,8 @@ def stage_checkpoint(comm: Comm, source: Source, restore: Restore, verify: bool,
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store,
                               prefer_present=prefer_present)
     staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: restore.read(reader), on_failure=restore.undo)
-    return Opened(ckpt_dir, manifest, staged, reader, source)
+    return Opened(ckpt_dir, manifest, staged, reader, source,
+                  {"open": t_open - t0, "read": time.perf_counter() - t_open})
 
 
 def _advice(load_dir: str, failed: Optional[str], intact, how_to_load, explicit: bool) -> str:
@@ -86,7 +90,9 @@ class LoadResult:
     the integration's ``apply`` returned), where it read it (``store`` and ``load_dir``: with the
     memory tier, its copy there), ``tier`` ("memory", "durable", or None without tiers) and
     ``read``: the bytes this rank read of the manifest's parts ("parts", "meta"), of rank files
-    ("rank_files") and of tensor data ("data")."""
+    ("rank_files") and of tensor data ("data"); ``seconds``: this rank's time to open the
+    checkpoint ("open": resolve and parse the manifest), stage it ("read": read and verify what
+    ``Restore.read`` asked for) and "apply" it."""
     ckpt_dir: str
     manifest: Manifest
     result: object
@@ -94,6 +100,7 @@ class LoadResult:
     load_dir: str
     tier: Optional[str]
     read: Dict[str, int]
+    seconds: Dict[str, float] = field(default_factory=dict)
 
 
 class Loader:
@@ -148,7 +155,9 @@ class Loader:
                           stacklevel=4)
             opened = stage_checkpoint(comm, replace(source, tag=intact[0]), restore, opts.verify)
         ckpt_dir, manifest, reader, source = opened.ckpt_dir, opened.manifest, opened.reader, opened.source
+        t_apply = time.perf_counter()
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: restore.apply(opened.staged))
+        seconds = dict(opened.seconds, apply=time.perf_counter() - t_apply)
         # what this rank read of the manifest besides manifest.json (a manifest in parts)
         parted = isinstance(manifest.tensors, PartedTensors)
         read_bytes = {"parts": manifest.tensors.bytes_read if parted else 0,
@@ -160,4 +169,4 @@ class Loader:
         if source.tier is not None:
             log.info("AdaCheck: rank %d loaded %s (step %s) from the %s tier in %.2fs", comm.rank, manifest.tag,
                      manifest.step, source.tier, time.perf_counter() - t0)
-        return LoadResult(ckpt_dir, manifest, result, source.store, source.load_dir, source.tier, read_bytes)
+        return LoadResult(ckpt_dir, manifest, result, source.store, source.load_dir, source.tier, read_bytes, seconds)

@@ -179,14 +179,17 @@ class SavePipeline:
     def persist(self, comm: Comm, snap: Snapshot, update_latest: bool = True) -> Manifest:
         """Steps 1-6 of a save from its snapshot: hash, exchange, plan, write, commit, publish."""
         try:
+            t_start = time.perf_counter()
             prepared = self.prepare(comm, snap)
             t_hashed = time.perf_counter()
             exchanged = self.exchange(comm, prepared)
             t_prepare = time.perf_counter()
             plan = self.plan(comm, prepared, exchanged)
+            t_plan = time.perf_counter()
             written = self.write(comm, prepared, plan)
             t_write = time.perf_counter()
             manifest = self.commit(comm, prepared, exchanged, plan, written)
+            t_commit = time.perf_counter()
         except AdaCheckError as e:
             e.args = (f"{e}\nCheckpoint {snap.tag!r} was not published: 'latest' and the checkpoints saved "
                       f"before in {snap.save_dir} are as they were.",)
@@ -197,6 +200,11 @@ class SavePipeline:
         manifest.stats["seconds"] = {"hash": t_hashed - prepared.started, "prepare": t_prepare - prepared.started,
                                      "write": t_write - t_prepare, "commit": t_end - t_write,
                                      "total": t_end - prepared.started}
+        # this rank's seconds in each step (in memory only, as every stat above): where a save's time goes
+        manifest.stats["phases"] = {"collect": max(snap.collected - snap.started, 0.0), "hash": t_hashed - t_start,
+                                    "exchange": t_prepare - t_hashed, "plan": t_plan - t_prepare,
+                                    "write": t_write - t_plan, "commit": t_commit - t_write,
+                                    "publish": t_end - t_commit}
         return manifest
 
     def snapshot(self, comm: Comm, store: Storage, save_dir: str, tag: str, collect: Callable[[], LocalState],
@@ -224,7 +232,7 @@ class SavePipeline:
             if len(by_key) != len(shards):
                 raise FormatError("the integration reported the same (tensor, box) twice on one rank")
             return Snapshot(save_dir, tag, ckpt_dir, store, by_key, objects, rank_objects, state.layout,
-                            state.framework, state.step, started, ready, given_dir)
+                            state.framework, state.step, started, ready, given_dir, collected=time.perf_counter())
 
         return agree(comm, f"AdaCheck save of {ckpt_dir} (snapshot)", run)
 

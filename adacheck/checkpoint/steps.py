@@ -32,6 +32,7 @@ class Snapshot:
     min_generation: int = 0     # the save's file generation is at least this (the memory tier: past the
     # generations of the same tag in the checkpoint directory, where its files are copied)
     lease: Optional[Holding] = None     # the save directory's lease this job holds (rank 0; adacheck.storage.lease)
+    collected: float = 0.0      # when this rank's snapshot was taken (perf_counter), for the save's profile
 
 
 def shown_dir(snap: Snapshot) -> str:
