@@ -168,3 +168,23 @@ def test_block_reads_across_block_boundaries(memory):
     r = CheckpointReader(f"{root}/s3", store=small)
     assert torch.equal(r.read("master/w"), weights[3]) and torch.equal(r.read("model/frozen"), frozen)
     assert verify_part(CheckpointReader(f"{root}/s3", store=small)) > 0
+
+
+def test_a_large_file_starts_its_writeback_as_it_is_written_and_keeps_its_bytes(tmp_path):
+    """With fsync, a POSIX file's writeback is started every WRITE_BEHIND bytes (so the fsync at
+    the commit waits for less); the file holds exactly what was written, under its final name."""
+    from adacheck.storage import backends
+    data = os.urandom(1 << 20) * 20 + b"tail"       # 20 MiB and a few bytes, in 1 MiB writes
+    path = str(tmp_path / "big.bin")
+    w = PosixStorage().open_writer(path, fsync=True)
+    for i in range(0, len(data), 1 << 20):
+        w.write(data[i:i + (1 << 20)])
+    if backends._sync_file_range() is not None:       # Linux: every call was taken (valid ranges)
+        assert w.behind and w.started == 2 * backends.WRITE_BEHIND
+    assert w.commit() == len(data)
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert not os.path.exists(path + ".tmp")
+    plain = PosixStorage().open_writer(str(tmp_path / "plain.bin"), fsync=False)
+    plain.write(data)
+    assert not plain.behind and plain.started == 0 and plain.commit() == len(data)
