@@ -46,12 +46,13 @@ def kept_on(owner, options: Options) -> Checkpointer:
     DEFAULT_CACHES): one job, so that a memory tier's saves count towards one persist_interval and
     its newest is the one persisted at exit.  Options that turn the memory tier on or off replace
     the kept checkpointer (the old one closed first: its saves committed, its newest memory
-    checkpoint persisted) by one of the other class, with the same caches."""
+    checkpoint persisted) by one of the other class, with the same caches and ``on_saved``."""
     owner = owner if owner is not None else _PROCESS
     job = kept(owner)
     if job is not None and job.has_tiers != (options.tiers is not None):
         job.close()
-        job = checkpointer(options, job.store, job.caches)
+        old, job = job, checkpointer(options, job.store, job.caches)
+        job.on_saved = old.on_saved       # whoever follows the job's saves goes on following them
         setattr(owner, KEPT, job)
     elif job is None:
         job = checkpointer(options, caches=DEFAULT_CACHES if owner is _PROCESS else None)

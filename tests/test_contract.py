@@ -115,6 +115,8 @@ def test_the_jobs_checkpointer_has_the_class_its_options_ask_for(tmp_path, monke
     owner = Owner()
     first = jobs.kept_on(owner, plain)
     assert jobs.kept_on(owner, plain) is first and jobs.kept(owner) is first
+    first.on_saved = print
     second = jobs.kept_on(owner, tiered)      # the memory tier turned on: the other class, the same caches
     assert type(second) is TieredCheckpointer and second.caches is first.caches and jobs.kept(owner) is second
+    assert second.on_saved is print
     second.close()
