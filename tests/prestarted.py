@@ -18,6 +18,7 @@ not be forked), and only the workers named in ``PRELOAD``.
 Protocol (one JSON line each way, over the server's stdin / stdout):
   {"op": "run", "script", "args", "env", "cwd", "log"}  ->  {"pid": PID}
   {"op": "poll", "pid"}                                 ->  {"returncode": None | int (-N: signal N)}
+A returncode is answered once (the rank is reaped then); the asker keeps it.
 The server ends when its stdin closes; the ranks it started are not its to stop (launch.py
 kills them on its deadline, by pid).
 """
@@ -49,7 +50,6 @@ def serve(script):
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     for name in PRELOAD[script]:
         importlib.import_module(name)
-    done = {}
     reply.write(json.dumps({"ready": os.getpid()}) + "\n")
     reply.flush()
     for line in sys.stdin:
@@ -63,12 +63,11 @@ def serve(script):
                 return req
             answer = {"pid": pid}
         else:
-            pid = req["pid"]
-            if pid not in done:
-                got, status = os.waitpid(pid, os.WNOHANG)
-                if got == pid:
-                    done[pid] = os.waitstatus_to_exitcode(status)
-            answer = {"returncode": done.get(pid)}
+            # answered once, never remembered: a reaped rank's pid is free for the next fork (the
+            # kernel reuses pids within a long suite, pid_max 32768 on CI), and a remembered code
+            # would be read back as the new rank's, which launch() would then take for ended
+            got, status = os.waitpid(req["pid"], os.WNOHANG)
+            answer = {"returncode": os.waitstatus_to_exitcode(status) if got == req["pid"] else None}
         reply.write(json.dumps(answer) + "\n")
         reply.flush()
     sys.exit(0)
