@@ -340,11 +340,11 @@ def _refreshed(lay: Layout, r: CheckpointReader, keep: set) -> set:
     weights it loads (:meth:`Wrapper.refresh`: cast + all-gather), or none: every trained
     parameter's, when each is restored and the checkpoint holds each as its master's cast (a
     derivation proved at save time), so the cast gives back every saved bit.  With ZeRO-1/2 every
-    rank holds whole module weights, and rebuilding them from the checkpoint read every rank's
-    fp32 master partition (the whole model's fp32 weights, on every rank); now each rank reads
-    its own partition and DeepSpeed's all-gather does the rest."""
+    rank holds whole module weights: each rank reads its own master partition and DeepSpeed's
+    all-gather does the rest; with ZeRO-3 each rank's module partition is its master partition's
+    cast, which a derived read would have made from a second read of those master weights."""
     trained = [n for n in lay.lp_views if n in lay.trained]
-    if not lay.wrapper.refresh_gathers or not trained or any(n not in keep for n in trained):
+    if not lay.wrapper.refresh_rebuilds or not trained or any(n not in keep for n in trained):
         return set()
     if not all(r.is_cast_of(f"model/{n}", f"master/{n}", lay.lp_views[n][1].dtype) for n in trained):
         return set()

@@ -58,12 +58,13 @@ def test_resume_is_bit_identical_for_every_stage_and_dtype(tmp_path):
         # module weights are never stored twice: either they are the master, or proven casts of it
         assert has_master == (stage > 0 or dtype == "bf16"), (stage, dtype)
         assert all(("derived" in t) == has_master for t in model), (stage, dtype)
-        # what each rank read: with ZeRO-1/2 its own partition of the master weights and moments
-        # (about half of them), its module weights made by DeepSpeed from those (cast + all-gather),
-        # not rebuilt from every rank's masters (that read 0.87 of them)
+        # what each rank read: with ZeRO 1-3 its own partition of the master weights and moments
+        # (about half of them), its module weights made by DeepSpeed from those (ZeRO-1/2: cast +
+        # all-gather; ZeRO-3: cast), not rebuilt from masters read again (0.87 of them at ZeRO-1/2,
+        # 0.67 at ZeRO-3)
         unique = sum(v.numel() * v.element_size() for k, v in a.items() if k.startswith(("master/", "optim/")))
         read = [results(str(tmp_path), r)[2 * i + 1]["manifest_read"][0]["data"] for r in (0, 1)]
-        if stage in (1, 2):
+        if stage in (1, 2, 3):
             assert max(read) < 0.6 * unique, (stage, dtype, read, unique)
 
 

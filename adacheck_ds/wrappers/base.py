@@ -80,9 +80,10 @@ class Wrapper:
     flat_partitions: ClassVar[bool] = False
     #: the optimizer keeps fp32 master weights apart from the module's weights
     has_master: ClassVar[bool] = True
-    #: :meth:`refresh` makes every rank's whole module weights from the master partitions (cast +
-    #: all-gather): a load reads its own partition only (adacheck_ds.state._refreshed)
-    refresh_gathers: ClassVar[bool] = False
+    #: :meth:`refresh` makes this rank's module weights from the master weights it holds, exactly
+    #: their cast (ZeRO-1/2: cast + all-gather of the partitions; ZeRO-3: each rank's partition):
+    #: a load then reads no module weights, only its master partition (adacheck_ds.state._refreshed)
+    refresh_rebuilds: ClassVar[bool] = False
 
     def __init__(self, engine):
         self.engine, self.opt = engine, engine.optimizer

@@ -11,7 +11,7 @@ from .base import Frag, Layout, Wrapper, kept, lp_views_whole, relink
 class BF16(Wrapper):
     name = "bf16opt"
     flat_partitions = True
-    refresh_gathers = True
+    refresh_rebuilds = True
 
     @staticmethod
     def matches(opt) -> bool:

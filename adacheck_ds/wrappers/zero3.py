@@ -16,6 +16,7 @@ from .base import Frag, Layout, Wrapper, kept, relink
 class Zero3(Wrapper):
     name = "zero3"
     flat_partitions = True
+    refresh_rebuilds = True
 
     @staticmethod
     def matches(opt) -> bool:
