@@ -101,7 +101,8 @@ class Restore:
     reads_objects_of: Sequence[int] = ()
 
     def read(self, reader: "CheckpointReader") -> object:
-        """Stage this rank's part of the checkpoint from ``reader``, changing no training state.
+        """Stage this rank's part of the checkpoint from ``reader``, changing no training state (a
+        load calls it a second time when a box read the first time does not match its hash).
 
         Args:
             reader: the opened checkpoint (every read verified against the manifest).

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import threading
 import warnings
 import weakref
 
@@ -619,3 +620,44 @@ def test_same_bytes_on_views_of_any_alignment():
         assert not same_bytes(view, changed), start
     nan = torch.tensor([float("nan"), -0.0, 0.0])
     assert same_bytes(nan, nan.clone()) and not same_bytes(nan, torch.tensor([float("nan"), 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("limit", [None, 0])
+def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_damaged(tmp_path, monkeypatch, limit):
+    """Inside ``CheckpointReader.stage`` the hashes run on helper threads while reads go on: an
+    intact checkpoint is staged once, every read (a cast through the reused scratch buffer too)
+    the saved values; a damaged box is still an IntegrityError naming it, also where what the
+    stager did with the damaged bytes failed first (then it stages again, verifying each read).
+    ``limit`` 0: no box waits for its hash while the next is read (each is awaited at once)."""
+    from adacheck.checkpoint.reader import HashesBehind
+    from adacheck.errors import StateError
+    from adacheck.format.safetensors_file import SafetensorsFile
+    if limit is not None:
+        monkeypatch.setattr(HashesBehind, "LIMIT", limit)
+    w = write_golden(str(tmp_path))
+    ckpt = tmp_path / "step7"
+    calls = []
+
+    def stager(r):
+        calls.append(1)
+        got = r.read("master/w")
+        as64 = r.read("master/w", dtype=torch.float64)          # (each box through the scratch buffer)
+        if not torch.equal(got, w):
+            raise StateError("the stager's own check of the values failed")
+        return got, as64, r.read("model/w"), r.read("optim/step/w")
+
+    got, as64, lp, step = CheckpointReader(str(ckpt)).stage(stager)
+    assert calls == [1]
+    assert torch.equal(got, w) and torch.equal(as64, w.double()) and torch.equal(lp, w.bfloat16())
+    assert step.item() == 7.0
+    assert any(t.name.startswith("adacheck-hash") for t in threading.enumerate())
+
+    sb = CheckpointReader(str(ckpt)).entry("master/w").boxes[0]
+    f = SafetensorsFile(str(ckpt / sb.file))
+    data = bytearray((ckpt / sb.file).read_bytes())
+    data[f.data_start + f.entries[sb.key][2]] ^= 0x01            # one bit of a stored box of master/w
+    (ckpt / sb.file).write_bytes(bytes(data))
+    calls.clear()
+    with pytest.raises(IntegrityError, match=r"master/w \(box .*rank00000-g0\.safetensors.*hash"):
+        CheckpointReader(str(ckpt)).stage(stager)
+    assert calls == [1, 1]          # (the StateError of the first pass, from damaged bytes, is not the answer)

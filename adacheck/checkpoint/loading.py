@@ -67,7 +67,7 @@ def stage_checkpoint(comm: Comm, source: Source, restore: Restore, verify: bool,
                           "the same shared directory on every rank?")
     reader = CheckpointReader(ckpt_dir, manifest, verify=verify, prefer_rank=comm.rank, store=store,
                               prefer_present=prefer_present)
-    staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: restore.read(reader), on_failure=restore.undo)
+    staged = agree(comm, f"AdaCheck load of {ckpt_dir} (read)", lambda: reader.stage(restore.read), on_failure=restore.undo)
     return Opened(ckpt_dir, manifest, staged, reader, source,
                   {"open": t_open - t0, "read": time.perf_counter() - t_open})
 

@@ -6,9 +6,10 @@ together), and confirming a new checkpoint's files before its manifest names the
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from functools import partial
 from collections.abc import Mapping
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -18,7 +19,7 @@ from ..format import jsontree
 from ..format.boxes import copy_intersection, flat_range_to_boxes
 from ..errors import AdaCheckError, FormatError, IntegrityError, NotFoundError, StateError
 from ..plan.exchange import Comm, agree
-from ..format.hashing import bound_digest, box_identity, hash_tensor
+from ..format.hashing import bound_digest, box_identity, hash_buffer, hash_tensor, in_background, tensor_bytes
 from ..format.compression import ENCODING_KEY, decode
 from ..format.manifest import BOUND_SINCE, RANK_OBJECT, meta_entry, split_file
 from ..format.manifest_read import PartedTensors
@@ -260,6 +261,41 @@ def first_verified(stored: Callable[..., torch.Tensor], name: str, copies, out: 
                          "are unreadable: " + "; ".join(str(e) for e in errors))
 
 
+T = TypeVar("T")
+
+
+class HashesBehind:
+    """The hashes of the boxes read inside :meth:`CheckpointReader.stage`, computed on the hashing
+    threads.  At most ``LIMIT`` bytes of boxes wait for theirs (a box waiting is kept in memory,
+    also one the reader's cache has dropped): past it, the oldest are awaited."""
+    LIMIT = 512 << 20
+
+    def __init__(self):
+        self.waiting: deque = deque()
+        self.bytes = 0
+        self.ok = True
+
+    def add(self, digest, want: str, nbytes: int) -> None:
+        self.waiting.append((digest, want, nbytes))
+        self.bytes += nbytes
+        while self.bytes > self.LIMIT and len(self.waiting) > 1:
+            self._settle_one()
+
+    def _settle_one(self) -> None:
+        digest, want, nbytes = self.waiting.popleft()
+        self.bytes -= nbytes
+        try:
+            self.ok = digest.result() == want and self.ok
+        except Exception:        # a hash that could not be computed proves nothing: read again
+            self.ok = False
+
+    def all_match(self) -> bool:
+        """Whether every box's bytes had the hash recorded for it (waits for every hash)."""
+        while self.waiting:
+            self._settle_one()
+        return self.ok
+
+
 class CheckpointReader:
     """Reads boxes of logical tensors from a committed checkpoint, verifying hashes.
 
@@ -291,6 +327,36 @@ class CheckpointReader:
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
         self._held: Optional[Dict[str, TensorEntry]] = None
+        self._behind: Optional[HashesBehind] = None      # inside stage()
+
+    def stage(self, fn: Callable[["CheckpointReader"], "T"]) -> "T":
+        """``fn(self)`` with each box's hash computed on helper threads while the next box is read,
+        every one compared before this returns.  Where one does not match (or ``fn`` failed while
+        some were unchecked), ``fn`` runs again, each box verified as it is read: the damaged copy
+        is then named, or another copy read, as by a plain read.  ``fn`` must change nothing but
+        what it returns (``Restore.read``: staging).
+
+        Args:
+            fn: reads what it needs from this reader.
+
+        Returns:
+            What ``fn`` returned, from verified bytes only.
+        """
+        if not self.verify or self._behind is not None:
+            return fn(self)
+        self._behind, failure, staged = HashesBehind(), None, None
+        try:
+            staged = fn(self)
+        except Exception as e:         # perhaps a consequence of bytes not yet found damaged
+            failure = e
+        finally:
+            behind, self._behind = self._behind, None
+        if behind.all_match():
+            if failure is not None:
+                raise failure
+            return staged
+        self.drop_cache()
+        return fn(self)
 
     def framework(self, name: str, label: str, hint: str) -> dict:
         """The manifest's framework record, when ``name`` saved the checkpoint (a StateError that
@@ -386,9 +452,10 @@ class CheckpointReader:
             self._files[fname] = SafetensorsFile(self.path_of(fname), self.store)
         return self._files[fname]
 
-    def stored(self, name: str, sb, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Stored box ``sb`` of ``name``, verified; read straight into ``out`` when given
-        (contiguous, the stored dtype and shape), else kept in the cache."""
+    def stored(self, name: str, sb, out: Optional[torch.Tensor] = None, behind: bool = True) -> torch.Tensor:
+        """Stored box ``sb`` of ``name``, verified (inside :meth:`stage` and with ``behind``: on a
+        helper thread, its bytes left untouched until stage() returns); read straight into ``out``
+        when given (contiguous, the stored dtype and shape), else kept in the cache."""
         ck = (sb.file, sb.key, name, sb.box)
         kept = self._cache.get(ck)
         if kept is not None:
@@ -413,7 +480,11 @@ class CheckpointReader:
                                   f"manifest says {e.dtype}{list(sb.box.lengths)}")
             t = f.read(sb.key, out)
             self.bytes_read += t.numel() * t.element_size()
-        if self.verify:
+        if self.verify and behind and self._behind is not None:
+            # (only the hash itself on the thread, which holds the GIL for no Python of its own)
+            ident = box_identity(name, e.dtype, e.shape, sb.box.offsets, sb.box.lengths) if self.bound else b""
+            self._behind.add(in_background(hash_buffer, tensor_bytes(t), ident), sb.hash, t.numel() * t.element_size())
+        elif self.verify:
             got = (bound_digest(box_identity(name, e.dtype, e.shape, sb.box.offsets, sb.box.lengths), t)
                    if self.bound else hash_tensor(t))
             if got != sb.hash:
@@ -495,10 +566,14 @@ class CheckpointReader:
             sb = copies[0]
             if sb.box == box and not any((c.file, c.key, name, c.box) in self._cache for c in copies):
                 # the whole request is one stored box: read it straight into out, or into a
-                # reused scratch buffer when out has another dtype (a cast) or layout
-                first_verified(self.stored, name, copies, out=out if direct else self._scratch(box, torch_dtype(e.dtype)))
-                if not direct:
-                    out.copy_(self._scratch(box, torch_dtype(e.dtype)))
+                # reused scratch buffer when out has another dtype (a cast) or layout (verified
+                # before the next read reuses it)
+                if direct:
+                    first_verified(self.stored, name, copies, out=out)
+                else:
+                    scratch = self._scratch(box, torch_dtype(e.dtype))
+                    first_verified(partial(self.stored, behind=False), name, copies, out=scratch)
+                    out.copy_(scratch)
                 filled += box.numel
             elif box.intersect(sb.box) is not None:
                 filled += copy_intersection(out, box, first_verified(self.stored, name, copies), sb.box)

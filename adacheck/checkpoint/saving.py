@@ -34,7 +34,7 @@ from ..format.writer import write_safetensors_to
 from .options import Caches, Options
 from ..storage.lease import node_id
 from .reader import confirm_files
-from .state import Deferred, bytes_of, object_shards, shard_meta, split_chunks
+from .state import Deferred, bytes_of, object_shards, shard_metas, split_chunks
 from ..integration import LocalShard, LocalState
 from .partitioned import PartitionedSteps
 from .steps import Exchanged, Prepared, Snapshot, Written
@@ -254,7 +254,7 @@ class SavePipeline:
                 store.make_dirs(ckpt_dir)       # each node's own directory
             if snap.ready is not None:
                 snap.ready()
-            metas = [shard_meta(s) for s in snap.shards.values()]
+            metas = shard_metas(list(snap.shards.values()))
             if not opts.derive:
                 metas = [replace(m, derive=None, derive_ok=False) if m.derive is not None else m for m in metas]
             return {"metas": metas, "objects": snap.objects,

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Sequence
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, Sequence
 
 import torch
 import xxhash
@@ -91,6 +93,19 @@ def bound_digest(ident: bytes, t: torch.Tensor) -> str:
     """Hash of ``ident`` (see :func:`identity`) followed by the tensor's row-major bytes: equal
     only for equal bytes claimed to be the same thing."""
     return hash_buffer(tensor_bytes(_cpu(t)), ident)
+
+
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+_POOL: Dict[str, object] = {}
+
+
+def in_background(fn: Callable, *args) -> Future:
+    """``fn(*args)`` on this process's hashing threads (``HASH_THREADS``; xxh3 releases the GIL,
+    so hashes run beside the caller's reads and beside each other).  A forked child starts its own
+    threads: its parent's do not exist in it."""
+    if _POOL.get("pid") != os.getpid():
+        _POOL.update(pid=os.getpid(), pool=ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="adacheck-hash"))
+    return _POOL["pool"].submit(fn, *args)
 
 
 def check_digest_format(digest) -> bool:
