@@ -37,6 +37,23 @@ def du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def evict(path: str) -> int:
+    """Drop the page cache of every file under ``path`` (``posix_fadvise(DONTNEED)``: written
+    and synced files only; no root needed, unlike /proc/sys/vm/drop_caches), so the next read of
+    them comes from the device: a cold load.  Returns the bytes those files hold."""
+    total = 0
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)           # (dirty pages are not dropped)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
 # ----------------------------------------------------------------------------- device
 def device() -> str:
     """Where the benchmark trains: ``cpu`` (gloo) or ``cuda`` (NCCL, DeepSpeed's default there, one

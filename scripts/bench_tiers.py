@@ -13,7 +13,9 @@ per ZeRO stage x dtype; in the same run, alternating, ``--repeat`` times (the fa
                  directory took (until its manifest and ``latest`` were written)
   step           seconds per training step while that copy runs, against quiet steps
   recovery       seconds of ``load_checkpoint`` from the memory tier and from the checkpoint
-                 directory (the same checkpoint; hashes verified in both)
+                 directory (the same checkpoint; hashes verified in both), the directory's files
+                 in the page cache and out of it (cold: dropped with posix_fadvise before each
+                 load); with ``--s3`` also from a local S3 API server (moto, on 127.0.0.1)
   memory         bytes the memory tier holds for the job after ``--saves`` saves (``keep`` newest)
 
 With ``--nodes K`` the ranks are spread over K simulated nodes (``$ADACHECK_NODE`` and a memory
@@ -28,6 +30,7 @@ directory per node) and the tiered saves also send each node's files to the next
     .venv/bin/python scripts/bench_tiers.py
     .venv/bin/python scripts/bench_tiers.py --stages 1 --dtypes bf16 --memory-dir /dev/shm/x
     .venv/bin/python scripts/bench_tiers.py --nodes 2 --json bench_tiers_peer.json
+    .venv/bin/python scripts/bench_tiers.py --s3
 
 Printed as a table and written as JSON (``--json``).  ``--memory-dir`` defaults to /dev/shm.
 """
@@ -42,8 +45,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ds import (add_device_flag, device, device_sync, du, finish_worker, init_distributed, run_workers,  # noqa: E402
-                      slowest, tiny_engine, train_step, unique_bytes)
+from bench_ds import (add_device_flag, device, device_sync, du, evict, finish_worker, init_distributed,  # noqa: E402
+                      run_workers, slowest, tiny_engine, train_step, unique_bytes)
 
 
 def worker(a) -> None:
@@ -124,11 +127,22 @@ def worker(a) -> None:
             tier.finish()
             persist = slowest(time.perf_counter() - t0)
             tag = f"t{a.repeat - 1}"
-            load = {"memory": [], "durable": []}
+            load = {"memory": [], "durable": [], "cold": [], "s3": []}
+            if a.s3_url:         # (the same state, saved to S3 by a job without tiers)
+                remote = adacheck_ds.AdaCheckDeepSpeed(engine, AdaCheckConfig.from_dict(
+                    dict(block, storage_options=json.loads(a.storage_options))))
+                url = f"{a.s3_url}/dp{dist.get_world_size()}-z{stage}-{dtype}"
+                remote.save_checkpoint(url, tag=tag)
             for i in range(a.repeat):
                 load["memory"].append(timed(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
                 # (the same checkpoint, read from the checkpoint directory by a job without tiers)
                 load["durable"].append(timed(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+                dist.barrier()
+                if rank == 0:
+                    evict(ck_tier)
+                load["cold"].append(timed(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+                if a.s3_url:
+                    load["s3"].append(timed(lambda: remote.load_checkpoint(url, tag=tag)))
             peer_bytes, load_peer = 0, []
             if peer:
                 mem = memory_location(LOCAL, ck_tier)
@@ -155,6 +169,8 @@ def worker(a) -> None:
                        "step_quiet_s": sorted(quiet)[len(quiet) // 2],
                        "step_persisting_s": sorted(busy)[len(busy) // 2] if busy else None, "persisting_steps": len(busy),
                        "load_memory_s": min(load["memory"]), "load_durable_s": min(load["durable"]),
+                       "load_cold_s": min(load["cold"]), "load_s3_s": min(load["s3"]) if load["s3"] else None,
+                       "memory_over_cold": min(load["memory"]) / min(load["cold"]),
                        "memory_bytes": mem_bytes, "saves": a.saves, "nodes": a.nodes, "peer_bytes": peer_bytes,
                        "exchange": a.exchange,
                        "load_peer_s": min(load_peer) if load_peer else None}
@@ -175,15 +191,17 @@ def worker(a) -> None:
 def table(rows) -> str:
     head = ("| DP | ZeRO | dtype | unique MB | stall native s | stall durable s | stall memory s | stall memory async s "
             "| memory async/native | persist s | step s quiet | step s persisting (steps) | load memory s | load durable s "
-            "| memory MB | nodes | peer MB | load peer s |")
-    out = [head, "|" + "---:|" * 18]
+            "| load cold s | memory/cold | load S3 s | memory MB | nodes | peer MB | load peer s |")
+    out = [head, "|" + "---:|" * 21]
     for r in rows:
         busy = f"{r['step_persisting_s']:.3f} ({r['persisting_steps']})" if r["step_persisting_s"] else "-"
         out.append(f"| {r['dp']} | {r['stage']} | {r['dtype']} | {r['unique_bytes'] / 1e6:.0f} | "
                    f"{r['stall_native_s']:.3f} | {r['stall_durable_s']:.3f} | {r['stall_memory_s']:.3f} | "
                    f"{r['stall_memory_async_s']:.3f} | {r['stall_memory_async_s'] / r['stall_native_s']:.2f} | "
                    f"{r['persist_s']:.3f} | {r['step_quiet_s']:.3f} | "
-                   f"{busy} | {r['load_memory_s']:.3f} | {r['load_durable_s']:.3f} | {r['memory_bytes'] / 1e6:.0f} | "
+                   f"{busy} | {r['load_memory_s']:.3f} | {r['load_durable_s']:.3f} | {r['load_cold_s']:.3f} | "
+                   f"{r['memory_over_cold']:.2f} | " + (f"{r['load_s3_s']:.3f}" if r["load_s3_s"] is not None else "-")
+                   + f" | {r['memory_bytes'] / 1e6:.0f} | "
                    f"{r['nodes']} | {r['peer_bytes'] / 1e6:.0f} | "
                    + (f"{r['load_peer_s']:.3f} |" if r["load_peer_s"] is not None else "- |"))
     return "\n".join(out)
@@ -208,6 +226,9 @@ def main() -> None:
     ap.add_argument("--json", default="bench_tiers.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
+    ap.add_argument("--s3", action="store_true", help="also load from a local S3 API server (moto)")
+    ap.add_argument("--s3-url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--storage-options", default=None, help=argparse.SUPPRESS)
     add_device_flag(ap)
     a = ap.parse_args()
     os.environ["ADACHECK_BENCH_DEVICE"] = a.device
@@ -215,12 +236,21 @@ def main() -> None:
         return worker(a)
     os.environ["ADACHECK_MEMORY_DIR"] = a.memory_dir
     os.environ.setdefault("ADACHECK_JOB", f"bench-tiers-{os.getpid()}")
-    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800,
-                       ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
-                        "--steps", str(a.steps), "--saves", str(a.saves), "--nodes", str(a.nodes),
-                        "--exchange", a.exchange,
-                        "--memory-dir", a.memory_dir, "--stages", *map(str, a.stages),
-                        "--dtypes", *a.dtypes])
+    passed = ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
+              "--steps", str(a.steps), "--saves", str(a.saves), "--nodes", str(a.nodes), "--exchange", a.exchange,
+              "--memory-dir", a.memory_dir, "--stages", *map(str, a.stages), "--dtypes", *a.dtypes]
+    server = None
+    if a.s3:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+        from s3server import s3_server
+        server = s3_server()
+        s3 = server.__enter__()
+        passed += ["--s3-url", s3.url("bench"), "--storage-options", json.dumps(s3.options)]
+    try:
+        rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800, passed)
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
     import deepspeed
     import torch
     with open(a.json, "w") as f:
