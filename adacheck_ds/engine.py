@@ -28,6 +28,7 @@ from adacheck.storage.backends import is_url
 from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
+from .wrappers import wrapper_of
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, module_names, named,
                     moe_layers, partition_map, pipeline, pipeline_layers, refuse_engine, stage_load,
                     tied_parameters)
@@ -273,7 +274,8 @@ class AdaCheckDeepSpeed:
             # a save into another directory, e.g. a Hugging Face Trainer's checkpoint-N: it holds a pointer
             pointer.leave(self.checkpointer.where, given, save_dir, tag, e.global_steps)
         collect = lambda: self._collect(client_state, exclude_frozen_parameters)   # noqa: E731
-        with checkpoint_event(e.optimizer):     # an async save's snapshot is taken inside
+        hooks = checkpoint_event(e.optimizer) if wrapper_of(e).save_hooks else contextlib.nullcontext()
+        with hooks:         # an async save's snapshot is taken inside
             if self.config.async_save and self.online is None:
                 self.checkpointer.save_async(default_comm(), save_dir, tag, collect, update_latest=save_latest)
             else:

@@ -84,6 +84,8 @@ class Wrapper:
     #: their cast (ZeRO-1/2: cast + all-gather of the partitions; ZeRO-3: each rank's partition):
     #: a load then reads no module weights, only its master partition (adacheck_ds.state._refreshed)
     refresh_rebuilds: ClassVar[bool] = False
+    #: a save runs between the optimizer's checkpoint_event_prologue / _epilogue, where it has them
+    save_hooks: ClassVar[bool] = True
 
     def __init__(self, engine):
         self.engine, self.opt = engine, engine.optimizer

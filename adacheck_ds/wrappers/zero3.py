@@ -17,6 +17,9 @@ class Zero3(Wrapper):
     name = "zero3"
     flat_partitions = True
     refresh_rebuilds = True
+    # a save reads the partitions (fp32 flats, ds_tensor), which DeepSpeed keeps current at every
+    # step; the hooks would release the persistent parameters and all-gather them again
+    save_hooks = False
 
     @staticmethod
     def matches(opt) -> bool:
