@@ -265,18 +265,7 @@ def main() -> None:
     passed = ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
               "--steps", str(a.steps), "--saves", str(a.saves), "--busy-saves", str(a.busy_saves), "--stages", *map(str, a.stages),
               "--dtypes", *a.dtypes, "--writers", *a.writers]
-    server = None
-    if a.s3:
-        sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from s3server import s3_server
-        server = s3_server()
-        s3 = server.__enter__()
-        passed += ["--s3-url", s3.url("bench"), "--storage-options", json.dumps(s3.options)]
-    try:
-        rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700, passed)
-    finally:
-        if server is not None:
-            server.__exit__(None, None, None)
+    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29700, passed, s3=a.s3)
     import deepspeed
     import torch
     with open(a.json, "w") as f:

@@ -230,8 +230,16 @@ def finish_worker(rows: list, rows_path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_workers(script: str, dps, work, port_base: int, args) -> list:
-    """Run ``script --worker`` under torchrun once per DP size; the rows rank 0 wrote."""
+def run_workers(script: str, dps, work, port_base: int, args, s3: bool = False) -> list:
+    """Run ``script --worker`` under torchrun once per DP size; the rows rank 0 wrote.  ``s3``:
+    with a local S3 API server (moto) running, its bucket's URL and storage options passed as
+    ``--s3-url`` / ``--storage-options``."""
+    if s3:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        from s3server import s3_server
+        with s3_server() as server:
+            return run_workers(script, dps, work, port_base, [*args, "--s3-url", server.url("bench"),
+                                                              "--storage-options", json.dumps(server.options)])
     tmp = work or tempfile.mkdtemp(prefix="adacheck-bench-")
     rows = []
     for dp in dps:

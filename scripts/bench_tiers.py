@@ -239,18 +239,7 @@ def main() -> None:
     passed = ["--vocab", str(a.vocab), "--dim", str(a.dim), "--layers", str(a.layers), "--repeat", str(a.repeat),
               "--steps", str(a.steps), "--saves", str(a.saves), "--nodes", str(a.nodes), "--exchange", a.exchange,
               "--memory-dir", a.memory_dir, "--stages", *map(str, a.stages), "--dtypes", *a.dtypes]
-    server = None
-    if a.s3:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from s3server import s3_server
-        server = s3_server()
-        s3 = server.__enter__()
-        passed += ["--s3-url", s3.url("bench"), "--storage-options", json.dumps(s3.options)]
-    try:
-        rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800, passed)
-    finally:
-        if server is not None:
-            server.__exit__(None, None, None)
+    rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29800, passed, s3=a.s3)
     import deepspeed
     import torch
     with open(a.json, "w") as f:
