@@ -295,6 +295,27 @@ class HashesBehind:
             self._settle_one()
         return self.ok
 
+    @classmethod
+    def stage(cls, reader: "CheckpointReader", fn: Callable[["CheckpointReader"], "T"]) -> "T":
+        """``fn(reader)`` with each box's hash computed on the hashing threads while the next box
+        is read, every one compared before this returns.  Where one does not match (or ``fn``
+        failed while some were unchecked), ``fn`` runs again, each box verified as it is read: the
+        damaged copy is then named, or another copy read, as by a plain read.  ``fn`` must change
+        nothing but what it returns (``Restore.read``: staging)."""
+        reader._behind, failure, staged = cls(), None, None
+        try:
+            staged = fn(reader)
+        except Exception as e:         # perhaps a consequence of bytes not yet found damaged
+            failure = e
+        finally:
+            behind, reader._behind = reader._behind, None
+        if behind.all_match():
+            if failure is not None:
+                raise failure
+            return staged
+        reader.drop_cache()
+        return fn(reader)
+
 
 class CheckpointReader:
     """Reads boxes of logical tensors from a committed checkpoint, verifying hashes.
@@ -330,33 +351,9 @@ class CheckpointReader:
         self._behind: Optional[HashesBehind] = None      # inside stage()
 
     def stage(self, fn: Callable[["CheckpointReader"], "T"]) -> "T":
-        """``fn(self)`` with each box's hash computed on helper threads while the next box is read,
-        every one compared before this returns.  Where one does not match (or ``fn`` failed while
-        some were unchecked), ``fn`` runs again, each box verified as it is read: the damaged copy
-        is then named, or another copy read, as by a plain read.  ``fn`` must change nothing but
-        what it returns (``Restore.read``: staging).
-
-        Args:
-            fn: reads what it needs from this reader.
-
-        Returns:
-            What ``fn`` returned, from verified bytes only.
-        """
-        if not self.verify or self._behind is not None:
-            return fn(self)
-        self._behind, failure, staged = HashesBehind(), None, None
-        try:
-            staged = fn(self)
-        except Exception as e:         # perhaps a consequence of bytes not yet found damaged
-            failure = e
-        finally:
-            behind, self._behind = self._behind, None
-        if behind.all_match():
-            if failure is not None:
-                raise failure
-            return staged
-        self.drop_cache()
-        return fn(self)
+        """``fn(self)`` (a load's staging), its reads verified behind them (:class:`HashesBehind`):
+        what it returns comes from verified bytes only."""
+        return HashesBehind.stage(self, fn) if self.verify and self._behind is None else fn(self)
 
     def framework(self, name: str, label: str, hint: str) -> dict:
         """The manifest's framework record, when ``name`` saved the checkpoint (a StateError that
