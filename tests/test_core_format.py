@@ -661,3 +661,32 @@ def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_dam
     with pytest.raises(IntegrityError, match=r"master/w \(box .*rank00000-g0\.safetensors.*hash"):
         CheckpointReader(str(ckpt)).stage(stager)
     assert calls == [1, 1]          # (the StateError of the first pass, from damaged bytes, is not the answer)
+
+
+def test_a_save_and_a_staged_load_at_interpreter_exit_hash_without_the_threads(tmp_path):
+    """A save committed by an exit hook (an async save at the end of a user's script) runs when the
+    interpreter no longer starts work on threads: its hashes, and a staged load's, run in the
+    calling thread; the checkpoint is committed and holds the tensors saved."""
+    import subprocess
+    import sys
+    script = f"""
+import atexit, torch
+from adacheck.checkpoint import CheckpointReader, save, state
+from adacheck.integration import LocalShard, LocalState
+from adacheck.plan.exchange import SoloComm
+from adacheck.types import Box
+state.HASH_THREADS = 2          # (the threaded path, also on a machine of one core)
+w = torch.arange(12.0).reshape(3, 4)
+
+def at_exit():
+    save(SoloComm(), {str(tmp_path)!r}, "s1", lambda: LocalState(
+        [LocalShard("master/w", "master", (3, 4), Box.full((3, 4)), w)]))
+    got = CheckpointReader({str(tmp_path / "s1")!r}).stage(lambda r: r.read("master/w"))
+    print("equal" if torch.equal(got, w) else "differs")
+atexit.register(at_exit)
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0 and p.stdout.strip() == "equal", p.stderr[-3000:]
+    assert torch.equal(load_file(str(tmp_path / "s1" / "rank00000-g0.safetensors"))["master/w@0+3_0+4"],
+                       torch.arange(12.0).reshape(3, 4))

@@ -102,10 +102,19 @@ _POOL: Dict[str, object] = {}
 def in_background(fn: Callable, *args) -> Future:
     """``fn(*args)`` on this process's hashing threads (``HASH_THREADS``; xxh3 releases the GIL,
     so hashes run beside the caller's reads and beside each other).  A forked child starts its own
-    threads: its parent's do not exist in it."""
+    threads: its parent's do not exist in it.  Once the interpreter is ending (a save committed
+    by the exit hook), no thread takes new work: ``fn`` runs here, at once."""
     if _POOL.get("pid") != os.getpid():
         _POOL.update(pid=os.getpid(), pool=ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="adacheck-hash"))
-    return _POOL["pool"].submit(fn, *args)
+    try:
+        return _POOL["pool"].submit(fn, *args)
+    except RuntimeError:         # "cannot schedule new futures after (interpreter) shutdown"
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
 
 def check_digest_format(digest) -> bool:
