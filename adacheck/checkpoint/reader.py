@@ -19,7 +19,7 @@ from ..format import jsontree
 from ..format.boxes import copy_intersection, flat_range_to_boxes
 from ..errors import AdaCheckError, FormatError, IntegrityError, NotFoundError, StateError
 from ..plan.exchange import Comm, agree
-from ..format.hashing import bound_digest, box_identity, hash_buffer, hash_tensor, in_background, tensor_bytes
+from ..format.hashing import bound_digest, box_identity, hash_buffer, in_background, tensor_bytes
 from ..format.compression import ENCODING_KEY, decode
 from ..format.manifest import BOUND_SINCE, RANK_OBJECT, meta_entry, split_file
 from ..format.manifest_read import PartedTensors
@@ -477,14 +477,13 @@ class CheckpointReader:
                                   f"manifest says {e.dtype}{list(sb.box.lengths)}")
             t = f.read(sb.key, out)
             self.bytes_read += t.numel() * t.element_size()
-        if self.verify and behind and self._behind is not None:
-            # (only the hash itself on the thread, which holds the GIL for no Python of its own)
+        if self.verify:
+            # bound_digest / hash_tensor of t (a contiguous CPU tensor); behind: only the hash
+            # itself on the thread, which holds the GIL for no Python of its own
             ident = box_identity(name, e.dtype, e.shape, sb.box.offsets, sb.box.lengths) if self.bound else b""
-            self._behind.add(in_background(hash_buffer, tensor_bytes(t), ident), sb.hash, t.numel() * t.element_size())
-        elif self.verify:
-            got = (bound_digest(box_identity(name, e.dtype, e.shape, sb.box.offsets, sb.box.lengths), t)
-                   if self.bound else hash_tensor(t))
-            if got != sb.hash:
+            if behind and self._behind is not None:       # (compared when stage() ends)
+                self._behind.add(in_background(hash_buffer, tensor_bytes(t), ident), sb.hash, t.numel() * t.element_size())
+            elif (got := hash_buffer(tensor_bytes(t), ident)) != sb.hash:
                 raise IntegrityError(f"{name} (box {sb.box.key()}) in {f.path}: stored bytes hash to "
                                      f"{got} but the manifest recorded {sb.hash}"
                                      + (" for this tensor, box and dtype" if self.bound else "")
