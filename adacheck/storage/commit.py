@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Dict, List, Optional, Tuple
+from collections import OrderedDict
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ..errors import AdaCheckError, FormatError, NotFoundError
+from ..format.hashing import hash_buffer
 from ..format.manifest import MANIFEST_NAME, PART_PATTERN, SHARD_PATTERN, TAG_RE, part_names, referenced_files
 from .backends import LOCAL, Storage
-from .manifest_files import has_manifest, read_manifest
+from ..format.manifest_read import parse
+from .manifest_files import PartFiles, has_manifest, manifest_text, read_manifest
 from ..types import Manifest
 
 LATEST = "latest"
@@ -76,7 +79,7 @@ def has_checkpoint(load_dir: str, store: Storage = LOCAL) -> bool:
     a checkpoint directory with a manifest, or is one."""
     if has_latest(load_dir, store) or has_manifest(load_dir, store):
         return True
-    return any(m is not None for _, m, _ in list_checkpoints(load_dir, store))
+    return any(summary is not None for _, summary in summaries(load_dir, store))
 
 
 def write_latest(save_dir: str, tag: str, store: Storage = LOCAL) -> None:
@@ -160,6 +163,52 @@ _SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
                          + re.escape(TMP_SUFFIX) + ")?$")     # a shard file, a manifest's part
 
 
+class Summary(NamedTuple):
+    """What retention and garbage collection ask of a committed checkpoint: the files its manifest
+    references, as (tag or None for its own directory, name), its part files, and its step."""
+    references: frozenset
+    parts: tuple
+    step: Optional[int]
+
+
+# manifest.json's digest -> its Summary, parsed once per process: every save collects garbage
+# (and applies retention) over every checkpoint of its directory, and a job may keep hundreds
+_SUMMARIES: "OrderedDict[str, Summary]" = OrderedDict()
+_SUMMARIES_KEPT = 4096
+
+
+def summaries(save_dir: str, store: Storage = LOCAL):
+    """(tag, :class:`Summary`) of each committed checkpoint in ``save_dir``; (tag, None) for one
+    whose manifest cannot be read.  A summary is a function of the manifest's bytes alone (no part
+    is read): kept by their digest, so a checkpoint already seen costs a read and a hash, not a
+    parse."""
+    for tag in store.list(save_dir):
+        d = store.join(save_dir, tag)
+        if not store.is_dir(d) or not any(_is_shard_or_manifest(f) for f in store.list(d)):
+            continue
+        try:
+            path, text = manifest_text(d, store)
+        except NotFoundError:
+            continue            # not committed (an interrupted save)
+        except FormatError:
+            yield tag, None
+            continue
+        key = hash_buffer(text.encode("utf-8"))
+        summary = _SUMMARIES.get(key)
+        if summary is None:
+            try:
+                m = parse(text, where=path, open_part=PartFiles(store, d))
+            except FormatError:
+                yield tag, None
+                continue
+            summary = _SUMMARIES[key] = Summary(frozenset(referenced_files(m)), tuple(part_names(m)), m.step)
+            while len(_SUMMARIES) > _SUMMARIES_KEPT:
+                _SUMMARIES.popitem(last=False)
+        else:
+            _SUMMARIES.move_to_end(key)
+        yield tag, summary
+
+
 def _tree_size(store: Storage, path: str) -> int:
     total = 0
     for name in store.list(path):
@@ -189,16 +238,15 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     """
     need: Dict[str, set] = {}
     unreadable = set()
-    for tag, m, _ in list_checkpoints(save_dir, store):
-        if m is None:
-            if has_manifest(store.join(save_dir, tag), store):
-                unreadable.add(tag)
+    for tag, summary in summaries(save_dir, store):
+        if summary is None:
+            unreadable.add(tag)
             continue
         if tag in retired:
             continue
-        for ref_tag, name in referenced_files(m):
+        for ref_tag, name in summary.references:
             need.setdefault(ref_tag or tag, set()).add(name)
-        need.setdefault(tag, set()).update(part_names(m))
+        need.setdefault(tag, set()).update(summary.parts)
     removed = []
     for tag in store.list(save_dir):
         d = store.join(save_dir, tag)
@@ -234,7 +282,7 @@ def newest_commit_time(save_dir: str, store: Storage = LOCAL) -> Optional[float]
     """The modification time of the newest committed manifest in ``save_dir`` (the storage's clock;
     None: none is committed): garbage collection's ``keep_after`` beside a live job."""
     times = [store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
-             for tag, m, _ in list_checkpoints(save_dir, store) if m is not None]
+             for tag, summary in summaries(save_dir, store) if summary is not None]
     return max(times) if times else None
 
 
@@ -244,11 +292,11 @@ def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s:
     ``keep_last`` (by step, then manifest time) and/or older than ``older_than_s`` seconds;
     never one in ``protect``, never the newest."""
     committed = []
-    for tag, m, problem in list_checkpoints(save_dir, store):
-        if m is None:
+    for tag, summary in summaries(save_dir, store):
+        if summary is None:
             continue
         mtime = store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
-        committed.append(((m.step if m.step is not None else -1), mtime, tag))
+        committed.append(((summary.step if summary.step is not None else -1), mtime, tag))
     committed.sort(reverse=True)
     now = time.time() if now is None else now
     out = []

@@ -4,6 +4,8 @@ present), and the parts, meta and rank files of a manifest in parts (their bytes
 generations, retention) is :mod:`adacheck.storage.commit`'s."""
 from __future__ import annotations
 
+from typing import Tuple
+
 from ..errors import FormatError, IntegrityError, NotFoundError
 from ..format.hashing import hash_buffer
 from ..format.manifest import (MANIFEST_NAME, dumps, meta_bytes, meta_name, part_bytes, part_name, rank_file_bytes,
@@ -13,15 +15,21 @@ from ..types import Manifest
 from .backends import LOCAL, Storage
 
 
-def read_manifest(ckpt_dir: str, store: Storage = LOCAL) -> Manifest:
+def manifest_text(ckpt_dir: str, store: Storage = LOCAL) -> Tuple[str, str]:
+    """(path, text) of the checkpoint's ``manifest.json``, not parsed: a NotFoundError where there is
+    none, a FormatError where it cannot be read."""
     path = store.join(ckpt_dir, MANIFEST_NAME)
     try:
-        text = store.read_bytes(path).decode("utf-8")
+        return path, store.read_bytes(path).decode("utf-8")
     except FileNotFoundError:
         raise NotFoundError(f"{ckpt_dir} has no {MANIFEST_NAME}: it is not a complete AdaCheck "
                             "checkpoint (an interrupted save, or another format)") from None
     except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: cannot read manifest: {e}") from e
+
+
+def read_manifest(ckpt_dir: str, store: Storage = LOCAL) -> Manifest:
+    path, text = manifest_text(ckpt_dir, store)
     return parse(text, where=path, open_part=PartFiles(store, ckpt_dir))
 
 
