@@ -622,16 +622,21 @@ def test_same_bytes_on_views_of_any_alignment():
     assert same_bytes(nan, nan.clone()) and not same_bytes(nan, torch.tensor([float("nan"), 0.0, 0.0]))
 
 
-@pytest.mark.parametrize("limit", [None, 0])
-def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_damaged(tmp_path, monkeypatch, limit):
+@pytest.mark.parametrize("limit,threads", [(None, 2), (0, 2), (None, 1)])
+def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_damaged(tmp_path, monkeypatch,
+                                                                                      limit, threads):
     """Inside ``CheckpointReader.stage`` the hashes run on helper threads while reads go on: an
     intact checkpoint is staged once, every read (a cast through the reused scratch buffer too)
     the saved values; a damaged box is still an IntegrityError naming it, also where what the
     stager did with the damaged bytes failed first (then it stages again, verifying each read).
-    ``limit`` 0: no box waits for its hash while the next is read (each is awaited at once)."""
+    ``limit`` 0: no box waits for its hash while the next is read (each is awaited at once).
+    ``threads`` 1 (a rank with no core to spare): each box is verified as it is read, so the
+    damaged one fails the first pass."""
     from adacheck.checkpoint.reader import HashesBehind
     from adacheck.errors import StateError
+    from adacheck.format import hashing
     from adacheck.format.safetensors_file import SafetensorsFile
+    monkeypatch.setattr(hashing, "THREADS", threads)
     if limit is not None:
         monkeypatch.setattr(HashesBehind, "LIMIT", limit)
     w = write_golden(str(tmp_path))
@@ -650,7 +655,8 @@ def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_dam
     assert calls == [1]
     assert torch.equal(got, w) and torch.equal(as64, w.double()) and torch.equal(lp, w.bfloat16())
     assert step.item() == 7.0
-    assert any(t.name.startswith("adacheck-hash") for t in threading.enumerate())
+    if threads > 1:
+        assert any(t.name.startswith("adacheck-hash") for t in threading.enumerate())
 
     sb = CheckpointReader(str(ckpt)).entry("master/w").boxes[0]
     f = SafetensorsFile(str(ckpt / sb.file))
@@ -660,7 +666,35 @@ def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_dam
     calls.clear()
     with pytest.raises(IntegrityError, match=r"master/w \(box .*rank00000-g0\.safetensors.*hash"):
         CheckpointReader(str(ckpt)).stage(stager)
-    assert calls == [1, 1]          # (the StateError of the first pass, from damaged bytes, is not the answer)
+    # (behind: the StateError of the first pass, from damaged bytes, is not the answer)
+    assert calls == ([1, 1] if threads > 1 else [1])
+
+
+def test_a_rank_hashes_on_the_cores_it_does_not_share():
+    """Hashing threads per rank: its CPU affinity's cores, divided among the node's ranks (the
+    launcher's count) unless it is bound to cores of its own, at most 4; one core each: none."""
+    import subprocess
+    import sys
+    code = ("import os, sys; from adacheck.format.hashing import hash_threads\n"
+            "if len(sys.argv) > 1: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "print(hash_threads())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cores = len(os.sched_getaffinity(0))
+    base = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+                                                              "OMPI_COMM_WORLD_LOCAL_SIZE")}
+
+    def threads(env, *bind):
+        p = subprocess.run([sys.executable, "-c", code, *bind], env=dict(base, **env), cwd=root,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return int(p.stdout)
+
+    whole = cores >= (os.cpu_count() or 1)
+    assert threads({}) == max(1, min(4, cores))
+    assert threads({"LOCAL_WORLD_SIZE": str(cores)}) == (1 if whole else min(4, cores))
+    assert threads({"LOCAL_SIZE": "2"}) == (max(1, min(4, cores // 2)) if whole else min(4, cores))
+    assert threads({"LOCAL_WORLD_SIZE": "x"}) == max(1, min(4, cores))     # (unreadable: not counted)
+    assert threads({}, "bind") == 1                                          # one core of its own
 
 
 def test_a_save_and_a_staged_load_at_interpreter_exit_hash_without_the_threads(tmp_path):
@@ -671,11 +705,12 @@ def test_a_save_and_a_staged_load_at_interpreter_exit_hash_without_the_threads(t
     import sys
     script = f"""
 import atexit, torch
-from adacheck.checkpoint import CheckpointReader, save, state
+from adacheck.checkpoint import CheckpointReader, save
+from adacheck.format import hashing
 from adacheck.integration import LocalShard, LocalState
 from adacheck.plan.exchange import SoloComm
 from adacheck.types import Box
-state.HASH_THREADS = 2          # (the threaded path, also on a machine of one core)
+hashing.THREADS = 2          # (the threaded path, also on a machine of one core)
 w = torch.arange(12.0).reshape(3, 4)
 
 def at_exit():

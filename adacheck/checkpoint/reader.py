@@ -19,7 +19,7 @@ from ..format import jsontree
 from ..format.boxes import copy_intersection, flat_range_to_boxes
 from ..errors import AdaCheckError, FormatError, IntegrityError, NotFoundError, StateError
 from ..plan.exchange import Comm, agree
-from ..format.hashing import bound_digest, box_identity, hash_buffer, in_background, tensor_bytes
+from ..format.hashing import bound_digest, box_identity, hash_buffer, hash_threads, in_background, tensor_bytes
 from ..format.compression import ENCODING_KEY, decode
 from ..format.manifest import BOUND_SINCE, RANK_OBJECT, meta_entry, split_file
 from ..format.manifest_read import PartedTensors
@@ -351,9 +351,11 @@ class CheckpointReader:
         self._behind: Optional[HashesBehind] = None      # inside stage()
 
     def stage(self, fn: Callable[["CheckpointReader"], "T"]) -> "T":
-        """``fn(self)`` (a load's staging), its reads verified behind them (:class:`HashesBehind`):
-        what it returns comes from verified bytes only."""
-        return HashesBehind.stage(self, fn) if self.verify and self._behind is None else fn(self)
+        """``fn(self)`` (a load's staging), its reads verified behind them where this rank hashes
+        on threads of its own (:class:`HashesBehind`), else each as it is read: what it returns
+        comes from verified bytes only."""
+        behind = self.verify and self._behind is None and hash_threads() > 1
+        return HashesBehind.stage(self, fn) if behind else fn(self)
 
     def framework(self, name: str, label: str, hint: str) -> dict:
         """The manifest's framework record, when ``name`` saved the checkpoint (a StateError that

@@ -15,7 +15,7 @@ import torch
 from ..format import jsontree
 from ..format.boxes import row_chunks
 from ..errors import FormatError
-from ..format.hashing import HASH_THREADS, bound_digest, box_identity, in_background
+from ..format.hashing import bound_digest, box_identity, hash_threads, in_background
 from ..integration import LocalShard
 from ..types import Box, Kind, ShardMeta, dtype_name
 
@@ -90,16 +90,17 @@ def shard_meta(s: LocalShard) -> ShardMeta:
 
 def shard_metas(shards: List[LocalShard]) -> List[ShardMeta]:
     """:func:`shard_meta` of each shard, in order; CPU tensors hashed on the hashing threads in
-    ``HASH_THREADS`` runs of about equal bytes (one task per run, not per shard: a state of many
-    small tensors pays no hand-off per tensor)."""
-    if HASH_THREADS == 1 or not all(isinstance(s.tensor, torch.Tensor) and s.tensor.device.type == "cpu"
+    :func:`~adacheck.format.hashing.hash_threads` runs of about equal bytes (one task per run, not
+    per shard: a state of many small tensors pays no hand-off per tensor)."""
+    threads = hash_threads()
+    if threads == 1 or not all(isinstance(s.tensor, torch.Tensor) and s.tensor.device.type == "cpu"
                                     for s in shards):
         return [shard_meta(s) for s in shards]
     total = sum(s.tensor.numel() * s.tensor.element_size() for s in shards)
     runs: List[List[LocalShard]] = [[]]
     done = 0
     for s in shards:
-        if done >= total * len(runs) / HASH_THREADS and runs[-1]:
+        if done >= total * len(runs) / threads and runs[-1]:
             runs.append([])
         runs[-1].append(s)
         done += s.tensor.numel() * s.tensor.element_size()

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import xxhash
@@ -95,17 +95,40 @@ def bound_digest(ident: bytes, t: torch.Tensor) -> str:
     return hash_buffer(tensor_bytes(_cpu(t)), ident)
 
 
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+THREADS: Optional[int] = None      # set: overrides hash_threads() (tests take each path this way)
+_LOCAL_RANKS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")   # torchrun, deepspeed, Open MPI
 _POOL: Dict[str, object] = {}
 
 
+def hash_threads() -> int:
+    """How many threads this rank hashes on, at most 4: the cores it may run on (its CPU
+    affinity), divided among the node's ranks when none is bound to cores of its own (the
+    launcher's count of ranks on this node).  One: a rank hashes in its own thread, right after
+    the read or copy that brought the bytes (still in cache), not on threads that would compete
+    for the cores the node's other ranks read and write with.  More: beside them."""
+    if THREADS is not None:
+        return THREADS
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if cores >= (os.cpu_count() or 1):         # not bound: the node's ranks share every core
+        for var in _LOCAL_RANKS:
+            try:
+                cores //= max(1, int(os.environ[var]))
+                break
+            except (KeyError, ValueError):
+                continue
+    return max(1, min(4, cores))
+
+
 def in_background(fn: Callable, *args) -> Future:
-    """``fn(*args)`` on this process's hashing threads (``HASH_THREADS``; xxh3 releases the GIL,
+    """``fn(*args)`` on this process's hashing threads (:func:`hash_threads`; xxh3 releases the GIL,
     so hashes run beside the caller's reads and beside each other).  A forked child starts its own
     threads: its parent's do not exist in it.  Once the interpreter is ending (a save committed
     by the exit hook), no thread takes new work: ``fn`` runs here, at once."""
     if _POOL.get("pid") != os.getpid():
-        _POOL.update(pid=os.getpid(), pool=ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="adacheck-hash"))
+        _POOL.update(pid=os.getpid(), pool=ThreadPoolExecutor(hash_threads(), thread_name_prefix="adacheck-hash"))
     try:
         return _POOL["pool"].submit(fn, *args)
     except RuntimeError:         # "cannot schedule new futures after (interpreter) shutdown"
