@@ -156,6 +156,9 @@ def worker(a) -> None:
     dist = torch.distributed
 
     def timed(fn):
+        # every operation starts with the disk idle (the previous one's dirty pages written), as
+        # saves minutes apart find it: else one's fsync waits for the writeback of another's files
+        os.sync()
         dist.barrier()
         t = time.perf_counter()
         fn()
