@@ -670,6 +670,51 @@ def test_a_staged_read_hashes_behind_and_reads_again_verified_where_a_box_is_dam
     assert calls == ([1, 1] if threads > 1 else [1])
 
 
+@pytest.mark.parametrize("threads", [2, 1])
+def test_pieces_are_verified_views_of_the_mapped_files_that_copy_into_any_tensor(tmp_path, monkeypatch, threads):
+    """``CheckpointReader.pieces``: a flat range (of the whole tensor or of a box of it, cast or
+    not) as verified views of the shard file's own pages, copied once into the tensor that keeps
+    them: the values read_flat reads and the tensor saved, zero where no piece lands.  A flipped
+    bit is an IntegrityError naming the box (hashed as it is read, or behind inside stage())."""
+    from adacheck.checkpoint import Pieces
+    from adacheck.format import hashing
+    from adacheck.format.safetensors_file import SafetensorsFile
+    monkeypatch.setattr(hashing, "THREADS", threads)
+    w = torch.randn(64, 33)
+    save(SoloComm(), str(tmp_path), "s1", lambda: LocalState(
+        [LocalShard("master/w", "master", (64, 33), Box((0, 0), (40, 33)), w[:40]),
+         LocalShard("master/w", "master", (64, 33), Box((40, 0), (24, 33)), w[40:])]))
+    ckpt = tmp_path / "s1"
+    r = CheckpointReader(str(ckpt))
+    flat, part = w.reshape(-1), w[10:50, 3:23].reshape(-1)
+    for a, b in [(0, 64 * 33), (5, 40), (38 * 33 + 7, 42 * 33 + 2)]:
+        got = r.stage(lambda r: r.pieces("master/w", a, b))
+        assert torch.equal(got.tensor(), flat[a:b]) and torch.equal(got.tensor(), r.read_flat("master/w", a, b))
+        assert torch.equal(r.pieces("master/w", a, b, dtype=torch.float64).tensor(), flat[a:b].double())
+    within = Box((10, 3), (40, 20))
+    got = r.pieces("master/w", 25, 700, within=within)
+    assert torch.equal(got.tensor(), part[25:700])
+    assert torch.equal(got.tensor(), r.read_flat("master/w", 25, 700, within=within))
+    out = torch.full((675, 2), 7.0)
+    got.copy_into(out[:, 1])        # (a strided destination)
+    assert torch.equal(out[:, 1], part[25:700]) and bool((out[:, 0] == 7.0).all())
+    padded = Pieces(800, torch.float32, (8, 100))
+    padded.place(50, got)
+    t = padded.tensor()
+    assert t.shape == (8, 100) and torch.equal(t.reshape(-1)[50:725], part[25:700])
+    assert not t.reshape(-1)[:50].any() and not t.reshape(-1)[725:].any()
+    # the sources are the file's own pages: bytes written over it in place show through
+    sb = r.entry("master/w").boxes[0]
+    f = SafetensorsFile(str(ckpt / sb.file))
+    at = f.data_start + f.entries[sb.key][2]
+    with open(ckpt / sb.file, "r+b") as fh:
+        fh.seek(at)
+        fh.write(torch.tensor([123.0]).numpy().tobytes())
+    assert got.tensor()[0] != 123.0 and r.pieces("master/w", 0, 1).tensor()[0] == 123.0    # (the view, kept)
+    with pytest.raises(IntegrityError, match=r"master/w \(box .*rank00000-g0\.safetensors.*hash"):
+        CheckpointReader(str(ckpt)).stage(lambda r: r.pieces("master/w", 0, 64 * 33))
+
+
 def test_a_rank_hashes_on_the_cores_it_does_not_share():
     """Hashing threads per rank: its CPU affinity's cores, divided among the node's ranks (the
     launcher's count) unless it is bound to cores of its own, at most 4; one core each: none."""

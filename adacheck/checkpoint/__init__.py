@@ -10,7 +10,7 @@
   :mod:`.lifecycle`: what is finished at exit."""
 import importlib
 
-_WHERE = {"CheckpointReader": "reader", "RankObjectLookup": "reader", "confirm_files": "reader",
+_WHERE = {"CheckpointReader": "reader", "Pieces": "reader", "RankObjectLookup": "reader", "confirm_files": "reader",
           "find_intact": "reader", "resolve": "reader", "verify_part": "reader", "LegacyFormatWarning": "reader",
           "Checkpointer": "checkpointer", "load": "checkpointer", "save": "checkpointer",
           "DeferredSource": "state",

@@ -5,6 +5,7 @@ together), and confirming a new checkpoint's files before its manifest names the
 (:func:`confirm_files`)."""
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict, deque
 from functools import partial
@@ -261,6 +262,49 @@ def first_verified(stored: Callable[..., torch.Tensor], name: str, copies, out: 
                          "are unreadable: " + "; ".join(str(e) for e in errors))
 
 
+class Pieces:
+    """A flat tensor of ``numel`` elements of ``dtype`` still in pieces: each a box of it (at flat
+    position ``pos``, of shape ``lengths``) or a region of one (``index``: slices of the box),
+    and its verified source (:meth:`CheckpointReader.pieces`).  Elements no piece covers are
+    zero (alignment padding).  The sources may be views of mapped files: keep only what
+    :meth:`copy_into` or :meth:`tensor` gives, never a source."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, shape: Optional[tuple] = None):
+        self.numel, self.dtype = numel, dtype
+        self.shape = tuple(shape) if shape is not None else (numel,)      # what tensor() gives
+        self.parts: List[Tuple[int, tuple, tuple, torch.Tensor]] = []
+
+    def add(self, pos: int, lengths, index: tuple, src: torch.Tensor) -> None:
+        self.parts.append((pos, tuple(lengths), index, src))
+
+    def place(self, offset: int, other: "Pieces") -> None:
+        """``other``'s pieces, at element ``offset`` of this one."""
+        for pos, lengths, index, src in other.parts:
+            self.parts.append((offset + pos, lengths, index, src))
+
+    def copy_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (contiguous, ``numel`` elements, any dtype and device) filled: the pieces
+        copied (cast as needed), the rest zero."""
+        if out.numel() != self.numel:
+            raise ValueError(f"a tensor of {self.numel} elements is needed, got {list(out.shape)}")
+        if not out.is_contiguous():
+            return out.copy_(self.tensor().view(out.shape))
+        flat = out.view(-1)
+        covered = sorted({(pos, pos + math.prod(lengths)) for pos, lengths, _, _ in self.parts})
+        at = 0
+        for a, b in covered + [(self.numel, self.numel)]:
+            if a > at:
+                flat.narrow(0, at, a - at).zero_()
+            at = max(at, b)
+        for pos, lengths, index, src in self.parts:
+            flat.narrow(0, pos, math.prod(lengths)).view(lengths)[index].copy_(src)
+        return out
+
+    def tensor(self) -> torch.Tensor:
+        """A new CPU tensor of these elements, of ``shape``."""
+        return self.copy_into(torch.empty(self.numel, dtype=self.dtype)).view(self.shape)
+
+
 T = TypeVar("T")
 
 
@@ -345,6 +389,7 @@ class CheckpointReader:
         self._files: Dict[str, SafetensorsFile] = {}
         # (file, key, tensor, box) -> verified bytes: one entry serves only the identity it was verified for
         self._cache = BoxCache(cache_bytes)
+        self._views: Dict[tuple, torch.Tensor] = {}      # the same, for boxes read as views of mapped files
         self.bytes_read = 0
         self._scratch_buf = torch.empty(0, dtype=torch.uint8)
         self._held: Optional[Dict[str, TensorEntry]] = None
@@ -424,6 +469,7 @@ class CheckpointReader:
     def drop_cache(self) -> None:
         """Forget the verified boxes kept so far (their memory goes)."""
         self._cache.clear()
+        self._views.clear()
 
     def entry(self, name: str, whole: bool = False):
         """Tensor ``name``'s entry: its kind, dtype, shape and derivation; its boxes are the whole
@@ -451,16 +497,21 @@ class CheckpointReader:
             self._files[fname] = SafetensorsFile(self.path_of(fname), self.store)
         return self._files[fname]
 
-    def stored(self, name: str, sb, out: Optional[torch.Tensor] = None, behind: bool = True) -> torch.Tensor:
+    def stored(self, name: str, sb, out: Optional[torch.Tensor] = None, behind: bool = True,
+               mapped: bool = False) -> torch.Tensor:
         """Stored box ``sb`` of ``name``, verified (inside :meth:`stage` and with ``behind``: on a
         helper thread, its bytes left untouched until stage() returns); read straight into ``out``
-        when given (contiguous, the stored dtype and shape), else kept in the cache."""
+        when given (contiguous, the stored dtype and shape), else kept in the cache; ``mapped``
+        (and no ``out``): a view of its file mapped into memory where the storage maps it."""
         ck = (sb.file, sb.key, name, sb.box)
-        kept = self._cache.get(ck)
+        kept = self._views.get(ck) if mapped and out is None else None
+        if kept is None:
+            kept = self._cache.get(ck)
         if kept is not None:
             return kept if out is None else out.copy_(kept)
         e = self.entry(name)
         f = self._file(sb.file)
+        mapped_now = False
         if sb.key not in f.entries:
             raise FormatError(f"{f.path}: lacks tensor {sb.key!r} that the manifest places there")
         dname, shape, _, _ = f.entries[sb.key]
@@ -477,7 +528,11 @@ class CheckpointReader:
             if dname != e.dtype or shape != tuple(sb.box.lengths):
                 raise FormatError(f"{f.path}: {sb.key!r} is {dname}{list(shape)} in the file but the "
                                   f"manifest says {e.dtype}{list(sb.box.lengths)}")
-            t = f.read(sb.key, out)
+            t = f.view(sb.key) if mapped and out is None else None
+            if t is None:
+                t = f.read(sb.key, out)
+            else:
+                mapped_now = True
             self.bytes_read += t.numel() * t.element_size()
         if self.verify:
             # bound_digest / hash_tensor of t (a contiguous CPU tensor); behind: only the hash
@@ -492,7 +547,9 @@ class CheckpointReader:
                                      + "; the file is corrupt (bit flip or partial write)"
                                      + (" or the manifest was edited" if self.bound else "")
                                      + ". Restore it or load an older checkpoint.")
-        if out is None:
+        if mapped_now:
+            self._views[ck] = t             # (no memory of its own: the file's pages)
+        elif out is None:
             self._cache.put(ck, t)
         return t
 
@@ -606,6 +663,43 @@ class CheckpointReader:
             self.read(name, b.shifted(region.offsets), out=out.narrow(0, pos, b.numel).view(b.lengths))
             pos += b.numel
         return out
+
+    def pieces(self, name: str, start: int, stop: int, dtype: Optional[torch.dtype] = None,
+               within: Optional[Box] = None) -> "Pieces":
+        """What :meth:`read_flat` would return, not yet copied anywhere: each stored box it meets
+        verified and held as a view of its file mapped into memory (where the storage maps it and
+        the box is stored as it is: not derived, not compressed; else read as by :meth:`read`).
+        Copying them into the tensor that keeps them (:meth:`Pieces.copy_into`) is the only copy:
+        a load that stages this way writes nothing into fresh memory."""
+        e = self.entry(name)
+        region = within if within is not None else Box.full(e.shape)
+        out = Pieces(stop - start, dtype or torch_dtype(e.dtype))
+        pos = 0
+        for b in flat_range_to_boxes(region.lengths, start, stop):
+            box = b.shifted(region.offsets)
+            for index, src in self._box_views(name, box):
+                out.add(pos, b.lengths, index, src)
+            pos += b.numel
+        return out
+
+    def _box_views(self, name: str, box: Box) -> List[Tuple[tuple, torch.Tensor]]:
+        """(the region of ``box`` as slices of it, the verified source of that region) covering ``box``."""
+        e = self._entry_for(name, box)
+        if not box.fits(e.shape):
+            raise FormatError(f"{name}: asked for box {box} outside its shape {list(e.shape)}")
+        if e.derived is not None:
+            return [(tuple(slice(None) for _ in box.lengths), self.read(name, box))]
+        views, filled = [], 0
+        for copies in self._copies(e.boxes):
+            inter = box.intersect(copies[0].box)
+            if inter is not None:
+                src = first_verified(partial(self.stored, mapped=True), name, copies)
+                views.append((inter.slices(box), src[inter.slices(copies[0].box)]))
+                filled += inter.numel
+        if filled != box.numel:
+            raise FormatError(f"{name}: stored boxes cover {filled} of the {box.numel} elements "
+                              f"asked for (box {box})")
+        return views
 
     def objects(self, rank: Optional[int] = None):
         """The job's saved objects, or saving rank ``rank``'s, with their tensors read."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str, store: Storage = LOCAL):
         self.path, self.store = path, store
+        self._map = None            # the file mapped (view()); False: the storage cannot map it
         store.forget(path)      # blocks a storage kept from an earlier read may be of an older file
         try:
             self.size = store.size(path)
@@ -82,6 +83,24 @@ class SafetensorsFile:
         if self.data_start + pos != self.size:
             raise FormatError(f"{path}: header describes {self.data_start + pos} bytes but the "
                               f"file has {self.size} (truncated or padded file)")
+
+    def view(self, key: str) -> Optional[torch.Tensor]:
+        """The tensor ``key`` as a view of the file mapped into memory (its bytes read as they are
+        touched, not copied into a buffer first), or None where the storage cannot map the file."""
+        if key not in self.entries:
+            raise FormatError(f"{self.path}: no tensor {key!r} in this shard file")
+        if self._map is None:
+            self._map = self.store.map(self.path) or False
+        dname, shape, a, b = self.entries[key]
+        if self._map is False:
+            return None
+        if len(self._map) != self.size:
+            raise FormatError(f"{self.path}: the file has {len(self._map)} bytes now, {self.size} when its "
+                              "header was read (it changed while it was loaded)")
+        if b == a:
+            return torch.empty(shape, dtype=DTYPES[dname][0])
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=b - a,
+                                offset=self.data_start + a).view(DTYPES[dname][0]).view(shape)
 
     def read(self, key: str, out: torch.Tensor = None) -> torch.Tensor:
         """The tensor ``key``: into ``out`` (contiguous, same dtype and shape) or a new tensor."""

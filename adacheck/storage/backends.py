@@ -26,6 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 import errno
 import functools
+import mmap
 import os
 import shutil
 import threading
@@ -182,6 +183,13 @@ class Storage(ABC):
         too) are not touched."""
         return 0
 
+    def map(self, path: str):
+        """The file at ``path`` mapped into memory, private and copy-on-write (an ``mmap``: its
+        bytes come in as they are touched, nothing is copied first), or None where this storage
+        has no local file to map (a load then reads it).  Map only files no one writes again:
+        a committed shard file."""
+        return None
+
     def forget(self, path: str) -> None:
         """Drop what this storage keeps of the file ``path`` (or of the files under it): a reader
         that opens it reads what is stored now (another process may have written it again)."""
@@ -310,6 +318,14 @@ class PosixStorage(Storage):
     def read_bytes(self, path, limit=None):
         with open(path, "rb") as f:
             return f.read() if limit is None else f.read(limit)
+
+    def map(self, path):
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        except (OSError, ValueError):       # a filesystem that cannot map: read instead
+            return None
 
     def make_dirs(self, path):
         os.makedirs(path, exist_ok=True)
