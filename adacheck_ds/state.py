@@ -20,7 +20,7 @@ from deepspeed.utils.bwc import (bwc_pipeline_parallel_world_size, bwc_tensor_mo
                                  bwc_tensor_model_parallel_world_size)
 
 from adacheck.format.boxes import flat_views
-from adacheck.checkpoint import CheckpointReader
+from adacheck.checkpoint import CheckpointReader, Pieces
 from adacheck.integration import Kind, LocalShard, Span
 from adacheck.errors import ConfigError, StateError
 from adacheck.format.hashing import same_bytes
@@ -312,9 +312,9 @@ class Staged:
     lay: Layout                                                      # the engine's, when read
     objects: Objects                                                 # the checkpoint's
     rank_objects: Optional[RankObjects]     # this rank's (None: a rank the saving job did not have)
-    master: Dict[str, torch.Tensor] = field(default_factory=dict)    # per frag (1-D)
-    lp: Dict[str, torch.Tensor] = field(default_factory=dict)        # per lp view (1-D)
-    optim_state: Optional[dict] = None                               # base optimizer state_dict
+    master: Dict[str, Pieces] = field(default_factory=dict)          # per frag (1-D)
+    lp: Dict[str, Pieces] = field(default_factory=dict)              # per lp view (1-D)
+    optim_state: Optional[dict] = None         # base optimizer state_dict, its tensors in Pieces
     buffers: Dict[str, torch.Tensor] = field(default_factory=dict)
     refresh: set = field(default_factory=set)       # module weights made from the masters (_refreshed)
 
@@ -403,13 +403,13 @@ def stage_load(engine, r: CheckpointReader, load_optimizer_states: bool, strict:
                              f"{list(shape)}{tp}; the checkpoint belongs to another model configuration")
     for f in lay.frags:
         if f.name in keep:
-            st.master[f"{f.name}@{f.start}"] = r.read_flat(_master_source(r, f.name), f.start, f.start + f.numel,
-                                                           dtype=f.master.dtype, within=lay.origin[f.name][1])
+            st.master[f"{f.name}@{f.start}"] = r.pieces(_master_source(r, f.name), f.start, f.start + f.numel,
+                                                        dtype=f.master.dtype, within=lay.origin[f.name][1])
     st.refresh = _refreshed(lay, r, keep)
     for n, (start, view) in lay.lp_views.items():
         if n in keep and n not in st.refresh:
-            st.lp[n] = r.read_flat(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype,
-                                   within=lay.origin[n][1])
+            st.lp[n] = r.pieces(_lp_source(r, n, view.dtype), start, start + view.numel(), dtype=view.dtype,
+                                within=lay.origin[n][1])
     for n, buf in named(engine, buffers=True):
         if buf is not None and r.has(f"buffer/{n}"):
             st.buffers[n] = r.read(f"buffer/{n}").to(buf.dtype)
@@ -452,8 +452,9 @@ def state_keys(r: CheckpointReader) -> List[str]:
 
 def state_entry(r: CheckpointReader, lay: Layout, keys, frags, numel: int, shape) -> dict:
     """The base optimizer's state of one tensor it steps (``numel`` elements, ``shape``) made of
-    ``frags`` (anything with name / start / numel / offset), read from the checkpoint; elements
-    no fragment covers (alignment padding) are zero."""
+    ``frags`` (anything with name / start / numel / offset), read from the checkpoint, each
+    tensor of it in :class:`Pieces` (:func:`settled` copies them); elements no fragment covers
+    (alignment padding) are zero."""
     entry = {}
     for key in keys:
         frs = [f for f in frags if r.has(f"optim/{key}/{f.name}")]
@@ -476,21 +477,38 @@ def state_entry(r: CheckpointReader, lay: Layout, keys, frags, numel: int, shape
                                  "share one partition; cannot merge them")
             entry[key] = ts[0]
         else:
-            entry[key] = _flat_of(r, lay, f"optim/{key}/", frs, numel, torch_dtype(e0.dtype)).view(shape)
+            entry[key] = _flat_of(r, lay, f"optim/{key}/", frs, numel, torch_dtype(e0.dtype), shape)
     return entry
 
 
-def _flat_of(r: CheckpointReader, lay: Layout, prefix: str, frags, numel: int, dtype) -> torch.Tensor:
-    flat = torch.empty(numel, dtype=dtype)
-    covered = 0
-    for f in sorted(frags, key=lambda f: f.offset):
-        flat.narrow(0, covered, f.offset - covered).zero_()   # alignment padding
+def _flat_of(r: CheckpointReader, lay: Layout, prefix: str, frags, numel: int, dtype, shape=None) -> Pieces:
+    flat = Pieces(numel, dtype, shape)        # (what no fragment covers, alignment padding, is zero)
+    for f in frags:
         name = prefix + f.name if prefix else _master_source(r, f.name)
-        r.read_flat(name, f.start, f.start + f.numel, out=flat.narrow(0, f.offset, f.numel),
-                    within=lay.origin[f.name][1])
-        covered = f.offset + f.numel
-    flat.narrow(0, covered, numel - covered).zero_()
+        flat.place(f.offset, r.pieces(name, f.start, f.start + f.numel, dtype=dtype, within=lay.origin[f.name][1]))
     return flat
+
+
+def settled(base_optimizer, optim_state: dict) -> dict:
+    """``optim_state`` (:func:`_stage_optimizer`'s) for ``base_optimizer.load_state_dict``, each
+    tensor in pieces copied into the one the optimizer holds for it now where that has its shape,
+    dtype and device (its memory already in use: no new pages to fault in, and what its load
+    would have made of a new one), else into a new tensor."""
+    params = [p for g in base_optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, entry in optim_state["state"].items():
+        have = base_optimizer.state.get(params[index], {}) if index < len(params) else {}
+        out = {}
+        for key, v in entry.items():
+            if isinstance(v, Pieces):
+                p, cur = params[index], have.get(key)
+                fits = (isinstance(cur, torch.Tensor) and cur.dtype == v.dtype and cur.device == p.device
+                        and tuple(cur.shape) == v.shape and cur.is_contiguous()
+                        and (not v.dtype.is_floating_point or v.dtype == p.dtype))
+                v = v.copy_into(cur) if fits else v.tensor()
+            out[key] = v
+        state[index] = out
+    return dict(optim_state, state=state)
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -511,8 +529,9 @@ def partition_map(lay: Layout, key_of: Callable[[torch.Tensor], Optional[str]]) 
 def read_partition(r: CheckpointReader, lay: Layout, numel: int, pieces: List[Span]) -> Tuple[torch.Tensor, dict]:
     """A saved rank's flat partition (``numel`` elements made of ``pieces``: partition_map's) from the checkpoint:
     its fp32 master weights and its base-optimizer state, padding zero as DeepSpeed makes it."""
-    master = _flat_of(r, lay, "", pieces, numel, torch.float32)
-    return master, state_entry(r, lay, state_keys(r), pieces, numel, (numel,))
+    master = _flat_of(r, lay, "", pieces, numel, torch.float32).tensor()
+    entry = state_entry(r, lay, state_keys(r), pieces, numel, (numel,))
+    return master, {k: v.tensor() if isinstance(v, Pieces) else v for k, v in entry.items()}
 
 
 def apply_load(engine, st: Staged) -> None:
@@ -520,10 +539,10 @@ def apply_load(engine, st: Staged) -> None:
     with torch.no_grad():
         for f in lay.frags:
             if f"{f.name}@{f.start}" in st.master:
-                f.master.copy_(st.master[f"{f.name}@{f.start}"])
+                st.master[f"{f.name}@{f.start}"].copy_into(f.master)
         for n, (start, view) in lay.lp_views.items():
             if n in st.lp:
-                view.copy_(st.lp[n])
+                st.lp[n].copy_into(view)
         named_buffers = dict(named(engine, buffers=True))
         for n, t in st.buffers.items():
             named_buffers[n].copy_(t)
@@ -531,6 +550,6 @@ def apply_load(engine, st: Staged) -> None:
         lay.wrapper.refresh()
     if st.optim_state is not None:
         with lay.wrapper.stepping():
-            lay.base_optimizer.load_state_dict(st.optim_state)
+            lay.base_optimizer.load_state_dict(settled(lay.base_optimizer, st.optim_state))
         if st.optim_state["state"]:
             relink(engine.optimizer)

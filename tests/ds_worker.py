@@ -317,7 +317,16 @@ def act(engine, a, rec, out_dir, rank):
     elif op == "save_native":
         adacheck_ds.save_native(engine, a[1])
     elif op == "load":
+        base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+
+        def state_tensors():
+            return [v for st in getattr(base, "state", {}).values() for v in st.values()
+                    if torch.is_tensor(v) and v.dim() > 0]
+        before = {id(v) for v in state_tensors()}
         path, cs = engine.load_checkpoint(a[1], **(a[2] if len(a) > 2 else {}))
+        after = state_tensors()
+        # the base optimizer's state tensors after the load that it held before: (kept, of)
+        rec.setdefault("kept_state", []).append([sum(id(v) in before for v in after), len(after)])
         rec["loaded"].append([path, {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in (cs or {}).items()}])
         ac = getattr(engine, "adacheck", None)
         rec.setdefault("manifest_read", []).append(ac.checkpointer.last_loaded.read if ac and ac.checkpointer.last_loaded else None)
