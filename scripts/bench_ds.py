@@ -211,9 +211,7 @@ def worker(a) -> None:
                 loads = [("native_load", lambda: adacheck_ds.load_native(engine, nat, tag=f"t{i}")),
                          ("ada_load", lambda: engine.load_checkpoint(ada, tag=f"t{i}"))]
                 for name, fn in (loads if i % 2 == 0 else loads[::-1]):
-                    # as in a job that starts from the checkpoint: no optimizer moments yet (DeepSpeed
-                    # makes them at the first step), so both loads put them in new memory
-                    getattr(engine.optimizer, "optimizer", engine.optimizer).state.clear()
+                    without_moments(engine)
                     t[name].append(timed(fn))
                     if name == "ada_load":
                         phases = slowest_each(engine.adacheck.checkpointer.last_loaded.seconds)
@@ -230,6 +228,13 @@ def worker(a) -> None:
                 shutil.rmtree(work, ignore_errors=True)
             engine.destroy()
     finish_worker(rows, a.rows)
+
+
+def without_moments(engine) -> None:
+    """The engine as a job that starts from a checkpoint has it when it loads: no optimizer moments
+    yet (DeepSpeed makes them at the first step), so a timed load puts them in new memory, not into
+    those the previous load left in use."""
+    getattr(engine.optimizer, "optimizer", engine.optimizer).state.clear()
 
 
 def comparison(native_bytes: int, ada_bytes: int, unique: int, t: dict) -> dict:

@@ -46,7 +46,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_ds import (add_device_flag, device, device_sync, du, evict, finish_worker, init_distributed,  # noqa: E402
-                      run_workers, slowest, tiny_engine, train_step, unique_bytes)
+                      run_workers, slowest, tiny_engine, train_step, unique_bytes, without_moments)
 
 
 def worker(a) -> None:
@@ -81,6 +81,10 @@ def worker(a) -> None:
     for stage in a.stages:
         for dtype in a.dtypes:
             engine, model = tiny_engine(a, stage, dtype)
+
+            def timed_load(fn, engine=engine) -> float:
+                without_moments(engine)
+                return timed(fn)
 
             def step():
                 train_step(engine, a.vocab, rank)
@@ -134,15 +138,15 @@ def worker(a) -> None:
                 url = f"{a.s3_url}/dp{dist.get_world_size()}-z{stage}-{dtype}"
                 remote.save_checkpoint(url, tag=tag)
             for i in range(a.repeat):
-                load["memory"].append(timed(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
+                load["memory"].append(timed_load(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
                 # (the same checkpoint, read from the checkpoint directory by a job without tiers)
-                load["durable"].append(timed(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+                load["durable"].append(timed_load(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
                 dist.barrier()
                 if rank == 0:
                     evict(ck_tier)
-                load["cold"].append(timed(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+                load["cold"].append(timed_load(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
                 if a.s3_url:
-                    load["s3"].append(timed(lambda: remote.load_checkpoint(url, tag=tag)))
+                    load["s3"].append(timed_load(lambda: remote.load_checkpoint(url, tag=tag)))
             peer_bytes, load_peer = 0, []
             if peer:
                 mem = memory_location(LOCAL, ck_tier)
@@ -157,7 +161,7 @@ def worker(a) -> None:
                     dist.barrier()
                     if rank == last:        # (the last node lost this checkpoint: a replacement node)
                         shutil.rmtree(os.path.join(mem, tag))
-                    load_peer.append(timed(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
+                    load_peer.append(timed_load(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
             for i in range(a.saves):
                 tiered.save_checkpoint(ck_tier, tag=f"m{i}")
             mem_bytes = du(memory_location(LOCAL, ck_tier)) if rank == 0 else 0
