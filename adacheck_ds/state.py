@@ -491,13 +491,13 @@ def _flat_of(r: CheckpointReader, lay: Layout, prefix: str, frags, numel: int, d
 
 def settled(base_optimizer, optim_state: dict) -> dict:
     """``optim_state`` (:func:`_stage_optimizer`'s) for ``base_optimizer.load_state_dict``, each
-    tensor in pieces copied into the one the optimizer holds for it now where that has its shape,
-    dtype and device (its memory already in use: no new pages to fault in, and what its load
-    would have made of a new one), else into a new tensor."""
+    tensor in pieces copied into the one the optimizer holds for it now where its load would keep
+    that one as it is (the same shape, dtype and device: memory already in use), else into a new
+    tensor."""
     params = [p for g in base_optimizer.param_groups for p in g["params"]]
     state = {}
     for index, entry in optim_state["state"].items():
-        have = base_optimizer.state.get(params[index], {}) if index < len(params) else {}
+        have = base_optimizer.state.get(params[index], {})
         out = {}
         for key, v in entry.items():
             if isinstance(v, Pieces):

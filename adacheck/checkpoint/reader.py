@@ -283,8 +283,8 @@ class Pieces:
             self.parts.append((offset + pos, lengths, index, src))
 
     def copy_into(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (contiguous, ``numel`` elements, any dtype and device) filled: the pieces
-        copied (cast as needed), the rest zero."""
+        """``out`` (``numel`` elements, any dtype and device) filled: the pieces copied (cast as
+        needed), the rest zero."""
         if out.numel() != self.numel:
             raise ValueError(f"a tensor of {self.numel} elements is needed, got {list(out.shape)}")
         if not out.is_contiguous():
