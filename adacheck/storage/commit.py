@@ -125,15 +125,20 @@ def _is_shard_or_manifest(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
 
 
+def _checkpoint_dirs(save_dir: str, store: Storage):
+    """(name, path) of each sub-directory of ``save_dir`` with AdaCheck files in it."""
+    for name in store.list(save_dir):
+        d = store.join(save_dir, name)
+        if store.is_dir(d) and any(_is_shard_or_manifest(f) for f in store.list(d)):
+            yield name, d
+
+
 def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, Optional[Manifest], Optional[AdaCheckError]]]:
     """(tag, manifest or None, problem or None) for every sub-directory with AdaCheck files; the
     problem is a NotFoundError (no manifest: an interrupted save) or a FormatError (a manifest
     that cannot be read)."""
     out = []
-    for name in store.list(save_dir):
-        d = store.join(save_dir, name)
-        if not store.is_dir(d) or not any(_is_shard_or_manifest(f) for f in store.list(d)):
-            continue
+    for name, d in _checkpoint_dirs(save_dir, store):
         try:
             out.append((name, read_manifest(d, store), None))
         except (NotFoundError, FormatError) as e:
@@ -182,10 +187,7 @@ def summaries(save_dir: str, store: Storage = LOCAL):
     whose manifest cannot be read.  A summary is a function of the manifest's bytes alone (no part
     is read): kept by their digest, so a checkpoint already seen costs a read and a hash, not a
     parse."""
-    for tag in store.list(save_dir):
-        d = store.join(save_dir, tag)
-        if not store.is_dir(d) or not any(_is_shard_or_manifest(f) for f in store.list(d)):
-            continue
+    for tag, d in _checkpoint_dirs(save_dir, store):
         try:
             path, text = manifest_text(d, store)
         except NotFoundError:
