@@ -83,6 +83,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adacheck.format import manifest as mf  # noqa: E402
 from adacheck.format import manifest_read as mf_read  # noqa: E402
 from adacheck.plan import planner  # noqa: E402
+from adacheck.gcpause import paused  # noqa: E402
 from adacheck.format.boxes import flat_pieces, row_chunks  # noqa: E402
 from adacheck.format.hashing import owner_of as hash_owner  # noqa: E402
 from adacheck.checkpoint import exchange_blob, structure_of  # noqa: E402
@@ -326,7 +327,7 @@ def simulate(m: Model, ranks: int, sample_stages: List[int], a) -> dict:
     routed, routed_later = planner.route(sampled, ranks), planner.route(later, ranks)
     del later
     decide_s, received, to_rank0 = [], [], []
-    with planner.gc_paused():      # (as plan_save runs)
+    with paused():      # (as plan_save runs)
         for (by_name, sources), (later_by_name, later_sources) in zip(routed, routed_later):
             if not by_name:
                 continue

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 from ..storage import commit
 from . import lifecycle
+from ..gcpause import pausing
 from ..errors import ConfigError, LeaseError
 from ..plan.exchange import Comm, agree
 from ..storage.lease import Holding, Leases
@@ -123,6 +124,7 @@ class Checkpointer:
         """Steps 1-6 of a save from its snapshot: :meth:`SavePipeline.persist`."""
         return self.pipeline().persist(comm, snap, update_latest)
 
+    @pausing
     def load(self, comm: Comm, load_dir: str, tag: Optional[str], restore: Restore) -> LoadResult:
         """Collectively load a checkpoint of ``load_dir``: :meth:`Loader.load` (what happens when
         the checkpoint is damaged, and ``on_corrupt``); also kept as ``last_loaded``.
@@ -173,6 +175,7 @@ class Checkpointer:
         here; a tier that saves elsewhere first warns instead."""
         raise error
 
+    @pausing
     def save(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
              update_latest: bool = True, recorder=None, persist: Optional[bool] = None,
              min_generation: int = 0) -> Manifest:
@@ -212,6 +215,7 @@ class Checkpointer:
         self.last_committed = manifest
         return manifest
 
+    @pausing
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect: Callable[[], LocalState],
                    update_latest: bool = True, persist: Optional[bool] = None,
                    min_generation: int = 0) -> PendingSave:

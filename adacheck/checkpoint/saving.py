@@ -26,7 +26,8 @@ from ..storage.lease import Holding
 from ..format.compression import ENCODING_KEY, Encoder
 from ..format.compression import check as check_compression
 from ..format.manifest import COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PAGED_SINCE, JOB_OBJECTS, dumps
-from ..plan.planner import WritePlan, gc_paused, plan_save, previous_index
+from ..gcpause import paused
+from ..plan.planner import WritePlan, plan_save, previous_index
 from ..types import Box, Manifest, meta_of_row, meta_row
 from .staging import Staging
 from ..storage.backends import LOCAL, Storage
@@ -270,7 +271,7 @@ class SavePipeline:
         t0, how = time.perf_counter(), prepared.how
         if how == "partitioned":
             return self.partitioned.exchange(comm, prepared, t0)
-        with gc_paused():
+        with paused():
             gathered, received, compact = _exchange(comm, prepared.payload, how,
                                                     self.caches.exchanged)
         stats = {"how": how, "seconds": time.perf_counter() - t0, "bytes_received": received,

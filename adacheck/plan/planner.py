@@ -24,13 +24,12 @@ Contract (a pure function of its inputs; every rank computes the same plan):
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..format.boxes import check_tiling
+from ..gcpause import paused
 from ..errors import StateError
 from ..format.hashing import owner_of
 from ..format.manifest import file_name
@@ -143,20 +142,6 @@ def place_set(items, holders, copies: int, nodes, held: Dict[int, int]) -> Dict[
             for nbytes, key in sorted(items, key=lambda t: (-t[0], t[1]))}
 
 
-@contextlib.contextmanager
-def gc_paused():
-    """Planning (and decoding every rank's list) builds a few objects per shard and frees none
-    of them: the cyclic garbage collector would walk every live object of the process (a
-    training job has many) again and again for nothing (scripts/bench_plan.py measures it)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 class PlanCache:
     """What a job's planner keeps from one checkpoint to the next (a training job saves the same
     structure every time):
@@ -189,7 +174,7 @@ def plan_save(per_rank: Sequence[Sequence[ShardMeta]], generation: int = 0,
               file_sizes: Optional[Dict[str, int]] = None) -> WritePlan:
     """The plan (see the module docstring); ``cache``: the job's PlanCache (default: none kept);
     ``file_sizes``: bytes of each file ``previous`` refers to (default: references are not limited)."""
-    with gc_paused():
+    with paused():
         if previous and file_sizes is not None:
             previous = _worth_pinning(per_rank, previous, file_sizes)
         return _plan(per_rank, generation, previous, copies, nodes, cache if cache is not None else PlanCache())

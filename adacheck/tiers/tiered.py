@@ -14,6 +14,7 @@ import time
 from typing import Optional, Sequence, Tuple
 
 from ..checkpoint import lifecycle
+from ..gcpause import pausing
 from ..checkpoint.checkpointer import Checkpointer, Recording, start_chain
 from ..checkpoint.loading import Loader, Opened, Source, stage_checkpoint
 from ..checkpoint.options import Caches, Options
@@ -80,6 +81,7 @@ class TieredCheckpointer(Checkpointer):
                     "tier, and its copy to %s is not fenced until a later save takes the lease",
                     save_dir, type(error).__name__, error, save_dir)
 
+    @pausing
     def save(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool = True, recorder=None,
              persist: Optional[bool] = None, min_generation: int = 0) -> Optional[Manifest]:
         """:meth:`Checkpointer.save` into the memory tier; ``persist``: copy this one to
@@ -93,6 +95,7 @@ class TieredCheckpointer(Checkpointer):
             self.last_committed = manifest
         return manifest
 
+    @pausing
     def save_async(self, comm: Comm, save_dir: str, tag: str, collect, update_latest: bool = True,
                    persist: Optional[bool] = None, min_generation: int = 0):
         """:meth:`Checkpointer.save_async` into the memory tier (the copies to durable storage run
