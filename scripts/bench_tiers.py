@@ -137,10 +137,13 @@ def worker(a) -> None:
                     dict(block, storage_options=json.loads(a.storage_options))))
                 url = f"{a.s3_url}/dp{dist.get_world_size()}-z{stage}-{dtype}"
                 remote.save_checkpoint(url, tag=tag)
+            phases = {"memory": [], "durable": []}      # (rank 0's seconds per phase of each load)
             for i in range(a.repeat):
                 load["memory"].append(timed_load(lambda: tiered.load_checkpoint(ck_tier, tag=tag)))
+                phases["memory"].append(tiered.checkpointer.last_loaded.seconds)
                 # (the same checkpoint, read from the checkpoint directory by a job without tiers)
                 load["durable"].append(timed_load(lambda: durable.load_checkpoint(ck_tier, tag=tag)))
+                phases["durable"].append(durable.checkpointer.last_loaded.seconds)
                 dist.barrier()
                 if rank == 0:
                     evict(ck_tier)
@@ -175,6 +178,7 @@ def worker(a) -> None:
                        "load_memory_s": min(load["memory"]), "load_durable_s": min(load["durable"]),
                        "load_cold_s": min(load["cold"]), "load_s3_s": min(load["s3"]) if load["s3"] else None,
                        "memory_over_cold": min(load["memory"]) / min(load["cold"]),
+                       "load_phases": {k: {p: round(min(x[p] for x in v), 4) for p in v[0]} for k, v in phases.items()},
                        "memory_bytes": mem_bytes, "saves": a.saves, "nodes": a.nodes, "peer_bytes": peer_bytes,
                        "exchange": a.exchange,
                        "load_peer_s": min(load_peer) if load_peer else None}

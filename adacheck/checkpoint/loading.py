@@ -90,9 +90,10 @@ class LoadResult:
     the integration's ``apply`` returned), where it read it (``store`` and ``load_dir``: with the
     memory tier, its copy there), ``tier`` ("memory", "durable", or None without tiers) and
     ``read``: the bytes this rank read of the manifest's parts ("parts", "meta"), of rank files
-    ("rank_files") and of tensor data ("data"); ``seconds``: this rank's time to open the
-    checkpoint ("open": resolve and parse the manifest), stage it ("read": read and verify what
-    ``Restore.read`` asked for) and "apply" it."""
+    ("rank_files") and of tensor data ("data"); ``seconds``: this rank's time to "choose" the tier
+    (with tiers: which one holds the newest checkpoint), open the checkpoint ("open": resolve and
+    parse the manifest), stage it ("read": read and verify what ``Restore.read`` asked for) and
+    "apply" it."""
     ckpt_dir: str
     manifest: Manifest
     result: object
@@ -138,6 +139,7 @@ class Loader:
         store, load_dir = self.locate(load_dir)
         t0 = time.perf_counter()
         source = self.choose(comm, Source(store, load_dir, None, tag), restore)
+        chosen = time.perf_counter()
         store, load_dir = source.store, source.load_dir
         try:
             opened = self.stage(comm, source, restore)
@@ -157,7 +159,7 @@ class Loader:
         ckpt_dir, manifest, reader, source = opened.ckpt_dir, opened.manifest, opened.reader, opened.source
         t_apply = time.perf_counter()
         result = agree(comm, f"AdaCheck load of {ckpt_dir} (apply)", lambda: restore.apply(opened.staged))
-        seconds = dict(opened.seconds, apply=time.perf_counter() - t_apply)
+        seconds = dict(opened.seconds, choose=chosen - t0, apply=time.perf_counter() - t_apply)
         # what this rank read of the manifest besides manifest.json (a manifest in parts)
         parted = isinstance(manifest.tensors, PartedTensors)
         read_bytes = {"parts": manifest.tensors.bytes_read if parted else 0,

@@ -169,7 +169,7 @@ _SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
 
 
 class Summary(NamedTuple):
-    """What retention and garbage collection ask of a committed checkpoint: the files its manifest
+    """What retention, garbage collection and listings ask of a committed checkpoint: the files its manifest
     references, as (tag or None for its own directory, name), its part files, and its step."""
     references: frozenset
     parts: tuple

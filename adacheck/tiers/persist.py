@@ -128,9 +128,9 @@ def newest_committed(save_dir: str, store: Storage) -> Optional[Tuple[str, int]]
     best = None
     if not store.is_dir(save_dir):
         return None
-    for t, m, _ in commit.list_checkpoints(save_dir, store):
-        if m is not None:
-            step = m.step if m.step is not None else -1
+    for t, summary in commit.summaries(save_dir, store):
+        if summary is not None:
+            step = summary.step if summary.step is not None else -1
             if best is None or step > best[1]:
                 best = (t, step)
     return best
@@ -138,7 +138,7 @@ def newest_committed(save_dir: str, store: Storage) -> Optional[Tuple[str, int]]
 
 def held_in(mem: str) -> Tuple[int, int]:
     """(complete checkpoints, bytes of every file) in a memory location."""
-    count = sum(1 for _, m, _ in commit.list_checkpoints(mem, LOCAL) if m is not None) if os.path.isdir(mem) else 0
+    count = sum(1 for _, summary in commit.summaries(mem, LOCAL) if summary is not None) if os.path.isdir(mem) else 0
     size = 0
     for d, _, fs in os.walk(mem):
         for f in fs:

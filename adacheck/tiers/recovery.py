@@ -8,7 +8,9 @@ import json
 import logging
 import os
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections import OrderedDict
+from typing import (Callable, Dict, List, NamedTuple, Optional, Sequence,
+                    Tuple)
 
 from ..storage import commit
 from ..storage import manifest_files
@@ -42,31 +44,60 @@ def holdings(mem: str) -> Dict[str, dict]:
             continue
         try:
             raw = LOCAL.read_bytes(path)
-            m = parse(raw.decode("utf-8"), where=path, open_part=manifest_files.PartFiles(LOCAL, d))
+            digest = hashlib.sha256(raw).hexdigest()
+            known = _KNOWN.get(digest)
+            m = None if known is not None else parse(raw.decode("utf-8"), where=path,
+                                                    open_part=manifest_files.PartFiles(LOCAL, d))
         except (AdaCheckError, UnicodeDecodeError, OSError) as e:
             log.warning("AdaCheck: the memory tier's %s is unreadable, not used: %s", path, e)
             continue
-        world = int(m.topology.get("world_size", 0))
-        names = sorted(_own_shards(m)) + part_names(m) if m.index is not None else list(m.files)
+        if known is None:
+            world = int(m.topology.get("world_size", 0))
+            names = sorted(_own_shards(m)) + part_names(m) if m.index is not None else list(m.files)
+            known = _Known(m.step if m.step is not None else -1, world, names)
+            if m.index is None:     # one manifest.json: its regions and files are a function of its bytes
+                groups, objects = _groups_of(m.tensors, tuple(range(world)))
+                known = known._replace(nbytes={f: int(i["nbytes"]) for f, i in m.files.items()}, groups=sorted(groups),
+                                       derived=any(e.derived is not None for e in m.tensors.values()),
+                                       objects={k: sorted(v) for k, v in objects.items()})
+                _KNOWN[digest] = known
+                while len(_KNOWN) > _KNOWN_KEPT:
+                    _KNOWN.popitem(last=False)
+        else:
+            _KNOWN.move_to_end(digest)
+        world, names = known.world, known.names
         present = {f: os.path.getsize(os.path.join(d, f)) for f in names if os.path.isfile(os.path.join(d, f))}
-        objects: Dict[int, set] = {}
-        if m.index is not None and int(m.topology.get("copies", 1)) > 1:
+        nbytes, groups, derived, objects = known.nbytes, known.groups, known.derived, known.objects or {}
+        if m is not None and m.index is not None and int(m.topology.get("copies", 1)) > 1:
             # in parts, saved across nodes: what each rank needs, from the rank files here
-            nbytes, groups, objects = _needed_in_parts(m, d, present)
-            derived = False
-        elif m.index is not None:
+            nbytes, groups, found = _needed_in_parts(m, d, present)
+            derived, objects = False, {k: sorted(v) for k, v in found.items()}
+        elif m is not None and m.index is not None:
             # a manifest in parts (saved on one node): complete when every file it names is here;
             # a node that lacks it receives all of them (its files' sizes are those here)
             nbytes, groups, derived = dict(present), [((f,), tuple(range(world))) for f in names], True
-        else:
-            groups, objects = _groups_of(m.tensors, tuple(range(world)))
-            nbytes = {f: int(i["nbytes"]) for f, i in m.files.items()}
-            groups, derived = sorted(groups), any(e.derived is not None for e in m.tensors.values())
-        out[tag] = {"step": m.step if m.step is not None else -1, "digest": hashlib.sha256(raw).hexdigest(),
-                    "present": present, "nbytes": nbytes, "groups": groups, "world": world, "derived": derived,
-                    "objects": {k: sorted(v) for k, v in objects.items()},
-                    "chain": deltas.read_chain(d), "steps": _delta_steps(d, m.step if m.step is not None else -1)}
+        out[tag] = {"step": known.step, "digest": digest, "present": present, "nbytes": nbytes, "groups": groups,
+                    "world": world, "derived": derived, "objects": objects,
+                    "chain": deltas.read_chain(d), "steps": _delta_steps(d, known.step)}
     return out
+
+
+class _Known(NamedTuple):
+    """What :func:`holdings` takes from a memory checkpoint's manifest (for one in parts: its step,
+    world and files; the rest depends on the files here)."""
+    step: int
+    world: int
+    names: list
+    nbytes: Optional[dict] = None
+    groups: Optional[list] = None
+    derived: bool = False
+    objects: Optional[dict] = None
+
+
+# manifest.json's sha256 -> what holdings() takes from it, for a manifest in one file: every load
+# with the memory tier asks each node's memory, which holds the same few checkpoints load after load
+_KNOWN: "OrderedDict[str, _Known]" = OrderedDict()
+_KNOWN_KEPT = 64
 
 
 def _groups_of(tensors, everyone: Tuple[int, ...]) -> Tuple[set, Dict[int, set]]:
