@@ -25,7 +25,7 @@ import torch
 
 from adacheck.format import jsontree
 from adacheck.format.boxes import flat_pieces
-from adacheck.checkpoint import CheckpointReader, RankObjectLookup
+from adacheck.checkpoint import CheckpointReader, Pieces, RankObjectLookup
 from adacheck.integration import Kind, LocalShard
 from adacheck.errors import StateError
 from adacheck.format.hashing import same_bytes
@@ -402,6 +402,20 @@ def _read_range(reader: CheckpointReader, name: str, meta: ShardedTensor, start:
     return reader.read_flat(name, start, stop, dtype=dtype, within=_global_box(meta))
 
 
+def _stage_range(reader: CheckpointReader, name: str, meta: ShardedTensor, start: int, stop: int, dtype):
+    """:func:`_read_range` not copied yet: :class:`Pieces` (verified views of the mapped shard
+    files, copied once at apply by :func:`_copy`), or a tensor for a saved tensor of another
+    shape."""
+    if tuple(reader.entry(name).shape) != tuple(meta.global_shape):
+        return _read_range(reader, name, meta, start, stop, dtype)
+    return reader.pieces(name, start, stop, dtype=dtype, within=_global_box(meta))
+
+
+def _copy(dst: torch.Tensor, src) -> torch.Tensor:
+    """``dst`` set to what :func:`_stage_range` staged."""
+    return src.copy_into(dst) if isinstance(src, Pieces) else dst.copy_(src)
+
+
 def distopt_read_shard(reader: CheckpointReader, meta: ShardedTensor, start: int, stop: int,
                        names) -> Dict[str, torch.Tensor]:
     """Elements [start, stop) of a flattened parameter's main weights ("param") and optimizer
@@ -425,7 +439,7 @@ def distopt_stage_load(optimizer, model_sd: dict, reader: CheckpointReader, comm
             tensors = {}
             for k, t in opt._get_main_param_and_optimizer_states(model_param).items():
                 if k != "step":
-                    tensors[k] = _read_range(reader, _distopt_name(k, meta), meta, start, stop, t.dtype)
+                    tensors[k] = _stage_range(reader, _distopt_name(k, meta), meta, start, stop, t.dtype)
             part.append((model_param, tensors))
         staged.append(part)
     return staged
@@ -436,8 +450,9 @@ def distopt_stage_main(optimizer, model_sd: dict, reader: CheckpointReader) -> l
     checkpoint (nothing is changed yet): a load without the optimizer state (``--no-load-optim``,
     ``--finetune``) whose module weights megatron-core makes from them (:func:`distopt_refreshed`)."""
     by_param = param_to_sharded(model_sd)
-    return [[(model_param, distopt_read_shard(reader, model_meta(by_param, model_param), start, stop, ["param"])["param"])
-             for model_param, start, stop in local_ranges(opt)] for opt in distributed_optimizers(optimizer)]
+    return [[(model_param, _stage_range(reader, _distopt_name("param", meta), meta, start, stop, torch.float32))
+             for model_param, start, stop in local_ranges(opt) for meta in [model_meta(by_param, model_param)]]
+            for opt in distributed_optimizers(optimizer)]
 
 
 @torch.no_grad()
@@ -445,7 +460,7 @@ def distopt_set_main(optimizer, staged: list) -> None:
     """Set the main-weight shards :func:`distopt_stage_main` read."""
     for opt, part in zip(distributed_optimizers(optimizer), staged):
         for model_param, main in part:
-            opt._get_main_param_and_optimizer_states(model_param)["param"].copy_(main)
+            _copy(opt._get_main_param_and_optimizer_states(model_param)["param"], main)
 
 
 def _place(meta: ShardedTensor) -> tuple:
@@ -532,6 +547,9 @@ def distopt_apply(optimizer, staged, commons, never: Optional[List[bool]] = None
     never = list(never or []) + [False] * len(subs)
     for opt, part, common, fresh in zip(subs, staged, _distopt_commons(subs, commons), never):
         opt.load_state_dict(common)   # param groups, shared step, grad scaler; allocates state
+        # megatron-core's setter copies each tensor into the one it holds, except with the
+        # precision-aware optimizer (scaled state): there it gets tensors of its own
+        own = getattr(getattr(opt, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", True) is False
         # DistributedOptimizer.load_state_dict gives every parameter the same step tensor and
         # torch's Adam increments each parameter's step in place: a shared tensor would
         # advance once per parameter per step (silently wrong bias correction). One each:
@@ -543,6 +561,12 @@ def distopt_apply(optimizer, staged, commons, never: Optional[List[bool]] = None
             if set(live) - {"step"} != set(tensors):
                 raise StateError(f"optimizer state keys {sorted(live)} differ from the loaded "
                                  f"{sorted(tensors)}")
-            opt._set_main_param_and_optimizer_states(model_param, dict(tensors, step=live.get("step")))
+            if own:       # (the same copies, straight from the files)
+                for k, src in tensors.items():
+                    _copy(live[k], src)
+            else:
+                opt._set_main_param_and_optimizer_states(model_param, dict(
+                    {k: src.tensor() if isinstance(src, Pieces) else src for k, src in tensors.items()},
+                    step=live.get("step")))
         if fresh:
             opt.optimizer.state.clear()

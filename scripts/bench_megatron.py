@@ -73,6 +73,7 @@ def worker(a) -> None:
     import pretrain_gpt
     from megatron.core import parallel_state
     from adacheck.config import AdaCheckConfig
+    from adacheck import jobs
     import adacheck_megatron
 
     from adacheck_megatron.cpu import enable_cpu
@@ -124,9 +125,12 @@ def worker(a) -> None:
             adacheck_megatron.save_checkpoint(2, model, optimizer, scheduler, args=args,
                                               config=dataclasses.replace(c, save_dir=os.path.join(work, f"ada{i}{suffix}")))
 
+        phases = []       # (rank 0's seconds per phase of each AdaCheck load)
+
         def ada_load(i):
             adacheck_megatron.load_checkpoint(model, optimizer, scheduler, args=args,
                                               config=dataclasses.replace(cfg, save_dir=os.path.join(work, f"ada{i}")))
+            phases.append(jobs.kept(optimizer).last_loaded.seconds)
 
         for i in range(a.repeat):
             saves = [("native_save", lambda: native_save(i)), ("ada_save", lambda: ada_save(i, cfg)),
@@ -141,7 +145,8 @@ def worker(a) -> None:
             nb = du(os.path.join(work, f"native{last}"))
             ab = du(os.path.join(work, f"ada{last}"))
             rows.append({"layout": name, "world": world, "flags": flags, "params": nparams,
-                         **comparison(nb, ab, unique, t)})
+                         **comparison(nb, ab, unique, t),
+                         "ada_load_phases": {k: round(min(p[k] for p in phases), 4) for k in phases[0]}})
             print(json.dumps(rows[-1]), flush=True)
         dist.barrier()
         if rank == 0:
