@@ -411,13 +411,14 @@ class SavePipeline:
                     commit.write_latest(save_dir, prepared.tag, store)
                 if self.explains:
                     commit.leave_readme(save_dir, store)
+                listing = commit.Listing(save_dir, store)     # (an object store: one listing for all below)
                 if keep_last:
                     latest = commit.read_latest(save_dir, store)
                     commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
-                                           store=store)
+                                           store=store, listing=listing)
                 # a file written since this manifest may be another save's in flight: kept
-                commit.collect_garbage(save_dir, store=store,
-                                       keep_after=store.mtime(store.join(prepared.ckpt_dir, MANIFEST_NAME)))
+                commit.collect_garbage(save_dir, store=store, keep_after=listing.mtime(prepared.tag, MANIFEST_NAME),
+                                       listing=listing)
 
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (publish)", run)
         self.caches.trust(prepared.ckpt_dir, store)

@@ -24,6 +24,7 @@ fsspec's in-memory one).  :func:`open_storage` picks one for a path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import datetime
 import errno
 import functools
 import mmap
@@ -31,7 +32,7 @@ import os
 import shutil
 import threading
 from collections import OrderedDict
-from typing import List, Optional, Pattern, Tuple
+from typing import Dict, List, Optional, Pattern, Tuple
 
 from ..errors import AdaCheckError, ConfigError, StorageError
 
@@ -123,6 +124,12 @@ class Storage(ABC):
     def mtime(self, path: str) -> float:
         raise NotImplementedError
 
+    def files_under(self, path: str) -> Optional[Dict[str, Tuple[int, Optional[float], Optional[str]]]]:
+        """Every file under ``path``, at any depth, by its path relative to ``path`` ("/"-separated):
+        (size, modification time or None, content tag as :meth:`file_state` gives it), from one
+        listing; None where that is no cheaper than asking file by file (POSIX)."""
+        return None
+
     @abstractmethod
     def read_into(self, path: str, offset: int, buffer) -> int:
         """Read up to ``len(buffer)`` bytes at ``offset`` into ``buffer``; returns how many."""
@@ -196,6 +203,20 @@ class Storage(ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+def _timestamp(value) -> Optional[float]:
+    """A listing's modification time as seconds since the epoch (None: not one it can read)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, datetime.datetime):
+        return value.timestamp()
+    if isinstance(value, str):
+        try:
+            return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+    return None
 
 
 WRITE_BEHIND = 8 << 20      # with fsync, writeback of a file is started after each this many bytes
@@ -491,6 +512,24 @@ class FsspecStorage(Storage):
 
     def mtime(self, path):
         return self.fs.modified(self._fresh(path)).timestamp()
+
+    MTIMES = ("LastModified", "mtime", "updated", "last_modified", "created")     # S3; local; GCS; Azure; memory
+
+    def files_under(self, path):
+        """One listing of the whole tree (an object store: a request per 1,000 objects)."""
+        root = self.fs._strip_protocol(path).rstrip("/")
+        try:
+            found = self.fs.find(self._fresh(path), detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        out = {}
+        for p, info in found.items():
+            if info.get("type", "file") != "file" or not p.startswith(root + "/"):
+                continue
+            tag = next((str(info[k]) for k in self.CONTENT_TAGS if info.get(k)), None)
+            out[p[len(root) + 1:]] = (int(info["size"]), _timestamp(next((info[k] for k in self.MTIMES
+                                                                          if info.get(k) is not None), None)), tag)
+        return out
 
     def read_into(self, path, offset, buffer):
         view = memoryview(buffer).cast("B")

@@ -125,12 +125,88 @@ def _is_shard_or_manifest(name: str) -> bool:
     return name.endswith((".safetensors", ".safetensors" + TMP_SUFFIX, MANIFEST_NAME))
 
 
+class Listing:
+    """What garbage collection and retention ask of a save directory: its sub-directories, the
+    files in each and their size, time and content tag.  On a storage that lists a whole tree at
+    once (:meth:`Storage.files_under`: an object store, where each question is a request) the
+    answers come from one listing, taken when this is made: a file written later is not seen
+    (so never taken for garbage), and what this process removes is :meth:`drop`-ped from it.
+    Elsewhere (POSIX) each question asks the storage as it is asked."""
+
+    def __init__(self, save_dir: str, store: Storage = LOCAL):
+        self.save_dir, self.store = save_dir, store
+        files = store.files_under(save_dir)
+        self.snapshot: Optional[Dict[str, Dict[str, tuple]]] = None    # tag -> {name: (size, mtime, content tag)}
+        if files is not None:
+            self.snapshot = {}
+            for rel, info in files.items():
+                parts = rel.split("/")
+                if len(parts) >= 2:
+                    self.snapshot.setdefault(parts[0], {})["/".join(parts[1:])] = info
+
+    def path(self, tag: str, name: str = "") -> str:
+        return self.store.join(self.save_dir, tag, name) if name else self.store.join(self.save_dir, tag)
+
+    def tags(self) -> List[str]:
+        """The sub-directories (sorted)."""
+        if self.snapshot is not None:
+            return sorted(self.snapshot)
+        return [t for t in self.store.list(self.save_dir) if self.store.is_dir(self.path(t))]
+
+    def names(self, tag: str) -> List[str]:
+        """The entries directly in ``tag`` (sorted; a snapshot's sub-directories as ``deltas``)."""
+        if self.snapshot is not None:
+            return sorted({n.split("/")[0] for n in self.snapshot.get(tag, {})})
+        return self.store.list(self.path(tag))
+
+    def checkpoint_dirs(self):
+        """(tag, path) of each sub-directory with AdaCheck files in it."""
+        for tag in self.tags():
+            if any(_is_shard_or_manifest(f) for f in self.names(tag)):
+                yield tag, self.path(tag)
+
+    def has(self, tag: str, name: str) -> bool:
+        if self.snapshot is not None:
+            return name in self.snapshot.get(tag, {})
+        return self.store.exists(self.path(tag, name))
+
+    def has_deltas(self, tag: str) -> bool:
+        if self.snapshot is not None:
+            return any(n.startswith("deltas/") for n in self.snapshot.get(tag, {}))
+        return self.store.is_dir(self.path(tag, "deltas"))
+
+    def _info(self, tag: str, name: str) -> tuple:
+        if self.snapshot is None or name not in self.snapshot.get(tag, {}):
+            raise FileNotFoundError(self.path(tag, name))
+        return self.snapshot[tag][name]
+
+    def size(self, tag: str, name: str) -> int:
+        return self._info(tag, name)[0] if self.snapshot is not None else self.store.size(self.path(tag, name))
+
+    def mtime(self, tag: str, name: str) -> float:
+        if self.snapshot is not None:
+            t = self._info(tag, name)[1]
+            if t is not None:
+                return t
+        return self.store.mtime(self.path(tag, name))
+
+    def content_tag(self, tag: str, name: str) -> Optional[str]:
+        """The storage's tag of the file's content as listed (an object store's ETag), or None."""
+        if self.snapshot is None or name not in self.snapshot.get(tag, {}):
+            return None
+        return self.snapshot[tag][name][2]
+
+    def drop(self, tag: str, name: Optional[str] = None) -> None:
+        """This process removed ``tag``'s file ``name`` (None: its deltas tree)."""
+        if self.snapshot is not None and tag in self.snapshot:
+            files = self.snapshot[tag]
+            for n in [n for n in files if (n == name if name is not None else n.startswith("deltas/"))]:
+                del files[n]
+
+
 def _checkpoint_dirs(save_dir: str, store: Storage):
     """(name, path) of each sub-directory of ``save_dir`` with AdaCheck files in it."""
-    for name in store.list(save_dir):
-        d = store.join(save_dir, name)
-        if store.is_dir(d) and any(_is_shard_or_manifest(f) for f in store.list(d)):
-            yield name, d
+    yield from Listing(save_dir, store).checkpoint_dirs()
 
 
 def list_checkpoints(save_dir: str, store: Storage = LOCAL) -> List[Tuple[str, Optional[Manifest], Optional[AdaCheckError]]]:
@@ -179,24 +255,36 @@ class Summary(NamedTuple):
 # manifest.json's digest -> its Summary, parsed once per process: every save collects garbage
 # (and applies retention) over every checkpoint of its directory, and a job may keep hundreds
 _SUMMARIES: "OrderedDict[str, Summary]" = OrderedDict()
+# (manifest path, size, the storage's content tag) -> that digest, where the storage lists one
+_SUMMARIES_BY_STATE: "OrderedDict[tuple, str]" = OrderedDict()
 _SUMMARIES_KEPT = 4096
 
 
-def summaries(save_dir: str, store: Storage = LOCAL):
+def summaries(save_dir: str, store: Storage = LOCAL, listing: Optional[Listing] = None):
     """(tag, :class:`Summary`) of each committed checkpoint in ``save_dir``; (tag, None) for one
     whose manifest cannot be read.  A summary is a function of the manifest's bytes alone (no part
     is read): kept by their digest, so a checkpoint already seen costs a read and a hash, not a
-    parse."""
-    for tag, d in _checkpoint_dirs(save_dir, store):
-        try:
-            path, text = manifest_text(d, store)
-        except NotFoundError:
+    parse; where the ``listing`` gives the manifest's content tag (an object store's ETag), by
+    that tag too, so it costs nothing more."""
+    listing = listing if listing is not None else Listing(save_dir, store)
+    for tag, d in listing.checkpoint_dirs():
+        if listing.snapshot is not None and not listing.has(tag, MANIFEST_NAME):
             continue            # not committed (an interrupted save)
-        except FormatError:
-            yield tag, None
-            continue
-        key = hash_buffer(text.encode("utf-8"))
-        summary = _SUMMARIES.get(key)
+        content = listing.content_tag(tag, MANIFEST_NAME)
+        by_state = (store.canonical(listing.path(tag, MANIFEST_NAME)), listing.size(tag, MANIFEST_NAME),
+                    content) if content is not None else None
+        key = _SUMMARIES_BY_STATE.get(by_state) if by_state is not None else None
+        summary = _SUMMARIES.get(key) if key is not None else None
+        if summary is None:
+            try:
+                path, text = manifest_text(d, store)
+            except NotFoundError:
+                continue            # not committed (an interrupted save)
+            except FormatError:
+                yield tag, None
+                continue
+            key = hash_buffer(text.encode("utf-8"))
+            summary = _SUMMARIES.get(key)
         if summary is None:
             try:
                 m = parse(text, where=path, open_part=PartFiles(store, d))
@@ -208,6 +296,10 @@ def summaries(save_dir: str, store: Storage = LOCAL):
                 _SUMMARIES.popitem(last=False)
         else:
             _SUMMARIES.move_to_end(key)
+        if by_state is not None:
+            _SUMMARIES_BY_STATE[by_state] = key
+            while len(_SUMMARIES_BY_STATE) > _SUMMARIES_KEPT:
+                _SUMMARIES_BY_STATE.popitem(last=False)
         yield tag, summary
 
 
@@ -221,7 +313,7 @@ def _tree_size(store: Storage, path: str) -> int:
 
 def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ...] = (),
                     store: Storage = LOCAL, only: Optional[Tuple[str, ...]] = None,
-                    keep_after: Optional[float] = None) -> List[Tuple[str, int]]:
+                    keep_after: Optional[float] = None, listing: Optional[Listing] = None) -> List[Tuple[str, int]]:
     """Delete shard files (and temporaries) that no committed checkpoint reads.
 
     That covers earlier generations of a re-saved tag, saves a killed job never committed,
@@ -236,11 +328,13 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
     a save in flight (another job's, whose lease has not yet been seen; a save that has not
     committed yet) are never taken for leftovers; None: every such file (no save can be in flight).
     The online-delta log of a checkpoint goes with its manifest (``<tag>/deltas/``).
+    ``listing``: the directory's :class:`Listing` (default: a new one).
     Returns the files removed (or that would be), as (``<tag>/<file>``, bytes).
     """
+    listing = listing if listing is not None else Listing(save_dir, store)
     need: Dict[str, set] = {}
     unreadable = set()
-    for tag, summary in summaries(save_dir, store):
+    for tag, summary in summaries(save_dir, store, listing):
         if summary is None:
             unreadable.add(tag)
             continue
@@ -250,54 +344,58 @@ def collect_garbage(save_dir: str, dry_run: bool = False, retired: Tuple[str, ..
             need.setdefault(ref_tag or tag, set()).add(name)
         need.setdefault(tag, set()).update(summary.parts)
     removed = []
-    for tag in store.list(save_dir):
+    for tag in listing.tags():
         d = store.join(save_dir, tag)
-        if tag in unreadable or (only is not None and tag not in only) or not store.is_dir(d):
+        if tag in unreadable or (only is not None and tag not in only):
             continue
         before = len(removed)
-        committed = has_manifest(d, store) and tag not in retired
-        deltas = store.join(d, "deltas")
-        if not committed and store.is_dir(deltas):
+        committed = listing.has(tag, MANIFEST_NAME) and tag not in retired
+        if not committed and listing.has_deltas(tag):
             # the online deltas of a retired (or never committed) base: nothing replays them
+            deltas = store.join(d, "deltas")
             size = _tree_size(store, deltas)
             if not dry_run:
                 store.remove_tree(deltas)
+                listing.drop(tag)
             removed.append((f"{tag}/deltas/", size))
-        for f in store.list(d):
+        for f in listing.names(tag):
             if _SHARD_FILE.match(f) and f not in need.get(tag, ()):
-                path = store.join(d, f)
                 try:
-                    if keep_after is not None and store.mtime(path) >= keep_after:
+                    if keep_after is not None and listing.mtime(tag, f) >= keep_after:
                         continue        # newer than the newest commit: a save in flight, perhaps another job's
-                    size = store.size(path)
+                    size = listing.size(tag, f)
                     if not dry_run:
-                        store.remove(path)
+                        store.remove(store.join(d, f))
+                        listing.drop(tag, f)
                     removed.append((f"{tag}/{f}", size))
                 except FileNotFoundError:
                     pass
-        if not dry_run and len(removed) > before and not has_manifest(d, store):
+        if not dry_run and len(removed) > before and not listing.has(tag, MANIFEST_NAME):
             store.remove_dir(d)      # referenced files or something else may live there: then kept
     return removed
 
 
-def newest_commit_time(save_dir: str, store: Storage = LOCAL) -> Optional[float]:
+def newest_commit_time(save_dir: str, store: Storage = LOCAL, listing: Optional[Listing] = None) -> Optional[float]:
     """The modification time of the newest committed manifest in ``save_dir`` (the storage's clock;
     None: none is committed): garbage collection's ``keep_after`` beside a live job."""
-    times = [store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
-             for tag, summary in summaries(save_dir, store) if summary is not None]
+    listing = listing if listing is not None else Listing(save_dir, store)
+    times = [listing.mtime(tag, MANIFEST_NAME) for tag, summary in summaries(save_dir, store, listing)
+             if summary is not None]
     return max(times) if times else None
 
 
 def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s: Optional[float] = None,
-                   protect: Tuple[str, ...] = (), now: Optional[float] = None, store: Storage = LOCAL) -> List[str]:
+                   protect: Tuple[str, ...] = (), now: Optional[float] = None, store: Storage = LOCAL,
+                   listing: Optional[Listing] = None) -> List[str]:
     """Committed checkpoints a retention policy removes: those beyond the newest
     ``keep_last`` (by step, then manifest time) and/or older than ``older_than_s`` seconds;
     never one in ``protect``, never the newest."""
+    listing = listing if listing is not None else Listing(save_dir, store)
     committed = []
-    for tag, summary in summaries(save_dir, store):
+    for tag, summary in summaries(save_dir, store, listing):
         if summary is None:
             continue
-        mtime = store.mtime(store.join(save_dir, tag, MANIFEST_NAME))
+        mtime = listing.mtime(tag, MANIFEST_NAME)
         committed.append(((summary.step if summary.step is not None else -1), mtime, tag))
     committed.sort(reverse=True)
     now = time.time() if now is None else now
@@ -310,17 +408,21 @@ def choose_retired(save_dir: str, keep_last: Optional[int] = None, older_than_s:
     return out
 
 
-def retire(save_dir: str, tags, store: Storage = LOCAL) -> None:
+def retire(save_dir: str, tags, store: Storage = LOCAL, listing: Optional[Listing] = None) -> None:
     """Remove the manifests of ``tags`` (they stop being checkpoints); collect_garbage then
     deletes whatever of their files no kept checkpoint references."""
     for tag in tags:
         store.remove(store.join(save_dir, tag, MANIFEST_NAME))
+        if listing is not None:
+            listing.drop(tag, MANIFEST_NAME)
         store.remove_dir(store.join(save_dir, tag))   # a checkpoint that only referenced others
 
 
-def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...], store: Storage = LOCAL) -> List[str]:
+def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...], store: Storage = LOCAL,
+                    listing: Optional[Listing] = None) -> List[str]:
     """Retire committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.
-    Returns the retired tags (their unreferenced files go with the next collect_garbage)."""
-    doomed = choose_retired(save_dir, keep_last=keep_last, protect=protect, store=store)
-    retire(save_dir, doomed, store)
+    Returns the retired tags (their unreferenced files go with the next collect_garbage, which
+    may be given the same ``listing``)."""
+    doomed = choose_retired(save_dir, keep_last=keep_last, protect=protect, store=store, listing=listing)
+    retire(save_dir, doomed, store, listing)
     return doomed

@@ -102,14 +102,15 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
         commit.write_latest(dst_dir, tag, dst_store)
     commit.leave_readme(dst_dir, dst_store)
     retired = []
+    listing = commit.Listing(dst_dir, dst_store)
     if keep_last:
         latest = commit.read_latest(dst_dir, dst_store)
         retired = commit.apply_retention(dst_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()),
-                                         store=dst_store)
+                                         store=dst_store, listing=listing)
     # (only this tag's earlier generations and what retention retired: another rank may already be
     # copying the next checkpoint into a directory that has no manifest yet)
     commit.collect_garbage(dst_dir, store=dst_store, only=(tag, *retired),
-                           keep_after=dst_store.mtime(dst_store.join(dst, commit.MANIFEST_NAME)))
+                           keep_after=listing.mtime(tag, commit.MANIFEST_NAME), listing=listing)
     return True
 
 
