@@ -166,9 +166,10 @@ class Listing:
                 yield tag, self.path(tag)
 
     def has(self, tag: str, name: str) -> bool:
+        """Whether ``tag`` holds the file ``name``."""
         if self.snapshot is not None:
             return name in self.snapshot.get(tag, {})
-        return self.store.exists(self.path(tag, name))
+        return self.store.is_file(self.path(tag, name))
 
     def has_deltas(self, tag: str) -> bool:
         if self.snapshot is not None:
@@ -184,8 +185,9 @@ class Listing:
         return self._info(tag, name)[0] if self.snapshot is not None else self.store.size(self.path(tag, name))
 
     def mtime(self, tag: str, name: str) -> float:
-        if self.snapshot is not None:
-            t = self._info(tag, name)[1]
+        """As listed; a file the listing lacks or lists without a time: as the storage says now."""
+        if self.snapshot is not None and name in self.snapshot.get(tag, {}):
+            t = self.snapshot[tag][name][1]
             if t is not None:
                 return t
         return self.store.mtime(self.path(tag, name))
@@ -245,8 +247,9 @@ _SHARD_FILE = re.compile(r"^(" + SHARD_PATTERN + "|" + PART_PATTERN + ")("
 
 
 class Summary(NamedTuple):
-    """What retention, garbage collection and listings ask of a committed checkpoint: the files its manifest
-    references, as (tag or None for its own directory, name), its part files, and its step."""
+    """What retention, garbage collection and listings ask of a committed checkpoint: the files
+    its manifest references, as (tag or None for its own directory, name), its part files, and
+    its step."""
     references: frozenset
     parts: tuple
     step: Optional[int]
