@@ -25,7 +25,7 @@ from ..plan.exchange import Comm, agree, exchange_for
 from ..storage.lease import Holding
 from ..format.compression import ENCODING_KEY, Encoder
 from ..format.compression import check as check_compression
-from ..format.manifest import COMPRESSED_SINCE, FORMAT_VERSION, MANIFEST_NAME, PAGED_SINCE, JOB_OBJECTS, dumps
+from ..format.manifest import COMPRESSED_SINCE, FORMAT_VERSION, PAGED_SINCE, JOB_OBJECTS, dumps
 from ..gcpause import paused
 from ..plan.planner import WritePlan, plan_save, previous_index
 from ..types import Box, Manifest, meta_of_row, meta_row
@@ -411,14 +411,7 @@ class SavePipeline:
                     commit.write_latest(save_dir, prepared.tag, store)
                 if self.explains:
                     commit.leave_readme(save_dir, store)
-                listing = commit.Listing(save_dir, store)     # (an object store: one listing for all below)
-                if keep_last:
-                    latest = commit.read_latest(save_dir, store)
-                    commit.apply_retention(save_dir, keep_last, protect=(prepared.tag,) + ((latest,) if latest else ()),
-                                           store=store, listing=listing)
-                # a file written since this manifest may be another save's in flight: kept
-                commit.collect_garbage(save_dir, store=store, keep_after=listing.mtime(prepared.tag, MANIFEST_NAME),
-                                       listing=listing)
+                commit.tidy_after(save_dir, prepared.tag, keep_last, store)
 
         agree(comm, f"AdaCheck save of {prepared.ckpt_dir} (publish)", run)
         self.caches.trust(prepared.ckpt_dir, store)

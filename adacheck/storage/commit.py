@@ -421,6 +421,24 @@ def retire(save_dir: str, tags, store: Storage = LOCAL, listing: Optional[Listin
         store.remove_dir(store.join(save_dir, tag))   # a checkpoint that only referenced others
 
 
+def tidy_after(save_dir: str, tag: str, keep_last: Optional[int], store: Storage = LOCAL,
+               only_touched: bool = False) -> List[str]:
+    """Once ``tag`` is committed in ``save_dir`` (and ``latest`` written): retention (the newest
+    ``keep_last``, 0: all; never ``tag`` or the one ``latest`` names), then garbage collection,
+    from one :class:`Listing`; a file modified since ``tag``'s manifest may be another save's in
+    flight: kept.  ``only_touched``: collect in ``tag``'s directory and the retired ones alone
+    (another writer may be filling a directory that has no manifest yet).  Returns the retired tags."""
+    listing = Listing(save_dir, store)
+    retired: List[str] = []
+    if keep_last:
+        latest = read_latest(save_dir, store)
+        retired = apply_retention(save_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()), store=store,
+                                  listing=listing)
+    collect_garbage(save_dir, store=store, only=(tag, *retired) if only_touched else None,
+                    keep_after=listing.mtime(tag, MANIFEST_NAME), listing=listing)
+    return retired
+
+
 def apply_retention(save_dir: str, keep_last: int, protect: Tuple[str, ...], store: Storage = LOCAL,
                     listing: Optional[Listing] = None) -> List[str]:
     """Retire committed checkpoints beyond the newest ``keep_last``; never one in ``protect``.

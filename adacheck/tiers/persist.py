@@ -101,16 +101,9 @@ def persist_checkpoint(rank: int, src_dir: str, dst_store: Storage, dst_dir: str
         fence(dst_store, dst_dir, f"publishing {tag!r} ('latest') from the memory tier")
         commit.write_latest(dst_dir, tag, dst_store)
     commit.leave_readme(dst_dir, dst_store)
-    retired = []
-    listing = commit.Listing(dst_dir, dst_store)
-    if keep_last:
-        latest = commit.read_latest(dst_dir, dst_store)
-        retired = commit.apply_retention(dst_dir, keep_last, protect=(tag,) + ((latest,) if latest else ()),
-                                         store=dst_store, listing=listing)
     # (only this tag's earlier generations and what retention retired: another rank may already be
     # copying the next checkpoint into a directory that has no manifest yet)
-    commit.collect_garbage(dst_dir, store=dst_store, only=(tag, *retired),
-                           keep_after=listing.mtime(tag, commit.MANIFEST_NAME), listing=listing)
+    commit.tidy_after(dst_dir, tag, keep_last, dst_store, only_touched=True)
     return True
 
 
