@@ -29,6 +29,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_st
 from safetensors.torch import save_file  # noqa: E402
 
 import adacheck_ds  # noqa: E402,F401  (registers the integration)
+import adacheck_ds.state  # noqa: E402
+from adacheck_ds.state import READ_RATHER_THAN_GATHER  # noqa: E402  (the default)
 
 DEVICE = os.environ.get("ADACHECK_TEST_DEVICE", "cpu")
 
@@ -441,6 +443,9 @@ def main():
             with open(os.path.join(out_dir, f"result-rank{rank}.json"), "w") as f:
                 json.dump(results, f)
             continue
+        # "gather": loads rebuild the module weights with DeepSpeed's all-gather whatever the
+        # backend (by default gloo's ranks each read the master weights instead)
+        adacheck_ds.state.READ_RATHER_THAN_GATHER = () if run.get("gather") else READ_RATHER_THAN_GATHER
         engine = make_engine(run)
         for a in run["actions"]:
             act(engine, a, rec, out_dir, rank)

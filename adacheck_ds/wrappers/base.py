@@ -82,7 +82,8 @@ class Wrapper:
     has_master: ClassVar[bool] = True
     #: :meth:`refresh` makes this rank's module weights from the master weights it holds, exactly
     #: their cast (ZeRO-1/2: cast + all-gather of the partitions; ZeRO-3: each rank's partition):
-    #: a load then reads no module weights, only its master partition (adacheck_ds.state._refreshed)
+    #: a load then reads no module weights, only its master partition, unless the all-gather would
+    #: go through gloo's sockets (adacheck_ds.state._refreshed)
     refresh_rebuilds: ClassVar[bool] = False
     #: a save runs between the optimizer's checkpoint_event_prologue / _epilogue, where it has them
     save_hooks: ClassVar[bool] = True
@@ -119,6 +120,11 @@ class Wrapper:
     def refresh(self) -> None:
         """The module's weights from the master weights, with DeepSpeed's own code (after a
         replay changed the master weights)."""
+
+    def refresh_groups(self) -> list:
+        """The process groups over which :meth:`refresh` all-gathers the module weights (none
+        where it only casts this rank's own)."""
+        return []
 
     def record_clipping(self, note: Note) -> Optional[Callable[[], None]]:
         """Make the wrapper call ``note`` for each gradient just before it unscales / clips it

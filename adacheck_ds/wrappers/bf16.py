@@ -33,6 +33,9 @@ class BF16(Wrapper):
         self.opt.update_lp_params()
         relink(self.opt)
 
+    def refresh_groups(self) -> list:
+        return list(self.opt.real_dp_process_group)
+
     def record_clipping(self, note):
         opt = self.opt
         if not all(g.dtype == torch.float32 for g in opt.fp32_groups_gradient_flat_partition):

@@ -39,6 +39,9 @@ class Zero12(Wrapper):
         self.opt.update_lp_params()     # cast + all-gather of the partitions
         relink(self.opt)
 
+    def refresh_groups(self) -> list:
+        return list(self.opt.real_dp_process_group)
+
     def record_clipping(self, note):
         opt = self.opt
 
