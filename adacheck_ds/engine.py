@@ -29,6 +29,7 @@ from . import zero_to_fp32
 from .online import OnlineDS, Replay
 from .saved import Objects, RankObjects, SavedModel, Scalars
 from .wrappers import wrapper_of
+from .wrappers.base import checkpoint_event
 from .state import (Staged, apply_load, class_path, collect_shards, data_parallel, describe, module_names, named,
                     moe_layers, partition_map, pipeline, pipeline_layers, refuse_engine, stage_load,
                     tied_parameters)
@@ -51,19 +52,6 @@ def _counter(v):
 def _plain(v):
     """A one-element tensor of a loss scaler as the number it holds."""
     return v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-
-
-@contextlib.contextmanager
-def checkpoint_event(optimizer):
-    """DeepSpeed's optimizer hooks around reading or writing its state (ZeRO's and the BF16
-    optimizer's checkpoint_event_prologue / _epilogue, where they have them)."""
-    if hasattr(optimizer, "checkpoint_event_prologue"):
-        optimizer.checkpoint_event_prologue()
-    try:
-        yield
-    finally:
-        if hasattr(optimizer, "checkpoint_event_epilogue"):
-            optimizer.checkpoint_event_epilogue()
 
 
 # DeepSpeedEngine's own methods that adacheck_ds.install() replaced, by name (filled there)

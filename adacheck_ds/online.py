@@ -27,6 +27,7 @@ from adacheck.online.optimtap import OptimizerTap, Shadow
 from adacheck.checkpoint.rng import set_rng_state
 
 from .saved import RankObjects, StepScalars
+from .wrappers.base import checkpoint_event
 from .state import class_path, data_parallel, data_parallel_ranks, describe, pipeline, read_partition
 from .wrappers import Frag
 
@@ -144,7 +145,8 @@ class Replay:
         return _tap(self.engine)[1]
 
     def restore(self, last: dict, plan: integration.ReplayPlan) -> None:
-        self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
+        with checkpoint_event(self.engine.optimizer):
+            self.lay.wrapper.refresh()      # the module's weights from the replayed master weights
         self.ac.apply_scalars(StepScalars.of(last, "the last delta record"))
         if self.comm.rank < self.saving_world:   # as the base load: a rank the saving job did not have keeps its RNG
             set_rng_state(last["rank_state"])

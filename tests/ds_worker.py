@@ -330,6 +330,10 @@ def act(engine, a, rec, out_dir, rank):
         # the base optimizer's state tensors after the load that it held before: (kept, of)
         rec.setdefault("kept_state", []).append([sum(id(v) in before for v in after), len(after)])
         rec["loaded"].append([path, {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in (cs or {}).items()}])
+        # ZeRO-3's persistent (small) parameters: gathered after a load, as DeepSpeed's own leaves them
+        persistent = getattr(engine.optimizer, "persistent_parameters", None) or []
+        rec.setdefault("persistent_gathered", []).append(
+            [sum(p.ds_status.name == "AVAILABLE" and p.numel() == p.ds_numel for p in persistent), len(persistent)])
         ac = getattr(engine, "adacheck", None)
         rec.setdefault("manifest_read", []).append(ac.checkpointer.last_loaded.read if ac and ac.checkpointer.last_loaded else None)
     elif op == "load_native":

@@ -59,6 +59,8 @@ def test_resume_is_bit_identical_for_every_stage_and_dtype(tmp_path):
         uninterrupted, resumed = res[2 * i], res[2 * i + 1]
         assert uninterrupted["losses"][3:] == resumed["losses"], (stage, dtype)
         assert resumed["loaded"][0][1] == {"epoch": 3, "note": "hi", "vec": [0.0, 1.0, 2.0, 3.0]}
+        gathered_now, persistent = resumed["persistent_gathered"][0]
+        assert gathered_now == persistent and (persistent > 0) == (stage == 3), (stage, dtype)
         a = load_file(str(tmp_path / f"A{stage}{dtype}.safetensors"))
         b = load_file(str(tmp_path / f"B{stage}{dtype}.safetensors"))
         assert_same(a, b)

@@ -119,7 +119,7 @@ class Wrapper:
 
     def refresh(self) -> None:
         """The module's weights from the master weights, with DeepSpeed's own code (after a
-        replay changed the master weights)."""
+        load or a replay changed the master weights), within :func:`checkpoint_event`."""
 
     def refresh_groups(self) -> list:
         """The process groups over which :meth:`refresh` all-gathers the module weights (none
@@ -161,6 +161,19 @@ class Wrapper:
         original = getattr(self.opt, method)
         setattr(self.opt, method, functools.partial(replacement, original))
         return lambda: setattr(self.opt, method, original)
+
+
+@contextlib.contextmanager
+def checkpoint_event(optimizer):
+    """DeepSpeed's optimizer hooks around reading or writing its state (ZeRO's and the BF16
+    optimizer's checkpoint_event_prologue / _epilogue, where they have them)."""
+    if hasattr(optimizer, "checkpoint_event_prologue"):
+        optimizer.checkpoint_event_prologue()
+    try:
+        yield
+    finally:
+        if hasattr(optimizer, "checkpoint_event_epilogue"):
+            optimizer.checkpoint_event_epilogue()
 
 
 def lp_views_whole(lay: Layout, names: Dict[torch.nn.Parameter, str]) -> None:
