@@ -65,9 +65,12 @@ class Storage(ABC):
     (``write_atomic``, ``file_state``, ``read_range``, ...) is built on them,
     and a backend may do better.  ``renames``: whether files are written under a
     temporary name first (POSIX) or appear whole when their upload completes (object stores).
+    ``maps``: whether a load maps the files (:meth:`map`: a read of bytes another rank of the
+    node read too comes from the page cache), or downloads every byte it reads.
     """
 
     renames = True
+    maps = False
     TMP_SUFFIX = ".tmp"
 
     def join(self, *parts: str) -> str:
@@ -309,6 +312,7 @@ class PosixStorage(Storage):
     Delta files go through :class:`~adacheck.storage.direct.DirectFileWriter` (``O_DIRECT``)."""
 
     renames = True
+    maps = True
 
     def exists(self, path):
         return os.path.exists(path)
