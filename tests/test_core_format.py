@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import warnings
 import weakref
 
@@ -770,3 +771,34 @@ atexit.register(at_exit)
     assert p.returncode == 0 and p.stdout.strip() == "equal", p.stderr[-3000:]
     assert torch.equal(load_file(str(tmp_path / "s1" / "rank00000-g0.safetensors"))["master/w@0+3_0+4"],
                        torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_load_unmaps_the_checkpoint_files_when_it_returns_without_the_garbage_collector(tmp_path):
+    """A load's reader maps the shard files and stages views of them; when the load returns,
+    nothing of it may keep them mapped until Python's cycle collector runs (paused in loads): a
+    mapped file cannot leave the page cache, nor its disk space once a later save deletes it.
+    Oracle: the kernel's list of this process's mappings."""
+    w = torch.randn(4096)
+    shards = [LocalShard("master/w", "master", (4096,), b, w[b.slices()]) for b in flat_range_to_boxes((4096,), 0, 4096)]
+    vec = torch.arange(6.0)
+    save(SoloComm(), str(tmp_path), "t", lambda: LocalState(shards, {"vec": vec}, {}, {}, {}, 1))
+
+    def mapped():
+        return [line for line in open("/proc/self/maps") if str(tmp_path) in line]
+    out = torch.empty(4096)
+    import gc
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        # (the result kept, as an integration keeps the objects it loaded: Checkpointer.last_loaded)
+        loaded = load(SoloComm(), str(tmp_path), "t", lambda r: (r.pieces("master/w", 0, 4096), r.objects()),
+                      lambda staged: (staged[0].copy_into(out), staged[1])[1])
+        for _ in range(200):     # (a hashing thread lets go of its last box a moment after its result)
+            if not mapped():
+                break
+            time.sleep(0.01)
+        assert mapped() == [], mapped()
+    finally:
+        if was:
+            gc.enable()
+    assert torch.equal(out, w) and torch.equal(loaded.result["vec"], vec)

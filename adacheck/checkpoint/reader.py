@@ -209,15 +209,23 @@ class BoxCache:
         self.bytes = 0
 
 
+def file_path(store: Storage, ckpt_dir: str, fname: str) -> str:
+    """Where the manifest file entry ``fname`` of checkpoint ``ckpt_dir`` lives on ``store``: there,
+    or in an earlier sibling checkpoint."""
+    tag, name = split_file(fname)
+    if tag is None:
+        return store.join(ckpt_dir, name)
+    return store.join(store.parent(ckpt_dir), tag, name)
+
+
 class CopyOrder:
     """Per stored region, the copies to try in order: all of one variant (the one ``prefer_rank``
     held, else the lowest holder's), its own file first; with ``prefer_present`` (a memory-tier
     checkpoint across nodes, where a node's directory holds some copies of each region), copies
-    whose file is here before the others.  ``path_of`` gives a file entry's path on ``store``."""
+    whose file is here before the others (the checkpoint ``ckpt_dir`` on ``store``)."""
 
-    def __init__(self, store: Storage, path_of: Callable[[str], str], prefer_rank: Optional[int],
-                 prefer_present: bool):
-        self.store, self.path_of, self.prefer_rank = store, path_of, prefer_rank
+    def __init__(self, store: Storage, ckpt_dir: str, prefer_rank: Optional[int], prefer_present: bool):
+        self.store, self.dir, self.prefer_rank = store, ckpt_dir, prefer_rank
         self.present: Optional[Dict[str, bool]] = {} if prefer_present else None
 
     def __call__(self, boxes) -> List[list]:
@@ -237,7 +245,7 @@ class CopyOrder:
 
     def here(self, fname: str) -> bool:
         if fname not in self.present:
-            self.present[fname] = self.store.size_if_file(self.path_of(fname)) is not None
+            self.present[fname] = self.store.size_if_file(file_path(self.store, self.dir, fname)) is not None
         return self.present[fname]
 
 
@@ -385,7 +393,9 @@ class CheckpointReader:
                           "data unnoticed. Save it again with this version to bind them.",
                           LegacyFormatWarning, stacklevel=2)
         self.prefer_rank = prefer_rank
-        self._copies = CopyOrder(store, self.path_of, prefer_rank, prefer_present)
+        # (no bound method of the reader kept by what it holds: a reference cycle would keep its
+        # mapped files until the garbage collector runs, and a load pauses it)
+        self._copies = CopyOrder(store, ckpt_dir, prefer_rank, prefer_present)
         self._files: Dict[str, SafetensorsFile] = {}
         # (file, key, tensor, box) -> verified bytes: one entry serves only the identity it was verified for
         self._cache = BoxCache(cache_bytes)
@@ -487,10 +497,7 @@ class CheckpointReader:
 
     def path_of(self, fname: str) -> str:
         """Where a manifest file entry lives: here, or in an earlier sibling checkpoint."""
-        tag, name = split_file(fname)
-        if tag is None:
-            return self.store.join(self.dir, name)
-        return self.store.join(self.store.parent(self.dir), tag, name)
+        return file_path(self.store, self.dir, fname)
 
     def _file(self, fname: str) -> SafetensorsFile:
         if fname not in self._files:

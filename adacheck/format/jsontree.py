@@ -65,38 +65,41 @@ _NON_FINITE = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 def decode(tree, fetch: Callable[[str], torch.Tensor]):
     """The value ``encode`` encoded; a tree that ``encode`` cannot have made is a FormatError."""
-    def dec(x):
-        if isinstance(x, list):
-            return [dec(v) for v in x]
-        if isinstance(x, dict):
-            if "__tensor__" in x:
-                if not isinstance(x["__tensor__"], str):
-                    raise FormatError(f"saved object tree: tensor reference {x!r} is not a name")
-                return fetch(x["__tensor__"])
-            if "__tuple__" in x:
-                if not isinstance(x["__tuple__"], list):
-                    raise FormatError(f"saved object tree: {x!r} is not a tuple")
-                return tuple(dec(v) for v in x["__tuple__"])
-            if "__float__" in x:
-                if not isinstance(x["__float__"], str) or x["__float__"] not in _NON_FINITE:
-                    raise FormatError(f"saved object tree: {x!r} is not a non-finite float")
-                return _NON_FINITE[x["__float__"]]
-            if "__dict__" in x:
-                items = x["__dict__"]
-                if not isinstance(items, list) or not all(
-                        isinstance(i, list) and len(i) == 2 and isinstance(i[0], (str, int, bool, type(None)))
-                        and not isinstance(i[0], float) for i in items):
-                    raise FormatError(f"saved object tree: {x!r} is not a list of [key, value] pairs")
-                return {k: dec(v) for k, v in items}
-            return {k: dec(v) for k, v in x.items()}
-        if x is None or isinstance(x, (bool, str, int, float)):
-            return x
-        raise FormatError(f"unexpected value {x!r} in saved object tree")
-
     try:
-        return dec(tree)
+        return _decoded(tree, fetch)
     except RecursionError:
         raise FormatError("saved object tree is nested too deeply") from None
+
+
+def _decoded(x, fetch: Callable[[str], torch.Tensor]):
+    # (a module function, not a closure calling itself: such a closure is a reference cycle that
+    # would keep ``fetch``, and the checkpoint reader it reads with, until the garbage collector runs)
+    if isinstance(x, list):
+        return [_decoded(v, fetch) for v in x]
+    if isinstance(x, dict):
+        if "__tensor__" in x:
+            if not isinstance(x["__tensor__"], str):
+                raise FormatError(f"saved object tree: tensor reference {x!r} is not a name")
+            return fetch(x["__tensor__"])
+        if "__tuple__" in x:
+            if not isinstance(x["__tuple__"], list):
+                raise FormatError(f"saved object tree: {x!r} is not a tuple")
+            return tuple(_decoded(v, fetch) for v in x["__tuple__"])
+        if "__float__" in x:
+            if not isinstance(x["__float__"], str) or x["__float__"] not in _NON_FINITE:
+                raise FormatError(f"saved object tree: {x!r} is not a non-finite float")
+            return _NON_FINITE[x["__float__"]]
+        if "__dict__" in x:
+            items = x["__dict__"]
+            if not isinstance(items, list) or not all(
+                    isinstance(i, list) and len(i) == 2 and isinstance(i[0], (str, int, bool, type(None)))
+                    and not isinstance(i[0], float) for i in items):
+                raise FormatError(f"saved object tree: {x!r} is not a list of [key, value] pairs")
+            return {k: _decoded(v, fetch) for k, v in items}
+        return {k: _decoded(v, fetch) for k, v in x.items()}
+    if x is None or isinstance(x, (bool, str, int, float)):
+        return x
+    raise FormatError(f"unexpected value {x!r} in saved object tree")
 
 
 def tensor_refs(tree) -> List[str]:
