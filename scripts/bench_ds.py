@@ -1,7 +1,7 @@
 """Benchmark: AdaCheck vs DeepSpeed's native checkpoints, same engine, same run.
 
-For every ZeRO stage x dtype at each data-parallel size, one real DeepSpeed training (CPU,
-gloo, torchrun) trains a few steps, then saves and loads natively and with AdaCheck, in
+For every ZeRO stage x dtype at each data-parallel size, one real DeepSpeed training (CPU and
+gloo, or ``--device cuda``: one GPU per rank and NCCL; torchrun) trains a few steps, then saves and loads natively and with AdaCheck, in
 alternating order, ``--repeat`` times; the fastest of the repeats counts for each.  Printed
 (and written as JSON to ``--json``):
 
@@ -17,6 +17,7 @@ alternating order, ``--repeat`` times; the fastest of the repeats counts for eac
 
     .venv/bin/python scripts/bench_ds.py        # after scripts/demo.sh or test.sh made .venv
     .venv/bin/python scripts/bench_ds.py --dp 2 --stages 2 --dtypes bf16 --repeat 1
+    python scripts/bench_ds.py --device cuda --dp 1 --stages 1 2 3      # one GPU (scripts/gpu_checks.sh)
 """
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def device() -> str:
 
 
 def add_device_flag(ap) -> None:
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+    # a worker is not given --device: it follows its driver's, in the environment (else the
+    # workers of a CUDA run would take gloo and CPU tensors for their collectives)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=device(),
                     help="train on the CPU (gloo) or one GPU per rank (NCCL); the DeepSpeed accelerator follows")
 
 
@@ -144,7 +147,7 @@ def unique_bytes(engine, nparams: int) -> int:
 
 
 def worker(a) -> None:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", device())
     import deepspeed
     import torch
 
@@ -152,17 +155,20 @@ def worker(a) -> None:
     from adacheck.config import AdaCheckConfig
     sys.path.insert(0, HERE)      # (demo_train, for tiny_engine)
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(deepspeed)
     rank = torch.distributed.get_rank()
     dist = torch.distributed
 
     def timed(fn):
         # every operation starts with the disk idle (the previous one's dirty pages written), as
-        # saves minutes apart find it: else one's fsync waits for the writeback of another's files
+        # saves minutes apart find it: else one's fsync waits for the writeback of another's files;
+        # and ends once the GPU ran what it queued (a load's copies to the device)
+        device_sync()
         os.sync()
         dist.barrier()
         t = time.perf_counter()
         fn()
+        device_sync()
         dist.barrier()
         return time.perf_counter() - t
 
@@ -333,9 +339,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--work", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--json", default="bench_ds.json")
+    add_device_flag(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    os.environ["ADACHECK_BENCH_DEVICE"] = a.device
     if a.worker:
         return worker(a)
     rows = run_workers(os.path.abspath(__file__), a.dp, a.work, 29600,
@@ -345,7 +353,8 @@ def main() -> None:
     import deepspeed
     result = {"rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
               "cpu_count": os.cpu_count(), "model": {"vocab": a.vocab, "dim": a.dim, "layers": a.layers},
-              "repeat": a.repeat}
+              "repeat": a.repeat, "device": a.device,
+              "gpu": torch.cuda.get_device_name() if a.device == "cuda" else None}
     with open(a.json, "w") as f:
         json.dump(result, f, indent=1)
     print(table(rows))

@@ -8,6 +8,8 @@
 #   megatron_lm   Megatron-LM's own pretrain_gpt.py with --adacheck --async-save, stop and resume
 #                 (scripts/check_megatron_lm.py; needs $MEGATRON_LM and $MEGATRON_LM_PATCHED, trees
 #                 of core_v0.16.1 without and with patches/megatron-lm-core_v0.16.1.patch);
+#   bench_ds, bench_ds_2gb   sync saves and verified loads against DeepSpeed's own, with their
+#                 phases (ZeRO 1-3, fp32 and bf16 at 252 MB; ZeRO 1 and 3, bf16 at 2 GB);
 #   bench_async, bench_online, bench_tiers   the benchmarks on the GPU (pinned staging; bench_online
 #                 with a third engine whose deltas go to the memory tier);
 #   bench_online_throttled   the same with the checkpoint directory throttled to $GPU_DURABLE_MBPS
@@ -34,13 +36,17 @@ part() {   # part NAME SECONDS CMD...: run it, log to OUT_DIR/NAME.log, say how 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   $PY -c "import torch, deepspeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)"
   df -h "$WORK" /tmp /dev/shm | tail -n 3; nproc; command -v make g++ python3-config; } 2>&1 | tee "$OUT_DIR/machine.txt"
-for p in ${GPU_PARTS:-tests cpu_tests megatron_lm bench_async bench_online bench_online_throttled bench_tiers}; do case $p in
+for p in ${GPU_PARTS:-tests cpu_tests megatron_lm bench_ds bench_ds_2gb bench_async bench_online bench_online_throttled bench_tiers}; do case $p in
 tests) part tests "${GPU_TESTS_S:-400}" $PY -m pytest -q -p no:cacheprovider -rs \
   ${GPU_TESTS:-tests/test_core_staging.py tests/test_core_deltas.py tests/test_ds_cuda.py tests/test_megatron_cuda.py} ;;
 cpu_tests) part cpu_tests "${GPU_CPU_TESTS_S:-300}" $PY -m pytest -q -p no:cacheprovider -rs \
   ${GPU_CPU_TESTS:-tests/test_megatron.py} ;;
 megatron_lm) part megatron_lm "${GPU_MLM_S:-300}" $PY scripts/check_megatron_lm.py --tree "${MEGATRON_LM:-}" \
   --patched-tree "${MEGATRON_LM_PATCHED:-}" --out "$OUT_DIR/megatron_lm" ;;
+bench_ds) part bench_ds "${GPU_DS_S:-240}" $PY scripts/bench_ds.py --device cuda --dp 1 --stages 1 2 3 \
+  --dtypes fp32 bf16 --repeat 3 --work "$WORK/ds" --json "$OUT_DIR/bench_ds.json" ;;
+bench_ds_2gb) part bench_ds_2gb "${GPU_DS_2GB_S:-300}" $PY scripts/bench_ds.py --device cuda --dp 1 --stages 1 3 \
+  --dtypes bf16 --repeat 2 --vocab 32000 --dim 1024 --layers 8 --work "$WORK/ds2" --json "$OUT_DIR/bench_ds_2gb.json" ;;
 bench_async) part bench_async "${GPU_ASYNC_S:-150}" $PY scripts/bench_async.py --device cuda --dp 1 --stages 1 3 \
   --dtypes bf16 --repeat 2 --saves 10 --busy-saves 3 --work "$WORK/async" --json "$OUT_DIR/bench_async.json" ;;
 bench_online) part bench_online "${GPU_ONLINE_S:-180}" $PY scripts/bench_online.py --device cuda --dp 1 --stages 1 2 \
