@@ -506,7 +506,7 @@ def settled(base_optimizer, optim_state: dict) -> dict:
     """``optim_state`` (:func:`_stage_optimizer`'s) for ``base_optimizer.load_state_dict``, each
     tensor in pieces copied into the one the optimizer holds for it now where its load would keep
     that one as it is (the same shape, dtype and device: memory already in use), else into a new
-    tensor."""
+    tensor where the load keeps it (on a GPU: one copy, not a host copy moved again)."""
     params = [p for g in base_optimizer.param_groups for p in g["params"]]
     state = {}
     for index, entry in optim_state["state"].items():
@@ -518,7 +518,8 @@ def settled(base_optimizer, optim_state: dict) -> dict:
                 fits = (isinstance(cur, torch.Tensor) and cur.dtype == v.dtype and cur.device == p.device
                         and tuple(cur.shape) == v.shape and cur.is_contiguous()
                         and (not v.dtype.is_floating_point or v.dtype == p.dtype))
-                v = v.copy_into(cur) if fits else v.tensor()
+                # else new memory where the load would move it: the parameter's device, its dtype
+                v = v.copy_into(cur) if fits else v.tensor(p.dtype if p.is_floating_point() else v.dtype, p.device)
             out[key] = v
         state[index] = out
     return dict(optim_state, state=state)

@@ -308,9 +308,10 @@ class Pieces:
             flat.narrow(0, pos, math.prod(lengths)).view(lengths)[index].copy_(src)
         return out
 
-    def tensor(self) -> torch.Tensor:
-        """A new CPU tensor of these elements, of ``shape``."""
-        return self.copy_into(torch.empty(self.numel, dtype=self.dtype)).view(self.shape)
+    def tensor(self, dtype: Optional[torch.dtype] = None, device=None) -> torch.Tensor:
+        """A new tensor of these elements, of ``shape`` (of ``dtype``, on ``device``: default
+        this one's, the CPU)."""
+        return self.copy_into(torch.empty(self.numel, dtype=dtype or self.dtype, device=device)).view(self.shape)
 
 
 T = TypeVar("T")
