@@ -283,15 +283,36 @@ def run_workers(script: str, dps, work, port_base: int, args, s3: bool = False) 
                str(port_base + os.getpid() % 1000 + dp), script, "--worker", "--rows", rows_file,
                "--work", tmp, *args]
         print(f"[bench] DP={dp}", flush=True)
-        p = subprocess.run(cmd, env=dict(os.environ, DS_ACCELERATOR=device(), OMP_NUM_THREADS="1"),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=3600)
-        if p.returncode != 0:
-            print(p.stdout[-6000:])
-            raise SystemExit(f"bench: DP={dp} run failed with exit code {p.returncode}")
+        code, tail = run_streaming(cmd, dict(os.environ, DS_ACCELERATOR=device(), OMP_NUM_THREADS="1"), 3600)
+        if code != 0:
+            print(tail)
+            raise SystemExit(f"bench: DP={dp} run failed with exit code {code}")
         rows += json.load(open(rows_file))
     if work is None:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def run_streaming(cmd, env, timeout_s: float):
+    """Run the workers: each row rank 0 prints (a JSON line) is passed on as it comes, so a run
+    cut short (a GPU machine's time limit) still shows the rows it had; the rest of their output
+    is kept to show when they fail.  Returns (exit code, the last 6,000 characters)."""
+    import collections
+    import threading
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(timeout_s, p.kill)
+    watchdog.start()
+    kept = collections.deque(maxlen=400)
+    try:
+        for line in p.stdout:
+            kept.append(line)
+            if line.startswith("{"):
+                print(line, end="", flush=True)
+        return p.wait(), "".join(kept)[-6000:]
+    finally:
+        watchdog.cancel()
+        if p.poll() is None:
+            p.kill()
 
 
 def table(rows) -> str:

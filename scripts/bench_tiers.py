@@ -45,7 +45,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_ds import (add_device_flag, device, device_sync, du, evict, finish_worker, init_distributed,  # noqa: E402
+from bench_ds import (add_device_flag, device, device_sync, du, evict, finish_worker, init_distributed, on_device,  # noqa: E402
                       run_workers, slowest, tiny_engine, train_step, unique_bytes, without_moments)
 
 
@@ -122,7 +122,7 @@ def worker(a) -> None:
             busy = []
 
             def copying() -> bool:      # (on any rank: every rank steps as long as one still copies)
-                alive = torch.tensor([float(tier.thread is not None and tier.thread.is_alive())])
+                alive = on_device(torch.tensor([float(tier.thread is not None and tier.thread.is_alive())]))
                 dist.all_reduce(alive, op=dist.ReduceOp.MAX)
                 return bool(alive.item())
 

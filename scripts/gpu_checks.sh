@@ -17,12 +17,16 @@
 # GPU_PARTS picks and orders them (default: all). Results (logs, JSON) go to $1 (default
 # ./gpu_out).  Each part has its own time limit and a failure does not stop the next.  PYTHON
 # defaults to python3; it needs torch with CUDA, deepspeed and this project's dependencies
-# (PYTHONPATH may point at them).
+# (PYTHONPATH may point at them).  All parts take far longer than one lent machine's
+# window: pick, e.g. issue 60's tables in about 8 minutes:
+#   GPU_PARTS="bench_ds bench_ds_2gb bench_tiers" bash scripts/gpu_checks.sh "$OUT"
 set -u
 OUT_DIR=${1:-gpu_out}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 WORK=${GPU_WORK:-$ROOT/.gpu_work}
 mkdir -p "$WORK"
