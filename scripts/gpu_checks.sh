@@ -17,9 +17,10 @@
 # GPU_PARTS picks and orders them (default: all). Results (logs, JSON) go to $1 (default
 # ./gpu_out).  Each part has its own time limit and a failure does not stop the next.  PYTHON
 # defaults to python3; it needs torch with CUDA, deepspeed and this project's dependencies
-# (PYTHONPATH may point at them).  All parts take far longer than one lent machine's
-# window: pick, e.g. issue 60's tables in about 8 minutes:
-#   GPU_PARTS="bench_ds bench_ds_2gb bench_tiers" bash scripts/gpu_checks.sh "$OUT"
+# (PYTHONPATH may point at them).  The parts' limits add up to far more than one lent
+# machine's command may run: pick parts, and limits that fit it, e.g. issue 60's tables:
+#   GPU_PARTS="bench_ds bench_ds_2gb bench_tiers" GPU_DS_S=200 GPU_DS_2GB_S=250 GPU_TIERS_S=120 \
+#     bash scripts/gpu_checks.sh "$OUT"       # (limits: 570 s)
 set -u
 OUT_DIR=${1:-gpu_out}
 PY=${PYTHON:-python3}
