@@ -1,9 +1,9 @@
 """Benchmark: AdaCheck vs DeepSpeed's native checkpoints, same engine, same run.
 
 For every ZeRO stage x dtype at each data-parallel size, one real DeepSpeed training (CPU and
-gloo, or ``--device cuda``: one GPU per rank and NCCL; torchrun) trains a few steps, then saves and loads natively and with AdaCheck, in
-alternating order, ``--repeat`` times; the fastest of the repeats counts for each.  Printed
-(and written as JSON to ``--json``):
+gloo, or ``--device cuda``: one GPU per rank and NCCL; torchrun) trains a few steps, then saves
+and loads natively and with AdaCheck, in alternating order, ``--repeat`` times; the fastest of
+the repeats counts for each.  Printed (and written as JSON to ``--json``):
 
   native_bytes / adacheck_bytes  bytes on disk of each checkpoint directory
   unique_bytes    the distinct logical state, counted from the engine and independent of
